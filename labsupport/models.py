@@ -1,0 +1,173 @@
+"""Tiny causal language models built offline, small enough to train on a laptop CPU in seconds.
+
+The labs need a model whose output *visibly* changes when new weights arrive. This module builds a
+Qwen2-architecture LM (so both transformers and vLLM load it) with a character-level tokenizer, and
+teaches it one checkable behaviour, "alphabet succession": after ``c d e`` it continues `` f g h``.
+A random model writes gibberish; after a weight sync the engine must write the alphabet.
+Nothing is downloaded: the tokenizer and config are made here and saved to a local folder.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import string
+from pathlib import Path
+
+import torch
+
+from labsupport.results import REPO_ROOT
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+SYMBOLS = list("+-*=:,.?!()<>|")
+VOCAB = SPECIALS + list(string.digits) + list(string.ascii_lowercase) + [" "] + SYMBOLS
+VOCAB_SIZE = 64  # embedding rows: the tokenizer's 54 symbols, padded to a multiple of 32
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+DEFAULT_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 64: vLLM's CPU attention needs head_dim >= 64
+    num_key_value_heads=2,  # divisible by tensor-parallel size 2
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+CACHE_DIR = Path(os.environ.get("LABSUPPORT_CACHE", REPO_ROOT / ".cache"))
+
+
+def build_tokenizer():
+    """A character-level tokenizer (one token per character) that transformers and vLLM both load."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<pad>", padding_side="left",
+                                   model_max_length=DEFAULT_CONFIG["max_position_embeddings"])
+
+
+def build_config(**overrides):
+    """The Qwen2 config of the tiny LM; ``overrides`` change any field (e.g. ``num_hidden_layers=4``)."""
+    from transformers import Qwen2Config
+
+    cfg = {**DEFAULT_CONFIG, **overrides}
+    return Qwen2Config(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                       dtype="float32", **cfg)
+
+
+def build_model(seed: int = 0, **overrides):
+    """A freshly initialised tiny Qwen2ForCausalLM in fp32 (same seed -> same weights)."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(build_config(**overrides))
+    return model.eval()
+
+
+def save_model_dir(model, tokenizer, path: str | os.PathLike) -> Path:
+    """Save weights (safetensors), config and tokenizer to ``path``: a folder vLLM's ``LLM(model=path)`` loads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- the pattern task
+
+LETTERS = string.ascii_lowercase
+
+
+def _succession(start: int, n: int) -> str:
+    return " ".join(LETTERS[(start + i) % 26] for i in range(n))
+
+
+def pattern_prompts() -> list[str]:
+    """Prompts the labs use to show the behaviour: three letters in alphabet order."""
+    return [_succession(s, 3) for s in (2, 10, 17)]  # "c d e", "k l m", "r s t"
+
+
+def expected_continuation(prompt: str, n_tokens: int) -> str:
+    """What a trained model writes greedily after ``prompt`` (``n_tokens`` characters), e.g. ``" f g h"``."""
+    last = prompt.strip().split(" ")[-1]
+    nxt = _succession(LETTERS.index(last) + 1, n_tokens)
+    return (" " + nxt)[:n_tokens]
+
+
+def _batch(tokenizer, batch_size: int, rng: random.Random, length: int = 12) -> torch.Tensor:
+    texts = [_succession(rng.randrange(26), length) for _ in range(batch_size)]
+    return tokenizer(texts, return_tensors="pt")["input_ids"]
+
+
+def train_pattern(model, tokenizer, steps: int = 200, device: str | torch.device = "cpu", lr: float = 3e-3,
+                  seed: int = 0, batch_size: int = 32) -> list[float]:
+    """Teach alphabet succession with next-token loss (AdamW); returns the loss per step."""
+    rng = random.Random(seed)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        ids = _batch(tokenizer, batch_size, rng).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
+    """Greedy continuation of each prompt with transformers (the reference an engine must match)."""
+    device = next(model.parameters()).device
+    outs = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=PAD_ID)
+        outs.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+    return outs
+
+
+def pattern_accuracy(model, tokenizer, n_tokens: int = 6) -> float:
+    """Fraction of ``pattern_prompts()`` continued exactly as expected."""
+    prompts = pattern_prompts()
+    got = greedy_generate(model, tokenizer, prompts, n_tokens)
+    return sum(g == expected_continuation(p, n_tokens) for p, g in zip(prompts, got)) / len(prompts)
+
+
+def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
+    """Path of a saved tiny model, built on first use and cached under ``.cache/models/``.
+
+    ``kind="random"``: freshly initialised (writes gibberish). ``kind="trained"``: trained on the
+    alphabet pattern. Safe to call from several processes at once (built in a temp dir, then renamed).
+    """
+    if kind not in ("random", "trained"):
+        raise ValueError(f"kind must be 'random' or 'trained', got {kind!r}")
+    target = CACHE_DIR / "models" / f"{kind}-seed{seed}"
+    if (target / "config.json").exists():
+        return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        tok = build_tokenizer()
+        model = build_model(seed)
+        if kind == "trained":
+            train_pattern(model, tok, seed=seed)
+            acc = pattern_accuracy(model, tok)
+            if acc < 1.0:
+                raise RuntimeError(f"tiny model training did not converge (accuracy {acc:.2f}); report this bug")
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        save_model_dir(model, tok, tmp)
+        tmp.rename(target)
+    return target

@@ -1,0 +1,151 @@
+"""Reference results: JSON (and PNG) files from real runs, each recording machine, versions, command and date.
+
+The book reads its numbers from these files, so every figure in a chapter traces back to a run.
+Files are named ``<name>.<machine-tag>.json`` (e.g. ``bench_sync.4xH200.json``) under ``results/``;
+set ``LABSUPPORT_RESULTS_DIR`` to write elsewhere (the GPU reference run writes to its output folder).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(os.environ.get("LABSUPPORT_RESULTS_DIR", REPO_ROOT / "results"))
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:  # not installed, or fails to import on this machine
+        return None
+    return getattr(mod, "__version__", "unknown")
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the stack that the numbers depend on (None where a package is absent)."""
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:
+            nccl = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "transformers": _version("transformers"),
+        "vllm": _version("vllm") if "vllm" in sys.modules or _find("vllm") else None,
+        "ray": _version("ray") if _find("ray") else None,
+        "labsupport": _version("labsupport"),
+    }
+
+
+def _find(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def machine_info() -> dict[str, Any]:
+    """What ran the numbers: GPU model, count and memory, CPU count (no host names)."""
+    import torch
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
+    return {"gpus": gpus, "gpu_count": len(gpus), "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def machine_tag(info: dict[str, Any] | None = None) -> str:
+    """Short tag for file names: ``4xH200``, ``1xH100``, or ``cpu``."""
+    info = info or machine_info()
+    if not info["gpus"]:
+        return "cpu"
+    name = info["gpus"][0]["name"]
+    model = next((m for m in re.findall(r"[A-Z]+\d+[A-Za-z]*", name)), name.replace(" ", ""))
+    return f"{info['gpu_count']}x{model}"
+
+
+def save_result(name: str, data: dict[str, Any], *, command: str | None = None, figure: Any = None,
+                out_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``<name>.<tag>.json`` (and ``.png`` if a matplotlib figure is given); return the JSON path."""
+    out = Path(out_dir or os.environ.get("LABSUPPORT_RESULTS_DIR", RESULTS_DIR))
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    tag = machine_tag(info)
+    record = {
+        "name": name,
+        "machine": info,
+        "machine_tag": tag,
+        "versions": versions(),
+        "command": command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "data": data,
+    }
+    path = out / f"{name}.{tag}.json"
+    path.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
+    if figure is not None:
+        figure.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+def load_result(name: str, prefer: str = "gpu", results_dir: str | os.PathLike | None = None) -> dict | None:
+    """The newest result called ``name``; ``prefer="gpu"`` picks a GPU run over a CPU one when both exist."""
+    found = list_results(name, results_dir)
+    if not found:
+        return None
+    if prefer == "gpu":
+        gpu = [r for r in found if r.get("machine_tag") != "cpu"]
+        found = gpu or found
+    elif prefer == "cpu":
+        found = [r for r in found if r.get("machine_tag") == "cpu"] or found
+    return max(found, key=lambda r: r.get("date", ""))
+
+
+def list_results(name: str, results_dir: str | os.PathLike | None = None) -> list[dict]:
+    """Every result file called ``name`` (any machine), parsed."""
+    folder = Path(results_dir or RESULTS_DIR)
+    out = []
+    for path in sorted(folder.glob(f"{name}.*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        if rec.get("name") == name:
+            rec["path"] = str(path)
+            out.append(rec)
+    return out
+
+
+def describe(record: dict | None) -> str:
+    """One line saying where a result came from, for captions: machine, date, versions."""
+    if not record:
+        return "no reference run yet"
+    v = record.get("versions", {})
+    gpus = record.get("machine", {}).get("gpus", [])
+    where = f"{len(gpus)}x {gpus[0]['name']}" if gpus else "CPU"
+    extra = f", NCCL {v['nccl']}" if v.get("nccl") else ""
+    return f"measured on {where}, {record.get('date', '?')[:10]}, torch {v.get('torch')}{extra}"
