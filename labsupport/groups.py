@@ -1,0 +1,392 @@
+"""A stateless process group: one trainer rank plus N inference ranks, outside torch.distributed's globals.
+
+RLHF trainers already own a default process group (data parallel) and vLLM builds its own; the weight-sync
+group must coexist with both. So we never call ``init_process_group``: a TCPStore does the rendezvous and a
+``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) backend object is built directly on it, the same
+idea as vLLM's ``stateless_init_torch_distributed_process_group``. Every wait has a timeout, and failures say
+which rank is missing and what to do.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import pickle
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+
+
+class GroupError(RuntimeError):
+    """The group could not be formed or used (port in use, world sizes disagree, duplicate rank, ...)."""
+
+
+class GroupTimeout(GroupError, TimeoutError):
+    """A peer did not show up (or answer) in time; the message names the missing ranks."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (bind to port 0 and ask the OS which one it picked)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _td(seconds: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=float(seconds))
+
+
+class StatelessGroup:
+    """A trainer + receivers group: tensor collectives on the backend, small Python objects via the store.
+
+    Rank 0 hosts the TCPStore. ``backend`` is "nccl" (tensors on ``device``, a CUDA device) or "gloo" (CPU).
+    Object collectives (``broadcast_object``, ``all_gather_object``, ``barrier``) go through the store, so they
+    work the same on both backends and each has a timeout that names the ranks that did not answer.
+    """
+
+    def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str,
+                 device: torch.device, timeout_s: float, address: str) -> None:
+        self.store = store
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self.address = address  # "host:port", for error messages
+        self._obj = PrefixStore("obj", store)
+        self._seq = 0
+        self._my_keys: list[str] = []
+        self._closed = False
+        self.cache: dict[Any, Any] = {}  # per-group state for users (broadcast.py keeps metadata here)
+
+    def __repr__(self) -> str:
+        return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={str(self.device)!r}, master={self.address})")
+
+    # ------------------------------------------------------------------ tensor collectives (backend)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None,
+                  async_op: bool = False) -> Any:
+        """Broadcast ``tensor`` in place from group rank ``src``.
+
+        On NCCL the op is ordered after work already queued on ``stream`` (default: the current stream), and
+        waiting only makes that stream wait for it (no host block); on gloo waiting blocks until done (or the
+        group's timeout). With ``async_op=True`` the caller gets the Work and must ``wait_work`` it.
+        """
+        self._check_open()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        if stream is not None and self.backend == "nccl":
+            with torch.cuda.stream(stream):
+                work = self.pg.broadcast([tensor], opts)
+                if not async_op:
+                    self.wait_work(work, "broadcast")
+        else:
+            work = self.pg.broadcast([tensor], opts)
+            if not async_op:
+                self.wait_work(work, "broadcast")
+        return work if async_op else None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """In-place all-reduce (``op`` = "sum" | "max" | "min") of a tensor on this group's device."""
+        self._check_open()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        self.wait_work(self.pg.allreduce([tensor], opts), f"all_reduce({op})")
+
+    def wait_work(self, work: Any, what: str = "collective") -> None:
+        """Wait for a backend Work: on NCCL the current stream waits; on gloo the host waits (with timeout)."""
+        try:
+            work.wait()
+        except Exception as exc:  # gloo timeout or a peer that closed its connection
+            raise GroupTimeout(
+                f"rank {self.rank}: {what} on group {self.address} failed: {str(exc).splitlines()[0][:300]}. "
+                "A peer probably died or stopped calling the same collectives; check the other ranks' logs."
+            ) from exc
+
+    def synchronize(self, what: str = "work", timeout_s: float | None = None) -> None:
+        """Block the host until the device work queued so far is done, but never longer than the timeout.
+
+        NCCL kernels waiting on a dead peer spin forever, so a plain ``torch.cuda.synchronize()`` would hang;
+        we poll an event instead and, on timeout, abort the group and raise ``GroupTimeout``.
+        """
+        if self.backend != "nccl":
+            return
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        event = torch.cuda.Event()
+        event.record()
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while not event.query():
+            spins += 1
+            if spins > 2000:
+                time.sleep(0.0005)
+            if time.monotonic() > deadline:
+                self.abort()
+                raise GroupTimeout(
+                    f"rank {self.rank}: {what} did not finish within {timeout_s:.0f} s on group {self.address}. "
+                    "A peer probably died or is not calling the matching collective; the group was aborted. "
+                    "Check the other ranks, then create a new group."
+                )
+
+    # ------------------------------------------------------------------ object collectives (store)
+    def _next_key(self) -> str:
+        self._seq += 1
+        return f"op{self._seq}"
+
+    def _wait_keys(self, keys: dict[int, str], what: str) -> None:
+        try:
+            self._obj.wait(list(keys.values()), _td(self.timeout_s))
+        except Exception as exc:
+            missing = []
+            for r, k in keys.items():
+                try:
+                    if not self._obj.check([k]):
+                        missing.append(r)
+                except Exception:  # the store itself is gone (rank 0 died)
+                    missing = [0]
+                    break
+            raise GroupTimeout(
+                f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s; rank(s) {missing or '?'} never "
+                f"answered on group {self.address}. Did they die, or call a different sequence of collectives?"
+            ) from exc
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
+        self._check_open()
+        key = self._next_key()
+        if self.rank == src:
+            self._obj.set(key, pickle.dumps(obj))
+            self._my_keys.append(key)
+            return obj
+        self._wait_keys({src: key}, "broadcast_object")
+        return pickle.loads(self._obj.get(key))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order."""
+        self._check_open()
+        base = self._next_key()
+        mine = f"{base}/{self.rank}"
+        self._obj.set(mine, pickle.dumps(obj))
+        keys = {r: f"{base}/{r}" for r in range(self.world_size)}
+        self._wait_keys(keys, "all_gather_object")
+        out = [obj if r == self.rank else pickle.loads(self._obj.get(k)) for r, k in keys.items()]
+        # Everyone has now passed every earlier op, so keys this rank wrote before are no longer read.
+        for k in self._my_keys:
+            try:
+                self._obj.delete_key(k)
+            except Exception:
+                pass
+        self._my_keys = [mine]
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (through the store, with the group's timeout)."""
+        self.all_gather_object(None)
+
+    # ------------------------------------------------------------------ teardown
+    def abort(self) -> None:
+        """Tear the backend down without waiting for peers (after an error); the group is unusable after."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in ("abort", "shutdown"):
+            fn = getattr(self.pg, name, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except Exception:
+                    continue
+
+    def destroy(self) -> None:
+        """Release the backend (NCCL communicators, gloo sockets). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        fn = getattr(self.pg, "shutdown", None) or getattr(self.pg, "abort", None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                pass
+        self.pg = None
+
+
+def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    """Build the backend object directly (no default group, nothing registered globally)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise GroupError("backend='nccl' needs a CUDA build of torch with NCCL; on CPU use backend='gloo'.")
+        opts = dist.ProcessGroupNCCL.Options()
+        # The NCCL watchdog gets a longer timeout than our own host-side waits, so that our clear
+        # GroupTimeout (and abort) comes first; "2" = clean up the communicator on error but do not kill
+        # the process (torch's default, 3, takes the whole process down).
+        opts._timeout = _td(timeout_s * 2 + 30)
+        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if old is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+    raise GroupError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+
+
+def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
+                 backend: str | None = None, device: str | torch.device | None = None,
+                 timeout_s: float = 60.0) -> StatelessGroup:
+    """Join (rank 0: host) a stateless group of ``world_size`` ranks; every rank must call this.
+
+    ``backend`` defaults to "nccl" when ``device`` is CUDA, else "gloo". Raises ``GroupError`` for a port in
+    use, a duplicate rank or ranks that disagree on ``world_size``, and ``GroupTimeout`` naming the ranks that
+    never arrived. Does not touch torch.distributed's default group.
+    """
+    if not 0 <= rank < world_size:
+        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise GroupError(f"backend='nccl' needs a CUDA device; got device={device}. Use backend='gloo' on CPU.")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    address = f"{master_address}:{master_port}"
+
+    try:
+        store = TCPStore(master_address, master_port, None, rank == 0, timeout=_td(timeout_s),
+                         wait_for_workers=False)
+    except Exception as exc:
+        if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc) or _port_in_use(master_address, master_port)):
+            raise GroupError(
+                f"port {master_port} on {master_address} is already in use, so rank 0 cannot host the group "
+                "there. Pick a free port (labsupport.groups.free_port()) and pass it to every rank."
+            ) from None
+        if rank != 0:
+            raise GroupTimeout(
+                f"rank {rank} could not reach the group's master (rank 0) at {address} within {timeout_s:.0f} s. "
+                "Is rank 0 running, and do all ranks use the same address and port?"
+            ) from None
+        raise GroupError(f"rank 0 could not start the group's store at {address}: {exc}") from exc
+
+    # Arrival: each rank registers once and states the world size it expects.
+    if store.add(f"join/{rank}", 1) > 1:
+        raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
+    store.set(f"world/{rank}", str(world_size))
+    deadline = time.monotonic() + timeout_s
+    seen: dict[int, int] = {}
+    while True:
+        for r in range(world_size):
+            if r not in seen and store.check([f"world/{r}"]):
+                seen[r] = int(store.get(f"world/{r}"))
+        wrong = {r: w for r, w in seen.items() if w != world_size}
+        if wrong:
+            raise GroupError(
+                f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
+                + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
+                + ". Pass the same world_size (1 trainer + number of receivers) to every rank."
+            )
+        if len(seen) == world_size:
+            break
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if r not in seen]
+            raise GroupTimeout(
+                f"rank {rank}: rank(s) {missing} never joined group {address} within {timeout_s:.0f} s "
+                f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s."
+            )
+        time.sleep(0.02)
+
+    pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
+    group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
+    # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
+    probe = torch.full((1,), rank, dtype=torch.int32, device=device)
+    group.all_reduce(probe, "sum")
+    group.synchronize("group warm-up")
+    if int(probe.item()) != world_size * (world_size - 1) // 2:
+        raise GroupError(f"warm-up all_reduce on {address} returned {int(probe.item())}; the backend is broken.")
+    return group
+
+
+# ---------------------------------------------------------------------------- multi-process helper
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, queue: Any,
+                cpu_threads: int | None) -> None:
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
+    try:
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException as exc:  # report every failure to the parent, with its type and message
+        queue.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
+              start_method: str = "forkserver", cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return ``[(ok, result)]`` by rank.
+
+    A failed rank gives ``(False, (exception type name, message, traceback))``. Processes still running after
+    ``timeout_s`` are killed and reported as ``(False, ("Timeout", ...))``, so a hung collective never hangs
+    the caller. ``fn`` must be importable (defined at module level). The default "forkserver" start method
+    imports torch once and forks ranks from that clean server (fast, and safe for CUDA).
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "labsupport.broadcast"])
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, out = queue.get(timeout=0.5)
+                results[rank] = (ok, out)
+            except Exception:  # queue.Empty: check for ranks that died without reporting
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                for r in dead:
+                    # give a just-finished process's message a moment to arrive
+                    try:
+                        rank, ok, out = queue.get(timeout=1.0)
+                        results[rank] = (ok, out)
+                    except Exception:
+                        pass
+                    if r not in results:
+                        results[r] = (False, ("Died", f"rank {r} exited with code {procs[r].exitcode}", ""))
+    finally:
+        for r, p in enumerate(procs):
+            p.join(timeout=5 if r in results else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+            if r not in results:
+                results[r] = (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", ""))
+    return [results[r] for r in range(world_size)]
