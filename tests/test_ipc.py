@@ -1,0 +1,358 @@
+"""labsupport.ipc: zero-copy handoff semantics, over shared memory (CPU) and CUDA IPC (gpu-marked).
+
+Every cross-process test talks to a real spawned process through ipc.Peer; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+from labsupport import ipc
+from labsupport.ipc import IpcError, Peer
+
+
+def _gpus() -> int:
+    try:
+        from labsupport import hardware
+
+        return hardware.gpu_count()
+    except ImportError:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(n: int):
+    """The project's gpu(n) marker, plus a local skip so this file is safe without the conftest."""
+    def wrap(fn):
+        fn = pytest.mark.skipif(_gpus() < n, reason=f"needs {n} CUDA GPU(s), found {_gpus()}")(fn)
+        return pytest.mark.gpu(n)(fn)
+    return wrap
+
+
+def _digest(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return str(t.dtype), tuple(t.shape), hashlib.sha256(raw).hexdigest()
+
+
+def _mixed_named(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        ("embed.weight", torch.randn(17, 8, generator=g)),
+        ("layer.bias", torch.randn(5, generator=g).to(torch.bfloat16)),
+        ("layer.scale", torch.randn(3, 3, generator=g).to(torch.float16)),
+        ("step", torch.tensor(41, dtype=torch.int64)),  # 0-dim
+        ("mask", torch.tensor([True, False, True])),
+        ("empty", torch.empty(0, 4)),
+        ("big", torch.randn(1000, generator=g, dtype=torch.float64)),
+    ] if device == "cpu" else [(n, t.to(device)) for n, t in _mixed_named("cpu")]
+
+
+# ---- children (module level so that spawn can import them) -------------------------------
+
+def _child_bucket(inbox, outbox):
+    """Rebuild a bucket, report digests, write into one view, report again."""
+    handle = inbox.get()
+    views = ipc.rebuild_bucket(handle)
+    outbox.put([(name, *_digest(v)) for name, v in views])
+    name, value = inbox.get()
+    dict(views)[name].fill_(value)
+    if torch.cuda.is_available() and views[0][1].is_cuda:
+        torch.cuda.synchronize()
+    outbox.put("written")
+    inbox.get()
+
+
+def _child_exporter(inbox, outbox):
+    """Export a tensor, hand out the handle, then wait to be killed (a crashing trainer)."""
+    ex = ipc.Exporter()
+    t = torch.full((16,), 3.0)
+    outbox.put(ex.export_tensor(t))
+    time.sleep(600)
+
+
+def _child_sleep(inbox, outbox):
+    time.sleep(600)
+
+
+def _child_fail(inbox, outbox):
+    raise ValueError("boom in child")
+
+
+# ---- CPU semantics over shared memory ----------------------------------------------------
+
+@pytest.fixture
+def exporter():
+    ex = ipc.Exporter()
+    yield ex
+    ex.close()
+    assert not [f for f in os.listdir(ipc.SHM_DIR) if f.startswith(ex.prefix)], "exporter left files behind"
+
+
+@pytest.mark.timeout(120)
+def test_zero_copy_both_ways_across_processes(exporter):
+    owner = torch.nn.Parameter(torch.arange(1024, dtype=torch.float32))
+    handle = exporter.export_tensor(owner)
+    assert isinstance(owner, torch.nn.Parameter) and owner.requires_grad  # still the model's parameter
+    with Peer(ipc._probe_peer) as peer:
+        first = peer.call(("read", handle))
+        assert first["sum"] == float(torch.arange(1024).sum())
+        with torch.no_grad():
+            owner.mul_(2)  # owner writes after the receiver mapped it: no re-send
+        assert peer.call(("read", handle))["sum"] == 2 * first["sum"]
+        wrote = peer.call(("fill", handle, 7.0))  # receiver writes
+        assert wrote["head"] == [7.0] * 4
+        assert torch.equal(owner.detach(), torch.full((1024,), 7.0))
+        peer.call(("drop", handle))
+
+
+@pytest.mark.timeout(120)
+def test_bucket_round_trip_exact_and_receiver_writes_land_in_owner_buffer(exporter):
+    named = _mixed_named()
+    handle = exporter.export_bucket(named)
+    assert handle.names == [n for n, _ in named]
+    assert handle.metas["layer.bias"] == ("bfloat16", (5,))
+    with Peer(_child_bucket) as peer:
+        got = peer.call(handle)
+        assert got == [(n, *_digest(t)) for n, t in named]
+        assert peer.call(("embed.weight", -1.5)) == "written"
+        mine = dict(ipc.rebuild_bucket(handle))  # the owner's own view of the bucket
+        assert torch.equal(mine["embed.weight"], torch.full((17, 8), -1.5))
+        assert torch.equal(mine["big"], dict(named)["big"])  # neighbours untouched
+        peer.send("bye")
+
+
+def test_handles_pickle_and_in_process_views_share_memory(exporter):
+    t = torch.zeros(8)
+    h = exporter.export_tensor(t)
+    b = exporter.export_bucket([("w", torch.ones(2, 3))])
+    h2, b2 = pickle.loads(pickle.dumps(h)), pickle.loads(pickle.dumps(b))
+    assert h2 == h and b2 == b
+    ipc.rebuild(h2)[3] = 5.0
+    assert t[3] == 5.0
+    (name, w), = ipc.rebuild_bucket(b2)
+    assert name == "w" and torch.equal(w, torch.ones(2, 3))
+
+
+@pytest.mark.timeout(120)
+def test_use_after_release_raises_ipc_error_and_frees(exporter):
+    handle = exporter.export_bucket([("w", torch.ones(4096))])
+    seg = handle.buffer.payload[0]
+    assert os.path.exists(seg) and exporter.live_bytes >= 4096 * 4
+    assert ipc.probe_in_peer(handle)["sum"] == 4096.0  # live: another process maps it fine
+    with pytest.raises(IpcError, match="acked"):
+        exporter.release(handle)  # the receiver has not acked yet
+    assert exporter.ack(handle) == 0
+    with pytest.raises(IpcError, match="already acked"):
+        exporter.ack(handle)
+    freed = exporter.release(handle)
+    assert freed >= 4096 * 4 and exporter.live_bytes == 0
+    assert not os.path.exists(seg)  # the shared segment's name is gone; pages go with the last mapping
+    with pytest.raises(IpcError, match="released"):
+        ipc.rebuild_bucket(handle)
+    assert "released" in ipc.probe_in_peer(handle)["error"]  # same in another process
+    with pytest.raises(IpcError, match="not live"):
+        exporter.release(handle)
+
+
+@pytest.mark.timeout(120)
+def test_receiver_maps_instead_of_copying_cpu():
+    n = 16 << 20  # 16 Mi float32 = 64 MiB
+    with ipc.Exporter() as ex:
+        handle = ex.export_bucket([("w", torch.ones(n))])
+        seen = ipc.probe_in_peer(handle)
+    assert seen["sum"] == n
+    grew_private = seen["after"]["rss_anon"] - seen["before"]["rss_anon"]
+    grew_shared = seen["after"]["rss_shmem"] - seen["before"]["rss_shmem"]
+    assert grew_private < n * 4 // 4, f"receiver copied? private memory grew by {grew_private} B"
+    assert grew_shared > n * 4 // 2, f"receiver should map the shared pages, RssShmem grew {grew_shared} B"
+
+
+def test_update_bucket_and_copy_into_check_before_writing(exporter):
+    named = [("a", torch.zeros(3)), ("b", torch.zeros(2, 2))]
+    handle = exporter.export_bucket(named)
+    receiver = ipc.Receiver()
+    views = dict(receiver.bucket(handle))
+    with pytest.raises(IpcError, match="b expected float32\\[2, 2\\]"):
+        exporter.update_bucket(handle, [("a", torch.ones(3)), ("b", torch.ones(4))])
+    assert torch.equal(views["a"], torch.zeros(3))  # nothing written
+    exporter.update_bucket(handle, [("a", torch.ones(3)), ("b", torch.full((2, 2), 2.0))])
+    assert torch.equal(views["a"], torch.ones(3))  # the mapped view sees the repack
+    dest = {"a": torch.zeros(3), "b": torch.zeros(2, 3)}
+    with pytest.raises(IpcError, match="destination has float32\\[2, 3\\]"):
+        receiver.copy_into(handle, dest)
+    assert torch.equal(dest["a"], torch.zeros(3))  # rejected before any write
+    dest["b"] = torch.zeros(2, 2)
+    assert receiver.copy_into(handle, dest) == handle.nbytes
+    assert torch.equal(dest["b"], torch.full((2, 2), 2.0))
+    dest["a"].fill_(9)
+    assert torch.equal(views["a"], torch.ones(3))  # the inference copy is separate memory
+    receiver.drop()
+    exporter.ack(handle)
+    exporter.release(handle)
+    with pytest.raises(IpcError, match="released"):
+        receiver.bucket(handle)
+
+
+def test_bad_inputs_give_ipc_errors(exporter):
+    with pytest.raises(IpcError, match="twice"):
+        exporter.export_bucket([("x", torch.zeros(1)), ("x", torch.zeros(1))])
+    with pytest.raises(IpcError, match="at least one"):
+        exporter.export_bucket([])
+    h = exporter.export_tensor(torch.zeros(4))
+    with pytest.raises(IpcError, match="BucketHandle"):
+        ipc.rebuild_bucket(h)
+    with pytest.raises(IpcError, match="another machine"):
+        ipc.rebuild(dataclasses.replace(h, host="0000-other-host"))
+    with pytest.raises(IpcError, match="cannot see"):
+        ipc.local_index("GPU-00000000-dead-beef-0000-000000000000")
+
+
+@pytest.mark.timeout(120)
+def test_unknown_gpu_uuid_in_another_process_is_an_error(exporter):
+    h = exporter.export_tensor(torch.zeros(4))
+    fake = dataclasses.replace(h, kind="cuda", device_uuid="GPU-00000000-dead-beef-0000-000000000000")
+    out = ipc.probe_in_peer(fake)
+    assert "cannot see" in out["error"] and "GPU-00000000-dead-beef" in out["error"]
+
+
+@pytest.mark.timeout(120)
+def test_crashed_exporter_is_detected_not_a_crash():
+    with Peer(_child_exporter) as peer:
+        handle = peer.recv()
+        assert ipc.rebuild(handle).sum() == 48.0  # alive: maps fine
+        peer.proc.kill()
+        peer.proc.join(10)
+    try:
+        with pytest.raises(IpcError, match="exited"):
+            ipc.rebuild(handle)
+    finally:  # a killed exporter cannot clean up: remove its files like an admin would
+        for path in (handle.guard.path, handle.payload[0]):
+            ipc._unlink(path)
+    with pytest.raises(IpcError, match="closed or exited"):
+        ipc.rebuild(handle)
+
+
+@pytest.mark.timeout(60)
+def test_peer_never_hangs():
+    peer = Peer(_child_sleep)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        peer.recv(timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+    peer.close(timeout_s=0.5)  # a stuck peer is killed
+    assert not peer.proc.is_alive()
+    with Peer(_child_fail) as peer:
+        with pytest.raises(RuntimeError, match="boom in child"):
+            peer.recv(timeout_s=60)
+
+
+def test_module_level_api_uses_a_default_exporter():
+    t = torch.arange(6.0)
+    h = ipc.export_tensor(t)
+    assert torch.equal(ipc.rebuild(h), t)
+    b = ipc.export_bucket([("t", t)])
+    assert ipc.ack(b) == 0 and ipc.release(b) > 0
+    ipc.ack(h)
+    ipc.release(h)
+    with pytest.raises(IpcError):
+        ipc.rebuild(h)
+
+
+def test_model_state_is_realistic_and_sized():
+    state = ipc.model_state(20_000_000, "cpu")
+    total = sum(t.nbytes for _, t in state)
+    assert 20e6 <= total < 26e6
+    names = [n for n, _ in state]
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
+    assert all(t.dtype == torch.bfloat16 for _, t in state)
+    buckets = ipc.split_buckets(state, 4 << 20)
+    assert [n for g in buckets for n, _ in g] == names
+
+
+# ---- GPU: the real mechanism (run on a GPU machine: pytest -m gpu tests/test_ipc.py) -----------
+
+@needs_gpus(1)
+@pytest.mark.timeout(180)
+def test_cuda_zero_copy_both_ways():
+    with ipc.Exporter() as ex:
+        owner = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        handle = ex.export_tensor(owner)
+        assert handle.kind == "cuda" and handle.device_uuid == ipc.device_uuid(0)
+        with Peer(ipc._probe_peer) as peer:
+            first = peer.call(("read", handle))
+            assert first["uuid"] == ipc.device_uuid(0)
+            assert first["sum"] == float(owner.double().sum())
+            owner.mul_(2)
+            torch.cuda.synchronize()
+            assert peer.call(("read", handle))["sum"] == 2 * first["sum"]
+            peer.call(("fill", handle, 7.0))
+            torch.cuda.synchronize()
+            assert bool((owner == 7).all())
+            peer.call(("drop", handle))
+        ex.ack(handle)
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(180)
+def test_cuda_bucket_exact_and_receiver_memory_does_not_grow():
+    size = 1 << 30  # 1 GiB bucket
+    with ipc.Exporter() as ex:
+        named = _mixed_named("cuda:0") + [("weights", torch.ones(size // 2, dtype=torch.bfloat16, device="cuda:0"))]
+        handle = ex.export_bucket(named)
+        with Peer(_child_bucket) as peer:
+            assert peer.call(handle) == [(n, *_digest(t)) for n, t in named]
+            peer.call(("layer.bias", 3.0))
+            torch.cuda.synchronize()
+            assert bool((dict(ipc.rebuild_bucket(handle))["layer.bias"] == 3).all())
+            peer.send("bye")
+        seen = ipc.probe_in_peer(handle)
+        assert seen["after"]["allocated"] == seen["before"]["allocated"]  # no allocation in the receiver
+        drop = seen["before"]["device_free"] - seen["after"]["device_free"]
+        assert drop < size // 8, f"device free memory dropped {drop >> 20} MiB while mapping a 1 GiB bucket"
+        ex.ack(handle)
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(180)
+def test_cuda_release_frees_memory_and_kills_the_handle():
+    torch.cuda.synchronize()
+    with ipc.Exporter() as ex:
+        a0 = torch.cuda.memory_allocated(0)
+        handle = ex.export_bucket([("w", torch.zeros(256 << 20, dtype=torch.uint8, device="cuda:0"))])
+        a1 = torch.cuda.memory_allocated(0)
+        assert a1 - a0 >= 256 << 20  # the packed bucket
+        assert ipc.probe_in_peer(handle)["sum"] == 0.0  # receiver maps, reads, drops its views
+        ex.ack(handle)
+        freed = ex.release(handle)
+        torch.cuda.synchronize()
+        a2 = torch.cuda.memory_allocated(0)
+        assert freed >= 256 << 20 and a2 <= a0, f"allocated {a0} -> {a1} -> {a2} bytes"
+        out = ipc.probe_in_peer(handle)
+        assert "released" in out["error"]
+
+
+@needs_gpus(2)
+@pytest.mark.timeout(180)
+def test_cuda_remap_reordered_visible_devices():
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = vis.split(",") if vis else [str(i) for i in range(torch.cuda.device_count())]
+    with ipc.Exporter() as ex:
+        t = torch.arange(4096, dtype=torch.float32, device="cuda:1") * 3
+        handle = ex.export_tensor(t, receivers=2)
+        assert handle.device_uuid == ipc.device_uuid(1)
+        swapped = ipc.probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": f"{ids[1]},{ids[0]}"}, fill=5.0)
+        assert swapped["visible"] == f"{ids[1]},{ids[0]}"
+        assert swapped["device"] == "cuda:0"  # physical GPU 1 is local index 0 over there
+        assert swapped["uuid"] == ipc.device_uuid(1)
+        torch.cuda.synchronize()
+        assert bool((t == 5).all())  # and it wrote our memory, not a copy
+        hidden = ipc.probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": ids[0]})
+        assert "cannot see" in hidden["error"]
+        ex.ack(handle)
+        ex.ack(handle)
