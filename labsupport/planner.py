@@ -1,0 +1,474 @@
+"""Memory and time arithmetic for RLHF system design: ZeRO stages, KV cache, activations,
+per-GPU totals of co-located / hybrid / disaggregated layouts, and weight-transfer times.
+
+Units: bytes in, bytes out; tables print GB with GB = 1e9 bytes (the ZeRO paper's unit).
+`python -m labsupport plan {zero,kv,act,layout,transfer,models,links} ...` prints the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name such as "bf16" (also accepts torch-style "bfloat16")."""
+    aliases = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+               "float8": "fp8", "float8_e4m3fn": "fp8"}
+    key = aliases.get(dtype.lower().removeprefix("torch."), dtype.lower())
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+# ---------------------------------------------------------------- bytes per parameter / ZeRO
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes one parameter costs on a GPU, split the way the ZeRO paper splits them."""
+    weights: float
+    grads: float
+    optimizer: float  # the paper's K: fp32 master copy + Adam momentum + variance = 12
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def bytes_per_param(weights: str = "bf16", grads: str | None = None, optimizer: str = "adam",
+                    master: str | None = "fp32") -> BytesPerParam:
+    """Training-state bytes per parameter. Defaults are mixed-precision Adam: 2 + 2 + 12 = 16
+    (ZeRO, Rajbhandari et al. 2020, sec. 3.1). optimizer: "adam" (2 fp32 moments), "sgd" (none),
+    "frozen" (no grads, no optimizer: a reference or reward model)."""
+    w = dtype_bytes(weights)
+    if optimizer == "frozen":
+        return BytesPerParam(w, 0, 0)
+    g = dtype_bytes(grads or weights)
+    moments = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
+    if optimizer not in moments:
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {sorted(moments)} or 'frozen'")
+    # a separate fp32 master copy exists only when the weights themselves are not fp32
+    m = dtype_bytes(master) if master and dtype_bytes(master) > w else 0
+    return BytesPerParam(w, g, m + 4 * moments[optimizer])
+
+
+@dataclass(frozen=True)
+class ZeroMemory:
+    """Per-GPU bytes of model states under one ZeRO stage."""
+    stage: int
+    n_gpus: int
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def zero_memory(params: float, n_gpus: int, stage: int, bpp: BytesPerParam | None = None) -> ZeroMemory:
+    """Per-GPU model-state bytes for ZeRO stage 0 (plain data parallel), 1 (shard optimizer state,
+    P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p) over n_gpus data-parallel GPUs."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, found {stage}")
+    if n_gpus < 1:
+        raise ValueError(f"n_gpus must be >= 1, found {n_gpus}")
+    b = bpp or bytes_per_param()
+    n = n_gpus
+    return ZeroMemory(stage, n,
+                      weights=params * b.weights / (n if stage >= 3 else 1),
+                      grads=params * b.grads / (n if stage >= 2 else 1),
+                      optimizer=params * b.optimizer / (n if stage >= 1 else 1))
+
+
+def zero_table(params: float, n_gpus: int, bpp: BytesPerParam | None = None) -> list[ZeroMemory]:
+    """All four ZeRO stages for one model size and GPU count (the rows of the paper's Figure 1)."""
+    return [zero_memory(params, n_gpus, s, bpp) for s in range(4)]
+
+
+# ---------------------------------------------------------------- model presets
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer, enough for memory arithmetic."""
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int = 0  # 0 -> hidden // heads
+    tied_embeddings: bool = False
+    source: str = ""
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def params(self) -> int:
+        """Parameter count of a Llama/Qwen-style block (SwiGLU MLP, RMSNorm, no biases)."""
+        attn = self.hidden * self.heads * self.hd * 2 + self.hidden * self.kv_heads * self.hd * 2
+        mlp = 3 * self.hidden * self.intermediate
+        per_layer = attn + mlp + 2 * self.hidden
+        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + emb + self.hidden
+
+
+# Shapes copied from the models' public config.json files on the Hugging Face Hub.
+MODELS: dict[str, ModelSpec] = {m.name: m for m in [
+    ModelSpec("7b", 32, 4096, 32, 32, 11008, 32000, source="meta-llama/Llama-2-7b-hf config.json (MHA)"),
+    ModelSpec("8b", 32, 4096, 32, 8, 14336, 128256, source="meta-llama/Llama-3.1-8B config.json (GQA 8)"),
+    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, source="Qwen/Qwen2.5-7B config.json (GQA 4)"),
+    ModelSpec("13b", 40, 5120, 40, 40, 13824, 32000, source="meta-llama/Llama-2-13b-hf config.json (MHA)"),
+    ModelSpec("70b", 80, 8192, 64, 8, 28672, 128256, source="meta-llama/Llama-3.1-70B config.json (GQA 8)"),
+    ModelSpec("405b", 126, 16384, 128, 8, 53248, 128256, source="meta-llama/Llama-3.1-405B config.json (GQA 8)"),
+]}
+
+
+def get_model(name: str) -> ModelSpec:
+    """A preset by name (see MODELS); raises a ValueError listing the presets otherwise."""
+    if name.lower() not in MODELS:
+        raise ValueError(f"unknown model preset {name!r}: expected one of {list(MODELS)}")
+    return MODELS[name.lower()]
+
+
+# ---------------------------------------------------------------- KV cache and activations
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int,
+                   dtype: str = "bf16") -> int:
+    """Bytes of a KV cache: 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes/element.
+    E.g. OPT-13B (40 layers, 40 heads x 128) in fp16 needs 800 KB per token (vLLM paper)."""
+    for name, v in dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch).items():
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, found {v}")
+    return 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes(dtype)
+
+
+def model_kv_bytes(model: ModelSpec, seq_len: int, batch: int, dtype: str = "bf16") -> int:
+    """kv_cache_bytes for a ModelSpec preset."""
+    return kv_cache_bytes(model.layers, model.kv_heads, model.hd, seq_len, batch, dtype)
+
+
+def activation_bytes(layers: int, hidden: int, heads: int, seq_len: int, batch: int,
+                     recompute: str = "none", tensor_parallel: int = 1) -> float:
+    """Activation memory saved for backward in a training step, 16-bit activations.
+
+    Per layer, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models", eq. 1-2 and sec. 5) give s*b*h*(34 + 5*a*s/h) bytes for a GPT block (4h MLP, dropout
+    masks of 1 byte), divided by t under tensor+sequence parallelism. recompute="selective" (or a
+    fused/flash attention, which never stores the a*s*s scores) leaves 34*s*b*h/t; "full" keeps only
+    each layer's input, 2*s*b*h. Assumptions: GPT-style MLP (a SwiGLU MLP stores somewhat more),
+    logits and the loss are not counted, no pipeline-parallel in-flight micro-batches.
+    """
+    s, b, h, a, t = seq_len, batch, hidden, heads, tensor_parallel
+    if recompute == "none":
+        per_layer = s * b * h * (34 + 5 * a * s / h) / t
+    elif recompute in ("selective", "flash"):
+        per_layer = 34 * s * b * h / t
+    elif recompute == "full":
+        per_layer = 2 * s * b * h
+    else:
+        raise ValueError(f"recompute must be 'none', 'selective'/'flash' or 'full', found {recompute!r}")
+    return layers * per_layer
+
+
+def model_activation_bytes(model: ModelSpec, seq_len: int, batch: int, recompute: str = "full",
+                           tensor_parallel: int = 1) -> float:
+    """activation_bytes for a ModelSpec preset."""
+    return activation_bytes(model.layers, model.hidden, model.heads, seq_len, batch, recompute, tensor_parallel)
+
+
+# ---------------------------------------------------------------- RLHF layouts
+@dataclass
+class Workload:
+    """What one RLHF setup runs: sizes of the four models, rollout and training shapes."""
+    actor_params: float
+    critic_params: float | None = None  # None -> same as actor (PPO); 0 -> no critic (GRPO)
+    reference_params: float | None = None  # None -> same as actor; 0 -> no KL term
+    reward_params: float | None = None  # None -> same as actor; 0 -> rule-based reward
+    kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
+    act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
+    rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights are split tp ways)
+    zero_stage: int = 3
+    frozen_dtype: str = "bf16"
+
+    def size(self, role: str) -> float:
+        v = getattr(self, f"{role}_params")
+        return self.actor_params if v is None else v
+
+
+@dataclass
+class GroupPlan:
+    """One group of identical GPUs and the bytes on each, by component, for each phase."""
+    name: str
+    n_gpus: int
+    phases: dict[str, dict[str, float]]  # phase -> component -> bytes per GPU
+    host_bytes_per_gpu: float = 0.0  # states parked in host memory (offloaded) per GPU
+
+    @property
+    def peak(self) -> float:
+        return max(sum(c.values()) for c in self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+
+@dataclass
+class LayoutPlan:
+    layout: str
+    groups: list[GroupPlan] = field(default_factory=list)
+
+    @property
+    def n_gpus(self) -> int:
+        return sum(g.n_gpus for g in self.groups)
+
+    @property
+    def peak(self) -> float:
+        return max(g.peak for g in self.groups)
+
+    def fits(self, gpu_bytes: float) -> bool:
+        return self.peak <= gpu_bytes
+
+
+LAYOUTS = ("colocated", "hybrid", "disaggregated")
+
+
+def _train(w: Workload, role: str, n: int) -> float:
+    return zero_memory(w.size(role), n, w.zero_stage).total
+
+
+def _frozen(w: Workload, role: str, n: int) -> float:
+    return w.size(role) * dtype_bytes(w.frozen_dtype) / n
+
+
+def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
+                groups: dict[str, int] | None = None) -> LayoutPlan:
+    """Per-GPU bytes of the actor, critic, reference and reward models for one layout.
+
+    colocated: all four models, the rollout engine's weights and its KV cache stay resident on the
+      same n_gpus at once (training states ZeRO-sharded over n_gpus, frozen models sharded too).
+    hybrid: the same n_gpus, time-shared: only the current phase's states are on the GPU, the rest
+      is offloaded to host memory (a hybrid engine in the style of verl); the peak is the largest phase.
+    disaggregated: separate groups {"train": n, "rollout": n, "score": n}: actor and critic training
+      states on "train", rollout weights and KV cache on "rollout", reference and reward on "score".
+    """
+    plan = LayoutPlan(layout)
+    roll_w = _frozen(w, "actor", w.rollout_tp)
+    if layout in ("colocated", "hybrid"):
+        if not n_gpus:
+            raise ValueError(f"layout {layout!r} needs n_gpus")
+        comps = {"actor (train)": _train(w, "actor", n_gpus), "critic (train)": _train(w, "critic", n_gpus),
+                 "reference": _frozen(w, "reference", n_gpus), "reward": _frozen(w, "reward", n_gpus),
+                 "rollout weights": roll_w, "kv cache": w.kv_bytes_per_gpu, "activations": w.act_bytes_per_gpu}
+        if layout == "colocated":
+            plan.groups.append(GroupPlan("all", n_gpus, {"all phases": comps}))
+        else:
+            phases = {"generate": {"rollout weights": roll_w, "kv cache": w.kv_bytes_per_gpu},
+                      "score": {"reference": comps["reference"], "reward": comps["reward"],
+                                "critic weights": _frozen(w, "critic", n_gpus)},
+                      "train actor": {"actor (train)": comps["actor (train)"], "activations": w.act_bytes_per_gpu},
+                      "train critic": {"critic (train)": comps["critic (train)"], "activations": w.act_bytes_per_gpu}}
+            parked = comps["actor (train)"] + comps["critic (train)"] + comps["reference"] + comps["reward"]
+            plan.groups.append(GroupPlan("all", n_gpus, phases, host_bytes_per_gpu=parked))
+    elif layout == "disaggregated":
+        g = groups or {}
+        missing = [k for k in ("train", "rollout", "score") if k not in g]
+        if missing:
+            raise ValueError(f"disaggregated needs GPU counts for groups train, rollout, score; missing {missing}")
+        plan.groups.append(GroupPlan("train", g["train"], {"train": {
+            "actor (train)": _train(w, "actor", g["train"]), "critic (train)": _train(w, "critic", g["train"]),
+            "activations": w.act_bytes_per_gpu}}))
+        plan.groups.append(GroupPlan("rollout", g["rollout"], {"generate": {
+            "rollout weights": roll_w, "kv cache": w.kv_bytes_per_gpu}}))
+        if g["score"]:
+            plan.groups.append(GroupPlan("score", g["score"], {"score": {
+                "reference": _frozen(w, "reference", g["score"]), "reward": _frozen(w, "reward", g["score"])}}))
+    else:
+        raise ValueError(f"unknown layout {layout!r}: expected one of {LAYOUTS}")
+    return plan
+
+
+# ---------------------------------------------------------------- links and transfer time
+@dataclass(frozen=True)
+class Link:
+    """A link's usable bandwidth in GB/s per direction, with where the number comes from."""
+    name: str
+    gb_per_s: float
+    source: str
+    measured_here: bool = False  # measured for this course (4xH200 reference machine)
+
+
+# Sources: /work/shared/reference anchors, sec. 3 ("Physical limits"); see book/references.bib.
+LINKS: dict[str, Link] = {l.name: l for l in [
+    Link("nvlink4-spec", 450, "H100/H200 SXM spec: 18 links x 50 GB/s = 900 GB/s bidirectional"),
+    Link("nvlink4-nccl", 370, "NCCL over NVLink4, effective (~20% protocol overhead), NVIDIA/nccl-tests #212"),
+    Link("nvlink4-h200-broadcast", 363, "torch.distributed broadcast busbw >= 1 GiB, 4xH200 NV18, NCCL 2.28.9",
+         measured_here=True),
+    Link("pcie5-spec", 64, "PCIe Gen5 x16: 128 GB/s bidirectional, ~64 GB/s per direction"),
+    Link("pcie5-pinned", 55, "pinned host<->device copy, H200 PCIe Gen5 (55.3 H2D / 55.2 D2H GB/s)",
+         measured_here=True),
+    Link("pcie5-pageable", 9.1, "pageable host->device copy, H200 PCIe Gen5", measured_here=True),
+    Link("ib-ndr-400", 50, "InfiniBand NDR 400 Gb/s NIC line rate, per direction"),
+    Link("ib-ndr-400-nccl", 47, "NCCL over one NDR NIC, '46-48 GB/s per NIC', NVIDIA/nccl-tests #290"),
+    Link("ib-ndr-400-x8", 400, "8 NDR NICs per node (line rate), e.g. an 8-GPU H100 node"),
+    Link("hbm-h200-copy", 2100, "device-to-device copy (bytes copied), H200", measured_here=True),
+]}
+
+
+def get_link(name: str) -> Link:
+    if name not in LINKS:
+        raise ValueError(f"unknown link {name!r}: expected one of {list(LINKS)}")
+    return LINKS[name]
+
+
+def transfer_seconds(n_bytes: float, link: Link | str | float, n_links: int = 1, latency_s: float = 0.0) -> float:
+    """Lower-bound time to move n_bytes over n_links parallel links (link = preset, name or GB/s)."""
+    bw = link if isinstance(link, (int, float)) else (get_link(link) if isinstance(link, str) else link).gb_per_s
+    if bw <= 0 or n_links < 1:
+        raise ValueError(f"bandwidth and n_links must be positive, found {bw} GB/s x {n_links}")
+    return latency_s + n_bytes / (bw * GB * n_links)
+
+
+def required_gb_per_s(n_bytes: float, seconds: float) -> float:
+    """Bandwidth (GB/s) needed to move n_bytes in the given time."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, found {seconds}")
+    return n_bytes / seconds / GB
+
+
+# ---------------------------------------------------------------- tables and CLI
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f}" if x < 100 * GB else f"{x / GB:,.1f}"
+
+
+def format_table(rows: list[list], header: list[str]) -> str:
+    """Plain-text table with right-aligned columns (what the CLI prints)."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
+
+
+def zero_report(params: float, n_gpus: int) -> str:
+    names = ["0 baseline", "1 P_os", "2 P_os+g", "3 P_os+g+p"]
+    rows = [[names[z.stage], _gb(z.weights), _gb(z.grads), _gb(z.optimizer), _gb(z.total)]
+            for z in zero_table(params, n_gpus)]
+    return (f"ZeRO model states per GPU: {params / 1e9:g}B params, {n_gpus} GPUs, mixed-precision Adam "
+            f"(2+2+12 = 16 bytes/param), GB = 1e9\n"
+            + format_table(rows, ["stage", "weights GB", "grads GB", "optimizer GB", "total GB"]))
+
+
+def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
+    rows = []
+    for g in plan.groups:
+        for ph, comps in g.phases.items():
+            for c, v in comps.items():
+                rows.append([g.name, g.n_gpus, ph, c, _gb(v)])
+            rows.append([g.name, g.n_gpus, ph, "= total", _gb(sum(comps.values()))])
+        if g.host_bytes_per_gpu:
+            rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", _gb(g.host_bytes_per_gpu)])
+    out = f"layout {plan.layout}: {plan.n_gpus} GPUs, peak {_gb(plan.peak)} GB per GPU"
+    if gpu_bytes:
+        out += f" -> {'fits' if plan.fits(gpu_bytes) else 'does NOT fit'} in {_gb(gpu_bytes)} GB"
+    return out + "\n" + format_table(rows, ["group", "GPUs", "phase", "component", "GB/GPU"])
+
+
+def _params_arg(a: argparse.Namespace) -> float:
+    if a.params is not None:
+        return a.params
+    return get_model(a.model).params
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m labsupport plan ...`: print planner tables."""
+    p = argparse.ArgumentParser(prog="python -m labsupport plan", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default="70b", help=f"preset: {', '.join(MODELS)}")
+        sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. 7.5e9")
+
+    z = sub.add_parser("zero", help="ZeRO stages 0-3 per GPU")
+    model_args(z)
+    z.add_argument("--gpus", type=int, default=64)
+    k = sub.add_parser("kv", help="KV cache size")
+    k.add_argument("--model", default="70b")
+    k.add_argument("--seq", type=int, default=4096)
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--dtype", default="bf16")
+    k.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads are split tp ways)")
+    ac = sub.add_parser("act", help="activation estimate (Korthikanti et al. 2022)")
+    ac.add_argument("--model", default="70b")
+    ac.add_argument("--seq", type=int, default=4096)
+    ac.add_argument("--batch", type=int, default=1)
+    ac.add_argument("--tp", type=int, default=1)
+    lay = sub.add_parser("layout", help="per-GPU bytes of actor/critic/reference/reward")
+    model_args(lay)
+    lay.add_argument("--layout", choices=LAYOUTS, default="colocated")
+    lay.add_argument("--gpus", type=int, default=8, help="GPUs (colocated, hybrid)")
+    lay.add_argument("--train", type=int, default=16, help="training GPUs (disaggregated)")
+    lay.add_argument("--rollout", type=int, default=8, help="rollout GPUs (disaggregated)")
+    lay.add_argument("--score", type=int, default=8, help="reference+reward GPUs (disaggregated)")
+    lay.add_argument("--no-critic", action="store_true", help="GRPO-style: no critic model")
+    lay.add_argument("--kv-gb", type=float, default=20.0, help="KV cache pool per rollout GPU (GB)")
+    lay.add_argument("--act-gb", type=float, default=5.0, help="training activations per GPU (GB)")
+    lay.add_argument("--rollout-tp", type=int, default=8)
+    lay.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (H100: 80, H200: 141)")
+    t = sub.add_parser("transfer", help="weight-transfer time over link presets")
+    model_args(t)
+    t.add_argument("--gb", type=float, help="bytes to move in GB (default: the model in bf16)")
+    t.add_argument("--seconds", type=float, help="also print the bandwidth needed to finish in this time")
+    t.add_argument("--links", type=int, default=1, help="parallel links (e.g. NICs)")
+    sub.add_parser("models", help="list model presets")
+    sub.add_parser("links", help="list link presets")
+    a = p.parse_args(argv)
+
+    if a.cmd == "zero":
+        print(zero_report(_params_arg(a), a.gpus))
+    elif a.cmd == "kv":
+        m = get_model(a.model)
+        if m.kv_heads % a.tp:
+            print(f"note: {m.kv_heads} KV heads do not split evenly over tp={a.tp}; heads are replicated")
+        heads = max(1, math.ceil(m.kv_heads / a.tp))
+        per_tok = kv_cache_bytes(m.layers, heads, m.hd, 1, 1, a.dtype)
+        total = kv_cache_bytes(m.layers, heads, m.hd, a.seq, a.batch, a.dtype)
+        print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, {a.dtype}), "
+              f"per GPU at tp={a.tp}")
+        print(format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, _gb(total)]],
+                           ["per token", "seq", "batch", "total GB"]))
+    elif a.cmd == "act":
+        m = get_model(a.model)
+        rows = [[r, _gb(model_activation_bytes(m, a.seq, a.batch, r, a.tp))] for r in ("none", "selective", "full")]
+        print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch}, tp {a.tp} (Korthikanti et al. 2022)")
+        print(format_table(rows, ["recompute", "GB/GPU"]))
+    elif a.cmd == "layout":
+        w = Workload(_params_arg(a), critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * GB,
+                     act_bytes_per_gpu=a.act_gb * GB, rollout_tp=a.rollout_tp)
+        plan = plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
+        print(layout_report(plan, a.gpu_gb * GB))
+    elif a.cmd == "transfer":
+        n = a.gb * GB if a.gb is not None else _params_arg(a) * 2
+        rows = [[l.name, f"{l.gb_per_s:g}", f"{transfer_seconds(n, l, a.links):.2f}",
+                 "yes" if l.measured_here else "", l.source] for l in LINKS.values()]
+        print(f"moving {_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
+        print(format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
+        if a.seconds:
+            need = required_gb_per_s(n, a.seconds) / a.links
+            ok = [l.name for l in LINKS.values() if l.gb_per_s >= need]
+            print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: {', '.join(ok) or 'none'}")
+    elif a.cmd == "models":
+        rows = [[m.name, f"{m.params / 1e9:.2f}", m.layers, m.hidden, m.heads, m.kv_heads, m.hd, m.source]
+                for m in MODELS.values()]
+        print(format_table(rows, ["preset", "params (B)", "layers", "hidden", "heads", "kv heads", "head dim", "source"]))
+    elif a.cmd == "links":
+        rows = [[l.name, f"{l.gb_per_s:g}", "yes" if l.measured_here else "", l.source] for l in LINKS.values()]
+        print(format_table(rows, ["link", "GB/s", "measured here", "source"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
