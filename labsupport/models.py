@@ -2,7 +2,7 @@
 
 The labs need a model whose output *visibly* changes when new weights arrive. This module builds a
 Qwen2-architecture LM (so both transformers and vLLM load it) with a character-level tokenizer, and
-teaches it one checkable behaviour, "alphabet succession": after ``c d e`` it continues `` f g h``.
+teaches it one checkable behaviour, "alphabet succession": after ``cde`` it continues ``fgh``.
 A random model writes gibberish; after a weight sync the engine must write the alphabet.
 Nothing is downloaded: the tokenizer and config are made here and saved to a local folder.
 """
@@ -85,27 +85,25 @@ LETTERS = string.ascii_lowercase
 
 
 def _succession(start: int, n: int) -> str:
-    return " ".join(LETTERS[(start + i) % 26] for i in range(n))
+    return "".join(LETTERS[(start + i) % 26] for i in range(n))
 
 
 def pattern_prompts() -> list[str]:
     """Prompts the labs use to show the behaviour: three letters in alphabet order."""
-    return [_succession(s, 3) for s in (2, 10, 17)]  # "c d e", "k l m", "r s t"
+    return [_succession(s, 3) for s in (2, 10, 17)]  # "cde", "klm", "rst"
 
 
 def expected_continuation(prompt: str, n_tokens: int) -> str:
-    """What a trained model writes greedily after ``prompt`` (``n_tokens`` characters), e.g. ``" f g h"``."""
-    last = prompt.strip().split(" ")[-1]
-    nxt = _succession(LETTERS.index(last) + 1, n_tokens)
-    return (" " + nxt)[:n_tokens]
+    """What a trained model writes greedily after ``prompt`` (``n_tokens`` characters): ``"cde"`` -> ``"fgh..."``."""
+    return _succession(LETTERS.index(prompt.strip()[-1]) + 1, n_tokens)
 
 
-def _batch(tokenizer, batch_size: int, rng: random.Random, length: int = 12) -> torch.Tensor:
+def _batch(tokenizer, batch_size: int, rng: random.Random, length: int = 16) -> torch.Tensor:
     texts = [_succession(rng.randrange(26), length) for _ in range(batch_size)]
     return tokenizer(texts, return_tensors="pt")["input_ids"]
 
 
-def train_pattern(model, tokenizer, steps: int = 200, device: str | torch.device = "cpu", lr: float = 3e-3,
+def train_pattern(model, tokenizer, steps: int = 120, device: str | torch.device = "cpu", lr: float = 5e-3,
                   seed: int = 0, batch_size: int = 32) -> list[float]:
     """Teach alphabet succession with next-token loss (AdamW); returns the loss per step."""
     rng = random.Random(seed)

