@@ -254,6 +254,38 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     raise GroupError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
 
 
+def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, address: str) -> None:
+    """Wait until every rank has joined and check that all expect the same world size."""
+    deadline = time.monotonic() + timeout_s
+    seen: dict[int, int] = {}
+    while True:
+        try:
+            for r in range(world_size):
+                if r not in seen and store.check([f"world/{r}"]):
+                    seen[r] = int(store.get(f"world/{r}"))
+        except Exception as exc:
+            raise GroupError(
+                f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank 0 "
+                f"probably failed: see its error. ({str(exc).splitlines()[0][:200]})"
+            ) from None
+        wrong = {r: w for r, w in seen.items() if w != world_size}
+        if wrong:
+            raise GroupError(
+                f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
+                + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
+                + ". Pass the same world_size (1 trainer + number of receivers) to every rank."
+            )
+        if len(seen) == world_size:
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if r not in seen]
+            raise GroupTimeout(
+                f"rank {rank}: rank(s) {missing} never joined group {address} within {timeout_s:.0f} s "
+                f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s."
+            )
+        time.sleep(0.02)
+
+
 def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
                  backend: str | None = None, device: str | torch.device | None = None,
                  timeout_s: float = 60.0) -> StatelessGroup:
@@ -297,28 +329,21 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     if store.add(f"join/{rank}", 1) > 1:
         raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
     store.set(f"world/{rank}", str(world_size))
-    deadline = time.monotonic() + timeout_s
-    seen: dict[int, int] = {}
-    while True:
-        for r in range(world_size):
-            if r not in seen and store.check([f"world/{r}"]):
-                seen[r] = int(store.get(f"world/{r}"))
-        wrong = {r: w for r, w in seen.items() if w != world_size}
-        if wrong:
-            raise GroupError(
-                f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
-                + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
-                + ". Pass the same world_size (1 trainer + number of receivers) to every rank."
-            )
-        if len(seen) == world_size:
-            break
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if r not in seen]
-            raise GroupTimeout(
-                f"rank {rank}: rank(s) {missing} never joined group {address} within {timeout_s:.0f} s "
-                f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s."
-            )
-        time.sleep(0.02)
+    try:
+        _await_arrivals(store, rank, world_size, timeout_s, address)
+    except GroupError as exc:
+        if rank == 0 and not isinstance(exc, GroupTimeout):  # linger a moment: the others read our world size from our store to explain too
+            store.set(f"failed/{rank}", "1")
+            end = time.monotonic() + min(2.0, timeout_s)
+            while time.monotonic() < end and not all(
+                    store.check([f"failed/{r}"]) for r in range(1, world_size) if store.check([f"world/{r}"])):
+                time.sleep(0.05)
+        else:
+            try:
+                store.set(f"failed/{rank}", "1")
+            except Exception:
+                pass
+        raise
 
     pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
     group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)

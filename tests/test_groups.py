@@ -1,0 +1,166 @@
+"""labsupport.groups: a stateless group forms, coexists with other groups, and fails clearly and in time.
+
+Multi-process tests run real processes over gloo (CPU) or NCCL (gpu-marked); nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from labsupport import groups
+from labsupport.groups import GroupError, GroupTimeout, create_group, free_port, run_ranks
+
+
+def _device(kind: str, rank: int) -> str:
+    return f"cuda:{rank}" if kind == "cuda" else "cpu"
+
+
+# ---------------------------------------------------------------------------- single-process errors
+
+def test_free_port_is_bindable():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # raises if it was not free
+
+
+@pytest.mark.timeout(30)
+def test_port_in_use_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(GroupError, match=rf"port {port} .*already in use.*free_port"):
+            create_group("127.0.0.1", port, 0, 2, timeout_s=5)
+
+
+@pytest.mark.timeout(30)
+def test_missing_peer_times_out_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(GroupTimeout, match=r"rank\(s\) \[1, 2\] never joined"):
+        create_group("127.0.0.1", free_port(), 0, 3, timeout_s=2)
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(30)
+def test_missing_master_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(GroupTimeout, match=r"could not reach the group's master \(rank 0\)"):
+        create_group("127.0.0.1", free_port(), 1, 2, timeout_s=1)
+    assert time.monotonic() - t0 < 15
+
+
+def test_rank_out_of_range():
+    with pytest.raises(GroupError, match=r"rank must be in \[0, 2\)"):
+        create_group("127.0.0.1", free_port(), 2, 2)
+
+
+# ---------------------------------------------------------------------------- multi-process behaviour
+
+def _objects_and_coexistence(rank: int, world_size: int, port_a: int, port_b: int, port_default: int,
+                             kind: str) -> dict:
+    import torch.distributed as dist
+
+    dev = _device(kind, rank)
+    # The trainer's own default group, as a real trainer would have; ours must not disturb it.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port_default}", rank=rank,
+                            world_size=world_size)
+    a = create_group("127.0.0.1", port_a, rank, world_size, device=dev, timeout_s=30)
+    b = create_group("127.0.0.1", port_b, rank, world_size, device=dev, timeout_s=30)
+    ta = torch.full((4,), 10.0 + rank, device=dev)
+    tb = torch.full((4,), 20.0 + rank, device=dev)
+    a.broadcast(ta, src=0)
+    b.broadcast(tb, src=world_size - 1)
+    a.synchronize()
+    b.synchronize()
+    d = torch.tensor([rank + 1.0])
+    dist.all_reduce(d)  # the default group still works next to ours
+    out = {
+        "a": ta.cpu().tolist(), "b": tb.cpu().tolist(), "default_sum": d.item(),
+        "obj": a.broadcast_object({"hello": rank} if rank == 1 else None, src=1),
+        "gathered": b.all_gather_object(rank * rank),
+        "default_world": dist.get_world_size(),
+        "backend": a.backend,
+    }
+    a.barrier()
+    a.destroy()
+    b.destroy()
+    dist.destroy_process_group()
+    return out
+
+
+def _check_objects(results: list, world_size: int, backend: str) -> None:
+    for rank, (ok, out) in enumerate(results):
+        assert ok, out
+        assert out["a"] == [10.0] * 4  # from rank 0 over group a
+        assert out["b"] == [20.0 + world_size - 1] * 4  # from the last rank over group b
+        assert out["default_sum"] == sum(range(1, world_size + 1))
+        assert out["obj"] == {"hello": 1}
+        assert out["gathered"] == [r * r for r in range(world_size)]
+        assert out["default_world"] == world_size
+        assert out["backend"] == backend
+
+
+@pytest.mark.timeout(90)
+def test_two_groups_coexist_with_default_group():
+    res = run_ranks(_objects_and_coexistence, 3, (free_port(), free_port(), free_port(), "cpu"), timeout_s=60)
+    _check_objects(res, 3, "gloo")
+
+
+def _wrong_world(rank: int, world_size: int, port: int) -> str:
+    claimed = world_size + 1 if rank == 1 else world_size
+    try:
+        create_group("127.0.0.1", port, rank, claimed, timeout_s=10)
+    except GroupError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_wrong_world_size_is_reported_on_both_sides():
+    t0 = time.monotonic()
+    res = run_ranks(_wrong_world, 2, (free_port(),), timeout_s=40)
+    for ok, msg in res:
+        assert ok, msg
+        assert msg.startswith("GroupError") and "disagree on world_size" in msg, msg
+    assert "rank 1 expects 3" in res[0][1] and "rank 0 expects 2" in res[1][1]
+    assert time.monotonic() - t0 < 30  # found by exchanging world sizes, not by waiting for a timeout
+
+
+def _duplicate(rank: int, world_size: int, port: int) -> str:
+    my_rank = 1 if rank == 2 else rank  # two processes both claim rank 1; rank 2 never comes
+    try:
+        create_group("127.0.0.1", port, my_rank, world_size, timeout_s=3)
+    except GroupError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_rank_and_missing_rank():
+    res = run_ranks(_duplicate, 3, (free_port(),), timeout_s=40)
+    msgs = [m for _, m in res]
+    # whichever of the two "rank 1" processes came second is told it joined twice
+    assert sum("joined group" in m and "twice" in m for m in msgs[1:]) == 1, msgs
+    assert msgs[0].startswith("GroupTimeout") and "rank(s) [2] never joined" in msgs[0], msgs
+
+
+# ---------------------------------------------------------------------------- GPU (NCCL)
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(180)
+def test_nccl_groups_coexist_with_default_group():
+    res = run_ranks(_objects_and_coexistence, 2, (free_port(), free_port(), free_port(), "cuda"), timeout_s=150)
+    _check_objects(res, 2, "nccl")
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(120)
+def test_nccl_missing_peer_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(GroupTimeout, match=r"rank\(s\) \[1\] never joined"):
+        create_group("127.0.0.1", free_port(), 0, 2, device="cuda:0", timeout_s=3)
+    assert time.monotonic() - t0 < 20
