@@ -1,0 +1,687 @@
+"""Where the bytes go across RLHF phases: a memory timeline recorder, plots, and a real RLHF step.
+
+``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA
+caching allocator (allocated, reserved, peak) at phase edges and from a background thread, and the
+bytes held by each role (weights, gradients, optimizer, kv_cache, activations) counted from the
+tensors the lab registers. On CPU there is no allocator to ask, so only the role bytes are recorded.
+``rlhf_step`` runs one generate -> reward -> train step under three memory strategies;
+``python -m labsupport bench memory`` records all three and saves the timelines.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GB = 1e9
+ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other")
+ROLE_COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer": "#c44e52", "kv_cache": "#55a868",
+               "activations": "#8172b3", "other": "#b0b0b0"}
+
+
+# ---------------------------------------------------------------- what a registered source yields
+def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
+    """A getter that lists the tensors of obj now (so later changes, e.g. a freed cache, show up)."""
+    if isinstance(obj, torch.nn.Module):
+        if role == "gradients":
+            return lambda: [p.grad for p in obj.parameters() if p.grad is not None]
+        return lambda: [*obj.parameters(), *obj.buffers()]
+    if isinstance(obj, torch.optim.Optimizer):
+        if role == "gradients":
+            return lambda: [p.grad for g in obj.param_groups for p in g["params"] if p.grad is not None]
+        return lambda: [t for s in list(obj.state.values()) for t in list(s.values()) if isinstance(t, torch.Tensor)]
+    if isinstance(obj, torch.Tensor):
+        ref = weakref.ref(obj)  # do not keep a registered tensor alive
+        return lambda: [t] if (t := ref()) is not None else []
+    if isinstance(obj, (list, tuple, dict)):
+        return lambda: list(obj.values()) if isinstance(obj, dict) else list(obj)
+    if callable(obj):
+        return obj
+    raise TypeError(f"register() takes a Module, Optimizer, Tensor, list/tuple/dict of tensors or a callable "
+                    f"returning tensors; found {type(obj).__name__}")
+
+
+@dataclass
+class _Source:
+    role: str
+    name: str
+    tensors: Callable[[], Iterable[torch.Tensor]]
+
+
+class MemoryTimeline:
+    """Phases, allocator samples and bytes by role over time, for one device.
+
+    tl = MemoryTimeline("cuda"); tl.register("weights", model); tl.register("optimizer", opt)
+    with tl.sampling(), tl.phase("generate"): ...
+    """
+
+    def __init__(self, device: str | torch.device | None = None, *, name: str = "", interval_s: float = 0.01,
+                 roles_interval_s: float | None = None) -> None:
+        if device is None:
+            from labsupport import hardware
+            device = "cuda" if hardware.gpu_count() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("MemoryTimeline(device='cuda') needs a CUDA GPU; found none. "
+                                   "Use device='cpu' to count tensor bytes by role without the allocator.")
+            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self.device, self.gpu, self.name = dev, dev.type == "cuda", name
+        self.capacity = torch.cuda.get_device_properties(dev).total_memory if self.gpu else None
+        # allocator counters are cheap (~microseconds); walking every registered tensor is not, so the
+        # background thread counts roles less often on GPU (phase edges always count them); each role
+        # count holds the GIL for ~1-2 ms, which a launch-bound GPU step feels
+        self.interval_s = interval_s
+        self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (0.2 if self.gpu else 0.02)
+        self.samples: list[dict[str, Any]] = []
+        self.phases: list[dict[str, Any]] = []
+        self._sources: list[_Source] = []
+        self._registered: list[dict[str, str]] = []
+        self._current: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._act_refs: list[weakref.ref] = []
+        self._act_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ticks, self._sample_s, self._history = 0, 0.0, False
+        self._t0 = time.perf_counter()
+        self.register("activations", self._live_activations, name="saved for backward")
+
+    # ------------------------------------------------------------ registration
+    def register(self, role: str, obj: Any, name: str | None = None) -> None:
+        """Count obj's tensors under role: a Module (its parameters and buffers, or with role
+        "gradients" its .grad), an Optimizer (its state), a Tensor, a list/dict of tensors, or a callable
+        that returns tensors. A list or callable is read at every sample, so clearing it shows up."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
+        self._sources.append(_Source(role, name or type(obj).__name__, _tensors_of(role, obj)))
+        self._registered.append({"role": role, "name": self._sources[-1].name})
+
+    def unregister(self, name: str) -> None:
+        """Stop counting the source registered under this name."""
+        before = len(self._sources)
+        self._sources = [s for s in self._sources if s.name != name]
+        if len(self._sources) == before:
+            raise KeyError(f"no source named {name!r}; registered: {[s.name for s in self._sources]}")
+
+    def forget_sources(self) -> None:
+        """Drop the registered objects (keeping what was recorded) so a finished timeline does not keep
+        a model, optimizer or cache alive."""
+        self._sources = []
+
+    @contextlib.contextmanager
+    def track_activations(self) -> Iterator[None]:
+        """Count tensors that autograd saves for backward (role "activations") while they are alive."""
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            with self._act_lock:
+                self._act_refs.append(weakref.ref(t))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def _live_activations(self) -> list[torch.Tensor]:
+        with self._act_lock:
+            self._act_refs = [r for r in self._act_refs if r() is not None]
+            refs = list(self._act_refs)
+        return [t for r in refs if (t := r()) is not None]
+
+    def role_bytes(self) -> tuple[dict[str, int], int]:
+        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded).
+
+        Each storage counts once, under the first role in ROLES order that holds it (a weight saved for
+        backward stays a weight)."""
+        out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
+        for role in ROLES:
+            for src in [s for s in self._sources if s.role == role]:
+                for t in src.tensors():
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                        continue
+                    st = t.untyped_storage()
+                    key = (t.device.type, t.device.index, st.data_ptr())
+                    if st.data_ptr() == 0 or key in seen:
+                        continue
+                    seen.add(key)
+                    if t.device == self.device:
+                        out[role] += st.nbytes()
+                    elif t.device.type == "cpu":
+                        host += st.nbytes()
+        return out, host
+
+    # ------------------------------------------------------------ sampling
+    def sample(self, event: str = "mark", roles: bool = True) -> dict[str, Any]:
+        """Record one sample now: time, phase, allocator counters (GPU) and bytes by role."""
+        t_start = time.perf_counter()
+        s: dict[str, Any] = {"t": t_start - self._t0, "event": event,
+                             "phase": self._current["name"] if self._current else None}
+        if self.gpu:
+            s["allocated"] = torch.cuda.memory_allocated(self.device)
+            s["reserved"] = torch.cuda.memory_reserved(self.device)
+            s["peak"] = torch.cuda.max_memory_allocated(self.device)
+        if roles:
+            try:
+                r, host = self.role_bytes()
+            except RuntimeError:  # a dict changed size under us (main thread mutating); skip this one
+                r = None
+            if r is not None:
+                if self.gpu:  # what the allocator holds that no registered tensor explains
+                    r["other"] = max(0, s["allocated"] - sum(v for k, v in r.items() if k != "other"))
+                s["roles"], s["host"] = r, host
+        with self._lock:
+            self.samples.append(s)
+            self._sample_s += time.perf_counter() - t_start
+        return s
+
+    def _run(self) -> None:
+        wait = self.interval_s if self.gpu else self.roles_interval_s  # on CPU a tick is only roles
+        last_roles = 0.0
+        while not self._stop.wait(wait):
+            now = time.perf_counter()
+            roles = not self.gpu or now - last_roles >= self.roles_interval_s
+            self.sample("tick", roles=roles)
+            last_roles = now if roles else last_roles
+            self._ticks += 1
+
+    def start(self) -> None:
+        """Start the background sampler (every interval_s seconds)."""
+        if self._thread is not None:
+            raise RuntimeError("the sampler is already running; call stop() first")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="memory-timeline", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the background sampler and wait for its thread to end."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"memory sampler thread did not stop within {timeout_s} s")
+        self._thread = None
+
+    @property
+    def sampling_active(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator["MemoryTimeline"]:
+        """Run the background sampler for the duration of the block."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a phase; samples at both edges; on GPU the phase's allocator peak is recorded."""
+        if self._current is not None:
+            raise RuntimeError(f"phase {name!r} started inside phase {self._current['name']!r}; "
+                               "phases must not overlap: end the first one before starting the next")
+        if self.gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        ph: dict[str, Any] = {"name": name, "start": time.perf_counter() - self._t0}
+        self._current = ph
+        self.sample("begin")
+        try:
+            yield
+        finally:
+            if self.gpu:
+                torch.cuda.synchronize(self.device)
+                ph["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+                ph["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+            self.sample("end")
+            ph["end"] = time.perf_counter() - self._t0
+            self._current = None
+            self.phases.append(ph)
+
+    # ------------------------------------------------------------ PyTorch memory history
+    def start_history(self, max_entries: int = 100_000) -> None:
+        """Start PyTorch's allocator history (every alloc/free with a Python stack) for memory_viz."""
+        if not self.gpu:
+            raise RuntimeError("PyTorch's memory history records the CUDA caching allocator; "
+                               "it needs a GPU (this timeline is on CPU). Skip it on the CPU path.")
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python", device=self.device)
+        self._history = True
+
+    def save_snapshot(self, path: str | Path, stop: bool = True) -> Path:
+        """Write the history as a pickle that https://pytorch.org/memory_viz opens (drag and drop)."""
+        if not self._history:
+            raise RuntimeError("no memory history is being recorded; call start_history() before the step")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        if stop:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._history = False
+        return path
+
+    # ------------------------------------------------------------ summaries
+    def peak_by_phase(self) -> list[dict[str, Any]]:
+        """One row per phase: duration, allocator peak (GPU) and the largest registered total."""
+        return peak_by_phase(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything recorded, as plain JSON-able data (what plots and save_result take)."""
+        with self._lock:
+            samples = [dict(s) for s in self.samples]
+        return {"name": self.name, "device": str(self.device), "gpu": self.gpu, "capacity_bytes": self.capacity,
+                "roles": list(ROLES), "sources": list(self._registered),
+                "interval_s": self.interval_s,
+                "roles_interval_s": self.roles_interval_s, "phases": [dict(p) for p in self.phases], "samples": samples,
+                "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
+                            "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)), 4)}}
+
+
+def _as_dict(tl: MemoryTimeline | dict[str, Any]) -> dict[str, Any]:
+    return tl.to_dict() if isinstance(tl, MemoryTimeline) else tl
+
+
+def role_total(sample: dict[str, Any]) -> int:
+    """Sum of role bytes in one sample (0 if it carried no role counts)."""
+    return sum((sample.get("roles") or {}).values())
+
+
+def peak_by_phase(tl: MemoryTimeline | dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows {phase, seconds, peak_allocated, peak_reserved, peak_roles, roles_at_peak} per phase."""
+    d = _as_dict(tl)
+    rows = []
+    for ph in d["phases"]:
+        inside = [s for s in d["samples"] if s.get("roles") and ph["start"] <= s["t"] <= ph["end"]]
+        top = max(inside, key=role_total, default=None)
+        rows.append({"phase": ph["name"], "seconds": ph["end"] - ph["start"],
+                     "peak_allocated": ph.get("peak_allocated"), "peak_reserved": ph.get("peak_reserved"),
+                     "peak_roles": role_total(top) if top else 0, "roles_at_peak": dict(top["roles"]) if top else {}})
+    return rows
+
+
+def peak_bytes(tl: MemoryTimeline | dict[str, Any]) -> int:
+    """The timeline's peak: the allocator's on GPU, the largest registered role total on CPU."""
+    d = _as_dict(tl)
+    if d["gpu"]:
+        return max([p.get("peak_allocated") or 0 for p in d["phases"]] + [s.get("peak", 0) for s in d["samples"]])
+    return max((role_total(s) for s in d["samples"]), default=0)
+
+
+def format_peak_table(tl: MemoryTimeline | dict[str, Any], unit: float = GB) -> str:
+    """The peak-by-phase table as text (GB = 1e9 bytes; pass unit=1e6 for MB)."""
+    d = _as_dict(tl)
+    u = "GB" if unit == GB else ("MB" if unit == 1e6 else f"x{unit:g} B")
+    head = ["phase", "s", f"alloc peak {u}", f"reserved {u}", f"registered {u}"] + [r[:8] for r in ROLES]
+    rows = []
+    for r in peak_by_phase(d):
+        f = lambda v: "n/a (CPU)" if v is None else f"{v / unit:.3f}"
+        rows.append([r["phase"], f"{r['seconds']:.3f}", f(r["peak_allocated"]), f(r["peak_reserved"]),
+                     f"{r['peak_roles'] / unit:.3f}"] + [f"{r['roles_at_peak'].get(k, 0) / unit:.3f}" for k in ROLES])
+    cells = [head] + rows
+    w = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(row))
+                     for row in cells)
+
+
+# ---------------------------------------------------------------- plots
+def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any = None, *, title: str | None = None,
+                  unit: float = GB, show_capacity: bool | str = "auto", legend: bool = True) -> Any:
+    """Stacked area of bytes by role over time, with phase bands, allocator lines (GPU), capacity, peak."""
+    import matplotlib.pyplot as plt
+
+    d = _as_dict(tl)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    u = "GB" if unit == GB else ("MB" if unit == 1e6 else "bytes")
+    rs = [s for s in d["samples"] if s.get("roles")]
+    t = [s["t"] for s in rs]
+    ax.stackplot(t, *[[s["roles"].get(r, 0) / unit for s in rs] for r in ROLES], labels=ROLES,
+                 colors=[ROLE_COLORS[r] for r in ROLES], alpha=0.85, step=None)
+    top = max([role_total(s) for s in rs] + [0])
+    if d["gpu"]:
+        al = [s for s in d["samples"] if "allocated" in s]
+        ax.plot([s["t"] for s in al], [s["allocated"] / unit for s in al], color="black", lw=1.2, label="allocated")
+        ax.plot([s["t"] for s in al], [s["reserved"] / unit for s in al], color="black", lw=1, ls="--",
+                label="reserved")
+        top = max([top] + [s["reserved"] for s in al])
+    else:
+        ax.text(0.99, 0.97, "CPU: allocator lines n/a\n(registered tensor bytes only)", transform=ax.transAxes,
+                ha="right", va="top", fontsize=7, color="dimgray")
+    host = [s for s in rs if s.get("host")]
+    if d["gpu"] and host:
+        ax.plot(t, [s.get("host", 0) / unit for s in rs], color=ROLE_COLORS["optimizer"], lw=1, ls=":",
+                label="in host memory")
+    for i, ph in enumerate(d["phases"]):
+        ax.axvspan(ph["start"], ph["end"], color="0.85" if i % 2 else "0.93", zorder=0)
+        ax.text((ph["start"] + ph["end"]) / 2, 0.01, ph["name"], transform=ax.get_xaxis_transform(), rotation=90,
+                ha="center", va="bottom", fontsize=7)
+    peak = peak_bytes(d)
+    ax.axhline(peak / unit, color="crimson", lw=0.8, ls=":")
+    ax.annotate(f"peak {peak / unit:.3g} {u}", xy=(0.01, peak / unit), xycoords=("axes fraction", "data"),
+                va="bottom", fontsize=8, color="crimson")
+    cap = d.get("capacity_bytes")
+    if cap:
+        if show_capacity is True or (show_capacity == "auto" and cap <= 1.5 * max(top, 1)):
+            ax.axhline(cap / unit, color="red", lw=1.5, label="GPU capacity")
+        elif show_capacity:
+            ax.text(0.99, 0.97, f"GPU capacity {cap / unit:.1f} {u} (above this axis)", transform=ax.transAxes,
+                    ha="right", va="top", fontsize=7, color="red")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"{u} on {d['device']}")
+    ax.set_title(title if title is not None else d.get("name", ""), fontsize=10)
+    if legend:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, 0.93))
+    return ax
+
+
+def plot_timelines(timelines: dict[str, Any] | list[Any], *, unit: float = GB, figsize: tuple | None = None) -> Any:
+    """Timelines side by side with a shared y axis, so the strategies' peaks compare at a glance."""
+    import matplotlib.pyplot as plt
+
+    items = list(timelines.items()) if isinstance(timelines, dict) else [(None, t) for t in timelines]
+    fig, axes = plt.subplots(1, len(items), figsize=figsize or (4.6 * len(items), 4), sharey=True, squeeze=False)
+    for i, (ax, (title, tl)) in enumerate(zip(axes[0], items)):
+        plot_timeline(tl, ax, title=title, unit=unit, legend=(i == 0))
+        if i:
+            ax.set_ylabel("")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------- one RLHF step, three strategies
+STRATEGIES = ("resident", "kv_freed", "offloaded")
+STRATEGY_TEXT = {"resident": "everything resident: KV pool, gradients and Adam state stay on the GPU",
+                 "kv_freed": "KV pool freed after generation, gradients freed after the optimizer step",
+                 "offloaded": "KV freed, and Adam state parked in pinned host memory outside training"}
+
+
+@dataclass
+class StepConfig:
+    """Model shape and rollout/training sizes of the demo RLHF step (fp32 weights and Adam)."""
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 2
+    kv_heads: int = 2
+    intermediate: int = 256
+    batch: int = 8  # rollouts per step
+    prompt_len: int = 8
+    new_tokens: int = 8
+    kv_len: int = 64  # KV pool length per sequence, allocated up front like an inference engine's pool
+    micro_batch: int = 4
+    lr: float = 1e-4
+    seed: int = 0
+
+    def overrides(self) -> dict[str, int]:
+        return dict(num_hidden_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, intermediate_size=self.intermediate, head_dim=64,
+                    max_position_embeddings=max(self.kv_len, 256))
+
+
+CPU_CONFIG = StepConfig()
+# ~206M parameters (0.82 GB of fp32 weights); KV pool 64 x 1024 tokens = 8.6 GB, larger than the
+# gradients plus one micro-batch's activations, so each strategy has a different peak.
+GPU_CONFIG = StepConfig(layers=16, hidden=1024, heads=16, kv_heads=16, intermediate=2816, batch=64,
+                        prompt_len=32, new_tokens=64, kv_len=1024, micro_batch=16)
+
+
+@dataclass
+class RLHFState:
+    """The policy, its Adam optimizer and its KV pool, kept between steps."""
+    strategy: str
+    config: StepConfig
+    device: torch.device
+    model: Any
+    optimizer: torch.optim.Optimizer
+    kv: list[torch.Tensor] = field(default_factory=list)  # the KV pool's tensors (empty when freed)
+    cache: Any = None
+    steps: int = 0
+
+
+def make_state(strategy: str, config: StepConfig | None = None, device: str | torch.device = "cpu") -> RLHFState:
+    """Build the policy (a Qwen2 from labsupport.models, random init) and Adam on device."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: expected one of {STRATEGIES}")
+    from labsupport import models
+
+    cfg = config or CPU_CONFIG
+    model = models.build_model(seed=cfg.seed, **cfg.overrides()).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    return RLHFState(strategy, cfg, torch.device(device), model, opt)
+
+
+def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
+    """Tell the timeline which tensors are weights, gradients, optimizer state and KV cache."""
+    tl.register("weights", state.model, name="policy")
+    tl.register("gradients", state.model, name="policy.grad")
+    tl.register("optimizer", state.optimizer, name="adam")
+    tl.register("kv_cache", state.kv, name="kv pool")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device, pin: bool = True) -> int:
+    """Move Adam's moment tensors to device (to "cpu": into pinned host memory when CUDA is present).
+    Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
+    dev, moved = torch.device(device), 0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.device == dev:
+                continue
+            if dev.type == "cpu":
+                host = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin and torch.cuda.is_available())
+                st[k] = host.copy_(v, non_blocking=True)
+            else:
+                st[k] = v.to(dev, non_blocking=True)
+            moved += v.numel() * v.element_size()
+    _sync(dev if dev.type == "cuda" else torch.device("cuda") if torch.cuda.is_available() else dev)
+    return moved
+
+
+def _allocate_kv(state: RLHFState) -> None:
+    from transformers import StaticCache
+
+    c = state.config
+    cache = StaticCache(config=state.model.config, max_cache_len=c.kv_len)
+    dtype = next(state.model.parameters()).dtype
+    cache.early_initialization(batch_size=c.batch, num_heads=c.kv_heads, head_dim=64, dtype=dtype,
+                               device=state.device)
+    state.cache = cache
+    state.kv[:] = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def _free_kv(state: RLHFState) -> None:
+    state.kv.clear()
+    state.cache = None
+    if state.device.type == "cuda":
+        torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
+
+
+def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, float]:
+    """One RLHF step, phase by phase: generate (KV pool), [free KV], reward, [reload Adam], train,
+    optimizer step, [offload Adam]. The bracketed phases depend on state.strategy."""
+    c, dev, model, opt = state.config, state.device, state.model, state.optimizer
+    phase = tl.phase if tl is not None else (lambda name: contextlib.nullcontext())
+    acts = tl.track_activations if tl is not None else contextlib.nullcontext
+    g = torch.Generator(device=dev).manual_seed(c.seed + state.steps)
+    t0 = time.perf_counter()
+
+    with phase("generate"), torch.no_grad():
+        model.eval()
+        if state.cache is None:
+            _allocate_kv(state)
+        else:
+            state.cache.reset()
+        prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev, generator=g)
+        seq, tok_in, pos = prompts, prompts, torch.arange(c.prompt_len, device=dev)
+        for i in range(c.new_tokens):
+            logits = model(tok_in, past_key_values=state.cache, cache_position=pos, use_cache=True).logits[:, -1]
+            tok_in = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
+            seq = torch.cat([seq, tok_in], 1)
+            pos = pos[-1:] + 1
+        _sync(dev)
+    if state.strategy != "resident":
+        with phase("free_kv"):
+            _free_kv(state)
+    with phase("reward"):
+        gen = seq[:, c.prompt_len:]
+        # a rule-based reward: how often a token is its predecessor + 1 (the course's "succession" pattern)
+        reward = (gen[:, 1:] == gen[:, :-1] + 1).float().mean(1)
+        adv = (reward - reward.mean()) / (reward.std() + 1e-6)
+    if state.strategy == "offloaded" and state.steps > 0:
+        with phase("reload_optimizer"):
+            move_optimizer_state(opt, dev)
+    total_loss = 0.0
+    with phase("train"):
+        model.train()
+        n_micro = max(1, c.batch // c.micro_batch)
+        for mb in range(n_micro):
+            sl = slice(mb * c.micro_batch, (mb + 1) * c.micro_batch)
+            with acts():
+                logits = model(seq[sl, :-1], use_cache=False).logits[:, c.prompt_len - 1:]
+                logp = torch.log_softmax(logits.float(), -1).gather(-1, gen[sl, :, None]).squeeze(-1)
+                loss = -(adv[sl, None] * logp).mean() / n_micro
+            loss.backward()
+            total_loss += loss.item()
+            del logits, logp, loss
+        _sync(dev)
+    with phase("optimizer_step"):
+        opt.step()
+        opt.zero_grad(set_to_none=state.strategy != "resident")
+        _sync(dev)
+    if state.strategy == "offloaded":
+        with phase("offload_optimizer"):
+            move_optimizer_state(opt, "cpu")
+    state.steps += 1
+    return {"reward_mean": reward.mean().item(), "loss": total_loss, "step_s": time.perf_counter() - t0}
+
+
+def _release(state: RLHFState | None) -> None:
+    if state is not None:
+        _free_kv(state)
+        state.model, state.optimizer = None, None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_strategy(strategy: str, config: StepConfig | None = None, device: str | torch.device | None = None, *,
+                 interval_s: float = 0.01, roles_interval_s: float | None = None,
+                 snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
+    """Warm up one step (creates Adam state), then record one step of strategy on a fresh timeline.
+    With snapshot= (GPU only) the recorded step's allocator history is saved for memory_viz."""
+    if device is None:
+        from labsupport import hardware
+        device = "cuda" if hardware.gpu_count() else "cpu"
+    state = make_state(strategy, config, device)
+    try:
+        rlhf_step(state)  # warm-up: Adam state exists from here on, and lazy CUDA init is done
+        _sync(state.device)
+        gc.collect()
+        tl = MemoryTimeline(state.device, name=strategy, interval_s=interval_s, roles_interval_s=roles_interval_s)
+        register_roles(tl, state)
+        if snapshot:
+            tl.start_history()
+        with tl.sampling():
+            info = rlhf_step(state, tl)
+        info["params"] = sum(p.numel() for p in state.model.parameters())
+        if snapshot:
+            info["snapshot"] = str(tl.save_snapshot(snapshot))
+        tl.forget_sources()
+        return tl, info
+    finally:
+        _release(state)
+
+
+def run_all(config: StepConfig | None = None, device: str | torch.device | None = None, *,
+            interval_s: float = 0.01) -> dict[str, MemoryTimeline]:
+    """The three strategies, one recorded step each, in STRATEGIES order."""
+    return {s: run_strategy(s, config, device, interval_s=interval_s)[0] for s in STRATEGIES}
+
+
+def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
+                     interval_s: float = 0.01, roles_interval_s: float | None = None) -> dict[str, float]:
+    """Step time with the background sampler vs without any timeline (alternating, medians)."""
+    import statistics
+
+    state = make_state("kv_freed", config, device)
+    try:
+        rlhf_step(state)
+        off, on, busy = [], [], []
+        for _ in range(repeats):
+            off.append(rlhf_step(state)["step_s"])
+            tl = MemoryTimeline(state.device, interval_s=interval_s, roles_interval_s=roles_interval_s)
+            register_roles(tl, state)
+            with tl.sampling():
+                on.append(rlhf_step(state, tl)["step_s"])
+            busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
+        m_off, m_on = statistics.median(off), statistics.median(on)
+        return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
+                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
+                "roles_interval_s": tl.roles_interval_s, "repeats": repeats,
+                "steps_without": off, "steps_with": on}
+    finally:
+        _release(state)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`python -m labsupport bench memory`: record the three strategies, print peaks, save JSON + PNG."""
+    from labsupport import hardware, results
+
+    p = argparse.ArgumentParser(prog="python -m labsupport bench memory", description=bench_main.__doc__)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--interval", type=float, default=0.01, help="allocator sampling interval (s); roles every 0.1 s on GPU")
+    p.add_argument("--roles-interval", type=float, default=None,
+                   help="seconds between role counts in the background (default 0.2 on GPU, 0.02 on CPU)")
+    p.add_argument("--repeats", type=int, default=5, help="step pairs for the overhead measurement (0: skip)")
+    p.add_argument("--no-snapshot", action="store_true", help="do not write the memory_viz snapshot (GPU)")
+    p.add_argument("--no-save", action="store_true", help="print only; write no result files")
+    a = p.parse_args(argv)
+    device = ("cuda" if hardware.gpu_count() else "cpu") if a.device == "auto" else a.device
+    if device == "cuda":
+        hardware.require_gpus(1, "bench memory --device cuda")
+    cfg = GPU_CONFIG if device == "cuda" else CPU_CONFIG
+    unit = GB if device == "cuda" else 1e6
+    u = "GB" if unit == GB else "MB"
+    print(f"RLHF step memory on {device}: {cfg}")
+
+    snap = None
+    if device == "cuda" and not a.no_snapshot and not a.no_save:
+        snap = results.RESULTS_DIR / f"memory_timeline.{results.machine_tag()}.offloaded.snapshot.pickle"
+    tls, infos = {}, {}
+    for s in STRATEGIES:
+        tls[s], infos[s] = run_strategy(s, cfg, device, interval_s=a.interval, roles_interval_s=a.roles_interval,
+                                        snapshot=snap if s == "offloaded" else None)
+        print(f"\n== {s}: {STRATEGY_TEXT[s]}  (step {infos[s]['step_s']:.2f} s)")
+        print(format_peak_table(tls[s], unit))
+    over = (measure_overhead(cfg, device, repeats=a.repeats, interval_s=a.interval, roles_interval_s=a.roles_interval)
+            if a.repeats > 0 else None)
+
+    peaks = {s: peak_bytes(tl) for s, tl in tls.items()}
+    print(f"\npeak per strategy ({'allocator' if device == 'cuda' else 'registered tensors'}):")
+    for s in STRATEGIES:
+        print(f"  {s:10s} {peaks[s] / unit:8.3f} {u}")
+    if over:
+        print(f"sampler overhead: {100 * over['overhead']:+.2f}% of a step (median of {a.repeats}: "
+              f"{over['step_s_without']:.3f} s without a timeline, {over['step_s_with']:.3f} s with; allocator every "
+              f"{a.interval * 1e3:.0f} ms, roles every {over['roles_interval_s'] * 1e3:.0f} ms; "
+              f"sampler thread busy {100 * over['sampler_busy_fraction']:.2f}% of the step)")
+    if a.no_save:
+        return 0
+    fig = plot_timelines({f"{s} (peak {peaks[s] / unit:.2f} {u})": tls[s] for s in STRATEGIES}, unit=unit)
+    data = {"device": device, "config": asdict(cfg), "params": infos["resident"]["params"],
+            "strategies": {s: tls[s].to_dict() for s in STRATEGIES}, "peaks": peaks,
+            "steps": infos, "overhead": over, "snapshot": snap.name if snap else None,
+            "strategy_text": STRATEGY_TEXT}
+    path = results.save_result("memory_timeline", data, figure=fig)
+    print(f"wrote {path} and {path.with_suffix('.png')}" + (f" and {snap}" if snap else ""))
+    return 0

@@ -1,0 +1,253 @@
+"""MemoryTimeline: role accounting, phases, the sampler thread, plots, and the demo RLHF step."""
+import gc
+import json
+import pickle
+import time
+
+import pytest
+import torch
+
+from labsupport import hardware, memory as M, planner
+
+
+def nbytes(ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def test_role_totals_equal_registered_tensor_bytes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    kv = [torch.zeros(2, 4, 16), torch.zeros(2, 4, 16)]
+    extra = torch.ones(100, dtype=torch.float64)
+    tl = M.MemoryTimeline("cpu")
+    tl.register("weights", model)
+    tl.register("gradients", model)
+    tl.register("optimizer", opt)
+    tl.register("kv_cache", kv)
+    tl.register("other", lambda: [extra, model[0].weight[:3]])  # a view of a weight must not count twice
+    roles, host = tl.role_bytes()
+    params = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values()]
+    assert roles["weights"] == nbytes(params)
+    assert roles["gradients"] == nbytes([p.grad for p in params])
+    assert roles["optimizer"] == nbytes(state)  # exp_avg, exp_avg_sq and the step counters
+    assert roles["kv_cache"] == nbytes(kv) == 2 * 2 * 4 * 16 * 4
+    assert roles["other"] == 800 and roles["activations"] == 0 and host == 0
+    s = tl.sample()
+    assert M.role_total(s) == sum(roles.values()) and "allocated" not in s  # no allocator on CPU
+    kv.clear()  # a cleared list shows up at the next sample
+    assert tl.role_bytes()[0]["kv_cache"] == 0
+
+
+def test_same_storage_counts_once_under_first_role():
+    w = torch.zeros(10, 10)
+    tl = M.MemoryTimeline("cpu")
+    tl.register("activations", [w.t()])
+    tl.register("weights", [w])
+    roles, _ = tl.role_bytes()
+    assert roles["weights"] == 400 and roles["activations"] == 0
+
+
+def test_registered_tensor_is_not_kept_alive():
+    t = torch.zeros(1000)
+    tl = M.MemoryTimeline("cpu")
+    tl.register("other", t, name="scratch")
+    assert tl.role_bytes()[0]["other"] == 4000
+    del t
+    gc.collect()
+    assert tl.role_bytes()[0]["other"] == 0
+    tl.unregister("scratch")
+    with pytest.raises(KeyError):
+        tl.unregister("scratch")
+
+
+def test_forget_sources_releases_registered_objects():
+    import weakref
+    model = torch.nn.Linear(8, 8)
+    ref = weakref.ref(model)
+    tl = M.MemoryTimeline("cpu")
+    tl.register("weights", model)
+    with tl.phase("p"):
+        pass
+    tl.forget_sources()
+    del model
+    gc.collect()
+    assert ref() is None  # a finished timeline keeps its samples, not the model
+    assert tl.samples[0]["roles"]["weights"] == 8 * 8 * 4 + 8 * 4
+    assert {"role": "weights", "name": "Linear"} in tl.to_dict()["sources"]
+
+
+def test_bad_registration_is_rejected():
+    tl = M.MemoryTimeline("cpu")
+    with pytest.raises(ValueError, match="kv_cache"):
+        tl.register("kvcache", [])
+    with pytest.raises(TypeError, match="callable"):
+        tl.register("other", 42)
+
+
+def test_activations_counted_while_graph_alive():
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(128, 64, requires_grad=True)
+    tl = M.MemoryTimeline("cpu")
+    tl.register("weights", lin)
+    with tl.track_activations():
+        h = torch.relu(lin(x))
+        y = (h * h).sum()
+    during = tl.role_bytes()[0]
+    # x and h (128 x 64 fp32 each) are saved for backward; the weight stays a weight
+    assert during["activations"] >= 2 * 128 * 64 * 4
+    assert during["weights"] == nbytes(lin.parameters())
+    y.backward()
+    del y, h, x  # x was saved too: it lives as long as the test holds it
+    gc.collect()
+    assert tl.role_bytes()[0]["activations"] == 0
+
+
+def test_phases_recorded_in_order_without_overlap():
+    tl = M.MemoryTimeline("cpu")
+    for name in ["generate", "reward", "train"]:
+        with tl.phase(name):
+            time.sleep(0.01)
+    names = [p["name"] for p in tl.phases]
+    assert names == ["generate", "reward", "train"]
+    for p in tl.phases:
+        assert p["start"] < p["end"]
+    for a, b in zip(tl.phases, tl.phases[1:]):
+        assert a["end"] <= b["start"]
+    assert [s["event"] for s in tl.samples] == ["begin", "end"] * 3
+    assert [s["phase"] for s in tl.samples[::2]] == names
+    with tl.phase("outer"):
+        with pytest.raises(RuntimeError, match="overlap"):
+            with tl.phase("inner"):
+                pass
+    assert [p["name"] for p in tl.phases][-1] == "outer"
+    rows = tl.peak_by_phase()
+    assert [r["phase"] for r in rows] == names + ["outer"]
+    json.dumps(tl.to_dict())  # JSON-able as is
+
+
+def test_background_sampler_stops_cleanly():
+    t = torch.zeros(1000)
+    tl = M.MemoryTimeline("cpu", roles_interval_s=0.005)
+    tl.register("other", [t])
+    with tl.sampling():
+        assert tl.sampling_active
+        with pytest.raises(RuntimeError, match="already running"):
+            tl.start()
+        time.sleep(0.15)
+    assert not tl.sampling_active
+    ticks = [s for s in tl.samples if s["event"] == "tick"]
+    assert len(ticks) >= 5 and all(s["roles"]["other"] == 4000 for s in ticks)
+    n = len(tl.samples)
+    time.sleep(0.05)
+    assert len(tl.samples) == n  # nothing after stop
+    with pytest.raises(ZeroDivisionError):  # an error in the block still stops the thread
+        with tl.sampling():
+            1 / 0
+    assert not tl.sampling_active
+    tl.stop()  # stopping a stopped sampler is harmless
+
+
+def test_memory_history_needs_gpu_on_cpu():
+    tl = M.MemoryTimeline("cpu")
+    with pytest.raises(RuntimeError, match="GPU"):
+        tl.start_history()
+    with pytest.raises(RuntimeError, match="start_history"):
+        tl.save_snapshot("/tmp/never.pickle")
+
+
+def test_rlhf_step_roles_match_planner_and_strategies_order():
+    cfg = M.CPU_CONFIG
+    tls = {}
+    for s in ("resident", "kv_freed"):
+        tls[s], info = M.run_strategy(s, cfg, "cpu")
+        assert info["params"] > 0
+    d = tls["kv_freed"].to_dict()
+    assert [p["name"] for p in d["phases"]] == ["generate", "free_kv", "reward", "train", "optimizer_step"]
+    end_of = {s["phase"]: s for s in d["samples"] if s["event"] == "end"}
+    kv = planner.kv_cache_bytes(cfg.layers, cfg.kv_heads, 64, cfg.kv_len, cfg.batch, "fp32")
+    assert end_of["generate"]["roles"]["kv_cache"] == kv
+    assert end_of["free_kv"]["roles"]["kv_cache"] == 0
+    n = info["params"]
+    model = M.make_state("kv_freed", cfg).model
+    n_tensors = len(list(model.parameters()))
+    buffers = sum({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}.values())
+    assert end_of["generate"]["roles"]["weights"] == 4 * n + buffers  # fp32 parameters + rotary buffers
+    # Adam: two fp32 moments per parameter plus one 4-byte step counter per parameter tensor
+    opt_bytes = end_of["generate"]["roles"]["optimizer"]
+    assert opt_bytes == 8 * n + 4 * n_tensors
+    assert end_of["train"]["roles"]["gradients"] == 4 * n
+    assert end_of["optimizer_step"]["roles"]["gradients"] == 0  # freed with set_to_none
+    train_peak = max(M.role_total(s) for s in d["samples"] if s["phase"] == "train")
+    assert train_peak > end_of["reward"]["roles"]["weights"] + opt_bytes  # activations and grads showed up
+    r = tls["resident"].to_dict()
+    assert "free_kv" not in [p["name"] for p in r["phases"]]
+    assert M.peak_bytes(r) > M.peak_bytes(d)  # keeping the KV pool raises the peak
+
+
+def test_plots_side_by_side_share_y(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    tl = M.MemoryTimeline("cpu", name="x")
+    tl.register("kv_cache", [torch.zeros(1000)])
+    with tl.phase("generate"):
+        pass
+    fig = M.plot_timelines({"a": tl, "b": tl.to_dict()}, unit=1e3)
+    a, b = fig.axes[:2]
+    assert a.get_shared_y_axes().joined(a, b)
+    texts = [t.get_text() for t in a.texts]
+    assert any("allocator lines n/a" in t for t in texts) and any("peak 4 " in t for t in texts)
+    fig.savefig(tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_bench_cpu_writes_result(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
+    from labsupport import results
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    assert M.bench_main(["--device", "cpu", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "sampler overhead" in out and "resident" in out
+    rec = json.loads((tmp_path / "memory_timeline.cpu.json").read_text())
+    data = rec["data"]
+    assert set(data["strategies"]) == set(M.STRATEGIES)
+    assert data["peaks"]["resident"] > data["peaks"]["kv_freed"]
+    assert (tmp_path / "memory_timeline.cpu.png").exists()
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(not hardware.has_gpus(1), reason="needs 1 CUDA GPU")
+def test_gpu_allocator_tracks_known_allocation_and_snapshot(tmp_path):
+    tl = M.MemoryTimeline("cuda")
+    held = []
+    tl.register("kv_cache", held)
+    tl.start_history()
+    before = torch.cuda.memory_allocated()
+    with tl.sampling():
+        with tl.phase("alloc"):
+            held.append(torch.ones(256 << 20, dtype=torch.uint8, device="cuda"))
+            time.sleep(0.05)
+        with tl.phase("free"):
+            held.clear()
+            time.sleep(0.05)
+    path = tl.save_snapshot(tmp_path / "snap.pickle")
+    d = tl.to_dict()
+    end_alloc = next(s for s in d["samples"] if s["phase"] == "alloc" and s["event"] == "end")
+    assert end_alloc["allocated"] - before >= 256 << 20
+    assert end_alloc["roles"]["kv_cache"] == 256 << 20
+    assert d["phases"][0]["peak_allocated"] - before >= 256 << 20
+    end_free = next(s for s in d["samples"] if s["phase"] == "free" and s["event"] == "end")
+    assert end_free["allocated"] - before < 1 << 20 and end_free["roles"]["kv_cache"] == 0
+    assert any(s["event"] == "tick" and "allocated" in s for s in d["samples"])
+    snap = pickle.loads(path.read_bytes())
+    assert "segments" in snap and path.stat().st_size > 0
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(not hardware.has_gpus(1), reason="needs 1 CUDA GPU")
+def test_gpu_strategies_peaks_order():
+    peaks = {s: M.peak_bytes(M.run_strategy(s, M.GPU_CONFIG, "cuda")[0]) for s in M.STRATEGIES}
+    assert peaks["offloaded"] < peaks["kv_freed"] < peaks["resident"]
