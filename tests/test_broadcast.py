@@ -1,0 +1,334 @@
+"""labsupport.broadcast: bytes arrive intact, bad updates are refused before anything changes, dead peers time out.
+
+Real processes over gloo (CPU); the gpu-marked tests run the same scenarios over NCCL, one process per GPU.
+Receivers' bytes are compared with SHA-256 of the raw memory, independent of the module's own checksums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+import torch
+
+from labsupport import broadcast as B
+from labsupport.groups import create_group, free_port, run_ranks
+
+
+def _device(kind: str, rank: int) -> str:
+    return f"cuda:{rank}" if kind == "cuda" else "cpu"
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _model(seed: int, device: str) -> dict[str, torch.Tensor]:
+    """Awkward tensors on purpose: several dtypes, odd byte counts, a 0-d scalar, a non-contiguous view,
+    and one tensor (360 KB) larger than the 64 KiB bucket used below."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300, 300, generator=g)
+    t = {
+        "embed.weight": torch.randn(50, 33, generator=g).to(torch.bfloat16),
+        "layer.0.q.weight": torch.randn(64, 64, generator=g).to(torch.float16),
+        "layer.0.q.bias": torch.randn(1001, generator=g).to(torch.bfloat16),  # 2002 bytes
+        "layer.0.norm": torch.randn(3, 5, generator=g),
+        "layer.0.mlp.weight": big,
+        "layer.0.t_view": torch.randn(40, 24, generator=g).t(),  # non-contiguous
+        "step": torch.tensor(seed, dtype=torch.int64),  # 0-d
+        "mask": torch.rand(13, generator=g) > 0.5,  # bool, 13 bytes
+        "codes": torch.randint(0, 255, (77,), generator=g, dtype=torch.uint8),
+        "head.weight": torch.randn(17, 129, generator=g).to(torch.float64),
+    }
+    return {k: v.to(device) for k, v in t.items()}
+
+
+# ---------------------------------------------------------------------------- pure units
+
+def test_plan_buckets_covers_every_tensor_once():
+    metas = B.metadata_of(_model(0, "cpu"))
+    for bucket in (256, 4096, 64 << 10, 1 << 20):
+        plan = B.plan_buckets(metas, bucket)
+        seen = [i for b in plan for i, _, _ in b.items]
+        assert sorted(seen) == [i for i, m in enumerate(metas) if m.nbytes], bucket
+        for b in plan:
+            if b.direct:
+                assert len(b.items) == 1 and b.items[0][2] > bucket
+            else:
+                assert b.nbytes <= max(bucket, 256) + 255
+                for (_, off, n), nxt in zip(b.items, b.items[1:] + [None]):
+                    assert off % B.ALIGN == 0
+                    if nxt:
+                        assert off + n <= nxt[1]
+    per = B.plan_buckets(metas, 1 << 20, "per_tensor")
+    assert len(per) == len(metas) and all(b.direct for b in per)
+
+
+def test_checksum_sees_one_byte_and_a_swap():
+    x = torch.randn(10_000).to(torch.bfloat16)
+    base = B.tensor_checksums({"x": x})["x"]
+    y = x.clone()
+    y.view(torch.uint8)[12345] ^= 1
+    z = x.clone()
+    z[[10, 9000]] = x[[9000, 10]]  # same values, other places
+    assert B.tensor_checksums({"x": x.clone()})["x"] == base
+    assert B.tensor_checksums({"y": y})["y"] != base
+    if x[10] != x[9000]:
+        assert B.tensor_checksums({"z": z})["z"] != base
+
+
+def test_validate_names_the_bad_tensor():
+    exp = B.expected_from(_model(0, "cpu"))
+    bad = B.metadata_of({**_model(0, "cpu"), "layer.0.q.weight": torch.zeros(64, 65, dtype=torch.float16)})
+    (msg,) = B._validate(bad, exp)
+    assert msg == "'layer.0.q.weight': shape expected (64, 64), found (64, 65)"
+
+
+# ---------------------------------------------------------------------------- identical bytes
+
+CASES = [("per_tensor", 1 << 20), ("bucketed", 64 << 10), ("bucketed", 4096), ("bucketed", 1 << 20)]
+
+
+def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    out = []
+    for version, (mode, bucket) in enumerate(CASES, start=1):
+        if rank == 0:
+            model = _model(version, dev)
+            stats = B.send(g, model, mode=mode, bucket_bytes=bucket, version=version)
+        else:
+            model = {k: torch.zeros_like(v) for k, v in _model(0, dev).items()}
+            calls = []
+
+            def load(batch, model=model, calls=calls):
+                for name, t in batch:
+                    assert t.dtype == model[name].dtype and t.shape == model[name].shape, name
+                calls.append([n for n, _ in batch])
+                B.copy_into(model)(batch)
+
+            stats = B.receive(g, expected=B.expected_from(model), load=load)
+            assert len(calls) == stats.n_collectives  # load runs once per bucket
+            assert sorted(n for c in calls for n in c) == sorted(model)
+        out.append({"sha": {k: _sha(v) for k, v in model.items()}, "mode": stats.mode,
+                    "n": stats.n_collectives, "bytes": stats.bytes, "version": stats.version,
+                    "verified": stats.verified})
+    g.destroy()
+    return out
+
+
+def _check_identical(res: list) -> None:
+    for ok, out in res:
+        assert ok, out
+    sender = res[0][1]
+    for rank, (_, got) in enumerate(res[1:], start=1):
+        for case, (s, r) in enumerate(zip(sender, got)):
+            assert r["sha"] == s["sha"], f"rank {rank}, case {CASES[case]}"
+            assert r["version"] == s["version"] == case + 1 and r["verified"]
+            assert r["mode"] == s["mode"] and r["n"] == s["n"] and r["bytes"] == s["bytes"]
+    n = [c["n"] for c in sender]
+    assert n[0] == 10  # per tensor: one broadcast each
+    assert n[3] == 1  # everything fits one 1 MiB bucket
+    assert n[1] >= 2 and n[2] > n[1]  # the 360 KB tensor travels alone; small buckets mean more of them
+    # versions differ, so the data really changed between cases
+    assert len({c["sha"]["layer.0.mlp.weight"] for c in sender}) == len(CASES)
+
+
+@pytest.mark.timeout(120)
+def test_sync_gives_identical_bytes_gloo():
+    _check_identical(run_ranks(_sync_identical, 3, (free_port(), "cpu"), timeout_s=90))
+
+
+# ---------------------------------------------------------------------------- rejection
+
+def _bad_updates():
+    good = _model(7, "cpu")
+    renamed = {("layer.0.q.wieght" if k == "layer.0.q.weight" else k): v for k, v in good.items()}
+    wrong_dtype = {**good, "layer.0.norm": good["layer.0.norm"].to(torch.bfloat16)}
+    wrong_shape = {**good, "embed.weight": good["embed.weight"].reshape(33, 50)}
+    return [
+        (renamed, "'layer.0.q.wieght': unknown name", "did you mean 'layer.0.q.weight'"),
+        (wrong_dtype, "'layer.0.norm': dtype expected float32, found bfloat16", None),
+        (wrong_shape, "'embed.weight': shape expected (50, 33), found (33, 50)", None),
+    ]
+
+
+def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    errors, loads = [], []
+    model = _model(0, dev)  # receivers start from seed 0; the sender's good update is seed 7
+    before = {k: _sha(v) for k, v in model.items()}
+    unchanged = []
+    for update, _, _ in _bad_updates():
+        try:
+            if rank == 0:
+                B.send(g, {k: v.to(dev) for k, v in update.items()}, bucket_bytes=64 << 10)
+            else:
+                B.receive(g, expected=B.expected_from(model), load=lambda b: loads.append(b))
+            errors.append(None)
+        except B.WeightSyncError as exc:
+            errors.append(str(exc))
+        unchanged.append({k: _sha(v) for k, v in model.items()} == before)
+    # Only the last receiver objects (it expects an extra tensor's shape to differ); everyone must refuse.
+    other = {**model, "head.weight": torch.zeros(17, 128, dtype=torch.float64, device=dev)}
+    try:
+        if rank == 0:
+            B.send(g, _model(7, dev))
+        else:
+            exp = B.expected_from(other if rank == world_size - 1 else model)
+            B.receive(g, expected=exp, load=B.copy_into(model))
+        errors.append(None)
+    except B.WeightSyncError as exc:
+        errors.append(str(exc))
+    unchanged.append({k: _sha(v) for k, v in model.items()} == before)
+    # A receiver whose load() raises: every rank hears about it at the end.
+    try:
+        if rank == 0:
+            B.send(g, _model(7, dev), bucket_bytes=4096)
+        else:
+            def bad_load(batch):
+                if rank == 1:
+                    raise ValueError("disk full")
+                B.copy_into(model)(batch)
+            B.receive(g, expected=B.expected_from(model), load=bad_load)
+        errors.append(None)
+    except B.WeightSyncError as exc:
+        errors.append(str(exc))
+    # The group is still usable: a good update goes through.
+    if rank == 0:
+        B.send(g, _model(7, dev), version=9)
+    else:
+        B.receive(g, expected=B.expected_from(model), load=B.copy_into(model))
+    g.destroy()
+    return {"errors": errors, "loads": len(loads), "unchanged": unchanged,
+            "final": {k: _sha(v) for k, v in model.items()}}
+
+
+def _check_reject(res: list) -> None:
+    for ok, out in res:
+        assert ok, out
+    world = len(res)
+    want = {k: _sha(v) for k, v in _model(7, "cpu").items()}
+    for rank, (_, out) in enumerate(res):
+        errs = out["errors"]
+        for (_, needle, hint), err in zip(_bad_updates(), errs[:3]):
+            assert err is not None and needle in err, (rank, err)
+            assert "rejected before any weight changed" in err
+            if hint:
+                assert hint in err
+        assert errs[3] is not None and f"rank {world - 1}: 'head.weight': shape expected (17, 128)" in errs[3]
+        assert errs[4] is not None and "rank 1: load() failed" in errs[4] and "disk full" in errs[4]
+        if rank > 0:
+            assert out["final"] == want, rank  # the good update after all the bad ones landed
+            assert out["loads"] == 0  # load() never ran for a rejected update
+            assert all(out["unchanged"]), out["unchanged"]
+
+
+@pytest.mark.timeout(120)
+def test_bad_metadata_rejected_everywhere_and_nothing_changes_gloo():
+    _check_reject(run_ranks(_reject, 3, (free_port(), "cpu"), timeout_s=90))
+
+
+# ---------------------------------------------------------------------------- dead peers
+
+def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bool = False) -> dict:
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=5)
+    model = _model(3, dev)
+    B.send(g, model) if rank == 0 else B.receive(g, expected=None, load=B.copy_into(model))  # one good sync
+    if rank == victim == 0:
+        real = g.broadcast
+        count = [0]
+
+        def dying_broadcast(*a, **k):  # the trainer dies after the handshake, in the middle of the buckets
+            count[0] += 1
+            if count[0] == 4:
+                os._exit(3)
+            return real(*a, **k)
+
+        g.broadcast = dying_broadcast
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            B.send(g, model, bucket_bytes=4096)
+        else:
+            def load(batch):
+                if rank == victim:
+                    if hang:  # stalls without closing its sockets: only a timeout can notice
+                        time.sleep(15)
+                    os._exit(3)  # a receiver dies while unpacking its first bucket
+                B.copy_into(model)(batch)
+            B.receive(g, expected=None, load=load)
+        return {"error": None, "seconds": time.monotonic() - t0}
+    except B.WeightSyncError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+
+
+def _check_die(res: list, victim: int) -> None:
+    for rank, (ok, out) in enumerate(res):
+        if rank == victim:
+            assert not ok and out[0] == "Died", out
+            continue
+        assert ok, out
+        assert out["error"] is not None and out["error"].startswith(("SyncTimeout", "WeightSyncError")), out
+        assert out["seconds"] < 30, out  # a bounded wait (group timeout 5 s), never a hang
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim,hang", [(0, False), (2, False), (2, True)],
+                         ids=["trainer-dies", "receiver-dies", "receiver-hangs"])
+def test_dead_peer_gives_timeout_error_gloo(victim, hang):
+    res = run_ranks(_die, 3, (free_port(), "cpu", victim, hang), timeout_s=60)
+    _check_die(res, victim)
+
+
+# ---------------------------------------------------------------------------- GPU (NCCL)
+
+@pytest.mark.gpu(3)
+@pytest.mark.timeout(300)
+def test_sync_gives_identical_bytes_nccl():
+    _check_identical(run_ranks(_sync_identical, 3, (free_port(), "cuda"), timeout_s=240))
+
+
+@pytest.mark.gpu(3)
+@pytest.mark.timeout(300)
+def test_bad_metadata_rejected_everywhere_and_nothing_changes_nccl():
+    _check_reject(run_ranks(_reject, 3, (free_port(), "cuda"), timeout_s=240))
+
+
+@pytest.mark.gpu(3)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim,hang", [(0, False), (2, False), (2, True)],
+                         ids=["trainer-dies", "receiver-dies", "receiver-hangs"])
+def test_dead_peer_gives_timeout_error_nccl(victim, hang):
+    res = run_ranks(_die, 3, (free_port(), "cuda", victim, hang), timeout_s=240)
+    _check_die(res, victim)
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(300)
+def test_bucketed_large_bf16_state_nccl():
+    """A 1B-transformer-like bf16 state (about 0.5 GB, hundreds of tensors) arrives bit-identical."""
+    res = run_ranks(_large_state, 2, (free_port(),), timeout_s=240)
+    for ok, out in res:
+        assert ok, out
+    assert res[0][1]["sums"] == res[1][1]["sums"]
+    assert res[0][1]["n_tensors"] >= 100
+
+
+def _large_state(rank: int, world_size: int, port: int) -> dict:
+    dev = f"cuda:{rank}"
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    shapes = B.transformer_shapes(int(0.5e9))
+    gen = torch.Generator(device=dev).manual_seed(1)
+    model = {n: (torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) if rank == 0 else
+                 torch.zeros(s, dtype=torch.bfloat16, device=dev)) for n, s in shapes}
+    if rank == 0:
+        st = B.send(g, model, bucket_bytes=64 << 20)
+    else:
+        st = B.receive(g, expected=B.expected_from(model), load=B.copy_into(model))
+    torch.cuda.synchronize()
+    return {"sums": B.tensor_checksums(model), "n_tensors": st.n_tensors}
