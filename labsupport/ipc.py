@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import inspect
 import itertools
 import mmap
 import os
@@ -88,7 +89,7 @@ def local_index(uuid: str) -> int:
         return _UUID_TO_INDEX[uuid]
     found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
     raise IpcError(
-        f"this handle lives on GPU {uuid}, which this process cannot see (it sees: {found}; "
+        f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: {found}; "
         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
         "works between processes on the same physical GPU: place the receiver on that GPU (Ray "
         "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast)."
@@ -539,7 +540,8 @@ def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(handle.payload)
-    args[6] = local_index(handle.device_uuid or "")  # remap: storage_device is the 7th argument
+    slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+    args[slot] = local_index(handle.device_uuid or "")  # remap: the exporter's index -> ours
     try:
         return rebuild_cuda_tensor(*args)
     except RuntimeError as err:
@@ -804,6 +806,7 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
             outbox.put({"device": str(ts[0].device), "uuid": device_uuid(ts[0].device.index) if ts[0].is_cuda else None,
                         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "sum": total,
                         "head": ts[0].flatten()[:4].tolist(), "before": before, "after": after})
+            ts = t = None  # only `views` may keep the mapping alive (until "drop")
         except IpcError as err:
             outbox.put({"error": str(err)})
 
@@ -873,12 +876,49 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def time_update_vs_copy(handles: Sequence[BucketHandle], dest: Mapping[str, torch.Tensor],
+                        receiver: Receiver | None = None, rounds: int = 3) -> dict[str, Any]:
+    """Time an IPC update of ``dest`` from ``handles`` against plain copies of the same bytes, here and now.
+
+    ``ipc_s``: Receiver.copy_into for every bucket (mappings cached); ``d2d_s``: the same per-tensor
+    copies from a local buffer with the bucket layout; ``flat_s``: one copy of the same total bytes.
+    """
+    receiver = receiver or Receiver()
+    device = next(iter(dest.values())).device
+    local = torch.empty(max(h.buffer.nbytes for h in handles), dtype=torch.uint8, device=device)
+    total = sum(h.nbytes for h in handles)
+    flat_src = torch.zeros(total, dtype=torch.uint8, device=device)
+    flat_dst = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def ipc_update() -> None:
+        for h in handles:
+            receiver.copy_into(h, dest)
+
+    def local_copies() -> None:
+        with torch.no_grad():
+            for h in handles:
+                for e in h.entries:
+                    dest[e.name].copy_(_slice(local, e), non_blocking=True)
+
+    out: dict[str, Any] = {"bytes": total, "ipc_s": [], "d2d_s": [], "flat_s": []}
+    ipc_update(), local_copies(), flat_dst.copy_(flat_src)  # warm up: map pages, first-touch memory
+    for _ in range(rounds):
+        out["ipc_s"].append(_timed(ipc_update, device))
+        out["d2d_s"].append(_timed(local_copies, device))
+        out["flat_s"].append(_timed(lambda: flat_dst.copy_(flat_src), device))
+    ipc_update()  # leave dest holding the exported values
+    _sync(device)
+    return out
+
+
 def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, str, tuple[int, ...]]], rounds: int) -> None:
     """Engine side of the benchmark: owns a separate inference copy and updates it from IPC buckets."""
     handles, probes = inbox.get()
     device = _device_of(handles[0])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # copies are memory-bound; extra threads only fight on a busy CPU
     weights = {n: torch.empty(s, dtype=_dtype(d), device=device) for n, d, s in metas}
     # 1) first rebuild of fresh buckets of several sizes (opens each IPC mapping), then a cached one
     probe_ms = []
@@ -913,30 +953,18 @@ def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, str, tuple[int
         warm_rebuild.append(time.perf_counter() - r0)
     outbox.put({"cold_update_s": cold_update, "cold_rebuild_s": cold_rebuild, "warm_rebuild_s": warm_rebuild,
                 "mem_before": mem0, "mem_after": mem1, "equal": ok})
-    # 3) steady state: the trainer repacks the same buckets; the engine (mapped already) copies.
-    # Plain d2d reference in the same process: the same per-tensor copies from a local buffer with
-    # the same layout, and one flat copy of the same bytes.
-    local = torch.empty(max(h.buffer.nbytes for h in handles), dtype=torch.uint8, device=device)
-    total = sum(h.nbytes for h in handles)
-    flat_src = torch.empty(total, dtype=torch.uint8, device=device)
-    flat_dst = torch.empty(total, dtype=torch.uint8, device=device)
-
-    def d2d_same_copies() -> None:
-        with torch.no_grad():
-            for h in handles:
-                for e in h.entries:
-                    weights[e.name].copy_(_slice(local, e), non_blocking=True)
-
+    # 3) steady state: the trainer repacks the same buckets; the engine (mapped already) copies,
+    # then does plain local copies of the same bytes for reference (same process, same run).
     ipc_s, d2d_s, flat_s = [], [], []
     for _ in range(rounds):
         if inbox.get() != "go":
             return
-        ipc_s.append(_timed(lambda: [receiver.copy_into(h, weights) for h in handles], device))
+        got = time_update_vs_copy(handles, weights, receiver, rounds=1)
+        ipc_s += got["ipc_s"]
+        d2d_s += got["d2d_s"]
+        flat_s += got["flat_s"]
         ok = ok and all(torch.equal(weights[n], v) for h in handles for n, v in receiver.bucket(h))
-        d2d_s.append(_timed(d2d_same_copies, device))
-        flat_s.append(_timed(lambda: flat_dst.copy_(flat_src), device))
         outbox.put("done")
-    del local, flat_src, flat_dst
     receiver.drop()  # views gone: now the trainer may release
     outbox.put({"ipc_s": ipc_s, "d2d_s": d2d_s, "flat_s": flat_s, "equal": ok})
     inbox.get()  # "released"
@@ -966,6 +994,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     gb = args.gb if args.gb is not None else (3.0 if kind == "cuda" else 0.05)
     bucket_mb = args.bucket_mb or (1024 if kind == "cuda" else 16)
     if kind == "cpu":
+        torch.set_num_threads(1)
         print("CPU stand-in: shared memory between two processes, small sizes; these are not GPU numbers.")
 
     state = model_state(int(gb * 1e9), device)

@@ -218,7 +218,7 @@ def test_unknown_gpu_uuid_in_another_process_is_an_error(exporter):
     h = exporter.export_tensor(torch.zeros(4))
     fake = dataclasses.replace(h, kind="cuda", device_uuid="GPU-00000000-dead-beef-0000-000000000000")
     out = ipc.probe_in_peer(fake)
-    assert "cannot see" in out["error"] and "GPU-00000000-dead-beef" in out["error"]
+    assert "cannot see" in out["error"] and "00000000-dead-beef" in out["error"]
 
 
 @pytest.mark.timeout(120)
@@ -281,13 +281,13 @@ def test_model_state_is_realistic_and_sized():
 @pytest.mark.timeout(180)
 def test_cuda_zero_copy_both_ways():
     with ipc.Exporter() as ex:
-        owner = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        owner = torch.full((1 << 20,), 2.0, device="cuda:0")  # sums stay exact in float32
         handle = ex.export_tensor(owner)
         assert handle.kind == "cuda" and handle.device_uuid == ipc.device_uuid(0)
         with Peer(ipc._probe_peer) as peer:
             first = peer.call(("read", handle))
             assert first["uuid"] == ipc.device_uuid(0)
-            assert first["sum"] == float(owner.double().sum())
+            assert first["sum"] == 2.0 * (1 << 20)
             owner.mul_(2)
             torch.cuda.synchronize()
             assert peer.call(("read", handle))["sum"] == 2 * first["sum"]
