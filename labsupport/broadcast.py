@@ -36,7 +36,7 @@ from labsupport.groups import GroupError, StatelessGroup, create_group, free_por
 ALIGN = 256  # every packed tensor starts on a 256-byte boundary (any dtype can view it)
 MAGIC = 0x5EED_2026
 MODES = {"per_tensor": 0, "bucketed": 1}
-_CHECK_ROW = 2048  # int32 words per checksum row (8 KiB)
+_CHECK_ROW = 1024  # int64 words per checksum row (8 KiB)
 _P = 2**31 - 1
 
 
@@ -137,15 +137,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _checksum(u8: torch.Tensor) -> torch.Tensor:
     """Position-sensitive integer checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device.
 
-    Rows of 8 KiB are summed as int32 words (one fast reduction over the data), then the row sums are
-    combined with position weights, all modulo a prime so nothing overflows; no host synchronisation.
+    Rows of 8 KiB are summed as int64 words (one fast reduction over the data; integer sums are exact
+    whatever the order, so every device agrees), then the row sums are combined with position weights
+    modulo a prime. No host synchronisation.
     """
     n = u8.numel()
-    row = _CHECK_ROW * 4
+    row = _CHECK_ROW * 8
     main = n // row * row
     total = torch.zeros((), dtype=torch.int64, device=u8.device)
     if main:
-        rows = u8[:main].view(torch.int32).view(-1, _CHECK_ROW).sum(dim=1, dtype=torch.int64)
+        rows = u8[:main].view(torch.int64).view(-1, _CHECK_ROW).sum(dim=1)
         weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=u8.device).remainder_(65521).add_(1)
         total = total + rows.remainder_(_P).mul_(weights).remainder_(_P).sum()
     if n > main:
@@ -521,3 +522,289 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     return SyncStats(bytes=sum(m.nbytes for m in metas), seconds=time.perf_counter() - t0,
                      n_collectives=len(plan), mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas),
                      version=version, handshake_s=t_hand, verified=verify)
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+def transformer_shapes(target_bytes: int, bytes_per_param: int = 2, min_layers: int = 20) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a Qwen2-style decoder of about ``target_bytes`` (embeddings ~20% of it).
+
+    Picks the widest hidden size that still gives ``min_layers`` layers, so the list has hundreds of
+    tensors of realistic sizes: big MLP matrices, mid-size attention, tiny norms and biases.
+    """
+    params = target_bytes / bytes_per_param
+    best = None
+    for h in (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 8192):
+        head_dim = 64 if h < 1024 else 128
+        kv = max(1, h // head_dim // 6) * head_dim
+        inter = max(256, round(h * 5.25 / 256) * 256)
+        vocab = min(151936, max(1024, round(0.1 * params / h / 64) * 64))
+        per_layer = 2 * h * h + 2 * kv * h + h + 2 * kv + 3 * h * inter + 2 * h
+        layers = round((params - 2 * vocab * h - h) / per_layer)
+        if best is None or layers >= min_layers:
+            best = (h, kv, inter, vocab, max(1, layers))
+        if layers < min_layers:
+            break
+    h, kv, inter, vocab, layers = best
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
+                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return out
+
+
+def _timed(group: StatelessGroup, fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
+    """Seconds per call of ``fn`` on every rank, from a common start to the last rank done (one all-reduce)."""
+    tick = torch.zeros(1, device=group.device)
+    times = []
+    for it in range(warmup + iters):
+        group.all_reduce(tick)
+        group.synchronize("benchmark barrier")
+        t0 = time.perf_counter()
+        fn()
+        group.all_reduce(tick)  # completes only when every rank has finished fn
+        group.synchronize("benchmark barrier")
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes: list[int], *, iters: int = 5,
+                   warmup: int = 1, src: int = 0, modes: tuple[str, ...] = ("raw", "per_tensor", "bucketed",
+                                                                              "bucketed_noverify"),
+                   progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Every rank calls this; rank ``src`` returns the measured rows (others return []).
+
+    For each model size: ``raw`` (one broadcast of a single buffer of the same total bytes), ``per_tensor``,
+    and ``bucketed`` (verified, and without verification) for every bucket size.
+    """
+    dev = group.device
+    rows: list[dict[str, Any]] = []
+    for size in sizes_bytes:
+        shapes = transformer_shapes(size)
+        total = sum(math.prod(s) * 2 for _, s in shapes)
+        gen = torch.Generator(device=dev).manual_seed(size)
+        if group.rank == src:
+            model = {n: torch.randn(s, device=dev, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+                     for n, s in shapes}
+            load, exp = None, None
+        else:
+            model = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes}
+            load, exp = copy_into(model), expected_from(model)
+        base = {"size_bytes": total, "n_tensors": len(shapes), "world_size": group.world_size,
+                "backend": group.backend}
+
+        def record(mode: str, bucket: int, times: list[float], stats: SyncStats | None) -> None:
+            med = statistics.median(times)
+            row = {**base, "mode": mode, "bucket_bytes": bucket, "seconds": med, "seconds_min": min(times),
+                   "gbps": total / med / 1e9, "n_collectives": stats.n_collectives if stats else 1,
+                   "handshake_s": stats.handshake_s if stats else 0.0}
+            rows.append(row)
+            if progress:
+                progress(f"{total / 1e9:6.2f} GB {mode:>17} bucket {bucket / 2**20:8.2f} MiB: "
+                         f"{med * 1e3:8.2f} ms {row['gbps']:8.2f} GB/s")
+
+        if "raw" in modes:
+            buf = torch.empty(total, dtype=torch.uint8, device=dev)
+            times = _timed(group, lambda: group.broadcast(buf, src), iters, warmup)
+            record("raw", total, times, None)
+            del buf
+        last: list[SyncStats] = []
+
+        def one(mode: str, bucket: int, verify: bool) -> None:
+            if group.rank == src:
+                last.append(send(group, model, src=src, mode=mode, bucket_bytes=bucket, verify=verify))
+            else:
+                last.append(receive(group, src=src, expected=exp, load=load))
+
+        if "per_tensor" in modes:
+            times = _timed(group, lambda: one("per_tensor", ALIGN, True), iters, warmup)
+            record("per_tensor", 0, times, last[-1])
+        for bucket in buckets_bytes:
+            for mode, verify in (("bucketed", True), ("bucketed_noverify", False)):
+                if mode in modes:
+                    times = _timed(group, lambda: one("bucketed", bucket, verify), iters, warmup)
+                    record(mode, bucket, times, last[-1])
+        del model
+        release_buffers(group)
+    return rows if group.rank == src else []
+
+
+@dataclass
+class BenchConfig:
+    sizes_bytes: list[int]
+    buckets_bytes: list[int]
+    iters: int
+    warmup: int
+    device_kind: str  # "cuda" or "cpu"
+    port: int
+    timeout_s: float
+
+
+def _bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> list[dict[str, Any]]:
+    dev = f"cuda:{rank}" if cfg.device_kind == "cuda" else "cpu"
+    group = create_group("127.0.0.1", cfg.port, rank, world_size, device=dev, timeout_s=cfg.timeout_s)
+    say = (lambda m: print(m, flush=True)) if rank == 0 else None
+    try:
+        return bench_on_group(group, cfg.sizes_bytes, cfg.buckets_bytes, iters=cfg.iters, warmup=cfg.warmup,
+                              progress=say)
+    finally:
+        group.destroy()
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model size: raw, per-tensor and best bucketed bandwidth, and bucketed as a fraction of raw."""
+    out = []
+    for size in sorted({r["size_bytes"] for r in rows}):
+        rs = [r for r in rows if r["size_bytes"] == size]
+        raw = next((r for r in rs if r["mode"] == "raw"), None)
+        per = next((r for r in rs if r["mode"] == "per_tensor"), None)
+        s = {"size_bytes": size, "size_gb": size / 1e9, "n_tensors": rs[0]["n_tensors"],
+             "raw_gbps": raw["gbps"] if raw else None, "per_tensor_gbps": per["gbps"] if per else None}
+        for mode in ("bucketed", "bucketed_noverify"):
+            bs = [r for r in rs if r["mode"] == mode]
+            if bs:
+                best = max(bs, key=lambda r: r["gbps"])
+                s[f"best_{mode}_gbps"] = best["gbps"]
+                s[f"best_{mode}_bucket_mib"] = best["bucket_bytes"] / 2**20
+                s[f"best_{mode}_frac_of_raw"] = best["gbps"] / raw["gbps"] if raw else None
+        if per and raw:
+            s["per_tensor_frac_of_raw"] = per["gbps"] / raw["gbps"]
+        out.append(s)
+    return out
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The benchmark's table: one line per (size, mode, bucket), with the fraction of raw bandwidth."""
+    raw = {r["size_bytes"]: r["gbps"] for r in rows if r["mode"] == "raw"}
+    head = f"{'size GB':>8} {'tensors':>7} {'mode':>17} {'bucket MiB':>10} {'ms':>9} {'GB/s':>8} {'of raw':>7} {'bcasts':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        frac = r["gbps"] / raw[r["size_bytes"]] if r["size_bytes"] in raw else float("nan")
+        bucket = "-" if r["mode"] in ("raw", "per_tensor") else f"{r['bucket_bytes'] / 2**20:g}"
+        lines.append(f"{r['size_bytes'] / 1e9:8.3f} {r['n_tensors']:7d} {r['mode']:>17} {bucket:>10} "
+                     f"{r['seconds'] * 1e3:9.2f} {r['gbps']:8.2f} {frac:7.1%} {r['n_collectives']:6d}")
+    return "\n".join(lines)
+
+
+def plot_bench(data: dict[str, Any], title: str = ""):
+    """Bandwidth vs bucket size, one colour per model size; dashed: raw single buffer; dotted: per tensor."""
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    sizes = sorted({r["size_bytes"] for r in rows})
+    for i, size in enumerate(sizes):
+        color = plt.cm.viridis(i / max(1, len(sizes) - 1) * 0.9)
+        rs = [r for r in rows if r["size_bytes"] == size]
+        label = f"{size / 1e9:.2g} GB, {rs[0]['n_tensors']} tensors"
+        for mode, style in (("bucketed", "o-"), ("bucketed_noverify", ".:")):
+            pts = sorted((r["bucket_bytes"] / 2**20, r["gbps"]) for r in rs if r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, label=label if mode == "bucketed" else None,
+                        alpha=1.0 if mode == "bucketed" else 0.6)
+        for mode, style in (("raw", "--"), ("per_tensor", ":")):
+            r = next((r for r in rs if r["mode"] == mode), None)
+            if r:
+                ax.axhline(r["gbps"], linestyle=style, color=color, linewidth=1.2 if mode == "raw" else 1.0)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bucket size (MiB)")
+    ax.set_ylabel("payload bandwidth (GB/s)")
+    ax.set_title(title or "Weight sync bandwidth vs bucket size")
+    ax.plot([], [], "k--", label="raw single-buffer broadcast")
+    ax.plot([], [], "k:", label="per-tensor broadcast")
+    ax.plot([], [], "k.:", alpha=0.6, label="bucketed, no checksums")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def bench(world_size: int, sizes_gb: list[float], buckets_mb: list[float], *, iters: int = 5, warmup: int = 1,
+          device_kind: str | None = None, timeout_s: float = 170.0) -> dict[str, Any]:
+    """Run the sweep in ``world_size`` fresh processes (rank r on GPU r, or CPU/gloo); return the result data."""
+    from labsupport import hardware
+
+    kind = device_kind or ("cuda" if hardware.gpu_count() >= world_size else "cpu")
+    cfg = BenchConfig([int(s * 1e9) for s in sizes_gb], [max(ALIGN, int(b * 2**20)) for b in buckets_mb],
+                      iters, warmup, kind, free_port(), min(60.0, timeout_s))
+    res = run_ranks(_bench_rank, world_size, (cfg,), timeout_s=timeout_s,
+                    cpu_threads=1 if kind == "cpu" else None)
+    bad = [(r, out) for r, (ok, out) in enumerate(res) if not ok]
+    if bad:
+        r, (name, msg, tb) = bad[0]
+        raise RuntimeError(f"bench sync: rank {r} failed: {name}: {msg}\n{tb}")
+    rows = res[0][1]
+    return {"world_size": world_size, "backend": "nccl" if kind == "cuda" else "gloo", "iters": iters,
+            "warmup": warmup, "sizes_gb": sizes_gb, "buckets_mb": buckets_mb, "rows": rows,
+            "summary": summarize(rows)}
+
+
+def bench_main(argv: list[str]) -> int:
+    """``python -m labsupport bench sync``: per-tensor vs bucketed vs raw broadcast, table + JSON + plot."""
+    from labsupport import hardware, results
+
+    gpus = hardware.gpu_count()
+    ap = argparse.ArgumentParser(prog="python -m labsupport bench sync", description=bench_main.__doc__)
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="processes: 1 trainer + receivers (default: every GPU; 2 on CPU)")
+    ap.add_argument("--sizes-gb", default=None, help="comma-separated bf16 model sizes in GB")
+    ap.add_argument("--buckets-mb", default=None, help="comma-separated bucket sizes in MiB")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes/buckets (a smoke run)")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU even if GPUs are present")
+    ap.add_argument("--timeout", type=float, default=170.0, help="seconds before the run is killed")
+    ap.add_argument("--no-save", action="store_true", help="do not write results/bench_sync.*.json/png")
+    args = ap.parse_args(argv)
+    gpu = gpus >= 2 and not args.cpu
+    if gpu:
+        sizes = "0.5,2.5" if args.quick else "0.1,0.5,1,2.5,5"
+        buckets = "16,256,1024" if args.quick else "1,4,16,64,128,256,512,1024"
+        iters = args.iters or (3 if args.quick else 5)
+        world = args.world_size or gpus
+    else:
+        sizes = "0.002,0.01" if args.quick else "0.002,0.01,0.04"
+        buckets = "0.0625,1,4" if args.quick else "0.0625,0.25,1,4,16"
+        iters = args.iters or 2
+        world = args.world_size or 2
+    sizes_gb = [float(x) for x in (args.sizes_gb or sizes).split(",")]
+    buckets_mb = [float(x) for x in (args.buckets_mb or buckets).split(",")]
+    if gpu and world > gpus:
+        print(f"--world-size {world} needs {world} GPUs; this machine shows {gpus}.", file=sys.stderr)
+        return 2
+    print(f"bench sync: {world} ranks over {'NCCL, one GPU each' if gpu else 'gloo on CPU'}; "
+          f"sizes {sizes_gb} GB bf16; buckets {buckets_mb} MiB; {iters} iterations (median)", flush=True)
+    t0 = time.perf_counter()
+    data = bench(world, sizes_gb, buckets_mb, iters=iters, warmup=args.warmup,
+                 device_kind="cuda" if gpu else "cpu", timeout_s=args.timeout)
+    data["wall_s"] = time.perf_counter() - t0
+    print(format_rows(data["rows"]))
+    print()
+    for s in data["summary"]:
+        line = (f"{s['size_gb']:.2f} GB ({s['n_tensors']} tensors): raw {s['raw_gbps']:.1f} GB/s, per-tensor "
+                f"{s['per_tensor_gbps']:.1f} GB/s ({s.get('per_tensor_frac_of_raw', 0):.0%}), best bucketed "
+                f"{s.get('best_bucketed_gbps', 0):.1f} GB/s at {s.get('best_bucketed_bucket_mib', 0):g} MiB "
+                f"({s.get('best_bucketed_frac_of_raw', 0):.1%} of raw; without checksums "
+                f"{s.get('best_bucketed_noverify_frac_of_raw', 0):.1%})")
+        print(line)
+    big = [s for s in data["summary"] if s["size_gb"] >= 2]
+    if gpu and big:
+        ok = all((s.get("best_bucketed_frac_of_raw") or 0) >= 0.9 for s in big)
+        data["bar_90pct_of_raw_at_2gb_plus"] = ok
+        print(f"bar (bucketed >= 90% of raw for sizes >= 2 GB): {'MET' if ok else 'NOT MET'}")
+    print(f"wall time {data['wall_s']:.1f} s")
+    if not args.no_save:
+        tag = results.machine_tag()
+        fig = plot_bench(data, f"Weight sync, {world} ranks ({tag}, {data['backend']})")
+        path = results.save_result("bench_sync", data, figure=fig)
+        print("wrote", path, "and", path.with_suffix(".png"))
+    return 0

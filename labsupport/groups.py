@@ -209,7 +209,7 @@ class StatelessGroup:
         if self._closed:
             return
         self._closed = True
-        for name in ("abort", "shutdown"):
+        for name in ("abort", "_abort", "shutdown"):
             fn = getattr(self.pg, name, None)
             if fn is not None:
                 try:
@@ -346,6 +346,10 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
         raise
 
     pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
+    try:  # as torch does for its own groups (used for debug/flight-recorder bookkeeping)
+        pg._set_sequence_number_for_group()
+    except Exception:
+        pass
     group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
     # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
     probe = torch.full((1,), rank, dtype=torch.int32, device=device)
