@@ -343,7 +343,7 @@ def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any = None, *, title:
     rs = [s for s in d["samples"] if s.get("roles")]
     t = [s["t"] for s in rs]
     ax.stackplot(t, *[[s["roles"].get(r, 0) / unit for s in rs] for r in ROLES], labels=ROLES,
-                 colors=[ROLE_COLORS[r] for r in ROLES], alpha=0.85, step=None)
+                 colors=[ROLE_COLORS[r] for r in ROLES], alpha=0.85, step="post")  # a value holds until the next sample
     top = max([role_total(s) for s in rs] + [0])
     if d["gpu"]:
         al = [s for s in d["samples"] if "allocated" in s]
@@ -358,10 +358,15 @@ def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any = None, *, title:
     if d["gpu"] and host:
         ax.plot(t, [s.get("host", 0) / unit for s in rs], color=ROLE_COLORS["optimizer"], lw=1, ls=":",
                 label="in host memory")
+    span = (d["phases"][-1]["end"] - d["phases"][0]["start"]) if d["phases"] else 1.0
+    level = 0
     for i, ph in enumerate(d["phases"]):
         ax.axvspan(ph["start"], ph["end"], color="0.85" if i % 2 else "0.93", zorder=0)
-        ax.text((ph["start"] + ph["end"]) / 2, 0.01, ph["name"], transform=ax.get_xaxis_transform(), rotation=90,
-                ha="center", va="bottom", fontsize=7)
+        narrow = (ph["end"] - ph["start"]) < 0.04 * span  # stagger labels of short neighbouring phases
+        level = (level + 1) % 3 if narrow else 0
+        ax.text((ph["start"] + ph["end"]) / 2, 0.02 + 0.3 * level, ph["name"], transform=ax.get_xaxis_transform(),
+                rotation=90, ha="center", va="bottom", fontsize=7,
+                bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.7))
     peak = peak_bytes(d)
     ax.axhline(peak / unit, color="crimson", lw=0.8, ls=":")
     ax.annotate(f"peak {peak / unit:.3g} {u}", xy=(0.01, peak / unit), xycoords=("axes fraction", "data"),
@@ -377,7 +382,7 @@ def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any = None, *, title:
     ax.set_ylabel(f"{u} on {d['device']}")
     ax.set_title(title if title is not None else d.get("name", ""), fontsize=10)
     if legend:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, 0.93))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -388,10 +393,12 @@ def plot_timelines(timelines: dict[str, Any] | list[Any], *, unit: float = GB, f
     items = list(timelines.items()) if isinstance(timelines, dict) else [(None, t) for t in timelines]
     fig, axes = plt.subplots(1, len(items), figsize=figsize or (4.6 * len(items), 4), sharey=True, squeeze=False)
     for i, (ax, (title, tl)) in enumerate(zip(axes[0], items)):
-        plot_timeline(tl, ax, title=title, unit=unit, legend=(i == 0))
+        plot_timeline(tl, ax, title=title, unit=unit, legend=False)
         if i:
             ax.set_ylabel("")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
@@ -413,7 +420,7 @@ class StepConfig:
     batch: int = 8  # rollouts per step
     prompt_len: int = 8
     new_tokens: int = 8
-    kv_len: int = 64  # KV pool length per sequence, allocated up front like an inference engine's pool
+    kv_len: int = 256  # KV pool length per sequence, allocated up front like an inference engine's pool
     micro_batch: int = 4
     lr: float = 1e-4
     seed: int = 0
@@ -565,7 +572,8 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
     return {"reward_mean": reward.mean().item(), "loss": total_loss, "step_s": time.perf_counter() - t0}
 
 
-def _release(state: RLHFState | None) -> None:
+def release_state(state: RLHFState | None) -> None:
+    """Free a state's KV pool, model and optimizer, and return cached GPU memory to the driver."""
     if state is not None:
         _free_kv(state)
         state.model, state.optimizer = None, None
@@ -599,7 +607,7 @@ def run_strategy(strategy: str, config: StepConfig | None = None, device: str | 
         tl.forget_sources()
         return tl, info
     finally:
-        _release(state)
+        release_state(state)
 
 
 def run_all(config: StepConfig | None = None, device: str | torch.device | None = None, *,
@@ -630,7 +638,7 @@ def measure_overhead(config: StepConfig | None = None, device: str | torch.devic
                 "roles_interval_s": tl.roles_interval_s, "repeats": repeats,
                 "steps_without": off, "steps_with": on}
     finally:
-        _release(state)
+        release_state(state)
 
 
 def bench_main(argv: list[str] | None = None) -> int:

@@ -272,6 +272,8 @@ def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
                                 "critic weights": _frozen(w, "critic", n_gpus)},
                       "train actor": {"actor (train)": comps["actor (train)"], "activations": w.act_bytes_per_gpu},
                       "train critic": {"critic (train)": comps["critic (train)"], "activations": w.act_bytes_per_gpu}}
+            if not w.size("critic"):
+                phases.pop("train critic")
             parked = comps["actor (train)"] + comps["critic (train)"] + comps["reference"] + comps["reward"]
             plan.groups.append(GroupPlan("all", n_gpus, phases, host_bytes_per_gpu=parked))
     elif layout == "disaggregated":
@@ -367,7 +369,8 @@ def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
     for g in plan.groups:
         for ph, comps in g.phases.items():
             for c, v in comps.items():
-                rows.append([g.name, g.n_gpus, ph, c, _gb(v)])
+                if v:  # a model left out (no critic, rule-based reward) gets no row
+                    rows.append([g.name, g.n_gpus, ph, c, _gb(v)])
             rows.append([g.name, g.n_gpus, ph, "= total", _gb(sum(comps.values()))])
         if g.host_bytes_per_gpu:
             rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", _gb(g.host_bytes_per_gpu)])
