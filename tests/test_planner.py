@@ -116,3 +116,24 @@ def test_cli_prints_tables(capsys):
     assert "10.74" in capsys.readouterr().out  # 10 GiB = 10.74 GB
     P.main(["layout", "--layout", "disaggregated", "--no-critic", "--params", "70e9"])
     assert "fits" in capsys.readouterr().out
+
+
+def test_numbers_quoted_in_lab2_solutions():
+    """labs/lab_02_memory_timeline.md quotes these in its solutions; keep the text true."""
+    w = P.Workload(70e9, kv_bytes_per_gpu=20 * GB, act_bytes_per_gpu=5 * GB, rollout_tp=8)
+    assert P.plan_layout("colocated", w, 8).peak / GB == pytest.approx(357.5)
+    hyb = P.plan_layout("hybrid", w, 8)
+    assert (hyb.peak / GB, hyb.groups[0].host_bytes_per_gpu / GB) == pytest.approx((145, 315))
+    dis = P.plan_layout("disaggregated", w, groups={"train": 16, "rollout": 8, "score": 8})
+    assert [g.peak / GB for g in dis.groups] == pytest.approx([145, 37.5, 35])
+    dis48 = P.plan_layout("disaggregated", w, groups={"train": 32, "rollout": 8, "score": 8})
+    assert dis48.n_gpus == 48 and dis48.groups[0].peak / GB == pytest.approx(75)
+    assert (2 * 16 * 70e9 + 3 * 2 * 70e9) / 1e12 == pytest.approx(2.66)
+    w64 = P.Workload(70e9, kv_bytes_per_gpu=40 * GB, act_bytes_per_gpu=5 * GB, rollout_tp=8)
+    h64 = P.plan_layout("hybrid", w64, 64)
+    assert h64.peak / GB == pytest.approx(57.5) and h64.groups[0].peak_phase == "generate"
+    assert h64.groups[0].host_bytes_per_gpu / GB == pytest.approx(39.375)
+    d64 = P.plan_layout("disaggregated", w64, groups={"train": 32, "rollout": 24, "score": 8})
+    assert [g.peak / GB for g in d64.groups] == pytest.approx([75, 57.5, 35]) and d64.n_gpus == 64
+    secs = {n: P.transfer_seconds(140e9, n) for n in ("pcie5-pageable", "pcie5-pinned", "nvlink4-nccl")}
+    assert [round(secs[n], 2) for n in secs] == [15.38, 2.55, 0.38]
