@@ -179,30 +179,66 @@ def _round_up(x: int, a: int = ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
+def _greedy(idx: list[int], sizes: list[int], bucket_bytes: int, first: int) -> list[tuple[bool, list[int]]]:
+    """Group tensor indices into ``(direct, indices)``: packed groups whose capacity starts at ``first`` and
+    doubles up to ``bucket_bytes``; a tensor larger than the current capacity travels alone (direct)."""
+    groups: list[tuple[bool, list[int]]] = []
+    cur: list[int] = []
+    used, cap = 0, first
+    for i in idx:
+        n = sizes[i]
+        if n > cap:
+            groups.append((True, [i]))
+            continue
+        off = _round_up(used)
+        if cur and off + n > cap:
+            groups.append((False, cur))
+            cur, off, cap = [], 0, min(bucket_bytes, cap * 2)
+        cur.append(i)
+        used = off + n
+    if cur:
+        groups.append((False, cur))
+    return groups
+
+
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
-    """Split tensors, in order, into buckets of at most ``bucket_bytes`` (both sides compute the same plan)."""
-    out: list[_Bucket] = []
+    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan.
+
+    Tensors larger than a bucket travel alone ("direct": no packing) and go first, so the wire starts at
+    once while the first bucket is packed. When the rest spans several buckets, the first and last packed
+    buckets are smaller (1/8 of a bucket, doubling): less to pack before the first packed byte moves and
+    less to unpack after the last byte lands. The order of tensors on the wire does not matter to receivers.
+    """
+    sizes = [m.nbytes for m in metas]
     if mode == "per_tensor":
-        return [_Bucket([(i, 0, m.nbytes)], m.nbytes, True) for i, m in enumerate(metas) if m.nbytes]
-    cur = _Bucket()
-    for i, m in enumerate(metas):
-        n = m.nbytes
-        if n == 0:
+        return [_Bucket([(i, 0, n)], n, True) for i, n in enumerate(sizes) if n]
+    idx = [i for i, n in enumerate(sizes) if n]
+    total = sum(sizes)
+    first = max(bucket_bytes // 8, min(bucket_bytes, 1 << 20))
+    if total <= bucket_bytes or first >= bucket_bytes:
+        groups = _greedy(idx, sizes, bucket_bytes, bucket_bytes)
+    else:
+        tail_target = min(2 * bucket_bytes, total // 2)
+        acc, split = 0, len(idx)
+        while split > 0 and acc < tail_target:
+            split -= 1
+            acc += sizes[idx[split]]
+        front = _greedy(idx[:split], sizes, bucket_bytes, first)
+        back = _greedy(idx[split:][::-1], sizes, bucket_bytes, first)  # ramp measured from the end
+        groups = front + [(d, sorted(g)) for d, g in back[::-1]]
+    groups = [g for g in groups if g[0]] + [g for g in groups if not g[0]]  # direct ones first
+    out = []
+    for direct, g in groups:
+        if direct:
+            out.append(_Bucket([(g[0], 0, sizes[g[0]])], sizes[g[0]], True))
             continue
-        if n > bucket_bytes:  # too big for a bucket: its own broadcast, no copy
-            out.append(_Bucket([(i, 0, n)], n, True))
-            continue
-        off = _round_up(cur.nbytes)
-        if cur.items and off + n > bucket_bytes:
-            out.append(cur)
-            cur, off = _Bucket(), 0
-        cur.items.append((i, off, n))
-        cur.nbytes = off + n
-    if cur.items:
-        out.append(cur)
-    for b in out:
-        if not b.direct:
-            b.nbytes = _round_up(b.nbytes)  # whole 256-byte lines: the checksum reads full words
+        b, used = _Bucket(), 0
+        for i in g:
+            off = _round_up(used)
+            b.items.append((i, off, sizes[i]))
+            used = off + sizes[i]
+        b.nbytes = _round_up(used)  # whole 256-byte lines: the checksum reads full words
+        out.append(b)
     return out
 
 

@@ -66,6 +66,20 @@ def test_plan_buckets_covers_every_tensor_once():
     assert len(per) == len(metas) and all(b.direct for b in per)
 
 
+def test_plan_for_a_large_model_sends_big_tensors_first_and_ramps():
+    metas = [B.TensorMeta(n, "bfloat16", s) for n, s in B.transformer_shapes(int(0.5e9))]
+    assert len(metas) > 300
+    bucket = 64 << 20
+    plan = B.plan_buckets(metas, bucket)
+    kinds = [b.direct for b in plan]
+    assert kinds == sorted(kinds, reverse=True)  # direct (unpacked) tensors go first
+    packed = [b for b in plan if not b.direct]
+    assert all(b.nbytes <= bucket for b in packed)
+    assert packed[0].nbytes <= bucket // 4 and packed[-1].nbytes <= bucket // 4  # small first/last buckets
+    assert all(b.items[0][2] > bucket // 8 for b in plan if b.direct)
+    assert sorted(i for b in plan for i, _, _ in b.items) == list(range(len(metas)))
+
+
 def test_checksum_sees_one_byte_and_a_swap():
     x = torch.randn(10_000).to(torch.bfloat16)
     base = B.tensor_checksums({"x": x})["x"]
