@@ -88,8 +88,12 @@ class SyncStats:
         """Payload bandwidth in GB/s (1e9 bytes per second)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
+    @property
+    def gb_per_s(self) -> float:
+        return self.gbps
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gbps": self.gbps}
+        return {**asdict(self), "gb_per_s": self.gbps}
 
     def __str__(self) -> str:
         extra = f", bucket {self.bucket_bytes / 2**20:g} MiB" if self.mode == "bucketed" else ""
@@ -641,12 +645,12 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
         def record(mode: str, bucket: int, times: list[float], stats: SyncStats | None) -> None:
             med = statistics.median(times)
             row = {**base, "mode": mode, "bucket_bytes": bucket, "seconds": med, "seconds_min": min(times),
-                   "gbps": total / med / 1e9, "n_collectives": stats.n_collectives if stats else 1,
+                   "gb_per_s": total / med / 1e9, "n_collectives": stats.n_collectives if stats else 1,
                    "handshake_s": stats.handshake_s if stats else 0.0}
             rows.append(row)
             if progress:
                 progress(f"{total / 1e9:6.2f} GB {mode:>17} bucket {bucket / 2**20:8.2f} MiB: "
-                         f"{med * 1e3:8.2f} ms {row['gbps']:8.2f} GB/s")
+                         f"{med * 1e3:8.2f} ms {row['gb_per_s']:8.2f} GB/s")
 
         if "raw" in modes:
             buf = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -704,30 +708,30 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raw = next((r for r in rs if r["mode"] == "raw"), None)
         per = next((r for r in rs if r["mode"] == "per_tensor"), None)
         s = {"size_bytes": size, "size_gb": size / 1e9, "n_tensors": rs[0]["n_tensors"],
-             "raw_gbps": raw["gbps"] if raw else None, "per_tensor_gbps": per["gbps"] if per else None}
+             "raw_gb_per_s": raw["gb_per_s"] if raw else None, "per_tensor_gb_per_s": per["gb_per_s"] if per else None}
         for mode in ("bucketed", "bucketed_noverify"):
             bs = [r for r in rs if r["mode"] == mode]
             if bs:
-                best = max(bs, key=lambda r: r["gbps"])
-                s[f"best_{mode}_gbps"] = best["gbps"]
+                best = max(bs, key=lambda r: r["gb_per_s"])
+                s[f"best_{mode}_gb_per_s"] = best["gb_per_s"]
                 s[f"best_{mode}_bucket_mib"] = best["bucket_bytes"] / 2**20
-                s[f"best_{mode}_frac_of_raw"] = best["gbps"] / raw["gbps"] if raw else None
+                s[f"best_{mode}_frac_of_raw"] = best["gb_per_s"] / raw["gb_per_s"] if raw else None
         if per and raw:
-            s["per_tensor_frac_of_raw"] = per["gbps"] / raw["gbps"]
+            s["per_tensor_frac_of_raw"] = per["gb_per_s"] / raw["gb_per_s"]
         out.append(s)
     return out
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The benchmark's table: one line per (size, mode, bucket), with the fraction of raw bandwidth."""
-    raw = {r["size_bytes"]: r["gbps"] for r in rows if r["mode"] == "raw"}
+    raw = {r["size_bytes"]: r["gb_per_s"] for r in rows if r["mode"] == "raw"}
     head = f"{'size GB':>8} {'tensors':>7} {'mode':>17} {'bucket MiB':>10} {'ms':>9} {'GB/s':>8} {'of raw':>7} {'bcasts':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        frac = r["gbps"] / raw[r["size_bytes"]] if r["size_bytes"] in raw else float("nan")
+        frac = r["gb_per_s"] / raw[r["size_bytes"]] if r["size_bytes"] in raw else float("nan")
         bucket = "-" if r["mode"] in ("raw", "per_tensor") else f"{r['bucket_bytes'] / 2**20:g}"
         lines.append(f"{r['size_bytes'] / 1e9:8.3f} {r['n_tensors']:7d} {r['mode']:>17} {bucket:>10} "
-                     f"{r['seconds'] * 1e3:9.2f} {r['gbps']:8.2f} {frac:7.1%} {r['n_collectives']:6d}")
+                     f"{r['seconds'] * 1e3:9.2f} {r['gb_per_s']:8.2f} {frac:7.1%} {r['n_collectives']:6d}")
     return "\n".join(lines)
 
 
@@ -743,22 +747,26 @@ def plot_bench(data: dict[str, Any], title: str = ""):
         rs = [r for r in rows if r["size_bytes"] == size]
         label = f"{size / 1e9:.2g} GB, {rs[0]['n_tensors']} tensors"
         for mode, style in (("bucketed", "o-"), ("bucketed_noverify", ".:")):
-            pts = sorted((r["bucket_bytes"] / 2**20, r["gbps"]) for r in rs if r["mode"] == mode)
+            pts = sorted((r["bucket_bytes"] / 2**20, r["gb_per_s"]) for r in rs if r["mode"] == mode)
             if pts:
                 ax.plot(*zip(*pts), style, color=color, label=label if mode == "bucketed" else None,
                         alpha=1.0 if mode == "bucketed" else 0.6)
         for mode, style in (("raw", "--"), ("per_tensor", ":")):
             r = next((r for r in rs if r["mode"] == mode), None)
             if r:
-                ax.axhline(r["gbps"], linestyle=style, color=color, linewidth=1.2 if mode == "raw" else 1.0)
+                ax.axhline(r["gb_per_s"], linestyle=style, color=color, linewidth=1.2 if mode == "raw" else 1.0)
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["bucket_bytes"] / 2**20 for r in rows if r["mode"].startswith("bucketed")})
+    if ticks:
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
+        ax.minorticks_off()
     ax.set_xlabel("bucket size (MiB)")
     ax.set_ylabel("payload bandwidth (GB/s)")
     ax.set_title(title or "Weight sync bandwidth vs bucket size")
     ax.plot([], [], "k--", label="raw single-buffer broadcast")
     ax.plot([], [], "k:", label="per-tensor broadcast")
     ax.plot([], [], "k.:", alpha=0.6, label="bucketed, no checksums")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -826,9 +834,9 @@ def bench_main(argv: list[str]) -> int:
     print(format_rows(data["rows"]))
     print()
     for s in data["summary"]:
-        line = (f"{s['size_gb']:.2f} GB ({s['n_tensors']} tensors): raw {s['raw_gbps']:.1f} GB/s, per-tensor "
-                f"{s['per_tensor_gbps']:.1f} GB/s ({s.get('per_tensor_frac_of_raw', 0):.0%}), best bucketed "
-                f"{s.get('best_bucketed_gbps', 0):.1f} GB/s at {s.get('best_bucketed_bucket_mib', 0):g} MiB "
+        line = (f"{s['size_gb']:.2f} GB ({s['n_tensors']} tensors): raw {s['raw_gb_per_s']:.1f} GB/s, per-tensor "
+                f"{s['per_tensor_gb_per_s']:.1f} GB/s ({s.get('per_tensor_frac_of_raw', 0):.0%}), best bucketed "
+                f"{s.get('best_bucketed_gb_per_s', 0):.1f} GB/s at {s.get('best_bucketed_bucket_mib', 0):g} MiB "
                 f"({s.get('best_bucketed_frac_of_raw', 0):.1%} of raw; without checksums "
                 f"{s.get('best_bucketed_noverify_frac_of_raw', 0):.1%})")
         print(line)
