@@ -276,7 +276,8 @@ def check_handle(handle: IpcHandle | BucketHandle) -> None:
     except FileNotFoundError:
         raise IpcError(
             f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
-            f"{h.guard.path} is gone. Ask the owner for a fresh handle."
+            f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, with its "
+            "own /dev/shm). Ask the owner for a fresh handle."
         ) from None
     try:  # the exporter holds an exclusive flock; if we can take a shared one, it is dead
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -294,6 +295,40 @@ def check_handle(handle: IpcHandle | BucketHandle) -> None:
             f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
             "its memory may already hold other data. Rebuild from the handle of the current export."
         )
+
+
+def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
+    """Remove shared files left by exporters that died without cleaning up (their lock is free).
+
+    Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after creating
+    it); ``only`` restricts the sweep to one guard path. Returns the file names removed.
+    """
+    removed = []
+    now = time.time()
+    for name in os.listdir(SHM_DIR):
+        if not (name.startswith("labsupport-ipc-") and name.endswith(".guard")):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        if only is not None and path != only:
+            continue
+        try:
+            if now - os.stat(path).st_mtime < min_age_s:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its exporter is alive
+        finally:
+            os.close(fd)
+        prefix = name.removesuffix(".guard")
+        for other in os.listdir(SHM_DIR):
+            if other == name or (other.startswith(prefix + "-") and other.endswith(".shm")):
+                _unlink(os.path.join(SHM_DIR, other))
+                removed.append(other)
+    return removed
 
 
 def _unlink(path: str) -> None:
@@ -323,6 +358,7 @@ class Exporter:
     """Owns exported buffers: keeps each alive until its receivers acked and ``release()`` is called."""
 
     def __init__(self) -> None:
+        sweep_stale()  # files of exporters that crashed earlier
         self.prefix = f"labsupport-ipc-{os.getpid()}-{secrets.token_hex(4)}"
         self._guard = _GuardFile(self.prefix)
         self._serials = itertools.count(1)
@@ -503,13 +539,27 @@ class Exporter:
 
 
 def _pack(flat: torch.Tensor, entries: Sequence[BucketEntry], tensors: Sequence[torch.Tensor]) -> None:
-    for e, t in zip(entries, tensors):
-        if e.nbytes:
-            _slice(flat, e).copy_(t)
+    for (_, view), t in zip(_views(flat, entries), tensors):
+        if view.numel():
+            view.copy_(t)
 
 
-def _slice(flat: torch.Tensor, e: BucketEntry) -> torch.Tensor:
-    return flat.narrow(0, e.offset, e.nbytes).view(_dtype(e.dtype)).view(e.shape)
+def _views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
+    """Slice a flat uint8 buffer back into named tensors: one as_strided per entry (a few µs each)."""
+    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
+    out = []
+    for e in entries:
+        got = typed.get(e.dtype)
+        if got is None:  # the whole buffer as this dtype (its size is a multiple of ALIGN)
+            t = flat.view(_dtype(e.dtype))
+            got = typed[e.dtype] = (t, t.storage_offset(), t.itemsize)
+        t, base, size = got
+        stride, acc = [], 1
+        for d in reversed(e.shape):
+            stride.append(acc)
+            acc *= d
+        out.append((e.name, t.as_strided(e.shape, stride[::-1], base + e.offset // size)))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,8 +628,7 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(handle, BucketHandle):
         raise IpcError(f"rebuild_bucket expects a BucketHandle, found {type(handle).__name__}; "
                        "use rebuild() for a single tensor")
-    flat = rebuild(handle.buffer)
-    return [(e.name, _slice(flat, e)) for e in handle.entries]
+    return _views(rebuild(handle.buffer), handle.entries)
 
 
 def _check_dest(handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> None:
@@ -897,8 +946,8 @@ def time_update_vs_copy(handles: Sequence[BucketHandle], dest: Mapping[str, torc
     def local_copies() -> None:
         with torch.no_grad():
             for h in handles:
-                for e in h.entries:
-                    dest[e.name].copy_(_slice(local, e), non_blocking=True)
+                for name, view in _views(local, h.entries):
+                    dest[name].copy_(view, non_blocking=True)
 
     out: dict[str, Any] = {"bytes": total, "ipc_s": [], "d2d_s": [], "flat_s": []}
     ipc_update(), local_copies(), flat_dst.copy_(flat_src)  # warm up: map pages, first-touch memory

@@ -226,14 +226,15 @@ def test_crashed_exporter_is_detected_not_a_crash():
     with Peer(_child_exporter) as peer:
         handle = peer.recv()
         assert ipc.rebuild(handle).sum() == 48.0  # alive: maps fine
+        assert ipc.sweep_stale(min_age_s=0, only=handle.guard.path) == []  # alive: never swept
         peer.proc.kill()
         peer.proc.join(10)
     try:
         with pytest.raises(IpcError, match="exited"):
             ipc.rebuild(handle)
-    finally:  # a killed exporter cannot clean up: remove its files like an admin would
-        for path in (handle.guard.path, handle.payload[0]):
-            ipc._unlink(path)
+    finally:  # a killed exporter cannot clean up; its lock is free, so sweep_stale may remove its files
+        removed = ipc.sweep_stale(min_age_s=0, only=handle.guard.path)
+    assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard.path, handle.payload[0]))
     with pytest.raises(IpcError, match="closed or exited"):
         ipc.rebuild(handle)
 
@@ -356,3 +357,14 @@ def test_cuda_remap_reordered_visible_devices():
         assert "cannot see" in hidden["error"]
         ex.ack(handle)
         ex.ack(handle)
+
+
+def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):
+    state = ipc.model_state(2_000_000, "cpu")
+    handles = exporter.export_buckets(state, 512 << 10)
+    assert len(handles) > 1 and sum(len(h.entries) for h in handles) == len(state)
+    dest = {n: torch.zeros_like(t) for n, t in state}
+    out = ipc.time_update_vs_copy(handles, dest, rounds=2)
+    assert out["bytes"] == sum(t.nbytes for _, t in state)
+    assert all(len(out[k]) == 2 and min(out[k]) > 0 for k in ("ipc_s", "d2d_s", "flat_s"))
+    assert all(torch.equal(dest[n], t) for n, t in state)
