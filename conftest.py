@@ -1,7 +1,7 @@
 """Test configuration: the ``gpu(n)`` marker, and nbval over the labs' MyST sources.
 
 Labs are written as jupytext MyST notebooks (``labs/lab_NN_*.md``). nbval only collects ``.ipynb``, so
-each lab is converted to ``labs/.nbval/<lab>.ipynb`` and collected from there. A lab's front matter
+each lab is read through jupytext by a small subclass of nbval's collector. A lab's front matter
 ``lab: {min_gpus: N}`` decides its path: the GPU path when this machine has N GPUs, otherwise the CPU
 path; the collected notebook's items are labelled with the path so the summary says which ran.
 It lives at the repository root because pytest applies a conftest only to the folder below it,
@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jupytext
+import nbval.plugin
 import pytest
+from nbval.plugin import IPyNbFile
 
 ROOT = Path(__file__).resolve().parent
 LABS = ROOT / "labs"
-NBVAL_DIR = LABS / ".nbval"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -49,29 +51,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _lab_min_gpus(md_path: Path) -> int:
-    import jupytext
-
     nb = jupytext.read(md_path)
     return int(nb.metadata.get("lab", {}).get("min_gpus", 0))
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):
-    if file_path.suffix != ".md" or file_path.parent != LABS or not file_path.name.startswith("lab_"):
-        return None
-    import jupytext
-    from nbval.plugin import IPyNbFile
+    if file_path.suffix == ".md" and file_path.parent == LABS and file_path.name.startswith("lab_"):
+        need = _lab_min_gpus(file_path)
+        lab = LabNotebook.from_parent(parent, path=file_path)
+        lab.lab_path = "GPU" if need and _gpu_count() >= need else "CPU"
+        return lab
+    return None
 
-    NBVAL_DIR.mkdir(exist_ok=True)
-    nb = jupytext.read(file_path)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    out = NBVAL_DIR / (file_path.stem + ".ipynb")
-    jupytext.write(nb, out)
-    need = _lab_min_gpus(file_path)
-    have = _gpu_count()
-    collector = IPyNbFile.from_parent(parent, path=out)
-    collector.lab_path = "GPU" if need and have >= need else "CPU"
-    collector.lab_min_gpus = need
-    return collector
+
+class LabNotebook(IPyNbFile):
+    """nbval's notebook collector, reading the lab's MyST source through jupytext."""
+
+    def collect(self):
+        read = nbval.plugin.nbformat.read
+
+        def read_md(path, as_version=4):
+            nb = jupytext.read(path)
+            nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+            return nb
+
+        nbval.plugin.nbformat.read = read_md  # nbval reads with nbformat.read(path); only .md reach here
+        try:
+            yield from super().collect()
+        finally:
+            nbval.plugin.nbformat.read = read
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
