@@ -170,7 +170,9 @@ class MemoryTimeline:
         if roles:
             try:
                 r, host = self.role_bytes()
-            except RuntimeError:  # a dict changed size under us (main thread mutating); skip this one
+            except Exception:  # e.g. a user callable failed, or a dict changed size under us: skip this count
+                if event != "tick":
+                    raise
                 r = None
             if r is not None:
                 if self.gpu:  # what the allocator holds that no registered tensor explains
@@ -482,7 +484,7 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device,
     dev, moved = torch.device(device), 0
     for st in opt.state.values():
         for k, v in st.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.device == dev:
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.device.type == dev.type:
                 continue
             if dev.type == "cpu":
                 host = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin and torch.cuda.is_available())
