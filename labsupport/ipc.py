@@ -14,8 +14,15 @@ Lifetimes: an :class:`Exporter` keeps every exported buffer alive until ``releas
 (IpcError) until each declared receiver has acked, and afterwards the handle is dead: rebuilding it
 raises :class:`IpcError` instead of mapping memory that may already hold something else. Liveness is
 checked through a tiny shared "guard" file per exporter (one int64 serial number per export, plus an
-advisory lock that the kernel drops if the exporter dies). The check runs when a handle is rebuilt;
-see :func:`rebuild` for what it can and cannot catch.
+advisory lock that the kernel drops if the exporter dies). The check runs when a handle is rebuilt
+(a few microseconds: a cached mmap read and a non-blocking lock probe).
+
+Limits, honestly: the check is not atomic with the mapping (a release racing a rebuild can slip
+through); views rebuilt *before* a release are not invalidated (plain tensors have no per-access hook),
+so a receiver must drop its views before it acks; on GPU, PyTorch's own IPC refcount (one per export,
+not per receiver) keeps a block out of reuse while such views live, but only for the first rebuild;
+a child forked by the exporter inherits its lock, hiding the exporter's death; processes must share
+one host and one ``/dev/shm`` (containers with private IPC namespaces do not).
 """
 
 from __future__ import annotations
@@ -372,7 +379,11 @@ class Exporter:
 
     # ---- exporting -------------------------------------------------------------------------
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
-        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` is first moved into shared memory in place."""
+        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` is first moved into shared memory in place.
+
+        The CPU move is like ``Tensor.share_memory_()``: one copy, once; other views of the old storage
+        keep the old memory, so export the base tensor (e.g. a model's parameters, not slices of them).
+        """
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
         serial = next(self._serials)
@@ -569,10 +580,12 @@ def _views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str
 def rebuild(handle: IpcHandle) -> torch.Tensor:
     """Map an exported tensor into this process (zero-copy), on the local index of the same GPU.
 
-    Checked first: same host, exporter alive, export not released (else IpcError). Not checked:
-    a release that races with this call, and views rebuilt *before* a release (they keep the memory
-    mapped; on GPU torch's IPC refcount keeps the block from being reused while they live).
+    Checked first: same host, exporter alive, export not released (else IpcError). Not checked: a
+    release racing this call, and views rebuilt *before* a release (see the module's "Limits").
     """
+    if not isinstance(handle, IpcHandle):
+        raise IpcError(f"rebuild expects an IpcHandle, found {type(handle).__name__}"
+                       + ("; use rebuild_bucket() for a bucket" if isinstance(handle, BucketHandle) else ""))
     check_handle(handle)
     if handle.kind == "cuda":
         return _rebuild_cuda(handle)
@@ -882,7 +895,8 @@ def probe_in_peer(handle: IpcHandle | BucketHandle, *, fill: float | None = None
 # Benchmark: python -m labsupport bench ipc
 # --------------------------------------------------------------------------------------------
 
-# A Qwen2-1.5B-like layout (hidden 1536) scaled by layer count; "cpu" is a small one for the stand-in.
+# Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as the
+# target size needs; "cpu" is a small layout for the shared-memory stand-in.
 SHAPES = {"cuda": dict(hidden=2048, inter=11008, kv=256, vocab=151936),
           "cpu": dict(hidden=256, inter=1024, kv=64, vocab=4096)}
 

@@ -207,6 +207,8 @@ def test_bad_inputs_give_ipc_errors(exporter):
     h = exporter.export_tensor(torch.zeros(4))
     with pytest.raises(IpcError, match="BucketHandle"):
         ipc.rebuild_bucket(h)
+    with pytest.raises(IpcError, match="use rebuild_bucket"):
+        ipc.rebuild(exporter.export_bucket([("x", torch.zeros(1))]))
     with pytest.raises(IpcError, match="another machine"):
         ipc.rebuild(dataclasses.replace(h, host="0000-other-host"))
     with pytest.raises(IpcError, match="cannot see"):
