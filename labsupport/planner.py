@@ -388,7 +388,8 @@ def _params_arg(a: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m labsupport plan ...`: print planner tables."""
-    p = argparse.ArgumentParser(prog="python -m labsupport plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m labsupport plan",
+                                description="Memory and transfer-time arithmetic for RLHF designs (GB = 1e9 bytes).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(sp: argparse.ArgumentParser) -> None:
