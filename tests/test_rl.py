@@ -1,0 +1,207 @@
+"""Tests of labsupport.rl: the task's rule, GRPO's advantages and loss on hand-computed cases, the engine's
+log-probabilities, the step-time breakdown, and short runs of the real loop in separate processes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from labsupport import models, rl
+
+
+# ----------------------------------------------------------------------------- task
+
+
+def test_answer_rule_and_reward():
+    assert rl.answer_of("k|") == "jih"
+    assert rl.answer_of("b|") == "azy"  # wraps around the alphabet
+    assert rl.reward("jih", "k|") == 1.0
+    assert rl.reward("jihg", "k|") == 1.0  # only the first three characters count
+    assert rl.reward("lmn", "k|") == 0.0  # the pre-trained (forward) continuation earns nothing
+    assert rl.reward("ji", "k|") == 0.0
+
+
+def test_held_out_prompts_never_used_for_training():
+    held = set(rl.eval_prompts())
+    assert len(held) == len(rl.HELD_OUT) == 8
+    drawn = set(rl.train_prompts(2000, random.Random(0)))
+    assert drawn.isdisjoint(held)
+    assert len(drawn) == 26 - 8  # every RL letter shows up
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+
+def test_group_advantages_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 3.0]])
+    a = rl.group_advantages(r, eps=0.0)
+    # group 1: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 / 0.57735 = +-0.8660
+    assert torch.allclose(a[0], torch.tensor([0.8660254, -0.8660254, -0.8660254, 0.8660254]), atol=1e-6)
+    # group 2: everyone equal -> zero advantage, not NaN (with the default eps too)
+    assert torch.equal(rl.group_advantages(r)[1], torch.zeros(4))
+    # group 3: mean 0.75, std 1.5 -> (-0.5, -0.5, -0.5, 1.5)
+    assert torch.allclose(a[2], torch.tensor([-0.5, -0.5, -0.5, 1.5]), atol=1e-6)
+    assert torch.allclose(rl.group_advantages(r, scale=False)[2], torch.tensor([-0.75, -0.75, -0.75, 2.25]))
+    with pytest.raises(ValueError, match="prompts, group"):
+        rl.group_advantages(torch.ones(4))
+
+
+def _loss(logp, old, ref, adv, mask=None, **kw):
+    logp = torch.tensor(logp).log().requires_grad_()
+    t = lambda x: torch.tensor(x).log()  # noqa: E731
+    mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else torch.tensor(mask)
+    loss, stats = rl.grpo_loss(logp, t(old), t(ref), torch.tensor(adv), mask, **kw)
+    return logp, loss, stats
+
+
+def test_grpo_loss_clipping_hand_computed():
+    # ratio = 0.5 / 0.25 = 2; clip 0.2. A=+1: min(2, 1.2) = 1.2 -> loss -1.2, and no gradient (clipped)
+    logp, loss, stats = _loss([[0.5]], [[0.25]], [[0.5]], [1.0], beta=0.0)
+    assert loss.item() == pytest.approx(-1.2)
+    loss.backward()
+    assert logp.grad.abs().max().item() == 0.0
+    assert stats["clip_frac"] == 1.0 and stats["ratio_mean"] == pytest.approx(2.0)
+    # A=-1: min(-2, -1.2) = -2 -> loss 2, gradient d(-ratio*A)/dlogp = ratio = 2
+    logp, loss, _ = _loss([[0.5]], [[0.25]], [[0.5]], [-1.0], beta=0.0)
+    assert loss.item() == pytest.approx(2.0)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(2.0)
+    # on-policy (ratio 1): loss -A, gradient -A per token
+    logp, loss, _ = _loss([[0.3]], [[0.3]], [[0.3]], [0.7], beta=0.0)
+    assert loss.item() == pytest.approx(-0.7)
+
+
+def test_grpo_loss_kl_and_masking_hand_computed():
+    # k3 KL with ref 0.25, policy 0.5: d = ln(0.5), exp(d) - d - 1 = 0.5 + ln 2 - 1 = 0.19315
+    kl = 0.5 + math.log(2) - 1
+    _, loss, stats = _loss([[0.5]], [[0.5]], [[0.25]], [0.0], beta=0.1)
+    assert stats["kl"] == pytest.approx(kl, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * kl, rel=1e-5)
+    # per-sequence mean over unmasked tokens, then mean over sequences:
+    # seq 1 tokens (ratio 1, A=1) -> -1 each; seq 2 has one real token (A=-2, ratio 1) -> +2; padding ignored
+    _, loss, _ = _loss([[0.5, 0.5], [0.5, 0.9]], [[0.5, 0.5], [0.5, 0.1]], [[0.5, 0.5], [0.5, 0.1]],
+                       [1.0, -2.0], mask=[[True, True], [True, False]], beta=0.5)
+    assert loss.item() == pytest.approx((-1.0 + 2.0) / 2)
+
+
+def test_one_grpo_step_moves_probability_towards_rewarded_samples():
+    torch.manual_seed(0)
+    model = models.build_model(0)
+    trainer = rl.GRPOTrainer(model, lr=1e-2, beta=0.0)
+    tok = models.build_tokenizer()
+    prompts = ["k|", "d|"]
+    pids = [tok(p)["input_ids"] for p in prompts for _ in range(2)]
+    comp = torch.tensor([[tok.convert_tokens_to_ids(c) for c in s] for s in ["jih", "lmn", "cba", "efg"]])
+    with torch.no_grad():
+        before = rl.token_logprobs(model, pids, comp).sum(1)
+    ro = rl.Rollout(prompts, 2, pids, comp, before[:, None].expand(-1, 3).clone() / 3,
+                    torch.ones_like(comp, dtype=torch.bool), ["jih", "lmn", "cba", "efg"])
+    ro.logprobs = rl.token_logprobs(model, pids, comp).detach()
+    stats = trainer.step(ro, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    with torch.no_grad():
+        after = rl.token_logprobs(model, pids, comp).sum(1)
+    assert (after[[0, 2]] > before[[0, 2]]).all()  # rewarded answers became likelier
+    assert (after[[1, 3]] < before[[1, 3]]).all()  # the others less likely
+    assert trainer.version == 1 and stats["staleness"] == 0
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def policy_dir():
+    return rl.warmstart_dir()
+
+
+def test_warm_start_greedy_fails_the_task_but_sampling_sometimes_succeeds(policy_dir):
+    eng = rl.HFEngine(policy_dir)
+    greedy = eng.generate(rl.eval_prompts(), 1, rl.ANSWER_LEN, 0.0)
+    acc = sum(rl.reward(t, p) for t, p in zip(greedy.texts, rl.eval_prompts())) / 8
+    assert acc <= 0.25, greedy.texts  # near zero before RL: greedy goes forwards
+    ps = [rl.prompt_of(c) for c in rl.TRAIN_LETTERS]
+    r = eng.generate(ps, 16, rl.ANSWER_LEN, 1.0)
+    hit = sum(rl.reward(t, r.prompts[i // 16]) for i, t in enumerate(r.texts)) / len(r.texts)
+    assert 0.02 < hit < 0.5  # ... but samples are sometimes right: something for GRPO to reinforce
+
+
+def test_engine_logprobs_match_trainer_logprobs(policy_dir):
+    eng = rl.HFEngine(policy_dir)
+    model = rl.load_policy(policy_dir)
+    r = eng.generate(["k|", "a|", "zq|"], 4, rl.ANSWER_LEN, 1.0)  # unequal prompt lengths: left padding
+    assert r.completion_ids.shape == (12, rl.ANSWER_LEN) and len(r.prompt_ids) == 12
+    with torch.no_grad():
+        lp = rl.token_logprobs(model, r.prompt_ids, r.completion_ids)
+    assert torch.allclose(lp[r.mask], r.logprobs[r.mask], atol=1e-4)
+
+
+def test_engine_update_rejects_bad_weights_and_changes_nothing(policy_dir):
+    eng = rl.HFEngine(policy_dir)
+    before = {n: p.detach().clone() for n, p in eng.params().items()}
+    good = [(n, torch.zeros_like(p)) for n, p in eng.params().items()]
+    bad = good[:3] + [(good[3][0], torch.zeros(2, 2))]
+    with pytest.raises(ValueError, match="nothing was written"):
+        eng.update_weights(bad)
+    assert all(torch.equal(p, before[n]) for n, p in eng.params().items())
+    with pytest.raises(KeyError, match="no parameter"):
+        eng.update_weights([("model.nope", torch.zeros(1))])
+    eng.update_weights(good)
+    assert all(p.abs().sum() == 0 for p in eng.params().values())
+
+
+def test_engine_sleep_frees_and_wake_restores(policy_dir):
+    eng = rl.HFEngine(policy_dir)
+    weights = [(n, p.detach().clone()) for n, p in eng.params().items()]
+    out = eng.generate(["k|"], 1, 3, 0.0).texts
+    eng.sleep()
+    assert sum(p.numel() for p in eng.model.parameters()) == 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate(["k|"], 1, 3, 0.0)
+    eng.wake(weights)
+    assert eng.generate(["k|"], 1, 3, 0.0).texts == out
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def test_breakdown_hand_computed():
+    events = [
+        {"lane": "engine", "phase": "generate", "step": 0, "start": 0.0, "end": 0.4},
+        {"lane": "trainer", "phase": "train", "step": 0, "start": 0.4, "end": 0.9},
+        {"lane": "trainer", "phase": "sync", "step": 0, "start": 0.9, "end": 1.0},
+        {"lane": "engine", "phase": "sync", "step": 0, "start": 0.9, "end": 1.0},
+        {"lane": "engine", "phase": "generate", "step": 1, "start": 1.0, "end": 1.5},  # spans two windows
+    ]
+    rows = rl.breakdown(events, [(0.0, 1.0), (1.0, 1.2)])
+    t, e = rows[0]["trainer"], rows[0]["engine"]
+    assert t["train"] == pytest.approx(0.5) and t["sync"] == pytest.approx(0.1) and t["idle"] == pytest.approx(0.4)
+    assert e["generate"] == pytest.approx(0.4) and e["idle"] == pytest.approx(0.5)
+    assert rows[1]["engine"]["generate"] == pytest.approx(0.2) and rows[1]["engine"]["idle"] == pytest.approx(0.0)
+
+
+# ----------------------------------------------------------------------------- the loop, short
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("arch", ["colocated", "async"])
+def test_short_run_syncs_weights_and_records_staleness(arch):
+    cfg = rl.RLConfig(steps=3, prompts_per_step=4, group_size=4)
+    d = rl.run(arch, cfg, verbose=False, memory=False)
+    assert d["weights_match"] is True  # the engine ends with exactly the trainer's bytes
+    assert d["engine_final_acc"] == d["final_acc"]
+    stale = [s["staleness"] for s in d["steps"]]
+    assert stale == ([0, 1, 1] if arch == "async" else [0, 0, 0])
+    lanes = {(e["lane"], e["phase"]) for e in d["events"]}
+    assert {("engine", "generate"), ("trainer", "train"), ("trainer", "sync")} <= lanes
+    for rec in d["steps"]:
+        total = sum(rec["time"]["trainer"].values())
+        assert total == pytest.approx(rec["wall_s"], rel=1e-6)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="arch must be one of"):
+        rl.run("hybrid")
+    with pytest.raises(ValueError, match="only arch='colocated'"):
+        rl.run("async", engine="vllm")
