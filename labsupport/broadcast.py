@@ -102,8 +102,14 @@ class SyncStats:
                 f"{', verified' if self.verified else ''}")
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _items(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
@@ -349,14 +355,59 @@ def _reject_message(version: int, per_rank: list[list[str]], head: str, tail: st
 
 # ---------------------------------------------------------------------------- trainer side
 
+@dataclass
+class _Plan:
+    """Everything both sides derive once per (metadata, bucket size, mode) and reuse on every update."""
+
+    metas: list[TensorMeta]
+    buckets: list[_Bucket]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    total: int
+    packed_max: int
+
+
+def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int,
+          mode: str) -> _Plan:
+    plans = group.cache.setdefault("plans", {})
+    pk = (key, bucket_bytes, mode)
+    if pk not in plans:
+        if len(plans) > 16:
+            plans.clear()
+        buckets = plan_buckets(metas, bucket_bytes, mode)
+        plans[pk] = _Plan(metas, buckets, [m.torch_dtype for m in metas], [m.shape for m in metas],
+                          sum(m.nbytes for m in metas), max((b.nbytes for b in buckets if not b.direct), default=0))
+    return plans[pk]
+
+
+def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], tuple[int, int], bool]:
+    """Metadata and its hash, recomputed only when names/dtypes/shapes/devices changed since the last send.
+
+    Returns ``(metas, key, changed)``; the receivers get the full list only when ``changed``.
+    """
+    sig = [(n, t.dtype, t.shape, t.device) for n, t in items]
+    last = group.cache.get("send_sig")
+    if last is not None and last[0] == sig:
+        return last[1], last[2], False
+    dev = group.device
+    for name, t in items:
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device != dev):
+            raise WeightSyncError(f"tensor '{name}' is on {t.device}, but this group sends from {dev}; "
+                                  f"move the model to {dev} first.")
+    metas = metadata_of(items)
+    key = _meta_hash(metas)
+    group.cache["send_sig"] = (sig, metas, key)
+    return metas, key, True
+
+
 def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
          src: int = 0, mode: str = "bucketed", bucket_bytes: int = 256 << 20, version: int = 0,
          verify: bool = True) -> SyncStats:
     """Broadcast named tensors from this rank (``src``) to every other rank of ``group``.
 
     Returns once every receiver has loaded the update (and, with ``verify``, matched its checksums).
-    Raises ``WeightSyncError`` if any receiver rejects the metadata (nothing is sent then), reports a
-    checksum mismatch or a failing ``load``; ``SyncTimeout`` if a peer stops answering.
+    Raises ``WeightSyncError`` if any receiver rejects the metadata (no receiver loads anything then),
+    reports a checksum mismatch or a failing ``load``; ``SyncTimeout`` if a peer stops answering.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -367,51 +418,52 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
     t0 = time.perf_counter()
     items = _items(named_tensors)
     dev = group.device
-    for name, t in items:
-        if t.device.type != dev.type or (dev.type == "cuda" and t.device != dev):
-            raise WeightSyncError(f"tensor '{name}' is on {t.device}, but this group sends from {dev}; "
-                                  f"move the model to {dev} first.")
-    metas = metadata_of(items)
-    key = _meta_hash(metas)
-    full = group.cache.get("sent_meta") != key
+    metas, key, changed = _sender_metadata(group, items)
     header = torch.tensor([MAGIC, version, key[0], key[1], len(metas), MODES[mode], bucket_bytes,
-                           (1 if verify else 0) | (2 if full else 0)], dtype=torch.int64, device=dev)
+                           (1 if verify else 0) | (2 if changed else 0)], dtype=torch.int64, device=dev)
     _guard(group, lambda: group.broadcast(header, src), "the handshake")
-    if full:
-        _guard(group, lambda: group.broadcast_object([(m.name, m.dtype, m.shape) for m in metas], src), "the handshake")
-        group.cache["sent_meta"] = key
-    rejected = _vote(group, [], "metadata", dev)
-    if rejected is not None:
-        raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
-                                              "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
-                                              "(or the receiver's expected metadata) and send again."))
+    early = None
+    if changed:
+        # New layout: receivers need the full list, and we wait for their verdict before sending anything.
+        _guard(group, lambda: group.broadcast_object([(m.name, m.dtype, m.shape) for m in metas], src),
+               "the handshake")
+        rejected = _vote(group, [], "metadata", dev)
+        if rejected is not None:
+            group.cache.pop("send_sig", None)
+            raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
+                                                  "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
+                                                  "(or the receiver's expected metadata) and send again."))
+    else:
+        # Known layout: receivers already validated it once. Their vote travels on the device while the
+        # data flows; a receiver that objects now receives without loading, and we learn it at the end.
+        early = torch.zeros(1, dtype=torch.int32, device=dev)
+        _guard(group, lambda: group.all_reduce(early, "max"), "the handshake")
     t_hand = time.perf_counter() - t0
 
-    plan = _cached_plan(group, key, metas, bucket_bytes, mode)
-    packed_max = max((b.nbytes for b in plan if not b.direct), default=0)
-    bufs = _buffers(group, packed_max) if packed_max else [None, None]
+    plan = _plan(group, key, metas, bucket_bytes, mode)
+    bufs = _buffers(group, plan.packed_max) if plan.packed_max else [None, None]
     streams = _streams(group)
     cur = torch.cuda.current_stream(dev) if group.backend == "nccl" else None
     for s in streams:
         if s is not None:
             s.wait_stream(cur)  # the side streams see the weights as the trainer last wrote them
-    sums = torch.zeros(max(len(plan), 1), dtype=torch.int64, device=dev) if verify else None
+    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     tensors = [t for _, t in items]
     pending: list[Any] = [None, None]
 
     def transfer() -> None:
-        for k, b in enumerate(plan):
+        for k, b in enumerate(plan.buckets):
             i = k % 2
             with _on(streams[i]):
                 if pending[i] is not None:  # buffer i is free once its previous broadcast is done
                     group.wait_work(pending[i][0], "bucket broadcast")
                     pending[i] = None
                 if b.direct:
-                    payload = _as_bytes(tensors[b.items[0][0]].detach().contiguous())
+                    payload = _as_bytes(tensors[b.items[0][0]].contiguous())
                 else:
                     payload = bufs[i][: b.nbytes]
                     for idx, off, n in b.items:
-                        payload[off:off + n].copy_(_as_bytes(tensors[idx].detach().contiguous()), non_blocking=True)
+                        payload[off:off + n].copy_(_as_bytes(tensors[idx].contiguous()), non_blocking=True)
                 if sums is not None:
                     sums[k] = _checksum(payload)
                 pending[i] = (group.broadcast(payload, src, async_op=True), payload)
@@ -424,27 +476,31 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
             if s is not None:
                 cur.wait_stream(s)
 
-    _guard(group, transfer, "the transfer")
+    with torch.no_grad():
+        _guard(group, transfer, "the transfer")
     if sums is not None:
         _guard(group, lambda: group.broadcast(sums, src), "verification")
-    failed = _vote(group, [], "verification", dev)
-    if failed is not None:
-        raise WeightSyncError(_reject_message(version, failed, "failed on a receiver",
-                                              "Receivers may hold partly updated weights: send again."))
-    return SyncStats(bytes=sum(m.nbytes for m in metas), seconds=time.perf_counter() - t0,
-                     n_collectives=len(plan), mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas),
-                     version=version, handshake_s=t_hand, verified=verify)
+    _finish(group, version, [], early, None, None, dev)
+    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=len(plan.buckets),
+                     mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas), version=version,
+                     handshake_s=t_hand, verified=verify)
 
 
-def _cached_plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int,
-                 mode: str) -> list[_Bucket]:
-    plans = group.cache.setdefault("plans", {})
-    pk = (key, bucket_bytes, mode)
-    if pk not in plans:
-        if len(plans) > 16:
-            plans.clear()
-        plans[pk] = plan_buckets(metas, bucket_bytes, mode)
-    return plans[pk]
+def _finish(group: StatelessGroup, version: int, problems: list[str], early: torch.Tensor | None,
+            device_flag: torch.Tensor | None, details: Callable[[], list[str]] | None, dev: torch.device) -> None:
+    """The closing vote (every rank): raise on all ranks if the early metadata vote or the checks failed."""
+    flag = device_flag if device_flag is not None else torch.zeros((), dtype=torch.int32, device=dev)
+    if early is not None:  # 2 = somebody rejected the metadata during the pipelined vote
+        flag = torch.maximum(flag.to(torch.int32).reshape(1), early.to(torch.int32).reshape(1) * 2)
+    failed = _vote(group, problems, "verification", dev, flag, details)
+    if failed is None:
+        return
+    if early is not None and int(early.item()):
+        raise WeightSyncError(_reject_message(version, failed, "rejected before any weight changed",
+                                              "Nothing was loaded on any receiver (the data was received and "
+                                              "dropped). Fix the names/dtypes/shapes and send again."))
+    raise WeightSyncError(_reject_message(version, failed, "failed on a receiver",
+                                          "Receivers may hold partly updated weights: send again."))
 
 
 # ---------------------------------------------------------------------------- receiver side
@@ -453,9 +509,10 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
             load: Callable[[list[tuple[str, torch.Tensor]]], None], device: str | torch.device | None = None) -> SyncStats:
     """Receive one update from ``src``: validate its metadata, then call ``load`` per bucket (or tensor).
 
-    ``expected`` maps name -> ``TensorMeta`` (or a tensor); ``None`` accepts any metadata. ``load`` gets
-    ``[(name, tensor)]`` views into a reused buffer, valid only during the call: copy what you keep. On NCCL
-    it runs on a side stream that is current during the call, so copies issued there are ordered correctly.
+    ``expected`` maps name -> ``TensorMeta`` (or a tensor); ``None`` accepts any metadata. Validation is
+    skipped when the same ``expected`` object meets the same metadata again, so build it once. ``load``
+    gets ``[(name, tensor)]`` views into a reused buffer, valid only during the call: copy what you keep.
+    On NCCL it runs on a side stream that is current during the call, so its copies are ordered correctly.
     """
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
@@ -470,71 +527,92 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
                               f"(magic {magic:#x}); are both sides calling send/receive in the same order?")
     mode = {v: k for k, v in MODES.items()}[mode_code]
     key = (h0, h1)
-    cache = group.cache.setdefault("recv_meta", {})
-    problems: list[str] = []
+    known = group.cache.setdefault("recv_meta", {})
     if flags & 2:
         raw = _guard(group, lambda: group.broadcast_object(None, src), "the handshake")
-        metas = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
-        cache.clear()
-        cache[key] = metas
-    metas = cache.get(key)
-    if metas is None:
-        metas, problems = [], [f"metadata {key} was never received by this rank; create a new group"]
-    problems = problems or _validate(metas, expected)
-    rejected = _vote(group, problems, "metadata", dev)
-    if rejected is not None:
-        raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
-                                              "Nothing was loaded on any receiver."))
+        known.clear()
+        known[key] = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
+    metas = known.get(key)
+    if metas is None:  # cannot happen with one sender per group; say so rather than guess
+        group.abort()
+        raise WeightSyncError(f"rank {group.rank}: update v{version} refers to metadata this rank never received; "
+                              "create a new group.")
+    seen = group.cache.get("verdict")
+    if seen is not None and seen[0] == key and seen[1] is expected and seen[2] == len(expected or ()):
+        problems = seen[3]
+    else:
+        problems = _validate(metas, expected)
+        group.cache["verdict"] = (key, expected, len(expected or ()), problems)
+    early = None
+    if flags & 2:
+        rejected = _vote(group, problems, "metadata", dev)
+        if rejected is not None:
+            raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
+                                                  "Nothing was loaded on any receiver."))
+    else:
+        early = torch.tensor([1 if problems else 0], dtype=torch.int32, device=dev)
+        _guard(group, lambda: group.all_reduce(early, "max"), "the handshake")
     t_hand = time.perf_counter() - t0
 
     verify = bool(flags & 1)
-    plan = _cached_plan(group, key, metas, bucket_bytes, mode)
-    packed_max = max((b.nbytes for b in plan if not b.direct), default=0)
-    bufs = _buffers(group, packed_max) if packed_max else [None, None]
+    plan = _plan(group, key, metas, bucket_bytes, mode)
+    bufs = _buffers(group, plan.packed_max) if plan.packed_max else [None, None]
     streams = _streams(group)
     cur = torch.cuda.current_stream(dev) if group.backend == "nccl" else None
     for s in streams:
         if s is not None:
             s.wait_stream(cur)
-    sums = torch.zeros(max(len(plan), 1), dtype=torch.int64, device=dev) if verify else None
+    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     load_errors: list[str] = []
     slots: list[Any] = [None, None]
+    state = {"load": None}  # decided before the first load: False while somebody rejected the update
 
     def issue(k: int) -> None:
-        b, i = plan[k], k % 2
+        b, i = plan.buckets[k], k % 2
         with _on(streams[i]):
             if b.direct:
-                m = metas[b.items[0][0]]
-                holder = torch.empty(m.shape, dtype=m.torch_dtype, device=dev)
+                idx = b.items[0][0]
+                holder = torch.empty(plan.shapes[idx], dtype=plan.dtypes[idx], device=dev)
                 payload = _as_bytes(holder)
             else:
                 holder, payload = None, bufs[i][: b.nbytes]
             slots[i] = (group.broadcast(payload, src, async_op=True), payload, holder)
 
+    def may_load() -> bool:
+        if state["load"] is None:
+            if early is None:
+                state["load"] = True
+            else:  # the pipelined metadata vote: the all-reduce finished long ago or finishes now
+                group.synchronize("the metadata vote")
+                state["load"] = int(early.item()) == 0
+        return state["load"]
+
     def transfer() -> None:
-        if plan:
+        n = len(plan.buckets)
+        if n:
             issue(0)
-        for k, b in enumerate(plan):
-            if k + 1 < len(plan):
+        for k, b in enumerate(plan.buckets):
+            if k + 1 < n:
                 issue(k + 1)  # the next bucket lands in the other buffer while we unpack this one
             i = k % 2
             work, payload, holder = slots[i]
+            allowed = may_load() and not load_errors  # (on the main stream: waits for the vote only)
             with _on(streams[i]):
                 group.wait_work(work, "bucket broadcast")
                 if sums is not None:
                     sums[k] = _checksum(payload)
+                if not allowed:
+                    slots[i] = None
+                    continue
                 if holder is not None:
-                    batch = [(metas[b.items[0][0]].name, holder)]
+                    batch = [(plan.metas[b.items[0][0]].name, holder)]
                 else:
-                    batch = []
-                    for idx, off, n in b.items:
-                        m = metas[idx]
-                        batch.append((m.name, payload[off:off + n].view(m.torch_dtype).view(m.shape)))
-                if not load_errors:
-                    try:
-                        load(batch)
-                    except Exception as exc:  # keep receiving so the other ranks do not hang; report below
-                        load_errors.append(f"load() failed on '{batch[0][0]}': {type(exc).__name__}: {exc}")
+                    batch = [(plan.metas[idx].name, payload[off:off + nb].view(plan.dtypes[idx]).view(plan.shapes[idx]))
+                             for idx, off, nb in b.items]
+                try:
+                    load(batch)
+                except Exception as exc:  # keep receiving so the other ranks do not hang; report at the end
+                    load_errors.append(f"load() failed on '{batch[0][0]}': {type(exc).__name__}: {exc}")
             slots[i] = None
         for s in streams:
             if s is not None:
@@ -550,18 +628,17 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
         def details() -> list[str]:
             out = []
             for k in (theirs != sums).nonzero().flatten().tolist()[:5]:
-                names = [metas[idx].name for idx, _, _ in plan[k].items]
+                names = [plan.metas[idx].name for idx, _, _ in plan.buckets[k].items]
                 out.append(f"checksum mismatch in bucket {k} ({', '.join(names[:4])}"
                            f"{'...' if len(names) > 4 else ''})")
             return out
 
-    failed = _vote(group, load_errors, "verification", dev, dflag, details)
-    if failed is not None:
-        raise WeightSyncError(_reject_message(version, failed, "failed on a receiver",
-                                              "This receiver may hold partly updated weights: ask for a resend."))
-    return SyncStats(bytes=sum(m.nbytes for m in metas), seconds=time.perf_counter() - t0,
-                     n_collectives=len(plan), mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas),
-                     version=version, handshake_s=t_hand, verified=verify)
+    if early is not None and problems:  # this rank objected during the pipelined vote
+        load_errors = problems + load_errors
+    _finish(group, version, load_errors, early, dflag, details, dev)
+    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=len(plan.buckets),
+                     mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas), version=version,
+                     handshake_s=t_hand, verified=verify)
 
 
 # ---------------------------------------------------------------------------- benchmark

@@ -216,9 +216,21 @@ def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
         B.send(g, _model(7, dev), version=9)
     else:
         B.receive(g, expected=B.expected_from(model), load=B.copy_into(model))
+    final = {k: _sha(v) for k, v in model.items()}
+    # Same layout again (the receivers validated it before, so the vote now travels with the data), but
+    # the last receiver's model changed meanwhile: nobody may load, everyone must raise.
+    try:
+        if rank == 0:
+            B.send(g, _model(8, dev), version=10)
+        else:
+            B.receive(g, expected=B.expected_from(other if rank == world_size - 1 else model),
+                      load=B.copy_into(model))
+        errors.append(None)
+    except B.WeightSyncError as exc:
+        errors.append(str(exc))
+    unchanged.append({k: _sha(v) for k, v in model.items()} == final)
     g.destroy()
-    return {"errors": errors, "loads": len(loads), "unchanged": unchanged,
-            "final": {k: _sha(v) for k, v in model.items()}}
+    return {"errors": errors, "loads": len(loads), "unchanged": unchanged, "final": final}
 
 
 def _check_reject(res: list) -> None:
@@ -235,10 +247,12 @@ def _check_reject(res: list) -> None:
                 assert hint in err
         assert errs[3] is not None and f"rank {world - 1}: 'head.weight': shape expected (17, 128)" in errs[3]
         assert errs[4] is not None and "rank 1: load() failed" in errs[4] and "disk full" in errs[4]
+        assert errs[5] is not None and "rejected before any weight changed" in errs[5], errs[5]
+        assert f"rank {world - 1}: 'head.weight': shape expected (17, 128)" in errs[5]
         if rank > 0:
             assert out["final"] == want, rank  # the good update after all the bad ones landed
             assert out["loads"] == 0  # load() never ran for a rejected update
-            assert all(out["unchanged"]), out["unchanged"]
+            assert out["unchanged"] == [True] * 5, out["unchanged"]
 
 
 @pytest.mark.timeout(120)
