@@ -833,6 +833,9 @@ class Peer:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+        for q in (self.inbox, self.outbox):  # never block interpreter exit on undelivered messages
+            q.cancel_join_thread()
+            q.close()
 
     def __enter__(self) -> "Peer":
         return self

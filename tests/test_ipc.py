@@ -370,3 +370,12 @@ def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):
     assert out["bytes"] == sum(t.nbytes for _, t in state)
     assert all(len(out[k]) == 2 and min(out[k]) > 0 for k in ("ipc_s", "d2d_s", "flat_s"))
     assert all(torch.equal(dest[n], t) for n, t in state)
+
+
+@pytest.mark.timeout(180)
+def test_bench_runs_end_to_end_on_the_stand_in(capsys):
+    """The benchmark's two-process protocol (the GPU run uses the same code) at a tiny size."""
+    assert ipc.bench_main(["--device", "cpu", "--gb", "0.01", "--bucket-mb", "4", "--rounds", "1", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes equal after update: True" in out
+    assert "rebuild after release: IpcError" in out
