@@ -18,13 +18,14 @@ BENCHES = {
     "sync": "labsupport.broadcast:bench_main",
     "ipc": "labsupport.ipc:bench_main",
     "memory": "labsupport.memory:bench_main",
+    "cluster": "labsupport.cluster:bench_main",
 }
 
 USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory   benchmarks (print a table, write JSON under results/)
+  bench links|sync|ipc|memory|cluster   benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)
 """

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The course's reference GPU run: GPU-marked tests, benchmarks and the labs' GPU paths, on a machine
+# with GPUs and no network (the lent H200/H100 machines). Results (JSON + PNG, each recording machine,
+# versions, command and date) and logs are packed into $OUT for committing under results/.
+#
+#   bash tools/gpu_reference_run.sh [STEP ...]     # default: all steps; STEP in the list below
+#
+# Without a venv: the wheels that machine lacks travel in .whl (../shared/device/pack-wheels.sh .whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT/results" "$OUT/logs"
+if [ -d .whl ] && ! python3 -c "import ray, nbval" 2>/dev/null; then
+  bash .whl/install-wheels.sh .whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LABSUPPORT_RESULTS_DIR=$OUT/results LABSUPPORT_CACHE=/tmp/labsupport_cache
+STEPS=${*:-doctor links sync ipc memory cluster tests labs rl}
+run() {  # run NAME TIMEOUT CMD...: log to $OUT/logs/NAME.log, never stop the whole run
+  local name=$1 limit=$2; shift 2
+  echo "=== [$(date +%T)] $name: $*"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/logs/$name.log"
+}
+for step in $STEPS; do
+  case $step in
+    doctor)  run doctor 120 python3 -m labsupport doctor --save ;;
+    links)   run links 120 python3 -m labsupport bench links ;;
+    sync)    run sync 240 python3 -m labsupport bench sync --timeout 220 ;;
+    ipc)     run ipc 180 python3 -m labsupport bench ipc ;;
+    memory)  run memory 180 python3 -m labsupport bench memory ;;
+    cluster) run cluster 180 python3 -m labsupport bench cluster ;;
+    tests)   run tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout=300 -x --junitxml="$OUT/logs/gpu_tests.xml" ;;
+    labs)    run labs 480 python3 -m pytest -q -p no:cacheprovider --timeout=600 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_03_nccl_weight_sync.md labs/lab_05_cuda_ipc.md ;;
+    rl)      run rl 300 python3 -m labsupport rl --arch all ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/logs/nvidia-smi.csv" 2>&1
+tar czf "$OUT/results.tgz" -C "$OUT" results && tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/results" "$OUT/logs"
+ls -la "$OUT"
