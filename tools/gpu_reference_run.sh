@@ -33,7 +33,7 @@ for step in $STEPS; do
     ipc)     run ipc 180 python3 -m labsupport bench ipc ;;
     memory)  run memory 180 python3 -m labsupport bench memory ;;
     cluster) run cluster 180 python3 -m labsupport bench cluster ;;
-    tests)   run tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout=300 -x --junitxml="$OUT/logs/gpu_tests.xml" ;;
+    tests)   run tests 330 python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout=240 --junitxml="$OUT/logs/gpu_tests.xml" ;;
     labs)    run labs 480 python3 -m pytest -q -p no:cacheprovider --timeout=600 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_03_nccl_weight_sync.md labs/lab_05_cuda_ipc.md ;;
     rl)      run rl 300 python3 -m labsupport rl --arch all ;;
     *) echo "unknown step $step" ;;
