@@ -683,8 +683,9 @@ def bench_main(argv: list[str] | None = None) -> int:
         print(f"  {s:10s} {peaks[s] / unit:8.3f} {u}")
     if over:
         print(f"sampler overhead: {100 * over['overhead']:+.2f}% of a step (median of {a.repeats}: "
-              f"{over['step_s_without']:.3f} s without a timeline, {over['step_s_with']:.3f} s with; allocator every "
-              f"{a.interval * 1e3:.0f} ms, roles every {over['roles_interval_s'] * 1e3:.0f} ms; "
+              f"{over['step_s_without']:.3f} s without a timeline, {over['step_s_with']:.3f} s with; "
+              + (f"allocator every {a.interval * 1e3:.0f} ms, " if device == "cuda" else "")
+              + f"roles every {over['roles_interval_s'] * 1e3:.0f} ms; "
               f"sampler thread busy {100 * over['sampler_busy_fraction']:.2f}% of the step)")
     if a.no_save:
         return 0
