@@ -172,6 +172,26 @@ class LLMWeightSyncClient:
         self.llm.finish_weight_update(weight_version)
 
 
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _as_bucket_handle(h: Any) -> Any:
+    """A ``labsupport.ipc.BucketHandle``, also from the plain dict vLLM's RPC encoder turns it into."""
+    from labsupport import ipc
+
+    if isinstance(h, ipc.BucketHandle):
+        return h
+    if not isinstance(h, Mapping) or "buffer" not in h or "entries" not in h:
+        raise WeightUpdateError(f"expected a labsupport.ipc.BucketHandle, found {type(h).__name__}; export the "
+                                "weights with ipc.export_bucket and send pack_ipc_handles({device_id: handle})")
+    b = h["buffer"]
+    buffer = ipc.IpcHandle(b["kind"], b["dtype"], tuple(b["shape"]), b["nbytes"], b["host"], b["device_uuid"],
+                           _tuples(b["payload"]), ipc.Guard(**b["guard"]), b["pid"])
+    return ipc.BucketHandle(buffer, tuple(ipc.BucketEntry(e["name"], e["dtype"], tuple(e["shape"]), e["offset"],
+                                                          e["nbytes"]) for e in h["entries"]))
+
+
 def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
     """``{device_id: BucketHandle | [BucketHandle]}`` as bytes for ``update_weights_from_ipc`` over RPC."""
     return pickle.dumps(dict(handles))
@@ -589,8 +609,9 @@ class ColocateWorkerExtension(_ExtensionBase):
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any]) -> int:
         """Load the bucket handle(s) exported for this worker's device; returns the number of tensors.
 
-        ``handles`` is ``pack_ipc_handles({device_id: handle or [handles]})``: vLLM's RPC encoder turns
-        dataclasses into plain dicts, so the handles travel pickled (trusted trainer, as in vLLM's example).
+        ``handles`` is ``{device_id: handle or [handles]}``. vLLM's RPC encoder turns the handle dataclasses
+        into plain dicts (rebuilt here); ``pack_ipc_handles`` sends them pickled instead, which also keeps
+        CUDA handles' torch objects intact (trusted trainer, as in vLLM's example).
         """
         from labsupport import ipc
 
@@ -601,7 +622,7 @@ class ColocateWorkerExtension(_ExtensionBase):
             raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
                                     f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
         mine = handles[me]
-        buckets = list(mine) if isinstance(mine, (list, tuple)) else [mine]
+        buckets = [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
         ew = self._lsx()
         metas = [TensorMeta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries]
         ew.check(metas)  # before mapping anything

@@ -49,7 +49,7 @@ def llm():
                  worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension",
                  weight_transfer_config=WeightTransferConfig(backend=vllm_ext.GLOO_BACKEND))
     yield engine
-    engine.shutdown() if hasattr(engine, "shutdown") else None
+    engine.llm_engine.engine_core.shutdown()  # stop the engine-core and worker processes now, not at exit
     del engine
     for k, v in old.items():
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -225,6 +225,14 @@ def test_colocated_ipc_update(llm, group, hf):
     assert generate(llm) == TRAINED
     assert llm.collective_rpc("check_weights_changed") == [True, True]
 
+    set_weights(llm, group, hf, "random")  # the handle dict also works unpickled (vLLM sends it as plain dicts)
+    with ipc.Exporter() as exporter:
+        bucket = exporter.export_bucket(named, receivers=TP)
+        assert llm.collective_rpc("update_weights_from_ipc", args=({ids[0]: bucket},)) == [27, 27]
+        exporter.release(bucket, force=True)
+    assert generate(llm) == TRAINED
+    llm.collective_rpc("check_weights_changed")
+
     with ipc.Exporter() as exporter:
         wrong = [(n, p.detach()[:1] if n == "lm_head.weight" else p.detach())
                  for n, p in hf["random"].named_parameters()]
@@ -232,6 +240,6 @@ def test_colocated_ipc_update(llm, group, hf):
         with pytest.raises(Exception, match="lm_head.weight"):
             llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({ids[0]: bad}),))
         with pytest.raises(Exception, match="no IPC handle"):
-            llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({"GPU-elsewhere": bad}),))
+            llm.collective_rpc("update_weights_from_ipc", args=({"GPU-elsewhere": bad},))
     assert generate(llm) == TRAINED
     assert llm.collective_rpc("check_weights_changed") == [False, False]
