@@ -81,7 +81,7 @@ class MemoryTimeline:
         # background thread counts roles less often on GPU (phase edges always count them); each role
         # count holds the GIL for ~1-2 ms, which a launch-bound GPU step feels
         self.interval_s = interval_s
-        self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (0.25 if self.gpu else 0.02)
+        self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (1.0 if self.gpu else 0.02)
         self.samples: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
         self._sources: list[_Source] = []
@@ -650,9 +650,9 @@ def bench_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m labsupport bench memory", description=bench_main.__doc__)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--interval", type=float, default=0.01, help="allocator sampling interval (s); roles every 0.25 s on GPU")
+    p.add_argument("--interval", type=float, default=0.02, help="allocator sampling interval (s); roles every 1 s on GPU")
     p.add_argument("--roles-interval", type=float, default=None,
-                   help="seconds between role counts in the background (default 0.25 on GPU, 0.02 on CPU)")
+                   help="seconds between role counts in the background (default 1.0 on GPU, 0.02 on CPU)")
     p.add_argument("--repeats", type=int, default=5, help="step pairs for the overhead measurement (0: skip)")
     p.add_argument("--no-snapshot", action="store_true", help="do not write the memory_viz snapshot (GPU)")
     p.add_argument("--no-save", action="store_true", help="print only; write no result files")
