@@ -77,6 +77,9 @@ def test_references_resolve() -> None:
     for page in BOOK.glob("*.md"):
         for m in ROLE.finditer(page.read_text()):
             role, target = m.group("role"), m.group("target")
+            explicit = re.search(r"<([^>]+)>$", target)  # {role}`text <target>`
+            if explicit and role != "term":
+                target = explicit.group(1)
             if role == "doc":
                 path = (page.parent / target).resolve()
                 found = [p for p in (path.with_suffix(".md"), path.with_suffix(".ipynb")) if p.exists()]
