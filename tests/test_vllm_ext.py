@@ -42,6 +42,22 @@ def test_stateless_init_process_group_is_a_drop_in(device_type):
     assert out == [(True, (backend, True))] * 2
 
 
+def test_plugin_registers_gloo_backend_through_vllms_loader():
+    """The pyproject entry point (vllm.general_plugins: labsupport) is what vLLM's own loader runs."""
+    pytest.importorskip("vllm")
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("labsupport") == "labsupport.vllm_ext:register_plugin"  # needs `pip install -e .`
+    load_general_plugins()
+    assert vllm_ext.GLOO_BACKEND in WeightTransferEngineFactory._registry
+    assert vllm_ext.GLOO_BACKEND in WeightTransferTrainerFactory._registry
+    vllm_ext.register_plugin()  # vLLM may load plugins more than once per process: must not raise
+
+
 @pytest.fixture(scope="module")
 def hf():
     """The trainer's models (transformers): the random start and the trained one, plus the tokenizer."""
