@@ -46,9 +46,9 @@ import math
 import pickle
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -83,27 +83,12 @@ def dtype_name(t: torch.Tensor | torch.dtype) -> str:
 
 
 def rpc_in_thread(llm: Any) -> Callable[[str, tuple], Callable[[], Any]]:
-    """Adapter for :func:`push_weights`: run ``llm.collective_rpc`` (an in-process ``LLM``) in a thread."""
+    """Adapter for :func:`push_weights`: ``llm.collective_rpc`` (an in-process ``LLM``) on a side thread,
+    so the trainer can broadcast while the workers wait in their receive."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collective_rpc")
 
     def call(method: str, args: tuple) -> Callable[[], Any]:
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["out"] = llm.collective_rpc(method, args=args)
-            except BaseException as exc:  # re-raised in wait()
-                box["err"] = exc
-
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
-
-        def wait() -> Any:
-            th.join()
-            if "err" in box:
-                raise box["err"]
-            return box["out"]
-
-        return wait
+        return pool.submit(llm.collective_rpc, method, args=args).result
 
     return call
 
@@ -166,7 +151,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
 
 def raise_worker_errors(results: Any) -> None:
     """Raise ``WeightUpdateError`` if any worker returned an error (see :func:`_raise_on_last_rank`)."""
-    errors = [r["error"] for r in (results or []) if isinstance(r, dict) and "error" in r]
+    results = results if isinstance(results, (list, tuple)) else [results]
+    errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
     if errors:
         raise WeightUpdateError(errors[0])
 
