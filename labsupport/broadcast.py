@@ -332,7 +332,9 @@ def _vote(group: StatelessGroup, my_problems: list[str], what: str, dev: torch.d
     One all-reduce (max) of a flag; ``device_flag`` lets a check computed on the device join the vote
     without a host sync, and ``details`` explains it afterwards (only when someone objected).
     """
-    flag = torch.tensor([1 if my_problems else 0], dtype=torch.int32, device=dev)
+    # torch.full is a device-side fill: unlike torch.tensor(..., device="cuda") it never waits for the
+    # stream, which may be stuck behind a broadcast to a dead peer (we must reach our timed wait below).
+    flag = torch.full((1,), 1 if my_problems else 0, dtype=torch.int32, device=dev)
     if device_flag is not None:
         flag = torch.maximum(flag, device_flag.to(torch.int32).reshape(1))
     _guard(group, lambda: group.all_reduce(flag, "max"), f"the {what} vote")
@@ -550,7 +552,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
             raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
                                                   "Nothing was loaded on any receiver."))
     else:
-        early = torch.tensor([1 if problems else 0], dtype=torch.int32, device=dev)
+        early = torch.full((1,), 1 if problems else 0, dtype=torch.int32, device=dev)
         _guard(group, lambda: group.all_reduce(early, "max"), "the handshake")
     t_hand = time.perf_counter() - t0
 

@@ -134,13 +134,12 @@ class StatelessGroup:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         event = torch.cuda.Event()
         event.record()
-        deadline = time.monotonic() + timeout_s
-        spins = 0
+        start = time.monotonic()
         while not event.query():
-            spins += 1
-            if spins > 2000:
-                time.sleep(0.0005)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - start > 0.5:  # spin first (accurate timings), then poll gently
+                time.sleep(0.001)
+            if now - start > timeout_s:
                 self.abort()
                 raise GroupTimeout(
                     f"rank {self.rank}: {what} did not finish within {timeout_s:.0f} s on group {self.address}. "
