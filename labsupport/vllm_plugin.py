@@ -85,12 +85,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def __init__(self, config: Any, vllm_config: "VllmConfig", device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: groups.StatelessGroup | None = None
-        self.weights = EngineWeights(model, vllm_config, torch.device("cpu"))
+        self._weights: EngineWeights | None = None
         self.open = False
         self.failed: str | None = None
 
+    @property
+    def weights(self) -> EngineWeights:
+        """The model in checkpoint format (built on first use, so engine start-up never depends on it)."""
+        if self._weights is None:
+            self._weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
+        return self._weights
+
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
+        _ = self.weights  # a model this engine cannot check fails here, before the trainer sends anything
         rank = _worker_rank(self.vllm_config, init_info.rank_offset)
         self.group = groups.create_group(init_info.master_address, init_info.master_port, rank,
                                          init_info.world_size, backend="gloo", device="cpu",
