@@ -310,7 +310,11 @@ def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
 
 
 def release_buffers(group: StatelessGroup) -> None:
-    """Free the two bucket buffers this group keeps between syncs (2 x bucket_bytes of device memory)."""
+    """Drop the two bucket buffers this group keeps between syncs (2 x bucket_bytes of device memory).
+
+    The memory goes back to PyTorch's cache; call ``torch.cuda.empty_cache()`` too if another library
+    (an inference engine's KV cache) should get it.
+    """
     if group.cache.pop("buffers", None) is not None:
         group.synchronize("releasing buffers")
 
