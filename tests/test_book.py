@@ -145,24 +145,31 @@ def test_chapter_notebooks_execute(chapter: Path) -> None:
 # ----------------------------------------------------------------------------- the two HTML builds
 
 @pytest.fixture(scope="module")
-def editions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Instructor and student HTML, built from the same sources with notebook execution off."""
+def editions(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Instructor and student HTML, built from the same sources with notebook execution off.
+
+    The sources are snapshotted first, so that checks compare against what was built even if someone
+    edits a page meanwhile (the working tree is shared while the course is being written).
+    """
     out = tmp_path_factory.mktemp("editions")
-    return {name: se.build_site(out / name, student=(name == "student"), execute=False, warnings_as_errors=False)
-            for name in ("instructor", "student")}
+    snapshot = {p: p.read_text() for p in se.toc_sources()}
+    sites = {name: se.build_site(out / name, student=(name == "student"), execute=False, warnings_as_errors=False)
+             for name in ("instructor", "student")}
+    return {**sites, "texts": snapshot}
 
 
-def test_student_edition_has_no_solutions(editions: dict[str, Path]) -> None:
-    sources = se.toc_sources()
-    fps = se.solution_fingerprints(sources)
-    labelled = {(p.name, arg) for p in sources for arg, _ in se.directives(p.read_text(), "solution")}
+def test_student_edition_has_no_solutions(editions: dict) -> None:
+    texts = editions["texts"]
+    sources = list(texts)
+    fps = se.solution_fingerprints(sources, texts)
+    labelled = {(p.name, arg) for p in sources for arg, _ in se.directives(texts[p], "solution")}
     assert {(name, label) for name, label, _ in fps} == labelled, "every solution needs a detectable phrase"
     # positive control: the detector finds every solution in the instructor edition ...
     instructor = se.output_text(editions["instructor"])
     missing = [fp for _, _, fp in fps if not any(se._normalise(fp) in t for t in instructor.values())]
     assert not missing, f"detector misses solution text in the instructor edition: {missing[:3]}"
     # ... and none of it in the student edition, where the exercises are still present
-    assert se.leaked_solutions(editions["student"], sources) == []
+    assert se.leaked_solutions(editions["student"], sources, texts) == []
     student = se.output_text(editions["student"])
     for page in CHAPTERS:
         for _, body in se.directives(page.read_text(), "exercise"):
@@ -185,7 +192,7 @@ class _Links(HTMLParser):
             self.links.append(a["href"])
 
 
-def test_internal_links_resolve(editions: dict[str, Path]) -> None:
+def test_internal_links_resolve(editions: dict) -> None:
     """Every relative link of every built page (instructor edition) points at an existing file and anchor."""
     site = editions["instructor"]
     parsed: dict[Path, _Links] = {}

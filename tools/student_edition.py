@@ -156,33 +156,40 @@ def output_text(out_dir: Path) -> dict[Path, str]:
     return texts
 
 
-def public_text(sources: list[Path]) -> str:
+def _read(src: Path, texts: dict[Path, str] | None) -> str:
+    return texts[src] if texts is not None and src in texts else src.read_text()
+
+
+def public_text(sources: list[Path], texts: dict[Path, str] | None = None) -> str:
     """Normalised plain text of all sources with every solution body removed (what students may see)."""
     parts = []
     for src in sources:
-        text = src.read_text()
+        text = _read(src, texts)
         for _, body in directives(text, "solution"):
             text = text.replace(body, "")
         parts.extend(" ".join(run) for run in _prose_runs(text))
     return _normalise(" | ".join(parts))
 
 
-def solution_fingerprints(sources: list[Path]) -> list[tuple[str, str, str]]:
-    """(file, label, fingerprint) for every solution; phrases that also occur outside solutions are skipped."""
-    public = public_text(sources)
+def solution_fingerprints(sources: list[Path], texts: dict[Path, str] | None = None) -> list[tuple[str, str, str]]:
+    """(file, label, fingerprint) for every solution; phrases that also occur outside solutions are skipped.
+
+    ``texts`` (path -> source text) lets a caller check against the sources as they were when it built.
+    """
+    public = public_text(sources, texts)
     out = []
     for src in sources:
-        for label, body in directives(src.read_text(), "solution"):
+        for label, body in directives(_read(src, texts), "solution"):
             out.extend((src.name, label, fp) for fp in fingerprints(body) if _normalise(fp) not in public)
     return out
 
 
-def leaked_solutions(out_dir: Path, sources: list[Path]) -> list[str]:
+def leaked_solutions(out_dir: Path, sources: list[Path], texts: dict[Path, str] | None = None) -> list[str]:
     """Solutions whose text appears anywhere in the built site (should be empty for the student edition)."""
     texts = output_text(out_dir)
     leaks = [f"{p.relative_to(out_dir)}: a rendered solution block" for p in out_dir.rglob("*.html")
              if 'class="solution' in p.read_text(errors="ignore")]
-    for name, label, fp in solution_fingerprints(sources):
+    for name, label, fp in solution_fingerprints(sources, texts):
         hits = [p for p, t in texts.items() if _normalise(fp) in t]
         if hits:
             leaks.append(f"{name}:{label}: '{fp}' found in {hits[0].relative_to(out_dir)}")
