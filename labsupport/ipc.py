@@ -549,6 +549,7 @@ class Exporter:
             _unlink(path)
 
 
+@torch.no_grad()  # parameters (requires_grad=True) are packed as plain bytes
 def _pack(flat: torch.Tensor, entries: Sequence[BucketEntry], tensors: Sequence[torch.Tensor]) -> None:
     for (_, view), t in zip(_views(flat, entries), tensors):
         if view.numel():

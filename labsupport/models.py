@@ -36,6 +36,7 @@ DEFAULT_CONFIG = dict(
 )
 
 CACHE_DIR = Path(os.environ.get("LABSUPPORT_CACHE", REPO_ROOT / ".cache"))
+CACHE_VERSION = 2  # bump when the architecture, tokenizer or training recipe changes: old caches are ignored
 
 
 def build_tokenizer():
@@ -149,7 +150,7 @@ def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
     """
     if kind not in ("random", "trained"):
         raise ValueError(f"kind must be 'random' or 'trained', got {kind!r}")
-    target = CACHE_DIR / "models" / f"{kind}-seed{seed}"
+    target = CACHE_DIR / "models" / f"{kind}-v{CACHE_VERSION}-seed{seed}"
     if (target / "config.json").exists():
         return target
     from filelock import FileLock
