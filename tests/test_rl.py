@@ -16,20 +16,22 @@ from labsupport import models, rl
 
 
 def test_answer_rule_and_reward():
-    assert rl.answer_of("k|") == "jih"
-    assert rl.answer_of("b|") == "azy"  # wraps around the alphabet
-    assert rl.reward("jih", "k|") == 1.0
-    assert rl.reward("jihg", "k|") == 1.0  # only the first three characters count
-    assert rl.reward("lmn", "k|") == 0.0  # the pre-trained (forward) continuation earns nothing
-    assert rl.reward("ji", "k|") == 0.0
+    assert rl.answer_of("qk|") == "jih"
+    assert rl.answer_of("xb|") == "azy"  # wraps around the alphabet
+    assert rl.reward("jih", "qk|") == 1.0
+    assert rl.reward("jihg", "qk|") == 1.0  # only the first three characters count
+    assert rl.reward("lmn", "qk|") == 0.0  # the pre-trained (forward) continuation earns nothing
+    assert rl.reward("ji", "qk|") == 0.0
 
 
 def test_held_out_prompts_never_used_for_training():
     held = set(rl.eval_prompts())
-    assert len(held) == len(rl.HELD_OUT) == 8
-    drawn = set(rl.train_prompts(2000, random.Random(0)))
-    assert drawn.isdisjoint(held)
-    assert len(drawn) == 26 - 8  # every RL letter shows up
+    assert len(held) == len(rl.HELD_OUT) == 64
+    drawn = rl.train_prompts(20000, random.Random(0))
+    assert set(drawn).isdisjoint(held)
+    assert len(set(drawn)) == 676 - 64  # every other prompt shows up
+    first = rl.train_prompts(26, random.Random(1))
+    assert sorted(p[1] for p in first) == list(rl.LETTERS)  # each letter once per round
 
 
 # ----------------------------------------------------------------------------- GRPO
@@ -92,7 +94,7 @@ def test_one_grpo_step_moves_probability_towards_rewarded_samples():
     model = models.build_model(0)
     trainer = rl.GRPOTrainer(model, lr=1e-2, beta=0.0)
     tok = models.build_tokenizer()
-    prompts = ["k|", "d|"]
+    prompts = ["qk|", "ad|"]
     pids = [tok(p)["input_ids"] for p in prompts for _ in range(2)]
     comp = torch.tensor([[tok.convert_tokens_to_ids(c) for c in s] for s in ["jih", "lmn", "cba", "efg"]])
     with torch.no_grad():
@@ -119,9 +121,9 @@ def policy_dir():
 def test_warm_start_greedy_fails_the_task_but_sampling_sometimes_succeeds(policy_dir):
     eng = rl.HFEngine(policy_dir)
     greedy = eng.generate(rl.eval_prompts(), 1, rl.ANSWER_LEN, 0.0)
-    acc = sum(rl.reward(t, p) for t, p in zip(greedy.texts, rl.eval_prompts())) / 8
-    assert acc <= 0.25, greedy.texts  # near zero before RL: greedy goes forwards
-    ps = [rl.prompt_of(c) for c in rl.TRAIN_LETTERS]
+    acc = sum(rl.reward(t, p) for t, p in zip(greedy.texts, rl.eval_prompts())) / 64
+    assert acc <= 0.1, greedy.texts  # near zero before RL: greedy goes forwards
+    ps = rl.train_prompts(26, random.Random(0))
     r = eng.generate(ps, 16, rl.ANSWER_LEN, 1.0)
     hit = sum(rl.reward(t, r.prompts[i // 16]) for i, t in enumerate(r.texts)) / len(r.texts)
     assert 0.02 < hit < 0.5  # ... but samples are sometimes right: something for GRPO to reinforce
@@ -130,7 +132,7 @@ def test_warm_start_greedy_fails_the_task_but_sampling_sometimes_succeeds(policy
 def test_engine_logprobs_match_trainer_logprobs(policy_dir):
     eng = rl.HFEngine(policy_dir)
     model = rl.load_policy(policy_dir)
-    r = eng.generate(["k|", "a|", "zq|"], 4, rl.ANSWER_LEN, 1.0)  # unequal prompt lengths: left padding
+    r = eng.generate(["qk|", "a|", "zzq|"], 4, rl.ANSWER_LEN, 1.0)  # unequal prompt lengths: left padding
     assert r.completion_ids.shape == (12, rl.ANSWER_LEN) and len(r.prompt_ids) == 12
     with torch.no_grad():
         lp = rl.token_logprobs(model, r.prompt_ids, r.completion_ids)
@@ -154,13 +156,13 @@ def test_engine_update_rejects_bad_weights_and_changes_nothing(policy_dir):
 def test_engine_sleep_frees_and_wake_restores(policy_dir):
     eng = rl.HFEngine(policy_dir)
     weights = [(n, p.detach().clone()) for n, p in eng.params().items()]
-    out = eng.generate(["k|"], 1, 3, 0.0).texts
+    out = eng.generate(["qk|"], 1, 3, 0.0).texts
     eng.sleep()
     assert sum(p.numel() for p in eng.model.parameters()) == 0
     with pytest.raises(RuntimeError, match="asleep"):
-        eng.generate(["k|"], 1, 3, 0.0)
+        eng.generate(["qk|"], 1, 3, 0.0)
     eng.wake(weights)
-    assert eng.generate(["k|"], 1, 3, 0.0).texts == out
+    assert eng.generate(["qk|"], 1, 3, 0.0).texts == out
 
 
 # ----------------------------------------------------------------------------- timing
