@@ -526,9 +526,14 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dic
                                                  timeout_s=op["timeout_s"])
         elif kind == "receive":
             params = eng.params()
-            stats = broadcast.receive(state["group"], src=0, expected=broadcast.expected_from(params),
-                                      load=broadcast.copy_into(params), device=eng.device)
-            reply["sync"] = stats.as_dict()
+            if "expected" not in state:
+                state["expected"] = broadcast.expected_from(params)  # built once: receive() caches its verdict
+            try:
+                stats = broadcast.receive(state["group"], src=0, expected=state["expected"],
+                                          load=broadcast.copy_into(params), device=eng.device)
+                reply["sync"] = stats.as_dict()
+            except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
+                reply["sync_error"] = str(err)
         elif kind == "checksums":
             reply["checksums"] = broadcast.tensor_checksums(eng.params()) if hasattr(eng, "params") else None
         elif kind == "eval":
@@ -633,7 +638,7 @@ class RLConfig:
     eval_every: int = 1
     seed: int = 0
     warmstart_steps: int = 150
-    bucket_bytes: int = 1 << 20  # small buckets, so even the tiny model travels in several
+    bucket_bytes: int = 4 << 20  # the tiny model (1.4 MB) fits one bucket; a real model fills many
     threads: int = 1  # CPU threads per process (trainer and engine each)
     memory_steps: int = 4  # steps recorded in the trainer's memory timeline (enough to see the pattern)
 
@@ -697,6 +702,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         mem.register("optimizer", trainer.opt)
     evals = eval_prompts()
     exporter = handle = group = None
+    sync_errors: list[dict[str, Any]] = []  # resent updates (should stay empty; reported if not)
     steps: list[dict[str, Any]] = []
     windows: list[tuple[float, float]] = []
     curve: list[dict[str, float]] = []
@@ -750,10 +756,19 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         from labsupport import broadcast
 
         with phase("sync", step, "broadcast"):
-            engine.send({"op": "receive", "step": step})
-            broadcast.send(group, trainer.named_weights(), src=0, mode="bucketed", bucket_bytes=cfg.bucket_bytes,
-                           version=trainer.version)
-            engine.recv()
+            for attempt in range(3):
+                engine.send({"op": "receive", "step": step})
+                try:
+                    broadcast.send(group, trainer.named_weights(), src=0, mode="bucketed",
+                                   bucket_bytes=cfg.bucket_bytes, version=trainer.version)
+                    err = None
+                except broadcast.WeightSyncError as exc:  # e.g. a checksum mismatch: the API says send again
+                    err = exc
+                engine.recv()
+                if err is None:
+                    return
+                sync_errors.append({"step": step, "attempt": attempt, "error": str(err)})
+            raise err
 
     try:
         offload = arch == "colocated" and tdev.startswith("cuda")
@@ -848,7 +863,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         "config": asdict(cfg), "setup_s": setup_s, "loop_s": loop_s,
         "s_per_step": sum(steady) / len(steady), "steps_done": len(steps),
         "initial_acc": curve[0]["eval_acc"], "final_acc": curve[-1]["eval_acc"], "engine_final_acc": engine_acc,
-        "weights_match": weights_match, "mean_staleness": sum(s["staleness"] for s in steps) / len(steps),
+        "weights_match": weights_match, "sync_errors": sync_errors, "mean_staleness": sum(s["staleness"] for s in steps) / len(steps),
         "mean_breakdown": {lane: {p: sum(r[lane][p] for r in rows[1:] or rows) / len(rows[1:] or rows)
                                   for p in PHASES} for lane in ("trainer", "engine")},
         "curve": curve, "steps": steps, "events": tl.events,
