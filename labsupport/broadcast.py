@@ -36,8 +36,6 @@ from labsupport.groups import GroupError, StatelessGroup, create_group, free_por
 ALIGN = 256  # every packed tensor starts on a 256-byte boundary (any dtype can view it)
 MAGIC = 0x5EED_2026
 MODES = {"per_tensor": 0, "bucketed": 1}
-_CHECK_ROW = 1024  # int64 words per checksum row (8 KiB)
-_P = 2**31 - 1
 
 
 class WeightSyncError(Exception):
@@ -130,9 +128,8 @@ def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, 
     """A ``load`` callback that copies each received tensor into ``targets[name]`` (in place, no grad)."""
 
     def load(batch: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in batch:
-                targets[name].copy_(tensor)
+        with torch.no_grad():  # one multi-tensor copy for the whole bucket, not one kernel launch per tensor
+            torch._foreach_copy_([targets[name] for name, _ in batch], [t for _, t in batch])
 
     return load
 
@@ -144,26 +141,31 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _checksum(u8: torch.Tensor) -> torch.Tensor:
-    """Position-sensitive integer checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device.
+_ROW = 1024  # words per checksum row
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
-    Rows of 8 KiB are summed as int64 words (one fast reduction over the data; integer sums are exact
-    whatever the order, so every device agrees), then the row sums are combined with position weights
-    modulo a prime. No host synchronisation.
+
+def _checksum(u8: torch.Tensor) -> torch.Tensor:
+    """Integer checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device (no host sync).
+
+    The bytes are read as the widest integer words their length and address allow; rows of 1024 words are
+    summed (one bandwidth-bound reduction), then weighted by a pseudo-random odd number per row, so moving
+    data between rows changes the result. Integer sums wrap the same way in any order: every device agrees.
     """
-    n = u8.numel()
-    row = _CHECK_ROW * 8
-    main = n // row * row
-    total = torch.zeros((), dtype=torch.int64, device=u8.device)
-    if main:
-        rows = u8[:main].view(torch.int64).view(-1, _CHECK_ROW).sum(dim=1)
-        weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=u8.device).remainder_(65521).add_(1)
-        total = total + rows.remainder_(_P).mul_(weights).remainder_(_P).sum()
-    if n > main:
-        tail = u8[main:].to(torch.int64)
-        pos = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=u8.device)
-        total = total + (tail * pos).sum() * 7919
-    return total + n
+    n, off = u8.numel(), u8.storage_offset()
+    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                 if n % d.itemsize == 0 and off % d.itemsize == 0)
+    words = u8.view(dtype)
+    rows = words.numel() // _ROW
+    w = _WEIGHTS.get(u8.device)
+    if w is None or w.numel() <= rows:  # odd 32-bit multipliers, made once per device
+        k = max(2 * rows + 2, 1 << 16)
+        w = _WEIGHTS[u8.device] = torch.arange(1, k + 1, dtype=torch.int64, device=u8.device).mul_(2654435761) \
+            .remainder_(1 << 32).bitwise_or_(1)
+    total = words[rows * _ROW:].sum() * w[rows] + n
+    if rows:
+        total += (words[: rows * _ROW].view(rows, _ROW).sum(dim=1) * w[:rows]).sum()
+    return total
 
 
 def tensor_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -191,19 +193,25 @@ def _round_up(x: int, a: int = ALIGN) -> int:
 
 def _greedy(idx: list[int], sizes: list[int], bucket_bytes: int, first: int) -> list[tuple[bool, list[int]]]:
     """Group tensor indices into ``(direct, indices)``: packed groups whose capacity starts at ``first`` and
-    doubles up to ``bucket_bytes``; a tensor larger than the current capacity travels alone (direct)."""
+    grows 4x per bucket up to ``bucket_bytes`` (faster for a tensor that does not fit); tensors over
+    ``max(first, 64 MiB)`` (and over a bucket) travel alone, straight from their own memory."""
     groups: list[tuple[bool, list[int]]] = []
     cur: list[int] = []
     used, cap = 0, first
     for i in idx:
         n = sizes[i]
-        if n > cap:
+        if n > min(bucket_bytes, max(first, 64 << 20)):
             groups.append((True, [i]))
             continue
         off = _round_up(used)
+        if cur and off + n > cap >= n:  # full: the next bucket is larger
+            groups.append((False, cur))
+            cur, off, cap = [], 0, min(bucket_bytes, cap * 4)
+        while off + n > cap < bucket_bytes:
+            cap = min(bucket_bytes, cap * 4)
         if cur and off + n > cap:
             groups.append((False, cur))
-            cur, off, cap = [], 0, min(bucket_bytes, cap * 2)
+            cur, off = [], 0
         cur.append(i)
         used = off + n
     if cur:
@@ -216,16 +224,17 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucket
 
     Tensors larger than a bucket travel alone ("direct": no packing) and go first, so the wire starts at
     once while the first bucket is packed. When the rest spans several buckets, the first and last packed
-    buckets are smaller (1/8 of a bucket, doubling): less to pack before the first packed byte moves and
-    less to unpack after the last byte lands. The order of tensors on the wire does not matter to receivers.
+    buckets are smaller (1/16 of a bucket or of the total, at least 16 MiB, growing 4x): less to pack
+    before the first packed byte moves and less to unpack after the last byte lands, yet few extra
+    collectives. The order of tensors on the wire does not matter to receivers.
     """
     sizes = [m.nbytes for m in metas]
     if mode == "per_tensor":
         return [_Bucket([(i, 0, n)], n, True) for i, n in enumerate(sizes) if n]
     idx = [i for i, n in enumerate(sizes) if n]
     total = sum(sizes)
-    first = max(bucket_bytes // 8, min(bucket_bytes, 1 << 20))
-    if total <= bucket_bytes or first >= bucket_bytes:
+    first = min(bucket_bytes, max(bucket_bytes // 16, 16 << 20), max(total // 16, 1 << 20))
+    if total <= first or first >= bucket_bytes:
         groups = _greedy(idx, sizes, bucket_bytes, bucket_bytes)
     else:
         tail_target = min(2 * bucket_bytes, total // 2)
@@ -371,6 +380,15 @@ class _Plan:
     shapes: list[tuple[int, ...]]
     total: int
     packed_max: int
+    views: Any = None  # (buffers, per bucket: [(name, view into its buffer)]) made once per buffer pair
+
+    def views_in(self, bufs: list[torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Per packed bucket, each tensor's typed view into the bucket's buffer (cached: views cost Python time)."""
+        if self.views is None or self.views[0] is not bufs:
+            self.views = (bufs, [[] if b.direct else
+                                 [(self.metas[i].name, bufs[k % 2][off:off + n].view(self.dtypes[i]).view(self.shapes[i]))
+                                  for i, off, n in b.items] for k, b in enumerate(self.buckets)])
+        return self.views[1]
 
 
 def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int,
@@ -447,7 +465,7 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    bufs = _buffers(group, plan.packed_max) if plan.packed_max else [None, None]
+    bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
     streams = _streams(group)
     cur = torch.cuda.current_stream(dev) if group.backend == "nccl" else None
     for s in streams:
@@ -455,6 +473,7 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
             s.wait_stream(cur)  # the side streams see the weights as the trainer last wrote them
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     tensors = [t for _, t in items]
+    views = plan.views_in(bufs) if plan.packed_max else None
     pending: list[Any] = [None, None]
 
     def transfer() -> None:
@@ -463,21 +482,18 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
             with _on(streams[i]):
                 if pending[i] is not None:  # buffer i is free once its previous broadcast is done
                     group.wait_work(pending[i][0], "bucket broadcast")
-                    pending[i] = None
                 if b.direct:
                     payload = _as_bytes(tensors[b.items[0][0]].contiguous())
-                else:
+                else:  # pack: one multi-tensor copy kernel per bucket, not one launch per tensor
                     payload = bufs[i][: b.nbytes]
-                    for idx, off, n in b.items:
-                        payload[off:off + n].copy_(_as_bytes(tensors[idx].contiguous()), non_blocking=True)
-                if sums is not None:
-                    sums[k] = _checksum(payload)
+                    torch._foreach_copy_([v for _, v in views[k]], [tensors[idx] for idx, _, _ in b.items])
                 pending[i] = (group.broadcast(payload, src, async_op=True), payload)
+                if sums is not None:  # reads the bucket beside the broadcast (both only read it)
+                    sums[k] = _checksum(payload)
         for i in range(2):
             if pending[i] is not None:
                 with _on(streams[i]):
                     group.wait_work(pending[i][0], "bucket broadcast")
-                pending[i] = None
         for s in streams:
             if s is not None:
                 cur.wait_stream(s)
@@ -562,13 +578,14 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
 
     verify = bool(flags & 1)
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    bufs = _buffers(group, plan.packed_max) if plan.packed_max else [None, None]
+    bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
     streams = _streams(group)
     cur = torch.cuda.current_stream(dev) if group.backend == "nccl" else None
     for s in streams:
         if s is not None:
             s.wait_stream(cur)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
+    views = plan.views_in(bufs) if plan.packed_max else None
     load_errors: list[str] = []
     slots: list[Any] = [None, None]
     state = {"load": None}  # decided before the first load: False while somebody rejected the update
@@ -610,11 +627,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
                 if not allowed:
                     slots[i] = None
                     continue
-                if holder is not None:
-                    batch = [(plan.metas[b.items[0][0]].name, holder)]
-                else:
-                    batch = [(plan.metas[idx].name, payload[off:off + nb].view(plan.dtypes[idx]).view(plan.shapes[idx]))
-                             for idx, off, nb in b.items]
+                batch = [(plan.metas[b.items[0][0]].name, holder)] if holder is not None else list(views[k])
                 try:
                     load(batch)
                 except Exception as exc:  # keep receiving so the other ranks do not hang; report at the end

@@ -9,9 +9,11 @@ which rank is missing and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import pickle
+import re
 import socket
 import time
 import traceback
@@ -28,6 +30,10 @@ class GroupError(RuntimeError):
 
 class GroupTimeout(GroupError, TimeoutError):
     """A peer did not show up (or answer) in time; the message names the missing ranks."""
+
+
+_PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refused)|closed by peer|timed? ?out", re.I)
+_nullcontext = contextlib.nullcontext
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,13 +101,8 @@ class StatelessGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        if stream is not None and self.backend == "nccl":
-            with torch.cuda.stream(stream):
-                work = self.pg.broadcast([tensor], opts)
-                if not async_op:
-                    self.wait_work(work, "broadcast")
-        else:
-            work = self.pg.broadcast([tensor], opts)
+        with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else _nullcontext():
+            work = self._issue(lambda: self.pg.broadcast([tensor], opts), "broadcast")
             if not async_op:
                 self.wait_work(work, "broadcast")
         return work if async_op else None
@@ -111,17 +112,55 @@ class StatelessGroup:
         self._check_open()
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        self.wait_work(self.pg.allreduce([tensor], opts), f"all_reduce({op})")
+        self.wait_work(self._issue(lambda: self.pg.allreduce([tensor], opts), f"all_reduce({op})"),
+                       f"all_reduce({op})")
+
+    def _issue(self, fn: Callable[[], Any], what: str) -> Any:
+        """Start a collective; a backend already torn down by a dead peer becomes ``GroupTimeout``."""
+        try:
+            return fn()
+        except RuntimeError as exc:  # DistBackendError "NCCL communicator was aborted", broken store pipe, ...
+            if isinstance(exc, getattr(dist, "DistError", ())) or _PEER_GONE.search(str(exc)):
+                raise self._lost(what, exc) from exc
+            raise
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
         """Wait for a backend Work: on NCCL the current stream waits; on gloo the host waits (with timeout)."""
         try:
             work.wait()
-        except Exception as exc:  # gloo timeout or a peer that closed its connection
-            raise GroupTimeout(
-                f"rank {self.rank}: {what} on group {self.address} failed: {str(exc).splitlines()[0][:300]}. "
-                "A peer probably died or stopped calling the same collectives; check the other ranks' logs."
-            ) from exc
+        except Exception as exc:  # gloo timeout, a peer that closed its connection, an aborted communicator
+            raise self._lost(what, exc) from exc
+
+    def _lost(self, what: str, exc: BaseException | None = None, waited_s: float | None = None) -> GroupTimeout:
+        """Abort the backend and build the error for a collective that failed: which peers stopped answering."""
+        self.abort()
+        cause = f"did not finish within {waited_s:.0f} s" if waited_s is not None else (
+            f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else "failed")
+        gone = self.unresponsive_peers()
+        if gone == [0] and self.rank != 0:
+            who = "rank 0 vanished (it hosts the group's store, and its store no longer answers)"
+        elif gone:
+            who = f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)"
+        else:
+            who = "every peer still answers, so one of them probably called a different collective"
+        return GroupTimeout(f"rank {self.rank}: {what} on group {self.address} {cause}: {who}. "
+                            "The group was aborted; check those ranks' logs, then create a new group.")
+
+    def unresponsive_peers(self, wait_s: float | None = None) -> list[int]:
+        """After a failure: ranks that do not check in through the store within ``wait_s``; [0] if the store,
+        hosted by rank 0, is gone. Every survivor calls this; they notice a failure up to one group timeout
+        apart, so the default window is the group's timeout plus 1 s (at most 20 s)."""
+        gone = None
+        try:
+            self.store.set(f"alive/{self.rank}", "1")
+            deadline = time.monotonic() + (min(self.timeout_s + 1.0, 20.0) if wait_s is None else wait_s)
+            while True:
+                gone = [r for r in range(self.world_size) if r != self.rank and not self.store.check([f"alive/{r}"])]
+                if not gone or time.monotonic() > deadline:
+                    return gone
+                time.sleep(0.05)
+        except Exception:  # the store's host (rank 0) is gone: now (it had answered), or from the start
+            return gone if gone is not None and 0 not in gone else ([0] if self.rank != 0 else [])
 
     def synchronize(self, what: str = "work", timeout_s: float | None = None) -> None:
         """Block the host until the device work queued so far is done, but never longer than the timeout.
@@ -140,12 +179,7 @@ class StatelessGroup:
             if now - start > 0.5:  # spin first (accurate timings), then poll gently
                 time.sleep(0.001)
             if now - start > timeout_s:
-                self.abort()
-                raise GroupTimeout(
-                    f"rank {self.rank}: {what} did not finish within {timeout_s:.0f} s on group {self.address}. "
-                    "A peer probably died or is not calling the matching collective; the group was aborted. "
-                    "Check the other ranks, then create a new group."
-                )
+                raise self._lost(what, waited_s=timeout_s)
 
     # ------------------------------------------------------------------ object collectives (store)
     def _next_key(self) -> str:
@@ -169,26 +203,33 @@ class StatelessGroup:
                 f"answered on group {self.address}. Did they die, or call a different sequence of collectives?"
             ) from exc
 
+    def _store_op(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # the store's host died (broken pipe, connection reset)
+            raise self._lost(what, exc) from exc
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
         self._check_open()
         key = self._next_key()
         if self.rank == src:
-            self._obj.set(key, pickle.dumps(obj))
+            self._store_op(lambda: self._obj.set(key, pickle.dumps(obj)), "broadcast_object")
             self._my_keys.append(key)
             return obj
         self._wait_keys({src: key}, "broadcast_object")
-        return pickle.loads(self._obj.get(key))
+        return pickle.loads(self._store_op(lambda: self._obj.get(key), "broadcast_object"))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order."""
         self._check_open()
         base = self._next_key()
         mine = f"{base}/{self.rank}"
-        self._obj.set(mine, pickle.dumps(obj))
+        self._store_op(lambda: self._obj.set(mine, pickle.dumps(obj)), "all_gather_object")
         keys = {r: f"{base}/{r}" for r in range(self.world_size)}
         self._wait_keys(keys, "all_gather_object")
-        out = [obj if r == self.rank else pickle.loads(self._obj.get(k)) for r, k in keys.items()]
+        out = [obj if r == self.rank else pickle.loads(self._store_op(lambda k=k: self._obj.get(k), "all_gather_object"))
+               for r, k in keys.items()]
         # Everyone has now passed every earlier op, so keys this rank wrote before are no longer read.
         for k in self._my_keys:
             try:
@@ -243,6 +284,9 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
         # GroupTimeout (and abort) comes first; "2" = clean up the communicator on error but do not kill
         # the process (torch's default, 3, takes the whole process down).
         opts._timeout = _td(timeout_s * 2 + 30)
+        # NCCL kernels go on high-priority streams: when a bucket's copy kernels and the next broadcast
+        # become ready at the same moment, the broadcast gets the SMs first and the wire never idles.
+        opts.is_high_priority_stream = True
         old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
         try:
