@@ -157,6 +157,39 @@ def test_sync_gives_identical_bytes_gloo():
     _check_identical(run_ranks(_sync_identical, 3, (free_port(), "cpu"), timeout_s=90))
 
 
+def _flat(rank: int, world_size: int, port: int, kind: str) -> dict:
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    flat, views = B.flatten_params(_model(5 if rank == 0 else 0, dev))
+    loads = []
+    for version in (1, 2):  # the second time the layout is known (the vote travels with the data)
+        if rank == 0:
+            with torch.no_grad():
+                views["layer.0.norm"].add_(version)  # training changes the views, so the flat buffer
+            st = B.send(g, {"flat": flat}, version=version)
+        else:
+            st = B.receive(g, expected={"flat": flat}, load=loads.append, into={"flat": flat})
+    g.destroy()
+    return {"sha": {k: _sha(v) for k, v in views.items()}, "n": st.n_collectives, "loads": len(loads)}
+
+
+@pytest.mark.timeout(120)
+def test_flat_buffer_lands_in_place_without_load_gloo():
+    _check_flat(run_ranks(_flat, 3, (free_port(), "cpu"), timeout_s=90))
+
+
+def _check_flat(res: list) -> None:
+    for ok, out in res:
+        assert ok, out
+    ref = _model(5, "cpu")
+    ref["layer.0.norm"] += 1
+    ref["layer.0.norm"] += 2  # (as the trainer did: float rounding)
+    want = {k: _sha(v) for k, v in ref.items()}
+    for rank, (_, out) in enumerate(res):
+        assert out["sha"] == want, rank  # every view of every rank's flat buffer holds the trainer's tensor
+        assert out["n"] == 1 and out["loads"] == 0  # one broadcast, straight into place
+
+
 # ---------------------------------------------------------------------------- rejection
 
 def _bad_updates():
@@ -338,6 +371,12 @@ def test_bad_metadata_rejected_everywhere_and_nothing_changes_nccl():
 def test_dead_peer_gives_timeout_error_nccl(victim, hang):
     res = run_ranks(_die, 3, (free_port(), "cuda", victim, hang), timeout_s=240)
     _check_die(res, victim)
+
+
+@pytest.mark.gpu(3)
+@pytest.mark.timeout(300)
+def test_flat_buffer_lands_in_place_without_load_nccl():
+    _check_flat(run_ranks(_flat, 3, (free_port(), "cuda"), timeout_s=240))
 
 
 @pytest.mark.gpu(2)
