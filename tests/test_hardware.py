@@ -104,3 +104,13 @@ def test_measure_links_gpu_rows():
     rows = {r["link"]: r for r in hardware.measure_links(size_mib=64, iters=2)}
     assert rows["device copy (GPU0)"]["gb_per_s"] > rows["host->device pageable"]["gb_per_s"]
     assert rows["host->device pinned"]["gb_per_s"] > 1
+
+
+def test_lab_front_matter_matches_lab_setup():
+    """The min_gpus that conftest/doctor read must be the one each lab's first cell passes to lab_setup."""
+    import re
+
+    for lab, need in hardware.lab_requirements().items():
+        text = (hardware.LABS_DIR / f"{lab}.md").read_text()
+        calls = re.findall(r"lab_setup\(min_gpus=(\d+)", text)
+        assert calls == [str(need)], f"{lab}: front matter says min_gpus={need}, lab_setup calls {calls}"
