@@ -168,23 +168,34 @@ _ROW = 1024  # words per checksum row
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _words(nbytes: int) -> torch.dtype:
+    """The widest integer word that divides ``nbytes`` (both sides pick it from the size alone)."""
+    return next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % d.itemsize == 0)
+
+
+def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
+    """Odd pseudo-random 32-bit multipliers, one per checksum row; made once per device, on the current
+    stream (senders and receivers call this before their side streams start, so those see it ready)."""
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() <= rows:
+        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device) \
+            .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
+    return w
+
+
 def _checksum(u8: torch.Tensor) -> torch.Tensor:
     """Integer checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device (no host sync).
 
-    The bytes are read as the widest integer words their length and address allow; rows of 1024 words are
-    summed (one bandwidth-bound reduction), then weighted by a pseudo-random odd number per row, so moving
-    data between rows changes the result. Integer sums wrap the same way in any order: every device agrees.
+    The bytes are read as the widest integer words their length allows; rows of 1024 words are summed (one
+    bandwidth-bound reduction), then weighted by a pseudo-random odd number per row, so moving data between
+    rows changes the result. Integer sums wrap the same way in any order: every device agrees.
     """
-    n, off = u8.numel(), u8.storage_offset()
-    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                 if n % d.itemsize == 0 and off % d.itemsize == 0)
+    n, dtype = u8.numel(), _words(u8.numel())
+    if u8.storage_offset() % dtype.itemsize:
+        u8 = u8.clone()  # (a view at an odd address: align it)
     words = u8.view(dtype)
     rows = words.numel() // _ROW
-    w = _WEIGHTS.get(u8.device)
-    if w is None or w.numel() <= rows:  # odd 32-bit multipliers, made once per device
-        k = max(2 * rows + 2, 1 << 16)
-        w = _WEIGHTS[u8.device] = torch.arange(1, k + 1, dtype=torch.int64, device=u8.device).mul_(2654435761) \
-            .remainder_(1 << 32).bitwise_or_(1)
+    w = _row_weights(u8.device, rows)
     total = words[rows * _ROW:].sum() * w[rows] + n
     if rows:
         total += (words[: rows * _ROW].view(rows, _ROW).sum(dim=1) * w[:rows]).sum()
@@ -329,14 +340,26 @@ def _on(stream: Any):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def _start_side_streams(group: StatelessGroup, plan: _Plan, verify: bool) -> tuple[list[Any], Any]:
+    """The two side streams, after the current stream's work (the weights as last written, and the checksum
+    multipliers made here); returns them and the current stream (None on CPU)."""
+    if verify:
+        _row_weights(group.device, max((b.nbytes // _words(b.nbytes).itemsize // _ROW for b in plan.buckets),
+                                       default=0))
+    streams = _streams(group)
+    cur = torch.cuda.current_stream(group.device) if group.backend == "nccl" else None
+    for s in streams:
+        if s is not None:
+            s.wait_stream(cur)
+    return streams, cur
+
+
 def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
     """Two reusable byte buffers of at least ``nbytes`` each (kept in the group; no per-sync allocation)."""
     have = group.cache.get("buffers")
     if have is None or have[0].numel() < nbytes:
-        if have is not None:
-            group.cache.pop("buffers")
-            group.synchronize("freeing old buffers")
-            del have
+        del have
+        release_buffers(group)
         group.cache["buffers"] = [torch.zeros(nbytes, dtype=torch.uint8, device=group.device) for _ in range(2)]
     return group.cache["buffers"]
 
@@ -347,6 +370,8 @@ def release_buffers(group: StatelessGroup) -> None:
     The memory goes back to PyTorch's cache; call ``torch.cuda.empty_cache()`` too if another library
     (an inference engine's KV cache) should get it.
     """
+    for plan in group.cache.get("plans", {}).values():
+        plan.views = None  # (views into the buffers would keep them alive)
     if group.cache.pop("buffers", None) is not None:
         group.synchronize("releasing buffers")
 
@@ -489,11 +514,7 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
     bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
-    streams = _streams(group)
-    cur = torch.cuda.current_stream(dev) if group.backend == "nccl" else None
-    for s in streams:
-        if s is not None:
-            s.wait_stream(cur)  # the side streams see the weights as the trainer last wrote them
+    streams, cur = _start_side_streams(group, plan, verify)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     tensors = [t for _, t in items]
     views = plan.views_in(bufs) if plan.packed_max else None
@@ -605,11 +626,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     verify = bool(flags & 1)
     plan = _plan(group, key, metas, bucket_bytes, mode)
     bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
-    streams = _streams(group)
-    cur = torch.cuda.current_stream(dev) if group.backend == "nccl" else None
-    for s in streams:
-        if s is not None:
-            s.wait_stream(cur)
+    streams, cur = _start_side_streams(group, plan, verify)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     views = plan.views_in(bufs) if plan.packed_max else None
     load_errors: list[str] = []
@@ -636,7 +653,8 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
             if early is None:
                 state["load"] = True
             else:  # the pipelined metadata vote: the all-reduce finished long ago or finishes now
-                group.synchronize("the metadata vote")
+                with _on(cur):
+                    group.synchronize("the metadata vote")
                 state["load"] = int(early.item()) == 0
         return state["load"]
 
