@@ -989,7 +989,7 @@ def bench_main(argv: list[str]) -> int:
     if gpu:
         sizes = "0.5,2.5" if args.quick else "0.1,0.5,1,2.5,5"
         buckets = "16,256,1024" if args.quick else "1,4,16,64,128,256,512,1024"
-        iters = args.iters or (3 if args.quick else 5)
+        iters = args.iters or (3 if args.quick else 8)
         world = args.world_size or gpus
     else:
         sizes = "0.002,0.01" if args.quick else "0.002,0.01,0.04"
