@@ -90,10 +90,6 @@ class SyncStats:
         """Payload bandwidth in GB/s (1e9 bytes per second)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.gbps
-
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "gb_per_s": self.gbps}
 
@@ -104,14 +100,8 @@ class SyncStats:
                 f"{', verified' if self.verified else ''}")
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
+    return str(dtype).removeprefix("torch.")
 
 
 def _items(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
@@ -340,11 +330,11 @@ def _on(stream: Any):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _start_side_streams(group: StatelessGroup, plan: _Plan, verify: bool) -> tuple[list[Any], Any]:
+def _start_side_streams(group: StatelessGroup, plan: _Plan, verify: bool, dev: torch.device) -> tuple[list[Any], Any]:
     """The two side streams, after the current stream's work (the weights as last written, and the checksum
     multipliers made here); returns them and the current stream (None on CPU)."""
     if verify:
-        _row_weights(group.device, max((b.nbytes // _words(b.nbytes).itemsize // _ROW for b in plan.buckets),
+        _row_weights(dev, max((b.nbytes // _words(b.nbytes).itemsize // _ROW for b in plan.buckets),
                                        default=0))
     streams = _streams(group)
     cur = torch.cuda.current_stream(group.device) if group.backend == "nccl" else None
@@ -514,7 +504,7 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
     bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
-    streams, cur = _start_side_streams(group, plan, verify)
+    streams, cur = _start_side_streams(group, plan, verify, dev)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     tensors = [t for _, t in items]
     views = plan.views_in(bufs) if plan.packed_max else None
@@ -626,7 +616,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     verify = bool(flags & 1)
     plan = _plan(group, key, metas, bucket_bytes, mode)
     bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
-    streams, cur = _start_side_streams(group, plan, verify)
+    streams, cur = _start_side_streams(group, plan, verify, dev)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     views = plan.views_in(bufs) if plan.packed_max else None
     load_errors: list[str] = []
