@@ -97,6 +97,21 @@ def test_checksum_sees_one_byte_and_a_swap():
         assert B.tensor_checksums({"z": z})["z"] != base
 
 
+def test_bench_summary_reports_the_bar_against_raw_of_the_same_run():
+    def row(size, mode, bucket, gbps):
+        return {"size_bytes": size, "n_tensors": 300, "mode": mode, "bucket_bytes": bucket, "gb_per_s": gbps}
+
+    rows = [row(int(2.5e9), "raw", 0, 360.0), row(int(2.5e9), "per_tensor", 0, 30.0),
+            row(int(2.5e9), "bucketed", 64 << 20, 300.0), row(int(2.5e9), "bucketed", 512 << 20, 330.0),
+            row(int(2.5e9), "bucketed_noverify", 512 << 20, 340.0),
+            row(int(5e8), "raw", 0, 300.0), row(int(5e8), "bucketed", 512 << 20, 30.0)]  # too small for the bar
+    bar = B.check_bar(B.summarize(rows))
+    assert bar["sizes_gb"] == [2.5] and bar["met_bucketed_verified"] and bar["met_bucketed_without_checksums"]
+    assert bar["met_by"]["2.50 GB"] == ["bucketed_noverify 512 MiB (94.4%)", "bucketed 512 MiB (91.7%)"]
+    rows[3]["gb_per_s"] = 320.0  # 88.9 %: verified misses the bar
+    assert not B.check_bar(B.summarize(rows))["met_bucketed_verified"]
+
+
 def test_validate_names_the_bad_tensor():
     exp = B.expected_from(_model(0, "cpu"))
     bad = B.metadata_of({**_model(0, "cpu"), "layer.0.q.weight": torch.zeros(64, 65, dtype=torch.float16)})
