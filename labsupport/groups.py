@@ -286,7 +286,10 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
         opts._timeout = _td(timeout_s * 2 + 30)
         # NCCL kernels go on high-priority streams: when a bucket's copy kernels and the next broadcast
         # become ready at the same moment, the broadcast gets the SMs first and the wire never idles.
-        opts.is_high_priority_stream = True
+        try:
+            opts.is_high_priority_stream = True
+        except AttributeError:  # (an older torch without the option: normal priority)
+            pass
         old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
         try:
