@@ -10,8 +10,8 @@
    fixed-size buffers; two buffers alternate on two side streams, so packing bucket k+1 overlaps the
    transfer of bucket k, and the receiver unpacks bucket k while k+1 arrives). Packing and unpacking are
    one multi-tensor copy per bucket (``torch._foreach_copy_``), not hundreds of kernel launches, and the
-   first and last buckets are small, so little copying sits outside the overlap. Tensors larger than
-   64 MiB travel alone, straight from/into their own memory (``flatten_params``: a whole model as one).
+   first and last buckets are small, so little copying sits outside the overlap. Tensors larger than a
+   bucket or 64 MiB travel alone, straight from their own memory (``flatten_params``: a model as one).
 3. verification: an integer checksum per bucket, computed on the device on both sides (no host sync in the
    loop), compared at the end with one more all-reduce that also reports receivers whose ``load`` failed.
 
@@ -570,8 +570,9 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     skipped when the same ``expected`` object meets the same metadata again, so build it once. ``load``
     gets ``[(name, tensor)]`` views into a reused buffer, valid only during the call: copy what you keep.
     On NCCL it runs on a side stream that is current during the call, so its copies are ordered correctly.
-    ``into``: contiguous tensors that a tensor travelling alone (larger than a bucket) lands in directly,
-    once every rank has accepted the metadata; ``load`` is not called for those (see ``flatten_params``).
+    ``into``: contiguous tensors that a tensor travelling alone (the only tensor of an update, or one larger
+    than a bucket or 64 MiB) lands in directly, once every rank has accepted the metadata; ``load`` is not
+    called for those (see ``flatten_params``).
     """
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
