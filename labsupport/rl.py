@@ -708,23 +708,23 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     curve: list[dict[str, float]] = []
 
     def phase(name: str, step: int, detail: str = ""):
-        """A trainer-lane span, mirrored as a memory-timeline phase for the first few steps."""
+        """A trainer-lane span (ended after the device finished its work), mirrored as a memory-timeline
+        phase for the first few steps."""
         span = tl.span("trainer", name, step, detail)
-        if mem is None or step >= cfg.memory_steps:
-            return span
+        m = mem.phase(detail or name) if mem is not None and step < cfg.memory_steps else None
 
-        class _Both:
+        class _Phase:
             def __enter__(self):
-                self.m = mem.phase(detail or name)
-                self.m.__enter__()
+                if m is not None:
+                    m.__enter__()
                 return span.__enter__()
 
             def __exit__(self, *exc):
                 _sync_cuda(tdev)
                 span.__exit__(*exc)
-                return self.m.__exit__(*exc)
+                return m.__exit__(*exc) if m is not None else None
 
-        return _Both()
+        return _Phase()
 
     def evaluate(step: int) -> None:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
