@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import random
 import string
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -863,7 +862,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         "config": asdict(cfg), "setup_s": setup_s, "loop_s": loop_s,
         "s_per_step": sum(steady) / len(steady), "steps_done": len(steps),
         "initial_acc": curve[0]["eval_acc"], "final_acc": curve[-1]["eval_acc"], "engine_final_acc": engine_acc,
-        "weights_match": weights_match, "sync_errors": sync_errors, "mean_staleness": sum(s["staleness"] for s in steps) / len(steps),
+        "weights_match": weights_match, "sync_errors": sync_errors,
+        "mean_staleness": sum(s["staleness"] for s in steps) / len(steps),
         "mean_breakdown": {lane: {p: sum(r[lane][p] for r in rows[1:] or rows) / len(rows[1:] or rows)
                                   for p in PHASES} for lane in ("trainer", "engine")},
         "curve": curve, "steps": steps, "events": tl.events,
