@@ -3,15 +3,17 @@
 Task ("count backwards"): the prompt is two letters and a bar; the answer is the three letters before the
 second one, nearest first ("qk|" -> "jih", wrapping "xb|" -> "azy"). The reward is a rule: 1 if the first
 three generated characters are exactly right, else 0. 64 of the 676 prompts are held out from RL and only
-used to evaluate.
+used to evaluate (every letter still appears in RL prompts, beside other first letters: the held-out set
+tests that the policy learned the rule rather than memorised prompts, not that it generalises to new letters).
 
-Warm start (honest note): RL from a random 0.3M-parameter model does not find this task in minutes. So the
-model is first *pre-trained* on alphabet runs after a separator ("qk>lmno..." always forwards, "qk<jihg..."
-always backwards, "qk|..." backwards only 10% of the time): plain next-token text, with no question, answer
-or reward. It has seen backward runs after the bar, yet greedy decoding after the bar always goes forward:
-held-out accuracy starts at 0. GRPO must turn the rare behaviour into the default, and the held-out prompts
-show whether the change is general rather than memorised. That is what RLHF
-mostly does at scale: it changes *which* of the model's behaviours comes out, not what it knows.
+Warm start (honest note): in our trials, RL from a random 0.3M-parameter model learned none of the toy tasks
+we tried (maximum of digits, one-digit addition, copying) in minutes: the policy collapses onto one constant
+answer first. So the model is first *pre-trained* on alphabet runs after a separator ("qk>lmno..." always
+forwards, "qk<jihg..." always backwards, "qk|..." backwards only 10% of the time): plain next-token text,
+with no question, answer or reward. It has seen backward runs after the bar, yet greedy decoding after the
+bar always goes forward: held-out accuracy starts at 0. GRPO must turn the rare behaviour into the default.
+This mirrors a common view of RLHF: it mostly changes which of a model's behaviours comes out, not what the
+model knows.
 
 Orchestrations (:func:`run`): ``colocated`` (engine and trainer on one device; the engine frees its weights
 while the trainer runs, and gets new ones through an IPC / shared-memory bucket), ``disaggregated`` (engine
