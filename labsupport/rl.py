@@ -1020,6 +1020,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples", flush=True)
         out[arch] = run(arch, cfg, engine=args.engine)
     print(format_table(out))
+    if {"async", "disaggregated"} <= set(out):
+        a, d = out["async"], out["disaggregated"]
+        print(f"async: {a['steps_done']} steps in {a['loop_s']:.2f} s; disaggregated: {d['steps_done']} steps in "
+              f"{d['loop_s']:.2f} s (async/disaggregated = {a['loop_s'] / d['loop_s']:.2f})")
     if not args.no_save:
         import matplotlib
 
