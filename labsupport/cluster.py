@@ -491,7 +491,9 @@ def _bench_broadcast(w: RayWorker, addr: str, port: int, rank: int, nbytes: int,
 
     g = create_group(addr, port, rank, 2, device=device, timeout_s=120)
     n = nbytes // 4
-    t = torch.arange(n, dtype=torch.float32, device=device) if rank == 0 else torch.zeros(n, device=device)
+    # int32, not float32: float32 cannot hold every integer above 2**24, so arange's last value would round
+    t = (torch.arange(n, dtype=torch.int32, device=device) if rank == 0
+         else torch.zeros(n, dtype=torch.int32, device=device))
     g.broadcast(t, src=0)  # warm-up
     g.synchronize()
     t0 = time.perf_counter()
@@ -499,7 +501,7 @@ def _bench_broadcast(w: RayWorker, addr: str, port: int, rank: int, nbytes: int,
         g.broadcast(t, src=0)
     g.synchronize()
     dt = (time.perf_counter() - t0) / iters
-    ok = bool(t[-1].item() == n - 1)
+    ok = bool(t[-1].item() == n - 1 and t[n // 2].item() == n // 2)
     g.destroy()
     return {"seconds": dt, "ok": ok}
 
