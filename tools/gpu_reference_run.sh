@@ -4,6 +4,7 @@
 # versions, command and date) and logs are packed into $OUT for committing under results/.
 #
 #   bash tools/gpu_reference_run.sh [STEP ...]     # default: all steps; STEP in the list below
+#   TESTS="tests/test_ipc.py" LABS="labs/lab_05_cuda_ipc.md" bash tools/gpu_reference_run.sh tests labs
 #
 # Without a venv: the wheels that machine lacks travel in .whl (../shared/device/pack-wheels.sh .whl).
 set -uo pipefail
@@ -24,7 +25,13 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/logs/NAME.log, never stop the wh
   timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/logs/$name.log"
+  pack
 }
+pack() {  # keep $OUT small and complete even if a later step is killed: two archives, refreshed per step
+  tar czf "$OUT/results.tgz" -C "$OUT" results && tar czf "$OUT/logs.tgz" -C "$OUT" logs
+}
+TESTS=${TESTS:-tests}
+LABS=${LABS:-labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_03_nccl_weight_sync.md labs/lab_05_cuda_ipc.md labs/lab_07_capstone.md}
 for step in $STEPS; do
   case $step in
     doctor)  run doctor 120 python3 -m labsupport doctor --save ;;
@@ -33,12 +40,12 @@ for step in $STEPS; do
     ipc)     run ipc 180 python3 -m labsupport bench ipc ;;
     memory)  run memory 180 python3 -m labsupport bench memory ;;
     cluster) run cluster 180 python3 -m labsupport bench cluster ;;
-    tests)   run tests 330 python3 -m pytest tests -m gpu -q -p no:cacheprovider --timeout=240 --junitxml="$OUT/logs/gpu_tests.xml" ;;
-    labs)    run labs 480 python3 -m pytest -q -p no:cacheprovider --timeout=600 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_03_nccl_weight_sync.md labs/lab_05_cuda_ipc.md ;;
-    rl)      run rl 300 python3 -m labsupport rl --arch all ;;
+    tests)   run tests 330 python3 -m pytest $TESTS -m gpu -v -rA --tb=short -p no:cacheprovider --timeout=90 --junitxml="$OUT/logs/gpu_tests.xml" ;;
+    labs)    run labs 480 python3 -m pytest -v -p no:cacheprovider --timeout=300 $LABS --junitxml="$OUT/logs/gpu_labs.xml" ;;
+    rl)      run rl 200 python3 -m labsupport rl --arch all ;;
     *) echo "unknown step $step" ;;
   esac
 done
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv > "$OUT/logs/nvidia-smi.csv" 2>&1
-tar czf "$OUT/results.tgz" -C "$OUT" results && tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/results" "$OUT/logs"
+pack && rm -rf "$OUT/results" "$OUT/logs"
 ls -la "$OUT"
