@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import hashlib
 import math
-import os
 import statistics
 import sys
 import time

@@ -142,31 +142,43 @@ def pattern_accuracy(model, tokenizer, n_tokens: int = 6) -> float:
     return sum(g == expected_continuation(p, n_tokens) for p, g in zip(prompts, got)) / len(prompts)
 
 
-def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
-    """Path of a saved tiny model, built on first use and cached under ``.cache/models/``.
+def cached_model_dir(name: str, build) -> Path:
+    """``.cache/models/<name>``, made once by ``build() -> (model, tokenizer)`` and saved there.
 
-    ``kind="random"``: freshly initialised (writes gibberish). ``kind="trained"``: trained on the
-    alphabet pattern. Safe to call from several processes at once (built in a temp dir, then renamed).
+    Safe to call from several processes at once: one builds (under a file lock) into a temporary folder
+    and renames it into place; the others wait and reuse it.
     """
-    if kind not in ("random", "trained"):
-        raise ValueError(f"kind must be 'random' or 'trained', got {kind!r}")
-    target = CACHE_DIR / "models" / f"{kind}-v{CACHE_VERSION}-seed{seed}"
+    target = CACHE_DIR / "models" / name
     if (target / "config.json").exists():
         return target
     from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if (target / "config.json").exists():
-            return target
-        tok = build_tokenizer()
-        model = build_model(seed)
+        if not (target / "config.json").exists():
+            model, tok = build()
+            tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+            save_model_dir(model, tok, tmp)
+            tmp.rename(target)
+    return target
+
+
+def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
+    """Path of a saved tiny model, built on first use and cached under ``.cache/models/``.
+
+    ``kind="random"``: freshly initialised (writes gibberish). ``kind="trained"``: trained on the
+    alphabet pattern.
+    """
+    if kind not in ("random", "trained"):
+        raise ValueError(f"kind must be 'random' or 'trained', got {kind!r}")
+
+    def build():
+        tok, model = build_tokenizer(), build_model(seed)
         if kind == "trained":
             train_pattern(model, tok, seed=seed)
             acc = pattern_accuracy(model, tok)
             if acc < 1.0:
                 raise RuntimeError(f"tiny model training did not converge (accuracy {acc:.2f}); report this bug")
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        save_model_dir(model, tok, tmp)
-        tmp.rename(target)
-    return target
+        return model, tok
+
+    return cached_model_dir(f"{kind}-v{CACHE_VERSION}-seed{seed}", build)

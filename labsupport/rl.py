@@ -132,23 +132,13 @@ def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 
 
 def warmstart_dir(seed: int = 0, steps: int = 150) -> Path:
     """A saved warm-started model (HF folder that transformers and vLLM load), cached under ``.cache/models``."""
-    target = models.CACHE_DIR / "models" / f"capstone-v4-seed{seed}-s{steps}"
-    if (target / "config.json").exists():
-        return target
-    from filelock import FileLock
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if (target / "config.json").exists():
-            return target
+    def build():
         torch.manual_seed(seed)
-        tok = models.build_tokenizer()
-        model = models.build_model(seed)
+        tok, model = models.build_tokenizer(), models.build_model(seed)
         warmstart(model, tok, steps=steps, seed=seed)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        models.save_model_dir(model, tok, tmp)
-        tmp.rename(target)
-    return target
+        return model, tok
+
+    return models.cached_model_dir(f"capstone-v4-seed{seed}-s{steps}", build)
 
 
 def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu"):

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from labsupport import groups
 from labsupport.groups import GroupError, GroupTimeout, create_group, free_port, run_ranks
 
 
