@@ -555,7 +555,22 @@ def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, thread
         state["group"].destroy()
 
 
-class EngineProcess:
+class _EngineClient:
+    """What both engine front-ends share: ``call`` = send + recv, and filing the engine's spans."""
+
+    timeline: Timeline
+
+    def _filed(self, reply: dict[str, Any]) -> dict[str, Any]:
+        for phase, step, t0, t1, detail in reply["events"]:
+            self.timeline.add("engine", phase, step, t0, t1, detail)
+        return reply
+
+    def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
+        self.send(*ops)
+        return self.recv()
+
+
+class EngineProcess(_EngineClient):
     """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
 
     ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
@@ -574,20 +589,13 @@ class EngineProcess:
         self.peer.send({"ops": list(ops)})
 
     def recv(self) -> dict[str, Any]:
-        reply = self.peer.recv(self.timeout_s)
-        for phase, step, t0, t1, detail in reply["events"]:
-            self.timeline.add("engine", phase, step, t0, t1, detail)
-        return reply
-
-    def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
-        self.send(*ops)
-        return self.recv()
+        return self._filed(self.peer.recv(self.timeout_s))
 
     def close(self) -> None:
         self.peer.close()
 
 
-class LocalEngine:
+class LocalEngine(_EngineClient):
     """An engine in the caller's process (vLLM, which runs its own engine-core process), with
     EngineProcess's send/recv/call; ``send`` works right away, so nothing overlaps with training."""
 
@@ -599,13 +607,7 @@ class LocalEngine:
 
     def recv(self) -> dict[str, Any]:
         reply, self.reply = self.reply, None
-        for phase, step, t0, t1, detail in reply["events"]:
-            self.timeline.add("engine", phase, step, t0, t1, detail)
-        return reply
-
-    def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
-        self.send(*ops)
-        return self.recv()
+        return self._filed(reply)
 
     def close(self) -> None:
         if hasattr(self.engine, "close"):
