@@ -6,7 +6,9 @@
 #   bash tools/gpu_reference_run.sh [STEP ...]     # default: all steps; STEP in the list below
 #   TESTS="tests/test_ipc.py" LABS="labs/lab_05_cuda_ipc.md" bash tools/gpu_reference_run.sh tests labs
 #
-# Without a venv: the wheels that machine lacks travel in .whl (../shared/device/pack-wheels.sh .whl).
+# Without a venv: the wheels that machine lacks travel in .whl (../shared/device/pack-wheels.sh .whl), plus
+# pytest-timeout, which the test steps use:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .whl pytest-timeout==2.4.0
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
