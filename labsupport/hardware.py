@@ -88,6 +88,13 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
     return env
 
 
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def gpu_uuid(index: int) -> str:
     """The physical GPU's UUID (``GPU-...``), which stays the same whatever CUDA_VISIBLE_DEVICES says."""
     uuid = str(torch.cuda.get_device_properties(index).uuid)

@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from labsupport.hardware import synchronize as _sync
+
 ALIGN = 256  # byte alignment of tensors inside a bucket (keeps every dtype view legal and fast)
 GUARD_SLOTS = 4096  # live exports per Exporter (8 bytes each in the guard file)
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -928,11 +930,6 @@ def model_state(target_bytes: int, device: str | torch.device, dtype: torch.dtyp
     return [(name, torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype)
              if len(s) > 1 or device.type == "cpu" else torch.ones(s, device=device, dtype=dtype))
             for name, s in shapes]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from labsupport.hardware import synchronize as _sync
+
 GB = 1e9
 ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other")
 ROLE_COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer": "#c44e52", "kv_cache": "#55a868",
@@ -472,11 +474,6 @@ def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
     tl.register("gradients", state.model, name="policy.grad")
     tl.register("optimizer", state.optimizer, name="adam")
     tl.register("kv_cache", state.kv, name="kv pool")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device, pin: bool = True) -> int:

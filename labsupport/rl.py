@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from labsupport import models
+from labsupport import hardware, models
 
 ARCHS = ("colocated", "disaggregated", "async")
 LETTERS = string.ascii_lowercase
@@ -648,11 +648,6 @@ def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
     return "cuda:0", "cuda:1"
 
 
-def _sync_cuda(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
-
-
 def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True) -> dict[str, Any]:
     """Run the GRPO loop in one orchestration; returns curves, per-step timings and the timeline (JSON-able).
@@ -713,7 +708,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
                 return span.__enter__()
 
             def __exit__(self, *exc):
-                _sync_cuda(tdev)
+                hardware.synchronize(tdev)
                 span.__exit__(*exc)
                 return m.__exit__(*exc) if m is not None else None
 
