@@ -2,21 +2,23 @@
 
 ``send`` (trainer, rank ``src``) and ``receive`` (every other rank) run concurrently:
 
-1. handshake: a small header (version, metadata hash, mode, bucket size) is broadcast; the full list of
-   names/dtypes/shapes follows only when it changed. Every receiver checks it against the tensors it
-   expects and all ranks vote (one all-reduce): a single objection makes *every* rank raise
-   ``WeightSyncError`` naming the tensor, before any weight changes.
-2. transfer: ``per_tensor`` (one broadcast per tensor, the baseline) or ``bucketed`` (tensors packed into
-   fixed-size buffers; two buffers alternate on two side streams, so packing bucket k+1 overlaps the
-   transfer of bucket k, and the receiver unpacks bucket k while k+1 arrives). Packing and unpacking are
-   one multi-tensor copy per bucket (``torch._foreach_copy_``), not hundreds of kernel launches, and the
-   first and last buckets are small, so little copying sits outside the overlap. Tensors larger than a
-   bucket or 64 MiB travel alone, straight from their own memory (``flatten_params``: a model as one).
-3. verification: an integer checksum per bucket, computed on the device on both sides (no host sync in the
-   loop), compared at the end with one more all-reduce that also reports receivers whose ``load`` failed.
+1. handshake: one all-reduce carries the header (version, metadata hash, mode, bucket size) from the
+   trainer and, from each receiver, whether it must check the metadata again. The names/dtypes/shapes
+   follow only when they changed; then every receiver checks them against the tensors it expects and all
+   ranks vote: a single objection makes *every* rank raise ``WeightSyncError`` naming the tensor, before
+   any weight changes. A layout everyone already accepted needs no second round trip.
+2. transfer, three ways: ``per_tensor`` (one broadcast per tensor, the baseline); ``bucketed`` (tensors
+   grouped into buckets of ``bucket_bytes``; each bucket leaves as one NCCL launch, a group of broadcasts
+   straight from the tensors' own memory, and lands in the receiver's own tensors (``into``) or in one of
+   two staging buffers that ``load`` empties while the next bucket arrives); ``packed`` (the classic: the
+   trainer copies each bucket into one of two alternating buffers on side streams, packing bucket k+1
+   while bucket k is on the wire, and the receiver unpacks). Copies compete with NCCL for memory
+   bandwidth, which is why ``bucketed`` avoids them.
+3. verification: an integer checksum per bucket, computed on the device on both sides, compared in the
+   closing all-reduce that also reports receivers whose ``load`` failed.
 
 A peer that dies makes every survivor raise ``SyncTimeout`` naming it (never a hang).
-``python -m labsupport bench sync`` measures per-tensor, bucketed, flat and raw single-buffer broadcast.
+``python -m labsupport bench sync`` measures per-tensor, bucketed, packed and a raw single-buffer broadcast.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from labsupport.groups import GroupError, StatelessGroup, create_group, free_por
 
 ALIGN = 256  # every packed tensor starts on a 256-byte boundary (any dtype can view it)
 MAGIC = 0x5EED_2026
-MODES = {"per_tensor": 0, "bucketed": 1}
+MODES = {"per_tensor": 0, "bucketed": 1, "packed": 2}
 
 
 class WeightSyncError(Exception):
@@ -117,25 +119,6 @@ def expected_from(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str
     return {m.name: m for m in metadata_of(named_tensors)}
 
 
-def flatten_params(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Copy tensors into one flat byte buffer (each at a 256-byte boundary); return it and views of it shaped
-    like the originals. Parameters that live in one buffer (as FSDP's flat parameters do) sync with no
-    packing: ``send(group, {"flat": buf})`` and ``receive(..., into={"flat": buf})`` move it in one piece."""
-    items = _items(named_tensors)
-    offsets, used = [], 0
-    for _, t in items:
-        offsets.append(_round_up(used))
-        used = offsets[-1] + t.numel() * t.element_size()
-    buf = torch.zeros(_round_up(used), dtype=torch.uint8, device=items[0][1].device if items else "cpu")
-    views = {}
-    with torch.no_grad():
-        for (name, t), off in zip(items, offsets):
-            views[name] = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            views[name].copy_(t)
-    return buf, views
-
-
 def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
     """A ``load`` callback that copies each received tensor into ``targets[name]`` (in place, no grad)."""
 
@@ -206,82 +189,34 @@ def tensor_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
 @dataclass
 class _Bucket:
     items: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor index, byte offset, nbytes)
-    nbytes: int = 0  # bytes on the wire
-    direct: bool = False  # one tensor, sent from / received into its own memory
+    nbytes: int = 0  # size of the bucket's packed layout (every tensor at a 256-byte boundary)
 
 
 def _round_up(x: int, a: int = ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def _greedy(idx: list[int], sizes: list[int], bucket_bytes: int, first: int) -> list[tuple[bool, list[int]]]:
-    """Group tensor indices into ``(direct, indices)``: packed groups whose capacity starts at ``first`` and
-    grows 4x per bucket up to ``bucket_bytes`` (faster for a tensor that does not fit); tensors over
-    ``max(first, 64 MiB)`` (and over a bucket) travel alone, straight from their own memory."""
-    groups: list[tuple[bool, list[int]]] = []
-    cur: list[int] = []
-    used, cap = 0, first
-    for i in idx:
-        n = sizes[i]
-        if n > min(bucket_bytes, max(first, 64 << 20)):
-            groups.append((True, [i]))
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (one per tensor in ``per_tensor``
+    mode; a tensor larger than a bucket gets one of its own). Both sides compute the same plan.
+
+    Single-tensor buckets go first: in ``packed`` mode they travel straight from the trainer's memory, so the
+    wire is busy while the first packed bucket is being filled.
+    """
+    out: list[_Bucket] = []
+    used = 0
+    for i, m in enumerate(metas):
+        n = m.nbytes
+        if not n:
             continue
         off = _round_up(used)
-        if cur and off + n > cap >= n:  # full: the next bucket is larger
-            groups.append((False, cur))
-            cur, off, cap = [], 0, min(bucket_bytes, cap * 4)
-        while off + n > cap < bucket_bytes:
-            cap = min(bucket_bytes, cap * 4)
-        if cur and off + n > cap:
-            groups.append((False, cur))
-            cur, off = [], 0
-        cur.append(i)
+        if not out or mode == "per_tensor" or off + n > bucket_bytes:
+            out.append(_Bucket())
+            off = 0
+        out[-1].items.append((i, off, n))
         used = off + n
-    if cur:
-        groups.append((False, cur))
-    return groups
-
-
-def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
-    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan.
-
-    Tensors larger than a bucket travel alone ("direct": no packing) and go first, so the wire starts at
-    once while the first bucket is packed. When the rest spans several buckets, the first and last packed
-    buckets are smaller (1/16 of a bucket or of the total, at least 16 MiB, growing 4x): less to pack
-    before the first packed byte moves and less to unpack after the last byte lands, yet few extra
-    collectives. The order of tensors on the wire does not matter to receivers.
-    """
-    sizes = [m.nbytes for m in metas]
-    if mode == "per_tensor" or len(metas) == 1:  # (one tensor: nothing to pack)
-        return [_Bucket([(i, 0, n)], n, True) for i, n in enumerate(sizes) if n]
-    idx = [i for i, n in enumerate(sizes) if n]
-    total = sum(sizes)
-    first = min(bucket_bytes, max(bucket_bytes // 16, 16 << 20), max(total // 16, 1 << 20))
-    if total <= first or first >= bucket_bytes:
-        groups = _greedy(idx, sizes, bucket_bytes, bucket_bytes)
-    else:
-        tail_target = min(2 * bucket_bytes, total // 2)
-        acc, split = 0, len(idx)
-        while split > 0 and acc < tail_target:
-            split -= 1
-            acc += sizes[idx[split]]
-        front = _greedy(idx[:split], sizes, bucket_bytes, first)
-        back = _greedy(idx[split:][::-1], sizes, bucket_bytes, first)  # ramp measured from the end
-        groups = front + [(d, sorted(g)) for d, g in back[::-1]]
-    groups = [g for g in groups if g[0]] + [g for g in groups if not g[0]]  # direct ones first
-    out = []
-    for direct, g in groups:
-        if direct:
-            out.append(_Bucket([(g[0], 0, sizes[g[0]])], sizes[g[0]], True))
-            continue
-        b, used = _Bucket(), 0
-        for i in g:
-            off = _round_up(used)
-            b.items.append((i, off, sizes[i]))
-            used = off + sizes[i]
-        b.nbytes = _round_up(used)  # whole 256-byte lines: the checksum reads full words
-        out.append(b)
-    return out
+        out[-1].nbytes = _round_up(used)
+    return sorted(out, key=lambda b: len(b.items) > 1)
 
 
 def _meta_hash(metas: list[TensorMeta]) -> tuple[int, int]:
@@ -314,33 +249,66 @@ def _validate(metas: list[TensorMeta], expected: Mapping[str, Any] | None) -> li
     return problems
 
 
+@dataclass
+class _Plan:
+    """Everything both sides derive once per (metadata, bucket size, mode) and reuse on every update."""
+
+    metas: list[TensorMeta]
+    buckets: list[_Bucket]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    total: int
+    staging: int  # bytes of the largest multi-tensor bucket (the size of each of the two staging buffers)
+    views: Any = None  # (buffers, per bucket: [(name, view into its buffer)]) made once per buffer pair
+
+    def views_in(self, bufs: list[torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Per multi-tensor bucket, each tensor's typed view into the bucket's buffer (cached: views cost
+        Python time); [] for single-tensor buckets."""
+        if self.views is None or self.views[0] is not bufs:
+            self.views = (bufs, [[] if len(b.items) == 1 else
+                                 [(self.metas[i].name, bufs[k % 2][off:off + n].view(self.dtypes[i]).view(self.shapes[i]))
+                                  for i, off, n in b.items] for k, b in enumerate(self.buckets)])
+        return self.views[1]
+
+
+def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int,
+          mode: str) -> _Plan:
+    plans = group.cache.setdefault("plans", {})
+    pk = (key, bucket_bytes, mode)
+    if pk not in plans:
+        if len(plans) > 16:
+            plans.clear()
+        buckets = plan_buckets(metas, bucket_bytes, mode)
+        plans[pk] = _Plan(metas, buckets, [m.torch_dtype for m in metas], [m.shape for m in metas],
+                          sum(m.nbytes for m in metas),
+                          max((b.nbytes for b in buckets if len(b.items) > 1), default=0))
+    return plans[pk]
+
+
 # ---------------------------------------------------------------------------- shared machinery
 
-def _streams(group: StatelessGroup) -> list[Any]:
-    """Two side streams per group (GPU), created once; on CPU, two null placeholders."""
+def _streams(group: StatelessGroup) -> tuple[list[Any], Any]:
+    """Two side streams (created once per group), each after the current stream's work so far (the
+    weights as last written); returns them and the current stream. On CPU: placeholders."""
     if group.backend != "nccl":
-        return [None, None]
+        return [None, None], None
     if "streams" not in group.cache:
         group.cache["streams"] = [torch.cuda.Stream(device=group.device) for _ in range(2)]
-    return group.cache["streams"]
+    cur = torch.cuda.current_stream(group.device)
+    for s in group.cache["streams"]:
+        s.wait_stream(cur)
+    return group.cache["streams"], cur
 
 
 def _on(stream: Any):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _start_side_streams(group: StatelessGroup, plan: _Plan, verify: bool, dev: torch.device) -> tuple[list[Any], Any]:
-    """The two side streams, after the current stream's work (the weights as last written, and the checksum
-    multipliers made here); returns them and the current stream (None on CPU)."""
-    if verify:
-        _row_weights(dev, max((b.nbytes // _words(b.nbytes).itemsize // _ROW for b in plan.buckets),
-                                       default=0))
-    streams = _streams(group)
-    cur = torch.cuda.current_stream(group.device) if group.backend == "nccl" else None
+def _join(streams: list[Any], cur: Any) -> None:
+    """The current stream continues after both side streams' work (GPU)."""
     for s in streams:
         if s is not None:
-            s.wait_stream(cur)
-    return streams, cur
+            cur.wait_stream(s)
 
 
 def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
@@ -365,6 +333,12 @@ def release_buffers(group: StatelessGroup) -> None:
         group.synchronize("releasing buffers")
 
 
+def _cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of several tensors one after the other (a copy, made only to checksum a bucket that does
+    not sit in one buffer)."""
+    return _as_bytes(tensors[0]) if len(tensors) == 1 else torch.cat([_as_bytes(t) for t in tensors])
+
+
 def _guard(group: StatelessGroup, fn: Callable[[], Any], what: str) -> Any:
     """Run a group step; a peer that died or timed out becomes ``SyncTimeout`` (and the group is aborted)."""
     try:
@@ -374,25 +348,28 @@ def _guard(group: StatelessGroup, fn: Callable[[], Any], what: str) -> Any:
         raise SyncTimeout(f"weight sync failed during {what}: {exc}") from exc
 
 
-def _vote(group: StatelessGroup, my_problems: list[str], what: str, dev: torch.device,
-          device_flag: torch.Tensor | None = None,
-          details: Callable[[], list[str]] | None = None) -> list[list[str]] | None:
-    """All ranks agree on failure: returns every rank's problem list if any rank objects, else None.
+def _header(group: StatelessGroup, fields: list[int] | None, stale: bool) -> list[int]:
+    """The handshake's one collective, an all-reduce (sum): the sender contributes the header, each receiver
+    zeros and, in the last slot, 1 if it must vote on the metadata again. Every rank gets the header and
+    the number of such receivers."""
+    vals = torch.tensor((fields or [0] * 8) + [int(stale)], dtype=torch.int64)
+    if group.backend == "nccl":  # pinned + non_blocking: never waits for a stream (it may be stuck on a dead peer)
+        vals = vals.pin_memory().to(group.device, non_blocking=True)
+    _guard(group, lambda: group.all_reduce(vals, "sum"), "the handshake")
+    _guard(group, lambda: group.synchronize("the handshake"), "the handshake")
+    return vals.tolist()
 
-    One all-reduce (max) of a flag; ``device_flag`` lets a check computed on the device join the vote
-    without a host sync, and ``details`` explains it afterwards (only when someone objected).
-    """
+
+def _vote(group: StatelessGroup, my_problems: list[str], what: str) -> list[list[str]] | None:
+    """All ranks agree on failure: returns every rank's problem list if any rank objects, else None."""
     # torch.full is a device-side fill: unlike torch.tensor(..., device="cuda") it never waits for the
     # stream, which may be stuck behind a broadcast to a dead peer (we must reach our timed wait below).
-    flag = torch.full((1,), 1 if my_problems else 0, dtype=torch.int32, device=dev)
-    if device_flag is not None:
-        flag = torch.maximum(flag, device_flag.to(torch.int32).reshape(1))
+    flag = torch.full((1,), 1 if my_problems else 0, dtype=torch.int32, device=group.device)
     _guard(group, lambda: group.all_reduce(flag, "max"), f"the {what} vote")
     _guard(group, lambda: group.synchronize(f"the {what} vote"), f"the {what} vote")
     if int(flag.item()) == 0:
         return None
-    mine = list(my_problems) + (details() if details is not None else [])
-    return _guard(group, lambda: group.all_gather_object(mine), f"the {what} vote")
+    return _guard(group, lambda: group.all_gather_object(list(my_problems)), f"the {what} vote")
 
 
 def _reject_message(version: int, per_rank: list[list[str]], head: str, tail: str) -> str:
@@ -405,41 +382,34 @@ def _reject_message(version: int, per_rank: list[list[str]], head: str, tail: st
     return f"weight update v{version} {head}:\n" + "\n".join(lines) + f"\n{tail}"
 
 
+def _finish(group: StatelessGroup, version: int, problems: list[str], sums: torch.Tensor | None,
+            plan: _Plan, src: int) -> None:
+    """The closing vote (every rank), one all-reduce (max) of [failed?, checksums, -checksums]: all ranks hold
+    the same checksums exactly when max == -max(-x) == min for every bucket. On any failure every rank
+    raises ``WeightSyncError`` saying which rank failed and how."""
+    dev = group.device
+    vec = torch.full((1,), 1 if problems else 0, dtype=torch.int64, device=dev)
+    if sums is not None:
+        vec = torch.cat([vec, sums, -sums])
+    _guard(group, lambda: group.all_reduce(vec, "max"), "the verification vote")
+    _guard(group, lambda: group.synchronize("the verification vote"), "the verification vote")
+    vals, n = vec.tolist(), (0 if sums is None else sums.numel())
+    if not vals[0] and all((vals[1 + k] + vals[1 + n + k]) % 2**64 == 0 for k in range(n)):
+        return
+    mine = (list(problems), sums.tolist() if sums is not None else [])
+    everyone = _guard(group, lambda: group.all_gather_object(mine), "the verification vote")
+    ref = everyone[src][1]
+    per_rank = []
+    for probs, theirs in everyone:
+        bad = [k for k, (a, b) in enumerate(zip(theirs, ref)) if a != b][:5]
+        per_rank.append(probs + [f"checksum mismatch in bucket {k} ("
+                                 + ", ".join(plan.metas[i].name for i, _, _ in plan.buckets[k].items[:4])
+                                 + ("..." if len(plan.buckets[k].items) > 4 else "") + ")" for k in bad])
+    raise WeightSyncError(_reject_message(version, per_rank, "failed on a receiver",
+                                          "Receivers may hold partly updated weights: send again."))
+
+
 # ---------------------------------------------------------------------------- trainer side
-
-@dataclass
-class _Plan:
-    """Everything both sides derive once per (metadata, bucket size, mode) and reuse on every update."""
-
-    metas: list[TensorMeta]
-    buckets: list[_Bucket]
-    dtypes: list[torch.dtype]
-    shapes: list[tuple[int, ...]]
-    total: int
-    packed_max: int
-    views: Any = None  # (buffers, per bucket: [(name, view into its buffer)]) made once per buffer pair
-
-    def views_in(self, bufs: list[torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-        """Per packed bucket, each tensor's typed view into the bucket's buffer (cached: views cost Python time)."""
-        if self.views is None or self.views[0] is not bufs:
-            self.views = (bufs, [[] if b.direct else
-                                 [(self.metas[i].name, bufs[k % 2][off:off + n].view(self.dtypes[i]).view(self.shapes[i]))
-                                  for i, off, n in b.items] for k, b in enumerate(self.buckets)])
-        return self.views[1]
-
-
-def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int,
-          mode: str) -> _Plan:
-    plans = group.cache.setdefault("plans", {})
-    pk = (key, bucket_bytes, mode)
-    if pk not in plans:
-        if len(plans) > 16:
-            plans.clear()
-        buckets = plan_buckets(metas, bucket_bytes, mode)
-        plans[pk] = _Plan(metas, buckets, [m.torch_dtype for m in metas], [m.shape for m in metas],
-                          sum(m.nbytes for m in metas), max((b.nbytes for b in buckets if not b.direct), default=0))
-    return plans[pk]
-
 
 def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], tuple[int, int], bool]:
     """Metadata and its hash, recomputed only when names/dtypes/shapes/devices changed since the last send.
@@ -466,6 +436,8 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
          verify: bool = True) -> SyncStats:
     """Broadcast named tensors from this rank (``src``) to every other rank of ``group``.
 
+    ``mode``: ``"bucketed"`` (one grouped launch per bucket, straight from the tensors' memory),
+    ``"packed"`` (copied into two alternating buffers, one broadcast per bucket) or ``"per_tensor"``.
     Returns once every receiver has loaded the update (and, with ``verify``, matched its checksums).
     Raises ``WeightSyncError`` if any receiver rejects the metadata (no receiver loads anything then),
     reports a checksum mismatch or a failing ``load``; ``SyncTimeout`` if a peer stops answering.
@@ -478,110 +450,109 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
     t0 = time.perf_counter()
     items = _items(named_tensors)
-    dev = group.device
     metas, key, changed = _sender_metadata(group, items)
-    header = torch.tensor([MAGIC, version, key[0], key[1], len(metas), MODES[mode], bucket_bytes,
-                           (1 if verify else 0) | (2 if changed else 0)], dtype=torch.int64, device=dev)
-    _guard(group, lambda: group.broadcast(header, src), "the handshake")
-    early = None
-    if changed:
-        # New layout: receivers need the full list, and we wait for their verdict before sending anything.
-        _guard(group, lambda: group.broadcast_object([(m.name, m.dtype, m.shape) for m in metas], src),
-               "the handshake")
-        rejected = _vote(group, [], "metadata", dev)
+    hdr = _header(group, [MAGIC, version, key[0], key[1], len(metas), MODES[mode], bucket_bytes,
+                          (1 if verify else 0) | (2 if changed else 0)], False)
+    if changed or hdr[8]:  # new layout, or a receiver that has not checked this one: wait for the verdict
+        if changed:
+            _guard(group, lambda: group.broadcast_object([(m.name, m.dtype, m.shape) for m in metas], src),
+                   "the handshake")
+        rejected = _vote(group, [], "metadata")
         if rejected is not None:
             group.cache.pop("send_sig", None)
             raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
                                                   "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
                                                   "(or the receiver's expected metadata) and send again."))
-    else:
-        # Known layout: receivers already validated it once. Their vote travels on the device while the
-        # data flows; a receiver that objects now receives without loading, and we learn it at the end.
-        early = torch.zeros(1, dtype=torch.int32, device=dev)
-        _guard(group, lambda: group.all_reduce(early, "max"), "the handshake")
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
-    streams, cur = _start_side_streams(group, plan, verify, dev)
-    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
-    tensors = [t for _, t in items]
-    views = plan.views_in(bufs) if plan.packed_max else None
-    pending: list[Any] = [None, None]
+    packed = mode == "packed" and plan.staging > 0
+    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if packed else None
+    views = plan.views_in(bufs) if packed else None
+    streams, cur = _streams(group)
+    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=group.device) if verify else None
+    tensors = [t.detach().contiguous() for _, t in items]
+    n_launch = 0
 
     def transfer() -> None:
+        nonlocal n_launch
+        works, pending = [], [None, None]
         for k, b in enumerate(plan.buckets):
-            i = k % 2
-            with _on(streams[i]):
-                if pending[i] is not None:  # buffer i is free once its previous broadcast is done
-                    group.wait_work(pending[i][0], "bucket broadcast")
-                if b.direct:
-                    payload = _as_bytes(tensors[b.items[0][0]].contiguous())
-                else:  # pack: one multi-tensor copy kernel per bucket, not one launch per tensor
-                    payload = bufs[i][: b.nbytes]
-                    torch._foreach_copy_([v for _, v in views[k]], [tensors[idx] for idx, _, _ in b.items])
-                pending[i] = (group.broadcast(payload, src, async_op=True), payload)
-                if sums is not None:  # reads the bucket beside the broadcast (both only read it)
-                    sums[k] = _checksum(payload)
+            if packed and len(b.items) > 1:
+                i = k % 2
+                with _on(streams[i]):
+                    if pending[i] is not None:  # buffer i is free once its previous broadcast is done
+                        group.wait_work(pending[i], "bucket broadcast")
+                    payload = bufs[i][: b.nbytes]  # pack: one multi-tensor copy kernel for the whole bucket
+                    torch._foreach_copy_([v for _, v in views[k]], [tensors[j] for j, _, _ in b.items])
+                    pending[i] = group.broadcast(payload, src, async_op=True)
+                    n_launch += 1
+                    if sums is not None:  # reads the bucket beside the broadcast (both only read it)
+                        sums[k] = _checksum(payload)
+            else:  # no copy: the bucket's tensors go out as one grouped launch, each from its own memory
+                srcs = [tensors[j] for j, _, _ in b.items]
+                works.append(group.broadcast_many(srcs, src))
+                n_launch += 1 if group.backend == "nccl" else len(srcs)
+                if sums is not None:
+                    sums[k] = _checksum(_cat_bytes(srcs))
+        for w in works:
+            group.wait_work(w, "bucket broadcast")
         for i in range(2):
             if pending[i] is not None:
                 with _on(streams[i]):
-                    group.wait_work(pending[i][0], "bucket broadcast")
-        for s in streams:
-            if s is not None:
-                cur.wait_stream(s)
+                    group.wait_work(pending[i], "bucket broadcast")
+        _join(streams, cur)
 
     with torch.no_grad():
         _guard(group, transfer, "the transfer")
-    if sums is not None:
-        _guard(group, lambda: group.broadcast(sums, src), "verification")
-    _finish(group, version, [], early, None, None, dev)
-    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=len(plan.buckets),
+    _finish(group, version, [], sums, plan, src)
+    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=n_launch,
                      mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas), version=version,
                      handshake_s=t_hand, verified=verify)
 
 
-def _finish(group: StatelessGroup, version: int, problems: list[str], early: torch.Tensor | None,
-            device_flag: torch.Tensor | None, details: Callable[[], list[str]] | None, dev: torch.device) -> None:
-    """The closing vote (every rank): raise on all ranks if the early metadata vote or the checks failed."""
-    flag = device_flag if device_flag is not None else torch.zeros((), dtype=torch.int32, device=dev)
-    if early is not None:  # 2 = somebody rejected the metadata during the pipelined vote
-        flag = torch.maximum(flag.to(torch.int32).reshape(1), early.to(torch.int32).reshape(1) * 2)
-    failed = _vote(group, problems, "verification", dev, flag, details)
-    if failed is None:
-        return
-    if early is not None and int(early.item()):
-        raise WeightSyncError(_reject_message(version, failed, "rejected before any weight changed",
-                                              "Nothing was loaded on any receiver (the data was received and "
-                                              "dropped). Fix the names/dtypes/shapes and send again."))
-    raise WeightSyncError(_reject_message(version, failed, "failed on a receiver",
-                                          "Receivers may hold partly updated weights: send again."))
-
-
 # ---------------------------------------------------------------------------- receiver side
+
+def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor] | None,
+             dev: torch.device) -> list[torch.Tensor | None]:
+    """Per tensor of the plan: the receiver's own tensor it can land in (contiguous, same dtype, shape and
+    device), else None. Cached per (plan, ``into`` object), so build ``into`` once."""
+    if not into:
+        return [None] * len(plan.metas)
+    hit = group.cache.get("landing")
+    if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into):
+        return hit[3]
+    out = []
+    for m, dt, shape in zip(plan.metas, plan.dtypes, plan.shapes):
+        t = into.get(m.name)
+        ok = t is not None and t.is_contiguous() and t.device == dev and t.dtype == dt and tuple(t.shape) == shape
+        out.append(t if ok else None)
+    group.cache["landing"] = (plan, into, len(into), out)
+    return out
+
 
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] | None,
             load: Callable[[list[tuple[str, torch.Tensor]]], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
-    """Receive one update from ``src``: validate its metadata, then call ``load`` per bucket (or tensor).
+    """Receive one update from ``src``: validate its metadata, then land every tensor.
 
-    ``expected`` maps name -> ``TensorMeta`` (or a tensor); ``None`` accepts any metadata. Validation is
-    skipped when the same ``expected`` object meets the same metadata again, so build it once. ``load``
-    gets ``[(name, tensor)]`` views into a reused buffer, valid only during the call: copy what you keep.
-    On NCCL it runs on a side stream that is current during the call, so its copies are ordered correctly.
-    ``into``: contiguous tensors that a tensor travelling alone (the only tensor of an update, or one larger
-    than a bucket or 64 MiB) lands in directly, once every rank has accepted the metadata; ``load`` is not
-    called for those (see ``flatten_params``).
+    ``expected`` maps name -> ``TensorMeta`` (or a tensor); ``None`` accepts any metadata. A receiver checks
+    a layout once and votes; later updates with the same layout and the same ``expected`` object skip the
+    vote, so build ``expected`` once. ``into``: this receiver's own tensors by name (contiguous, matching
+    dtype and shape); in ``bucketed`` and ``per_tensor`` modes those tensors are received in place, with no
+    copy. Everything else arrives in a staging buffer and is handed to ``load`` as ``[(name, tensor)]``
+    views, valid only during the call (copy what you keep). On NCCL ``load`` runs with a side stream
+    current, so its copies are ordered after the data landed.
     """
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
     t0 = time.perf_counter()
     dev = torch.device(device) if device is not None else group.device
-    header = torch.zeros(8, dtype=torch.int64, device=dev)
-    _guard(group, lambda: group.broadcast(header, src), "the handshake (waiting for the trainer's header)")
-    _guard(group, lambda: group.synchronize("waiting for the trainer's update header"), "the handshake")
-    magic, version, h0, h1, n_tensors, mode_code, bucket_bytes, flags = header.tolist()
+    accepted = group.cache.get("accepted")  # (key, expected, len) of the last layout this rank voted for
+    stale = accepted is None or accepted[1] is not expected or accepted[2] != len(expected or ())
+    magic, version, h0, h1, n_tensors, mode_code, bucket_bytes, flags, n_stale = _header(group, None, stale)
     if magic != MAGIC:
+        group.abort()
         raise WeightSyncError(f"rank {group.rank}: got a header that is not from labsupport.broadcast.send "
                               f"(magic {magic:#x}); are both sides calling send/receive in the same order?")
     mode = {v: k for k, v in MODES.items()}[mode_code]
@@ -592,113 +563,78 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
         known.clear()
         known[key] = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
     metas = known.get(key)
-    if metas is None:  # cannot happen with one sender per group; say so rather than guess
+    if metas is None or not (flags & 2 or n_stale or accepted[0] == key):  # (one sender per group: cannot happen)
         group.abort()
-        raise WeightSyncError(f"rank {group.rank}: update v{version} refers to metadata this rank never received; "
-                              "create a new group.")
-    seen = group.cache.get("verdict")
-    if seen is not None and seen[0] == key and seen[1] is expected and seen[2] == len(expected or ()):
-        problems = seen[3]
-    else:
-        problems = _validate(metas, expected)
-        group.cache["verdict"] = (key, expected, len(expected or ()), problems)
-    early = None
-    if flags & 2:
-        rejected = _vote(group, problems, "metadata", dev)
+        raise WeightSyncError(f"rank {group.rank}: update v{version} refers to metadata this rank never "
+                              "accepted; create a new group.")
+    if flags & 2 or n_stale:
+        group.cache.pop("accepted", None)
+        rejected = _vote(group, _validate(metas, expected), "metadata")
         if rejected is not None:
             raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
                                                   "Nothing was loaded on any receiver."))
-    else:
-        early = torch.full((1,), 1 if problems else 0, dtype=torch.int32, device=dev)
-        _guard(group, lambda: group.all_reduce(early, "max"), "the handshake")
+        group.cache["accepted"] = (key, expected, len(expected or ()))
     t_hand = time.perf_counter() - t0
 
-    verify = bool(flags & 1)
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    bufs = _guard(group, lambda: _buffers(group, plan.packed_max), "buffer allocation") if plan.packed_max else [None, None]
-    streams, cur = _start_side_streams(group, plan, verify, dev)
-    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
-    views = plan.views_in(bufs) if plan.packed_max else None
+    land = _landing(group, plan, into, dev)  # (packed mode: only single-tensor buckets can land in place)
+    packed = mode == "packed" and plan.staging > 0
+    need_stage = packed or any(land[i] is None for b in plan.buckets if len(b.items) > 1 for i, _, _ in b.items)
+    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if need_stage and plan.staging else None
+    views = plan.views_in(bufs) if bufs is not None else None
+    streams, cur = _streams(group)
+    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if flags & 1 else None
     load_errors: list[str] = []
     slots: list[Any] = [None, None]
-    state = {"load": None}  # decided before the first load: False while somebody rejected the update
+    n_launch = 0
 
     def issue(k: int) -> None:
+        nonlocal n_launch
         b, i = plan.buckets[k], k % 2
         with _on(streams[i]):
-            holder = None
-            if b.direct:
-                idx = b.items[0][0]
-                holder = (into or {}).get(plan.metas[idx].name)
-                if not (holder is not None and holder.is_contiguous() and holder.device == dev and may_load()
-                        and (holder.dtype, tuple(holder.shape)) == (plan.dtypes[idx], plan.shapes[idx])):
-                    holder = torch.empty(plan.shapes[idx], dtype=plan.dtypes[idx], device=dev)
-                payload = _as_bytes(holder)
+            if packed and len(b.items) > 1:
+                dst, staged = [bufs[i][: b.nbytes]], views[k]
+                work = group.broadcast(dst[0], src, async_op=True)
+                n_launch += 1
             else:
-                payload = bufs[i][: b.nbytes]
-            slots[i] = (group.broadcast(payload, src, async_op=True), payload, holder)
-
-    def may_load() -> bool:
-        if state["load"] is None:
-            if early is None:
-                state["load"] = True
-            else:  # the pipelined metadata vote: the all-reduce finished long ago or finishes now
-                with _on(cur):
-                    group.synchronize("the metadata vote")
-                state["load"] = int(early.item()) == 0
-        return state["load"]
+                dst, staged = [], []
+                for n, (j, _, _) in enumerate(b.items):
+                    t = land[j]
+                    if t is None:
+                        t = views[k][n][1] if len(b.items) > 1 else torch.empty(plan.shapes[j], dtype=plan.dtypes[j], device=dev)
+                        staged.append((plan.metas[j].name, t))
+                    dst.append(t)
+                work = group.broadcast_many(dst, src)
+                n_launch += 1 if group.backend == "nccl" else len(dst)
+            slots[i] = (work, dst, staged)
 
     def transfer() -> None:
         n = len(plan.buckets)
         if n:
             issue(0)
-        for k, b in enumerate(plan.buckets):
+        for k in range(n):
             if k + 1 < n:
-                issue(k + 1)  # the next bucket lands in the other buffer while we unpack this one
+                issue(k + 1)  # the next bucket lands in the other buffer while this one is loaded
             i = k % 2
-            work, payload, holder = slots[i]
-            allowed = may_load() and not load_errors  # (on the main stream: waits for the vote only)
+            work, dst, staged = slots[i]
             with _on(streams[i]):
                 group.wait_work(work, "bucket broadcast")
                 if sums is not None:
-                    sums[k] = _checksum(payload)
-                if not allowed:
-                    slots[i] = None
-                    continue
-                if holder is not None and into is not None and holder is into.get(plan.metas[b.items[0][0]].name):
-                    slots[i] = None  # it landed in place
-                    continue
-                batch = [(plan.metas[b.items[0][0]].name, holder)] if holder is not None else list(views[k])
-                try:
-                    load(batch)
-                except Exception as exc:  # keep receiving so the other ranks do not hang; report at the end
-                    load_errors.append(f"load() failed on '{batch[0][0]}': {type(exc).__name__}: {exc}")
+                    sums[k] = _checksum(_cat_bytes(dst))
+                if staged and not load_errors:
+                    try:
+                        load(staged)
+                    except Exception as exc:  # keep receiving so the other ranks do not hang; report at the end
+                        load_errors.append(f"load() failed on '{staged[0][0]}': {type(exc).__name__}: {exc}")
             slots[i] = None
-        for s in streams:
-            if s is not None:
-                cur.wait_stream(s)
+        _join(streams, cur)
 
-    _guard(group, transfer, "the transfer")
-    dflag, details = None, None
-    if sums is not None:
-        theirs = torch.zeros_like(sums)
-        _guard(group, lambda: group.broadcast(theirs, src), "verification")
-        dflag = (theirs != sums).any()
-
-        def details() -> list[str]:
-            out = []
-            for k in (theirs != sums).nonzero().flatten().tolist()[:5]:
-                names = [plan.metas[idx].name for idx, _, _ in plan.buckets[k].items]
-                out.append(f"checksum mismatch in bucket {k} ({', '.join(names[:4])}"
-                           f"{'...' if len(names) > 4 else ''})")
-            return out
-
-    if early is not None and problems:  # this rank objected during the pipelined vote
-        load_errors = problems + load_errors
-    _finish(group, version, load_errors, early, dflag, details, dev)
-    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=len(plan.buckets),
+    with torch.no_grad():
+        _guard(group, transfer, "the transfer")
+    _finish(group, version, load_errors, sums, plan, src)
+    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=n_launch,
                      mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas), version=version,
-                     handshake_s=t_hand, verified=verify)
+                     handshake_s=t_hand, verified=sums is not None)
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -754,15 +690,24 @@ def _timed(group: StatelessGroup, fn: Callable[[], Any], iters: int, warmup: int
     return times
 
 
+BUCKET_MODES = {  # bench row name -> (send mode, verify, receiver lands in its own tensors)
+    "bucketed": ("bucketed", True, True),
+    "bucketed_noverify": ("bucketed", False, True),
+    "bucketed_load_noverify": ("bucketed", False, False),
+    "packed_noverify": ("packed", False, False),
+}
+
+
 def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes: list[int], *, iters: int = 5,
-                   warmup: int = 1, src: int = 0, modes: tuple[str, ...] = ("raw", "per_tensor", "bucketed",
-                                                                              "bucketed_noverify", "flat", "flat_noverify"),
+                   warmup: int = 1, src: int = 0, modes: tuple[str, ...] = ("raw", "per_tensor", *BUCKET_MODES),
                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every rank calls this; rank ``src`` returns the measured rows (others return []).
 
-    For each model size: ``raw`` (one broadcast of a single buffer of the same total bytes), ``per_tensor``,
-    ``bucketed`` (verified, and without verification) for every bucket size, and ``flat``/``flat_noverify``
-    (the same weights held in one flat buffer on both sides, see ``flatten_params``: no packing at all).
+    For each model size: ``raw`` (one broadcast of a single buffer of the same total bytes), ``per_tensor``
+    (landing in place, no checksums), and for every bucket size: ``bucketed`` landing in the receivers' own
+    tensors (with and without checksums), ``bucketed_load`` (landing in staging buffers that ``load`` copies
+    out of, as an inference engine's ``load_weights`` needs) and ``packed`` (copied into buffers on the trainer,
+    out of them on the receivers).
     """
     dev = group.device
     rows: list[dict[str, Any]] = []
@@ -787,7 +732,7 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
                    "handshake_s": stats.handshake_s if stats else 0.0}
             rows.append(row)
             if progress:
-                progress(f"{total / 1e9:6.2f} GB {mode:>17} bucket {bucket / 2**20:8.2f} MiB: "
+                progress(f"{total / 1e9:6.2f} GB {mode:>22} bucket {bucket / 2**20:8.2f} MiB: "
                          f"{med * 1e3:8.2f} ms {row['gb_per_s']:8.2f} GB/s")
 
         if "raw" in modes:
@@ -797,38 +742,21 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
             del buf
         last: list[SyncStats] = []
 
-        def one(mode: str, bucket: int, verify: bool) -> None:
+        def one(mode: str, bucket: int, verify: bool, in_place: bool) -> None:
             if group.rank == src:
                 last.append(send(group, model, src=src, mode=mode, bucket_bytes=bucket, verify=verify))
             else:
-                last.append(receive(group, src=src, expected=exp, load=load))
+                last.append(receive(group, src=src, expected=exp, load=load, into=model if in_place else None))
 
         if "per_tensor" in modes:
-            times = _timed(group, lambda: one("per_tensor", ALIGN, True), iters, warmup)
+            times = _timed(group, lambda: one("per_tensor", ALIGN, False, True), iters, warmup)
             record("per_tensor", 0, times, last[-1])
         for bucket in buckets_bytes:
-            for mode, verify in (("bucketed", True), ("bucketed_noverify", False)):
-                if mode in modes:
-                    times = _timed(group, lambda: one("bucketed", bucket, verify), iters, warmup)
-                    record(mode, bucket, times, last[-1])
-        if any(m in modes for m in ("flat", "flat_noverify")):
-            flat, _ = flatten_params(model)
-            del model  # (keep peak memory at about two copies of the weights)
-            for mode, verify in (("flat", True), ("flat_noverify", False)):
-                if mode not in modes:
-                    continue
-
-                def one_flat() -> None:
-                    if group.rank == src:
-                        last.append(send(group, {"flat": flat}, src=src, verify=verify))
-                    else:  # lands in place: load() must never run (copy_into({}) would fail loudly)
-                        last.append(receive(group, src=src, expected=None, load=copy_into({}), into={"flat": flat}))
-
-                times = _timed(group, one_flat, iters, warmup)
-                record(mode, flat.numel(), times, last[-1])
-            del flat
-        else:
-            del model
+            for name, (mode, verify, in_place) in BUCKET_MODES.items():
+                if name in modes:
+                    times = _timed(group, lambda: one(mode, bucket, verify, in_place), iters, warmup)
+                    record(name, bucket, times, last[-1])
+        model = load = None  # (free this size's weights before the next one)
         release_buffers(group)
     return rows if group.rank == src else []
 
@@ -864,18 +792,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         per = next((r for r in rs if r["mode"] == "per_tensor"), None)
         s = {"size_bytes": size, "size_gb": size / 1e9, "n_tensors": rs[0]["n_tensors"],
              "raw_gb_per_s": raw["gb_per_s"] if raw else None, "per_tensor_gb_per_s": per["gb_per_s"] if per else None}
-        for mode in ("bucketed", "bucketed_noverify"):
+        for mode in BUCKET_MODES:
             bs = [r for r in rs if r["mode"] == mode]
             if bs:
                 best = max(bs, key=lambda r: r["gb_per_s"])
                 s[f"best_{mode}_gb_per_s"] = best["gb_per_s"]
                 s[f"best_{mode}_bucket_mib"] = best["bucket_bytes"] / 2**20
                 s[f"best_{mode}_frac_of_raw"] = best["gb_per_s"] / raw["gb_per_s"] if raw else None
-        for mode in ("flat", "flat_noverify"):
-            r = next((r for r in rs if r["mode"] == mode), None)
-            if r:
-                s[f"{mode}_gb_per_s"] = r["gb_per_s"]
-                s[f"{mode}_frac_of_raw"] = r["gb_per_s"] / raw["gb_per_s"] if raw else None
         if per and raw:
             s["per_tensor_frac_of_raw"] = per["gb_per_s"] / raw["gb_per_s"]
         if raw:  # every configuration within 90 % of raw, best first
@@ -902,50 +825,65 @@ def check_bar(summary: list[dict[str, Any]], frac: float = 0.9, min_gb: float = 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The benchmark's table: one line per (size, mode, bucket), with the fraction of raw bandwidth."""
     raw = {r["size_bytes"]: r["gb_per_s"] for r in rows if r["mode"] == "raw"}
-    head = f"{'size GB':>8} {'tensors':>7} {'mode':>17} {'bucket MiB':>10} {'ms':>9} {'GB/s':>8} {'of raw':>7} {'bcasts':>6}"
+    head = f"{'size GB':>8} {'tensors':>7} {'mode':>22} {'bucket MiB':>10} {'ms':>9} {'GB/s':>8} {'of raw':>7} {'launch':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         frac = r["gb_per_s"] / raw[r["size_bytes"]] if r["size_bytes"] in raw else float("nan")
-        bucket = f"{r['bucket_bytes'] / 2**20:g}" if r["mode"].startswith("bucketed") else "-"
-        lines.append(f"{r['size_bytes'] / 1e9:8.3f} {r['n_tensors']:7d} {r['mode']:>17} {bucket:>10} "
+        bucket = f"{r['bucket_bytes'] / 2**20:g}" if r["mode"] in BUCKET_MODES else "-"
+        lines.append(f"{r['size_bytes'] / 1e9:8.3f} {r['n_tensors']:7d} {r['mode']:>22} {bucket:>10} "
                      f"{r['seconds'] * 1e3:9.2f} {r['gb_per_s']:8.2f} {frac:7.1%} {r['n_collectives']:6d}")
     return "\n".join(lines)
 
 
+MODE_STYLE = {"bucketed": ("o-", "bucketed, in place, checksums"),
+              "bucketed_noverify": (".:", "bucketed, in place, no checksums"),
+              "bucketed_load_noverify": ("x-.", "bucketed, via staging + load()"),
+              "packed_noverify": ("s--", "packed: copied in and out")}
+
+
 def plot_bench(data: dict[str, Any], title: str = ""):
-    """Bandwidth vs bucket size, one colour per model size; dashed: raw single buffer; dotted: per tensor."""
+    """Left: bucketed bandwidth vs bucket size, one colour per model size (dashed: raw single buffer,
+    dotted: per tensor). Right: the largest model, every way of sending it, against the raw line."""
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.3), sharey=True)
     sizes = sorted({r["size_bytes"] for r in rows})
     for i, size in enumerate(sizes):
         color = plt.cm.viridis(i / max(1, len(sizes) - 1) * 0.9)
         rs = [r for r in rows if r["size_bytes"] == size]
-        label = f"{size / 1e9:.2g} GB, {rs[0]['n_tensors']} tensors"
-        for mode, style in (("bucketed", "o-"), ("bucketed_noverify", ".:")):
-            pts = sorted((r["bucket_bytes"] / 2**20, r["gb_per_s"]) for r in rs if r["mode"] == mode)
-            if pts:
-                ax.plot(*zip(*pts), style, color=color, label=label if mode == "bucketed" else None,
-                        alpha=1.0 if mode == "bucketed" else 0.6)
-        for mode, style in (("raw", "--"), ("per_tensor", ":"), ("flat_noverify", "-.")):
+        pts = sorted((r["bucket_bytes"] / 2**20, r["gb_per_s"]) for r in rs if r["mode"] == "bucketed")
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=color, label=f"{size / 1e9:.2g} GB, {rs[0]['n_tensors']} tensors")
+        for mode, style in (("raw", "--"), ("per_tensor", ":")):
             r = next((r for r in rs if r["mode"] == mode), None)
             if r:
-                ax.axhline(r["gb_per_s"], linestyle=style, color=color, linewidth=1.2 if mode == "raw" else 1.0)
-    ax.set_xscale("log", base=2)
-    ticks = sorted({r["bucket_bytes"] / 2**20 for r in rows if r["mode"].startswith("bucketed")})
-    if ticks:
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
-        ax.minorticks_off()
-    ax.set_xlabel("bucket size (MiB)")
+                ax.axhline(r["gb_per_s"], linestyle=style, color=color, linewidth=1.0)
+    big = [r for r in rows if r["size_bytes"] == sizes[-1]] if sizes else []
+    for mode, (style, label) in MODE_STYLE.items():
+        pts = sorted((r["bucket_bytes"] / 2**20, r["gb_per_s"]) for r in big if r["mode"] == mode)
+        if pts:
+            ax2.plot(*zip(*pts), style, label=label)
+    raw = next((r for r in big if r["mode"] == "raw"), None)
+    if raw:
+        ax2.axhline(raw["gb_per_s"], linestyle="--", color="k", linewidth=1.0, label="raw single buffer")
+        ax2.axhline(0.9 * raw["gb_per_s"], linestyle=":", color="r", linewidth=1.0, label="90% of raw")
+    ticks = sorted({r["bucket_bytes"] / 2**20 for r in rows if r["mode"] in MODE_STYLE})
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        if ticks:
+            a.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
+            a.minorticks_off()
+        a.set_xlabel("bucket size (MiB)")
+        a.grid(alpha=0.3)
     ax.set_ylabel("payload bandwidth (GB/s)")
-    ax.set_title(title or "Weight sync bandwidth vs bucket size")
     ax.plot([], [], "k--", label="raw single-buffer broadcast")
     ax.plot([], [], "k:", label="per-tensor broadcast")
-    ax.plot([], [], "k-.", label="flat buffer, no packing (no checksums)")
-    ax.plot([], [], "k.:", alpha=0.6, label="bucketed, no checksums")
+    ax.set_title("bucketed (in place, checksums) by model size", fontsize=9)
+    ax2.set_title(f"{sizes[-1] / 1e9:.2g} GB: four ways" if sizes else "", fontsize=9)
     ax.legend(fontsize=7, loc="best")
-    ax.grid(alpha=0.3)
+    ax2.legend(fontsize=7, loc="best")
+    fig.suptitle(title or "Weight sync bandwidth vs bucket size", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -1017,8 +955,8 @@ def bench_main(argv: list[str]) -> int:
               f"{s.get('best_bucketed_gb_per_s', 0):.1f} GB/s at {s.get('best_bucketed_bucket_mib', 0):g} MiB "
               f"({s.get('best_bucketed_frac_of_raw', 0):.1%} of raw; without checksums "
               f"{s.get('best_bucketed_noverify_frac_of_raw', 0):.1%} at {s.get('best_bucketed_noverify_bucket_mib', 0):g}"
-              f" MiB); flat buffer {s.get('flat_frac_of_raw') or 0:.1%} ({s.get('flat_noverify_frac_of_raw') or 0:.1%}"
-              " without checksums)")
+              f" MiB; via load() {s.get('best_bucketed_load_noverify_frac_of_raw') or 0:.1%}; packed "
+              f"{s.get('best_packed_noverify_frac_of_raw') or 0:.1%})")
     bar = check_bar(data["summary"]) if gpu else None
     if bar is not None:
         data["bar"] = bar

@@ -107,6 +107,24 @@ class StatelessGroup:
                 self.wait_work(work, "broadcast")
         return work if async_op else None
 
+    def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
+        """Broadcast several tensors from ``src`` as one launch (an NCCL group: ``ncclGroupStart``/``End``);
+        gloo cannot group, so there each tensor is its own broadcast. Returns what ``wait_work`` takes."""
+        if self.backend != "nccl" or len(tensors) == 1:
+            return [self.broadcast(t, src, async_op=True) for t in tensors]
+        self._check_open()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+
+        def grouped() -> Any:
+            self.pg._start_coalescing()
+            for t in tensors:
+                self.pg.broadcast([t], opts)
+            return self.pg._end_coalescing()
+
+        return self._issue(grouped, "broadcast")
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In-place all-reduce (``op`` = "sum" | "max" | "min") of a tensor on this group's device."""
         self._check_open()
@@ -125,9 +143,11 @@ class StatelessGroup:
             raise
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
-        """Wait for a backend Work: on NCCL the current stream waits; on gloo the host waits (with timeout)."""
+        """Wait for a backend Work (or a list of them): on NCCL the current stream waits; on gloo the host
+        waits (with the group's timeout)."""
         try:
-            work.wait()
+            for w in work if isinstance(work, list) else [work]:
+                w.wait()
         except Exception as exc:  # gloo timeout, a peer that closed its connection, an aborted communicator
             raise self._lost(what, exc) from exc
 

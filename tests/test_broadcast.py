@@ -55,30 +55,25 @@ def test_plan_buckets_covers_every_tensor_once():
         seen = [i for b in plan for i, _, _ in b.items]
         assert sorted(seen) == [i for i, m in enumerate(metas) if m.nbytes], bucket
         for b in plan:
-            if b.direct:
+            if b.nbytes > bucket:  # only a tensor larger than a bucket may exceed it, alone
                 assert len(b.items) == 1 and b.items[0][2] > bucket
-            else:
-                assert b.nbytes <= max(bucket, 256) + 255
-                for (_, off, n), nxt in zip(b.items, b.items[1:] + [None]):
-                    assert off % B.ALIGN == 0
-                    if nxt:
-                        assert off + n <= nxt[1]
+            for (_, off, n), nxt in zip(b.items, b.items[1:] + [None]):
+                assert off % B.ALIGN == 0
+                if nxt:
+                    assert off + n <= nxt[1]
     per = B.plan_buckets(metas, 1 << 20, "per_tensor")
-    assert len(per) == len(metas) and all(b.direct for b in per)
+    assert len(per) == len(metas) and all(len(b.items) == 1 for b in per)
 
 
-def test_plan_for_a_large_model_sends_big_tensors_first_and_ramps():
+def test_plan_for_a_large_model_sends_single_tensors_first():
     metas = [B.TensorMeta(n, "bfloat16", s) for n, s in B.transformer_shapes(int(2.5e9))]
     assert len(metas) > 250
     bucket = 256 << 20
     plan = B.plan_buckets(metas, bucket)
-    kinds = [b.direct for b in plan]
-    assert kinds == sorted(kinds, reverse=True) and kinds[0]  # direct (unpacked) tensors go first
-    packed = [b for b in plan if not b.direct]
-    assert all(b.nbytes <= bucket for b in packed)
-    assert packed[0].nbytes <= bucket // 4 and packed[-1].nbytes <= bucket // 4  # small first/last buckets
-    assert len(plan) <= 2 + math.ceil(sum(m.nbytes for m in metas) / bucket) + 4  # the ramp adds few collectives
-    assert all(b.items[0][2] > bucket // 8 for b in plan if b.direct)
+    alone = [len(b.items) == 1 for b in plan]
+    assert alone == sorted(alone, reverse=True) and alone[0]  # the embeddings (238 MiB each) lead
+    assert all(b.nbytes <= bucket for b in plan)
+    assert len(plan) <= math.ceil(sum(m.nbytes for m in metas) / bucket) + 3  # buckets are nearly full
     assert sorted(i for b in plan for i, _, _ in b.items) == list(range(len(metas)))
 
 
@@ -121,17 +116,20 @@ def test_validate_names_the_bad_tensor():
 
 # ---------------------------------------------------------------------------- identical bytes
 
-CASES = [("per_tensor", 1 << 20), ("bucketed", 64 << 10), ("bucketed", 4096), ("bucketed", 1 << 20)]
+# (mode, bucket bytes, receivers land in their own tensors)
+CASES = [("per_tensor", 1 << 20, False), ("bucketed", 64 << 10, False), ("bucketed", 4096, False),
+         ("bucketed", 1 << 20, True), ("packed", 64 << 10, True), ("packed", 4096, False), ("packed", 1 << 20, False)]
 
 
 def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
     dev = _device(kind, rank)
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
     out = []
-    for version, (mode, bucket) in enumerate(CASES, start=1):
+    for version, (mode, bucket, in_place) in enumerate(CASES, start=1):
         if rank == 0:
             model = _model(version, dev)
             stats = B.send(g, model, mode=mode, bucket_bytes=bucket, version=version)
+            calls = []
         else:
             model = {k: torch.zeros_like(v) for k, v in _model(0, dev).items()}
             calls = []
@@ -142,12 +140,18 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
                 calls.append([n for n, _ in batch])
                 B.copy_into(model)(batch)
 
-            stats = B.receive(g, expected=B.expected_from(model), load=load)
-            assert len(calls) == stats.n_collectives  # load runs once per bucket
-            assert sorted(n for c in calls for n in c) == sorted(model)
-        out.append({"sha": {k: _sha(v) for k, v in model.items()}, "mode": stats.mode,
+            stats = B.receive(g, expected=B.expected_from(model), load=load, into=model if in_place else None)
+            loaded = sorted(n for c in calls for n in c)
+            if in_place and mode == "bucketed":  # all but the non-contiguous one landed in place
+                assert loaded == ["layer.0.t_view"], loaded
+            elif in_place:  # packed: only a tensor travelling alone can (the 360 KB one)
+                assert loaded == sorted(set(model) - {"layer.0.mlp.weight"}), loaded
+            else:
+                assert loaded == sorted(model)
+                assert len(calls) == len(B.plan_buckets(B.metadata_of(model), bucket, mode))  # once per bucket
+        out.append({"sha": {k: _sha(v) for k, v in model.items()}, "mode": stats.mode, "loads": len(calls),
                     "n": stats.n_collectives, "bytes": stats.bytes, "version": stats.version,
-                    "verified": stats.verified})
+                    "verified": stats.verified, "backend": g.backend})
     g.destroy()
     return out
 
@@ -161,10 +165,14 @@ def _check_identical(res: list) -> None:
             assert r["sha"] == s["sha"], f"rank {rank}, case {CASES[case]}"
             assert r["version"] == s["version"] == case + 1 and r["verified"]
             assert r["mode"] == s["mode"] and r["n"] == s["n"] and r["bytes"] == s["bytes"]
-    n = [c["n"] for c in sender]
-    assert n[0] == 10  # per tensor: one broadcast each
-    assert n[3] == 1  # everything fits one 1 MiB bucket
-    assert n[1] >= 2 and n[2] > n[1]  # the 360 KB tensor travels alone; small buckets mean more of them
+    n = {CASES[i][:2]: c["n"] for i, c in enumerate(sender)}  # launches on the wire
+    assert n["per_tensor", 1 << 20] == 10  # one broadcast per tensor
+    assert n["packed", 1 << 20] == 1  # everything fits one 1 MiB bucket
+    assert 2 <= n["packed", 64 << 10] < n["packed", 4096]  # the 360 KB tensor travels alone
+    if sender[0]["backend"] == "nccl":  # one grouped launch per bucket
+        assert n["bucketed", 1 << 20] == 1 and n["bucketed", 64 << 10] == n["packed", 64 << 10]
+    else:  # gloo cannot group: one broadcast per tensor
+        assert n["bucketed", 1 << 20] == 10
     # versions differ, so the data really changed between cases
     assert len({c["sha"]["layer.0.mlp.weight"] for c in sender}) == len(CASES)
 
@@ -174,37 +182,40 @@ def test_sync_gives_identical_bytes_gloo():
     _check_identical(run_ranks(_sync_identical, 3, (free_port(), "cpu"), timeout_s=90))
 
 
-def _flat(rank: int, world_size: int, port: int, kind: str) -> dict:
+def _in_place(rank: int, world_size: int, port: int, kind: str) -> dict:
     dev = _device(kind, rank)
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
-    flat, views = B.flatten_params(_model(5 if rank == 0 else 0, dev))
-    loads = []
-    for version in (1, 2):  # the second time the layout is known (the vote travels with the data)
+    model = {k: v.contiguous() for k, v in _model(5 if rank == 0 else 0, dev).items()}
+    ptrs = {k: v.data_ptr() for k, v in model.items()}
+    exp, loads, stats = B.expected_from(model), [], []
+    for version in (1, 2):  # the second time the layout is known: no vote, the data follows the header
         if rank == 0:
             with torch.no_grad():
-                views["layer.0.norm"].add_(version)  # training changes the views, so the flat buffer
-            st = B.send(g, {"flat": flat}, version=version)
+                model["layer.0.norm"].add_(version)  # training changes a tensor between updates
+            stats.append(B.send(g, model, version=version))
         else:
-            st = B.receive(g, expected={"flat": flat}, load=loads.append, into={"flat": flat})
+            stats.append(B.receive(g, expected=exp, load=loads.append, into=model))
     g.destroy()
-    return {"sha": {k: _sha(v) for k, v in views.items()}, "n": st.n_collectives, "loads": len(loads)}
+    return {"sha": {k: _sha(v) for k, v in model.items()}, "n": [s.n_collectives for s in stats],
+            "loads": len(loads), "same_memory": all(v.data_ptr() == ptrs[k] for k, v in model.items())}
 
 
 @pytest.mark.timeout(120)
-def test_flat_buffer_lands_in_place_without_load_gloo():
-    _check_flat(run_ranks(_flat, 3, (free_port(), "cpu"), timeout_s=90))
+def test_bucketed_lands_in_place_without_load_gloo():
+    _check_in_place(run_ranks(_in_place, 3, (free_port(), "cpu"), timeout_s=90))
 
 
-def _check_flat(res: list) -> None:
+def _check_in_place(res: list) -> None:
     for ok, out in res:
         assert ok, out
-    ref = _model(5, "cpu")
+    ref = {k: v.contiguous() for k, v in _model(5, "cpu").items()}
     ref["layer.0.norm"] += 1
     ref["layer.0.norm"] += 2  # (as the trainer did: float rounding)
     want = {k: _sha(v) for k, v in ref.items()}
     for rank, (_, out) in enumerate(res):
-        assert out["sha"] == want, rank  # every view of every rank's flat buffer holds the trainer's tensor
-        assert out["n"] == 1 and out["loads"] == 0  # one broadcast, straight into place
+        assert out["sha"] == want, rank  # every receiver holds the trainer's tensors, in its own memory
+        assert out["loads"] == 0 and out["same_memory"]
+    assert res[0][1]["n"] == res[1][1]["n"]
 
 
 # ---------------------------------------------------------------------------- rejection
@@ -269,8 +280,8 @@ def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
     else:
         B.receive(g, expected=B.expected_from(model), load=B.copy_into(model))
     final = {k: _sha(v) for k, v in model.items()}
-    # Same layout again (the receivers validated it before, so the vote now travels with the data), but
-    # the last receiver's model changed meanwhile: nobody may load, everyone must raise.
+    # Same layout again, which the receivers accepted before, but the last receiver's model changed
+    # meanwhile (a new expected): it asks for the vote again in the header, and everyone must refuse.
     try:
         if rank == 0:
             B.send(g, _model(8, dev), version=10)
@@ -392,8 +403,8 @@ def test_dead_peer_gives_timeout_error_nccl(victim, hang):
 
 @pytest.mark.gpu(3)
 @pytest.mark.timeout(300)
-def test_flat_buffer_lands_in_place_without_load_nccl():
-    _check_flat(run_ranks(_flat, 3, (free_port(), "cuda"), timeout_s=240))
+def test_bucketed_lands_in_place_without_load_nccl():
+    _check_in_place(run_ranks(_in_place, 3, (free_port(), "cuda"), timeout_s=240))
 
 
 @pytest.mark.gpu(2)

@@ -148,7 +148,7 @@ def _ipc_between_fractional_actors(pl: cluster.Placement, device: str) -> tuple[
                    for _ in range(2))
     handle = ray.get(owner.run.remote(_export, device), timeout=120)
     where = ray.get(peer.run.remote(_write_through, handle), timeout=120)
-    seen = ray.get(owner.run.remote(_owner_sees, handle))
+    seen = ray.get(owner.run.remote(_owner_sees, handle), timeout=120)
     ray.kill(owner), ray.kill(peer)
     return seen, where
 
