@@ -190,33 +190,50 @@ def tensor_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
 class _Bucket:
     items: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor index, byte offset, nbytes)
     nbytes: int = 0  # size of the bucket's packed layout (every tensor at a 256-byte boundary)
+    packed: bool = False  # travels as one buffer, copied in on the trainer and out on the receivers
+
+
+SMALL = 1 << 20  # bucketed mode packs tensors under 1 MiB (norms, biases): one launch costs more than their copy
 
 
 def _round_up(x: int, a: int = ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
-    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (one per tensor in ``per_tensor``
-    mode; a tensor larger than a bucket gets one of its own). Both sides compute the same plan.
-
-    Single-tensor buckets go first: in ``packed`` mode they travel straight from the trainer's memory, so the
-    wire is busy while the first packed bucket is being filled.
-    """
+def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool) -> list[_Bucket]:
+    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own)."""
     out: list[_Bucket] = []
     used = 0
-    for i, m in enumerate(metas):
-        n = m.nbytes
-        if not n:
-            continue
+    for i in idx:
         off = _round_up(used)
-        if not out or mode == "per_tensor" or off + n > bucket_bytes:
-            out.append(_Bucket())
+        if not out or off + sizes[i] > bucket_bytes:
+            out.append(_Bucket(packed=packed))
             off = 0
-        out[-1].items.append((i, off, n))
-        used = off + n
+        out[-1].items.append((i, off, sizes[i]))
+        used = off + sizes[i]
         out[-1].nbytes = _round_up(used)
-    return sorted(out, key=lambda b: len(b.items) > 1)
+    for b in out:
+        b.packed = b.packed and len(b.items) > 1  # a tensor alone travels from and to its own memory
+    return out
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
+    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan.
+
+    ``per_tensor``: one bucket per tensor. ``packed``: every bucket is packed; single tensors (those larger
+    than a bucket) go first, so the wire is busy while the first bucket is being packed. ``bucketed``: the
+    tensors under 1 MiB are packed into buckets of their own, which go first (a few MB to copy); the rest
+    travel as grouped launches of unpacked tensors (1 MiB, or 1/64 of a smaller bucket).
+    """
+    sizes = [m.nbytes for m in metas]
+    idx = [i for i, n in enumerate(sizes) if n]
+    if mode == "per_tensor":
+        return [_Bucket([(i, 0, sizes[i])], sizes[i]) for i in idx]
+    if mode == "packed":
+        return sorted(_fill(sizes, idx, bucket_bytes, True), key=lambda b: b.packed)
+    cut = min(SMALL, bucket_bytes // 64)  # "small" is also relative to the bucket
+    return (_fill(sizes, [i for i in idx if sizes[i] < cut], bucket_bytes, True)
+            + _fill(sizes, [i for i in idx if sizes[i] >= cut], bucket_bytes, False))
 
 
 def _meta_hash(metas: list[TensorMeta]) -> tuple[int, int]:
@@ -466,19 +483,19 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    packed = mode == "packed" and plan.staging > 0
+    packed = any(b.packed for b in plan.buckets)
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if packed else None
     views = plan.views_in(bufs) if packed else None
     streams, cur = _streams(group)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=group.device) if verify else None
-    tensors = [t.detach().contiguous() for _, t in items]
+    tensors = [t for _, t in items]  # (made contiguous bucket by bucket: Python time is wire time here)
     n_launch = 0
 
     def transfer() -> None:
         nonlocal n_launch
         works, pending = [], [None, None]
         for k, b in enumerate(plan.buckets):
-            if packed and len(b.items) > 1:
+            if b.packed:
                 i = k % 2
                 with _on(streams[i]):
                     if pending[i] is not None:  # buffer i is free once its previous broadcast is done
@@ -490,7 +507,7 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
                     if sums is not None:  # reads the bucket beside the broadcast (both only read it)
                         sums[k] = _checksum(payload)
             else:  # no copy: the bucket's tensors go out as one grouped launch, each from its own memory
-                srcs = [tensors[j] for j, _, _ in b.items]
+                srcs = [tensors[j].contiguous() for j, _, _ in b.items]
                 works.append(group.broadcast_many(srcs, src))
                 n_launch += 1 if group.backend == "nccl" else len(srcs)
                 if sums is not None:
@@ -514,21 +531,21 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
 # ---------------------------------------------------------------------------- receiver side
 
 def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor] | None,
-             dev: torch.device) -> list[torch.Tensor | None]:
-    """Per tensor of the plan: the receiver's own tensor it can land in (contiguous, same dtype, shape and
-    device), else None. Cached per (plan, ``into`` object), so build ``into`` once."""
-    if not into:
-        return [None] * len(plan.metas)
+             dev: torch.device) -> tuple[list[torch.Tensor | None], bool]:
+    """Per tensor of the plan, the receiver's own tensor it can land in (contiguous, same dtype, shape and
+    device) or None; and whether staging buffers are needed. Cached per (plan, ``into`` object), so build
+    ``into`` once."""
     hit = group.cache.get("landing")
-    if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into):
-        return hit[3]
-    out = []
+    if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into or ()):
+        return hit[3], hit[4]
+    land = []
     for m, dt, shape in zip(plan.metas, plan.dtypes, plan.shapes):
-        t = into.get(m.name)
+        t = (into or {}).get(m.name)
         ok = t is not None and t.is_contiguous() and t.device == dev and t.dtype == dt and tuple(t.shape) == shape
-        out.append(t if ok else None)
-    group.cache["landing"] = (plan, into, len(into), out)
-    return out
+        land.append(t if ok else None)
+    stage = any(b.packed or (len(b.items) > 1 and any(land[i] is None for i, _, _ in b.items)) for b in plan.buckets)
+    group.cache["landing"] = (plan, into, len(into or ()), land, stage)
+    return land, stage
 
 
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] | None,
@@ -577,9 +594,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    land = _landing(group, plan, into, dev)  # (packed mode: only single-tensor buckets can land in place)
-    packed = mode == "packed" and plan.staging > 0
-    need_stage = packed or any(land[i] is None for b in plan.buckets if len(b.items) > 1 for i, _, _ in b.items)
+    land, need_stage = _landing(group, plan, into, dev)
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if need_stage and plan.staging else None
     views = plan.views_in(bufs) if bufs is not None else None
     streams, cur = _streams(group)
@@ -592,8 +607,11 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
         nonlocal n_launch
         b, i = plan.buckets[k], k % 2
         with _on(streams[i]):
-            if packed and len(b.items) > 1:
-                dst, staged = [bufs[i][: b.nbytes]], views[k]
+            homes = []
+            if b.packed:  # lands in a staging buffer; tensors with a home in `into` are copied there after
+                dst, staged = [bufs[i][: b.nbytes]], []
+                for (j, _, _), (name, view) in zip(b.items, views[k]):
+                    (homes.append((land[j], view)) if land[j] is not None else staged.append((name, view)))
                 work = group.broadcast(dst[0], src, async_op=True)
                 n_launch += 1
             else:
@@ -606,7 +624,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
                     dst.append(t)
                 work = group.broadcast_many(dst, src)
                 n_launch += 1 if group.backend == "nccl" else len(dst)
-            slots[i] = (work, dst, staged)
+            slots[i] = (work, dst, staged, homes)
 
     def transfer() -> None:
         n = len(plan.buckets)
@@ -616,11 +634,13 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
             if k + 1 < n:
                 issue(k + 1)  # the next bucket lands in the other buffer while this one is loaded
             i = k % 2
-            work, dst, staged = slots[i]
+            work, dst, staged, homes = slots[i]
             with _on(streams[i]):
                 group.wait_work(work, "bucket broadcast")
                 if sums is not None:
                     sums[k] = _checksum(_cat_bytes(dst))
+                if homes:
+                    torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
                 if staged and not load_errors:
                     try:
                         load(staged)

@@ -65,16 +65,22 @@ def test_plan_buckets_covers_every_tensor_once():
     assert len(per) == len(metas) and all(len(b.items) == 1 for b in per)
 
 
-def test_plan_for_a_large_model_sends_single_tensors_first():
+def test_plans_for_a_large_model():
     metas = [B.TensorMeta(n, "bfloat16", s) for n, s in B.transformer_shapes(int(2.5e9))]
     assert len(metas) > 250
-    bucket = 256 << 20
-    plan = B.plan_buckets(metas, bucket)
-    alone = [len(b.items) == 1 for b in plan]
-    assert alone == sorted(alone, reverse=True) and alone[0]  # the embeddings (238 MiB each) lead
+    bucket, total = 256 << 20, sum(m.nbytes for m in metas)
+    plan = B.plan_buckets(metas, bucket)  # bucketed: small tensors packed, first; the rest grouped
+    kinds = [b.packed for b in plan]
+    assert kinds == sorted(kinds, reverse=True) and kinds[0]
+    assert all(n < B.SMALL for b in plan if b.packed for _, _, n in b.items)
+    assert all(n >= B.SMALL for b in plan if not b.packed for _, _, n in b.items)
+    assert sum(len(b.items) for b in plan if b.packed) > 100  # norms, biases, k/v: one launch between them
     assert all(b.nbytes <= bucket for b in plan)
-    assert len(plan) <= math.ceil(sum(m.nbytes for m in metas) / bucket) + 3  # buckets are nearly full
+    assert len(plan) <= math.ceil(total / bucket) + 3  # buckets are nearly full
     assert sorted(i for b in plan for i, _, _ in b.items) == list(range(len(metas)))
+    packed = B.plan_buckets(metas, 64 << 20, "packed")  # packed: the embeddings (238 MiB) alone, first
+    alone = [not b.packed for b in packed]
+    assert alone[:2] == [True, True] and not any(alone[2:])
 
 
 def test_checksum_sees_one_byte_and_a_swap():
@@ -142,10 +148,8 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
 
             stats = B.receive(g, expected=B.expected_from(model), load=load, into=model if in_place else None)
             loaded = sorted(n for c in calls for n in c)
-            if in_place and mode == "bucketed":  # all but the non-contiguous one landed in place
+            if in_place:  # all but the non-contiguous one landed in (or were unpacked into) their tensors
                 assert loaded == ["layer.0.t_view"], loaded
-            elif in_place:  # packed: only a tensor travelling alone can (the 360 KB one)
-                assert loaded == sorted(set(model) - {"layer.0.mlp.weight"}), loaded
             else:
                 assert loaded == sorted(model)
                 assert len(calls) == len(B.plan_buckets(B.metadata_of(model), bucket, mode))  # once per bucket
@@ -169,10 +173,14 @@ def _check_identical(res: list) -> None:
     assert n["per_tensor", 1 << 20] == 10  # one broadcast per tensor
     assert n["packed", 1 << 20] == 1  # everything fits one 1 MiB bucket
     assert 2 <= n["packed", 64 << 10] < n["packed", 4096]  # the 360 KB tensor travels alone
-    if sender[0]["backend"] == "nccl":  # one grouped launch per bucket
-        assert n["bucketed", 1 << 20] == 1 and n["bucketed", 64 << 10] == n["packed", 64 << 10]
-    else:  # gloo cannot group: one broadcast per tensor
-        assert n["bucketed", 1 << 20] == 10
+    metas = B.metadata_of(_model(0, "cpu"))
+    for bucket in (64 << 10, 4096, 1 << 20):  # small tensors packed, the rest grouped: both kinds in play
+        plan = B.plan_buckets(metas, bucket)
+        assert any(b.packed for b in plan) and any(not b.packed and len(b.items) > 1 for b in plan)
+        if sender[0]["backend"] == "nccl":  # one launch per bucket, grouped or packed
+            assert n["bucketed", bucket] == len(plan)
+        else:  # gloo cannot group: one broadcast per unpacked tensor
+            assert n["bucketed", bucket] == sum(1 if b.packed else len(b.items) for b in plan)
     # versions differ, so the data really changed between cases
     assert len({c["sha"]["layer.0.mlp.weight"] for c in sender}) == len(CASES)
 
@@ -331,16 +339,16 @@ def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bo
     model = _model(3, dev)
     B.send(g, model) if rank == 0 else B.receive(g, expected=None, load=B.copy_into(model))  # one good sync
     if rank == victim == 0:
-        real = g.broadcast
+        real = g.broadcast_many
         count = [0]
 
         def dying_broadcast(*a, **k):  # the trainer dies after the handshake, in the middle of the buckets
             count[0] += 1
-            if count[0] == 4:
+            if count[0] == 3:
                 os._exit(3)
             return real(*a, **k)
 
-        g.broadcast = dying_broadcast
+        g.broadcast_many = dying_broadcast
     t0 = time.monotonic()
     try:
         if rank == 0:
