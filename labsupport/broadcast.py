@@ -369,9 +369,12 @@ def _header(group: StatelessGroup, fields: list[int] | None, stale: bool) -> lis
     """The handshake's one collective, an all-reduce (sum): the sender contributes the header, each receiver
     zeros and, in the last slot, 1 if it must vote on the metadata again. Every rank gets the header and
     the number of such receivers."""
-    vals = torch.tensor((fields or [0] * 8) + [int(stale)], dtype=torch.int64)
-    if group.backend == "nccl":  # pinned + non_blocking: never waits for a stream (it may be stuck on a dead peer)
-        vals = vals.pin_memory().to(group.device, non_blocking=True)
+    if "header" not in group.cache:  # a pinned host slot and a device slot, reused (each sync ends synchronized)
+        host = torch.zeros(9, dtype=torch.int64, pin_memory=group.backend == "nccl")
+        group.cache["header"] = (host, torch.zeros(9, dtype=torch.int64, device=group.device))
+    host, vals = group.cache["header"]
+    host.numpy()[:] = (fields or [0] * 8) + [int(stale)]
+    vals.copy_(host, non_blocking=True)  # from pinned memory: never waits for a stream (it may be stuck)
     _guard(group, lambda: group.all_reduce(vals, "sum"), "the handshake")
     _guard(group, lambda: group.synchronize("the handshake"), "the handshake")
     return vals.tolist()
@@ -429,11 +432,11 @@ def _finish(group: StatelessGroup, version: int, problems: list[str], sums: torc
 # ---------------------------------------------------------------------------- trainer side
 
 def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], tuple[int, int], bool]:
-    """Metadata and its hash, recomputed only when names/dtypes/shapes/devices changed since the last send.
+    """Metadata and its hash, recomputed only when names/dtypes/shapes changed since the last send.
 
     Returns ``(metas, key, changed)``; the receivers get the full list only when ``changed``.
     """
-    sig = [(n, t.dtype, t.shape, t.device) for n, t in items]
+    sig = [(n, t.dtype, t.shape) for n, t in items]  # (a tensor on another device: NCCL itself refuses it)
     last = group.cache.get("send_sig")
     if last is not None and last[0] == sig:
         return last[1], last[2], False
