@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
+from labsupport.broadcast import ALIGN, _dtype_name, _round_up  # one bucket layout for NCCL and IPC
 from labsupport.hardware import synchronize as _sync
 
-ALIGN = 256  # byte alignment of tensors inside a bucket (keeps every dtype view legal and fast)
 GUARD_SLOTS = 4096  # live exports per Exporter (8 bytes each in the guard file)
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
@@ -182,14 +182,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise IpcError(f"unknown dtype {name!r} in handle")
     return dt
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-def _round_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def plan_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[BucketEntry], int]:
