@@ -304,9 +304,13 @@ def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], 
 
 # ---------------------------------------------------------------------------- shared machinery
 
-def _streams(group: StatelessGroup) -> tuple[list[Any], Any]:
+def _streams(group: StatelessGroup, plan: _Plan, verify: bool, dev: torch.device) -> tuple[list[Any], Any]:
     """Two side streams (created once per group), each after the current stream's work so far (the
-    weights as last written); returns them and the current stream. On CPU: placeholders."""
+    weights as last written, and the checksum multipliers, made here for the largest bucket so that no
+    side stream creates them while the other reads them); returns them and the current stream. On CPU:
+    placeholders."""
+    if verify:
+        _row_weights(dev, max((b.nbytes // _words(b.nbytes).itemsize // _ROW for b in plan.buckets), default=0))
     if group.backend != "nccl":
         return [None, None], None
     if "streams" not in group.cache:
@@ -489,7 +493,7 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
     packed = any(b.packed for b in plan.buckets)
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if packed else None
     views = plan.views_in(bufs) if packed else None
-    streams, cur = _streams(group)
+    streams, cur = _streams(group, plan, verify, group.device)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=group.device) if verify else None
     tensors = [t for _, t in items]  # (made contiguous bucket by bucket: Python time is wire time here)
     n_launch = 0
@@ -600,7 +604,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     land, need_stage = _landing(group, plan, into, dev)
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if need_stage and plan.staging else None
     views = plan.views_in(bufs) if bufs is not None else None
-    streams, cur = _streams(group)
+    streams, cur = _streams(group, plan, bool(flags & 1), dev)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if flags & 1 else None
     load_errors: list[str] = []
     slots: list[Any] = [None, None]
