@@ -194,19 +194,23 @@ class _Bucket:
 
 
 SMALL = 1 << 20  # bucketed mode packs tensors under 1 MiB (norms, biases): one launch costs more than their copy
+RAMP = (16, 4)  # bucketed mode: the first two grouped buckets are 1/16 and 1/4 of a bucket (see plan_buckets)
 
 
 def _round_up(x: int, a: int = ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool) -> list[_Bucket]:
-    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own)."""
+def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool, ramp: bool = False) -> list[_Bucket]:
+    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own). ``ramp``: the
+    first two buckets are capped at 1/16 and 1/4 of that, so the wire starts after a short launch."""
     out: list[_Bucket] = []
     used = 0
     for i in idx:
         off = _round_up(used)
-        if not out or off + sizes[i] > bucket_bytes:
+        k = len(out) - 1  # the bucket being filled
+        cap = bucket_bytes // RAMP[k] if ramp and 0 <= k < len(RAMP) else bucket_bytes
+        if not out or off + sizes[i] > cap:
             out.append(_Bucket(packed=packed))
             off = 0
         out[-1].items.append((i, off, sizes[i]))
@@ -222,8 +226,10 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucket
 
     ``per_tensor``: one bucket per tensor. ``packed``: every bucket is packed; single tensors (those larger
     than a bucket) go first, so the wire is busy while the first bucket is being packed. ``bucketed``: the
-    tensors under 1 MiB are packed into buckets of their own, which go first (a few MB to copy); the rest
-    travel as grouped launches of unpacked tensors (1 MiB, or 1/64 of a smaller bucket).
+    tensors under 1 MiB (or 1/64 of a smaller bucket) are packed into buckets of their own (a few MB to
+    copy); the rest travel as grouped launches of unpacked tensors. Launching a group costs host time per
+    tensor (about 5 us), and nothing moves until the first group is launched, so the first two groups are
+    small (1/16 and 1/4 of a bucket) and the packed buckets go second, packed while the first is on the wire.
     """
     sizes = [m.nbytes for m in metas]
     idx = [i for i, n in enumerate(sizes) if n]
@@ -232,8 +238,9 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucket
     if mode == "packed":
         return sorted(_fill(sizes, idx, bucket_bytes, True), key=lambda b: b.packed)
     cut = min(SMALL, bucket_bytes // 64)  # "small" is also relative to the bucket
-    return (_fill(sizes, [i for i in idx if sizes[i] < cut], bucket_bytes, True)
-            + _fill(sizes, [i for i in idx if sizes[i] >= cut], bucket_bytes, False))
+    small = _fill(sizes, [i for i in idx if sizes[i] < cut], bucket_bytes, True)
+    large = _fill(sizes, [i for i in idx if sizes[i] >= cut], bucket_bytes, False, ramp=True)
+    return large[:1] + small + large[1:]
 
 
 def _meta_hash(metas: list[TensorMeta]) -> tuple[int, int]:
@@ -309,8 +316,8 @@ def _streams(group: StatelessGroup, plan: _Plan, verify: bool, dev: torch.device
     weights as last written, and the checksum multipliers, made here for the largest bucket so that no
     side stream creates them while the other reads them); returns them and the current stream. On CPU:
     placeholders."""
-    if verify:
-        _row_weights(dev, max((b.nbytes // _words(b.nbytes).itemsize // _ROW for b in plan.buckets), default=0))
+    if verify:  # (enough rows for any bucket, even read as single bytes: a gathered bucket may be odd-sized)
+        _row_weights(dev, max((b.nbytes // _ROW + 1 for b in plan.buckets), default=0))
     if group.backend != "nccl":
         return [None, None], None
     if "streams" not in group.cache:
@@ -493,8 +500,8 @@ def send(group: StatelessGroup, named_tensors: Mapping[str, torch.Tensor] | Iter
     packed = any(b.packed for b in plan.buckets)
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if packed else None
     views = plan.views_in(bufs) if packed else None
-    streams, cur = _streams(group, plan, verify, group.device)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=group.device) if verify else None
+    streams, cur = _streams(group, plan, verify, group.device)
     tensors = [t for _, t in items]  # (made contiguous bucket by bucket: Python time is wire time here)
     n_launch = 0
 
@@ -604,8 +611,8 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Any] 
     land, need_stage = _landing(group, plan, into, dev)
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if need_stage and plan.staging else None
     views = plan.views_in(bufs) if bufs is not None else None
-    streams, cur = _streams(group, plan, bool(flags & 1), dev)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if flags & 1 else None
+    streams, cur = _streams(group, plan, bool(flags & 1), dev)
     load_errors: list[str] = []
     slots: list[Any] = [None, None]
     n_launch = 0

@@ -69,14 +69,17 @@ def test_plans_for_a_large_model():
     metas = [B.TensorMeta(n, "bfloat16", s) for n, s in B.transformer_shapes(int(2.5e9))]
     assert len(metas) > 250
     bucket, total = 256 << 20, sum(m.nbytes for m in metas)
-    plan = B.plan_buckets(metas, bucket)  # bucketed: small tensors packed, first; the rest grouped
+    plan = B.plan_buckets(metas, bucket)  # bucketed: small tensors packed, second; the rest grouped
     kinds = [b.packed for b in plan]
-    assert kinds == sorted(kinds, reverse=True) and kinds[0]
+    assert not kinds[0] and kinds[1:] == sorted(kinds[1:], reverse=True) and kinds[1]
+    grouped = [b for b in plan if not b.packed]  # the first two are short, so the wire starts early
+    for b, cap in zip(grouped, (bucket // 16, bucket // 4)):
+        assert b.nbytes <= cap or len(b.items) == 1
     assert all(n < B.SMALL for b in plan if b.packed for _, _, n in b.items)
     assert all(n >= B.SMALL for b in plan if not b.packed for _, _, n in b.items)
     assert sum(len(b.items) for b in plan if b.packed) > 100  # norms, biases, k/v: one launch between them
     assert all(b.nbytes <= bucket for b in plan)
-    assert len(plan) <= math.ceil(total / bucket) + 3  # buckets are nearly full
+    assert len(plan) <= math.ceil(total / bucket) + 4  # buckets are nearly full
     assert sorted(i for b in plan for i, _, _ in b.items) == list(range(len(metas)))
     packed = B.plan_buckets(metas, 64 << 20, "packed")  # packed: the embeddings (238 MiB) alone, first
     alone = [not b.packed for b in packed]
@@ -176,7 +179,8 @@ def _check_identical(res: list) -> None:
     metas = B.metadata_of(_model(0, "cpu"))
     for bucket in (64 << 10, 4096, 1 << 20):  # small tensors packed, the rest grouped: both kinds in play
         plan = B.plan_buckets(metas, bucket)
-        assert any(b.packed for b in plan) and any(not b.packed and len(b.items) > 1 for b in plan)
+        assert any(b.packed for b in plan)
+        assert any(not b.packed and len(b.items) > 1 for b in plan) or bucket == 1 << 20  # (2 large ones)
         if sender[0]["backend"] == "nccl":  # one launch per bucket, grouped or packed
             assert n["bucketed", bucket] == len(plan)
         else:  # gloo cannot group: one broadcast per unpacked tensor
@@ -331,6 +335,66 @@ def test_bad_metadata_rejected_everywhere_and_nothing_changes_gloo():
     _check_reject(run_ranks(_reject, 3, (free_port(), "cpu"), timeout_s=90))
 
 
+# ---------------------------------------------------------------------------- verification
+
+def _corrupt(rank: int, world_size: int, port: int, kind: str) -> dict:
+    """Receiver 1's link flips one bit of the second bucket it receives (fault injection around the real
+    broadcast); the checksums must catch it on every rank, and the group must stay usable."""
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    model = {k: v.contiguous() for k, v in _model(0, dev).items()}
+    calls, out = [0], {}
+    if rank == 1:
+        real = g.broadcast_many
+
+        def flaky(tensors, src=0):
+            work = real(tensors, src)
+            calls[0] += 1
+            if calls[0] == 2:
+                g.wait_work(work)
+                tensors[-1].reshape(-1).view(torch.uint8)[7] ^= 4
+                if kind == "cuda":
+                    torch.cuda.synchronize(dev)
+            return work
+
+        g.broadcast_many = flaky
+    for name, verify in (("unverified", False), ("verified", True)):
+        try:
+            if rank == 0:
+                B.send(g, _model(7, dev), bucket_bytes=64 << 10, verify=verify)
+            else:
+                B.receive(g, expected=B.expected_from(model), load=B.copy_into(model), into=model)
+            out[name] = None
+        except B.WeightSyncError as exc:
+            out[name] = str(exc)
+        calls[0] = 0
+    if rank == 1:
+        del g.broadcast_many  # the link is repaired (the class's method again)
+    B.send(g, _model(7, dev), version=3) if rank == 0 else B.receive(g, expected=B.expected_from(model),
+                                                                      load=B.copy_into(model), into=model)
+    out["final"] = {k: _sha(v) for k, v in model.items()}
+    g.destroy()
+    return out
+
+
+def _check_corrupt(res: list) -> None:
+    for ok, out in res:
+        assert ok, out
+    want = {k: _sha(v) for k, v in _model(7, "cpu").items()}
+    for rank, (_, out) in enumerate(res):
+        assert out["unverified"] is None, out  # without checksums nobody notices the flipped bit ...
+        err = out["verified"]  # ... with them, every rank hears which receiver and which bucket
+        assert err is not None and "failed on a receiver" in err and "rank 1: checksum mismatch in bucket" in err, err
+        assert "rank 2" not in err, err
+        if rank:
+            assert out["final"] == want, rank  # the next update repaired it
+
+
+@pytest.mark.timeout(120)
+def test_checksum_mismatch_reported_on_every_rank_gloo():
+    _check_corrupt(run_ranks(_corrupt, 3, (free_port(), "cpu"), timeout_s=90))
+
+
 # ---------------------------------------------------------------------------- dead peers
 
 def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bool = False) -> dict:
@@ -403,6 +467,12 @@ def test_sync_gives_identical_bytes_nccl():
 @pytest.mark.timeout(300)
 def test_bad_metadata_rejected_everywhere_and_nothing_changes_nccl():
     _check_reject(run_ranks(_reject, _gpu_world(), (free_port(), "cuda"), timeout_s=240))
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(300)
+def test_checksum_mismatch_reported_on_every_rank_nccl():
+    _check_corrupt(run_ranks(_corrupt, _gpu_world(), (free_port(), "cuda"), timeout_s=240))
 
 
 @pytest.mark.gpu(2)
