@@ -358,20 +358,23 @@ def _corrupt(rank: int, world_size: int, port: int, kind: str) -> dict:
             return work
 
         g.broadcast_many = flaky
+
+    def sync(**send_kw) -> None:  # one update to _model(7), landed in place on the receivers
+        if rank == 0:
+            B.send(g, _model(7, dev), **send_kw)
+        else:
+            B.receive(g, expected=B.expected_from(model), load=B.copy_into(model), into=model)
+
     for name, verify in (("unverified", False), ("verified", True)):
         try:
-            if rank == 0:
-                B.send(g, _model(7, dev), bucket_bytes=64 << 10, verify=verify)
-            else:
-                B.receive(g, expected=B.expected_from(model), load=B.copy_into(model), into=model)
+            sync(bucket_bytes=64 << 10, verify=verify)
             out[name] = None
         except B.WeightSyncError as exc:
             out[name] = str(exc)
         calls[0] = 0
     if rank == 1:
         del g.broadcast_many  # the link is repaired (the class's method again)
-    B.send(g, _model(7, dev), version=3) if rank == 0 else B.receive(g, expected=B.expected_from(model),
-                                                                      load=B.copy_into(model), into=model)
+    sync(version=3)
     out["final"] = {k: _sha(v) for k, v in model.items()}
     g.destroy()
     return out
