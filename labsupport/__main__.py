@@ -1,6 +1,6 @@
 """Command line: ``python -m labsupport doctor | bench <what> | plan ... | rl ...``.
 
-Each subcommand lives in the module that owns the mechanism; this file only dispatches.
+Benchmarks live in ``labsupport.bench`` (one module per command); this file only dispatches.
 """
 
 from __future__ import annotations
@@ -14,18 +14,20 @@ COMMANDS = {
     "rl": "labsupport.rl:main",
 }
 BENCHES = {
-    "links": "labsupport.hardware:bench_links_main",
-    "sync": "labsupport.broadcast:bench_main",
-    "ipc": "labsupport.ipc:bench_main",
-    "memory": "labsupport.memory:bench_main",
-    "cluster": "labsupport.cluster:bench_main",
+    "links": "labsupport.bench.links:main",
+    "sync": "labsupport.bench.sync:main",
+    "ipc": "labsupport.bench.ipc:main",
+    "memory": "labsupport.bench.memory:main",
+    "cluster": "labsupport.bench.cluster:main",
+    "vllm-update": "labsupport.bench.vllm_update:main",
 }
 
 USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory|cluster   benchmarks (print a table, write JSON under results/)
+  bench links|sync|ipc|memory|cluster|vllm-update
+                       benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)
 """
