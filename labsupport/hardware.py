@@ -9,11 +9,11 @@ GPU-to-GPU) is a benchmark: ``labsupport.bench.links`` (``python -m labsupport b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,10 +69,15 @@ class LabEnv:
         return "GPU" if self.gpu else "CPU"
 
 
+def _gpu_path(min_gpus: int, have: int) -> bool:
+    """The rule: a lab takes its GPU path when it needs GPUs at all and this machine has enough."""
+    return 0 < min_gpus <= have
+
+
 def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
     """Pick the lab's path for this machine and print a banner that says which one and why."""
     have = gpu_count()
-    gpu = min_gpus > 0 and have >= min_gpus
+    gpu = _gpu_path(min_gpus, have)
     env = LabEnv(gpu=gpu, device="cuda" if gpu else "cpu", backend="nccl" if gpu else "gloo",
                  n_gpus=have, min_gpus=min_gpus)
     head = f"{title}: " if title else ""
@@ -125,10 +130,8 @@ def _ipc_child(queue: Any, done: Any) -> None:
 
 
 def cuda_ipc_works(timeout_s: float = 60.0) -> bool | None:
-    """Hand a CUDA tensor to a second process, which writes through it; True if the owner sees it.
-
-    None when there is no GPU to try.
-    """
+    """Hand a CUDA tensor to a second process, which writes through it: True if the owner sees the write,
+    False if not, None without a GPU to try."""
     if gpu_count() == 0:
         return None
     import torch.multiprocessing as mp
@@ -163,11 +166,9 @@ def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
 def doctor(check_ipc: bool = True) -> dict[str, Any]:
     """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
     n = gpu_count()
-    gpus = []
-    for i in range(n):
-        p = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                     "uuid": gpu_uuid(i), "capability": f"{p.major}.{p.minor}"})
+    props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    gpus = [{"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "uuid": gpu_uuid(i),
+             "capability": f"{p.major}.{p.minor}"} for i, p in enumerate(props)]
     report: dict[str, Any] = {
         "gpu_count": n,
         "gpus": gpus,
@@ -180,9 +181,8 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
         "versions": results.versions(),
         "cpu_count": os.cpu_count(),
     }
-    reqs = lab_requirements()
-    report["labs"] = {lab: {"min_gpus": need, "path": "GPU" if (need and n >= need) else "CPU"}
-                      for lab, need in reqs.items()}
+    report["labs"] = {lab: {"min_gpus": need, "path": "GPU" if _gpu_path(need, n) else "CPU"}
+                      for lab, need in lab_requirements().items()}
     return report
 
 
@@ -225,15 +225,9 @@ def doctor_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     rep = doctor(check_ipc=not args.no_ipc)
     if args.json:
-        import json
-
         print(json.dumps(rep, indent=1))
     else:
         print(format_doctor(rep))
     if args.save:
         print("wrote", results.save_result("doctor", rep))
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(doctor_main(sys.argv[1:]))
