@@ -231,13 +231,12 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
     """Receive one update from ``src``: validate its metadata, then land every tensor.
 
-    ``expected`` maps name -> ``TensorMeta`` (``expected_from``); ``None`` accepts any metadata. A receiver checks
-    a layout once and votes; later updates with the same layout and the same ``expected`` object skip the
-    vote, so build ``expected`` once. ``into``: this receiver's own tensors by name (contiguous, matching
-    dtype and shape); in ``bucketed`` and ``per_tensor`` modes those tensors are received in place, with no
-    copy. Everything else arrives in a staging buffer and is handed to ``load`` as ``[(name, tensor)]``
-    views, valid only during the call (copy what you keep). On NCCL ``load`` runs with a side stream
-    current, so its copies are ordered after the data landed.
+    ``expected`` (from ``expected_from``; ``None`` accepts anything) is checked once per layout: later
+    updates with the same layout and the same ``expected`` object skip the vote, so build it once. ``into``:
+    this receiver's own tensors by name (contiguous, matching dtype and shape), received in place with no
+    copy in ``bucketed`` and ``per_tensor`` modes. Everything else arrives in a staging buffer and goes to
+    ``load`` as ``[(name, tensor)]`` views, valid only during the call (copy what you keep); on NCCL ``load``
+    runs with a side stream current, so its copies are ordered after the data landed.
     """
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
@@ -252,12 +251,10 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
                               f"(magic {magic:#x}); are both sides calling send/receive in the same order?")
     mode = {v: k for k, v in MODES.items()}[mode_code]
     key = (h0, h1)
-    known = group.cache.setdefault("recv_meta", {})  # the last layout announced (the sender sends it once)
-    if flags & NEW_LAYOUT:
+    if flags & NEW_LAYOUT:  # (otherwise it is the layout announced last, which this rank keeps)
         raw = _guard(group, lambda: group.broadcast_object(None, src), "the handshake")
-        known.clear()
-        known[key] = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
-    metas = known[key]
+        group.cache["recv_meta"] = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
+    metas = group.cache["recv_meta"]
     if flags & NEW_LAYOUT or n_stale:
         group.cache.pop("accepted", None)
         rejected = _vote(group, _validate(metas, expected), "metadata")
@@ -527,8 +524,7 @@ class _Plan:
         return self.views[1]
 
 
-def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int,
-          mode: str) -> _Plan:
+def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int, mode: str) -> _Plan:
     """The plan for this layout, bucket size and mode, from the group's cache (the last 16 kept)."""
     plans = group.cache.setdefault("plans", {})
     pk = (key, bucket_bytes, mode)
@@ -548,7 +544,7 @@ def tensor_checksums(named_tensors: NamedTensors) -> dict[str, int]:
     items = _items(named_tensors)
     if not items:
         return {}
-    sums = [_checksum(_as_bytes(t.detach().contiguous())) for _, t in items]
+    sums = [_checksum(_cat_bytes([t.detach().contiguous()])) for _, t in items]
     values = torch.stack([x.to(sums[0].device) for x in sums]).tolist()  # one host sync
     return {n: int(v) for (n, _), v in zip(items, values)}
 
@@ -588,15 +584,11 @@ def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
     return w
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of several tensors one after the other (a copy, made only to checksum a bucket that does
-    not sit in one buffer)."""
-    return _as_bytes(tensors[0]) if len(tensors) == 1 else torch.cat([_as_bytes(t) for t in tensors])
+    """The bytes of contiguous tensors, one after the other: a flat uint8 view of a single tensor, else a
+    copy (made only to checksum a bucket that does not sit in one buffer)."""
+    u8 = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    return u8[0] if len(u8) == 1 else torch.cat(u8)
 
 
 # ---------------------------------------------------------------------------- streams and buffers (GPU vs CPU)
@@ -640,11 +632,8 @@ def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
 
 
 def release_buffers(group: StatelessGroup) -> None:
-    """Drop the two bucket buffers this group keeps between syncs (2 x bucket_bytes of device memory).
-
-    The memory goes back to PyTorch's cache; call ``torch.cuda.empty_cache()`` too if another library
-    (an inference engine's KV cache) should get it.
-    """
+    """Drop the two bucket buffers this group keeps between syncs (2 x bucket_bytes of device memory). The
+    memory goes back to PyTorch's cache: add ``torch.cuda.empty_cache()`` to hand it to an engine's KV cache."""
     for plan in group.cache.get("plans", {}).values():
         plan.views = None  # (views into the buffers would keep them alive)
     if group.cache.pop("buffers", None) is not None:
