@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from labsupport import hardware, memory as M, planner
+from labsupport.bench import memory as memory_bench
 
 
 def nbytes(ts):
@@ -208,7 +209,7 @@ def test_bench_cpu_writes_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
     from labsupport import results
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
-    assert M.bench_main(["--device", "cpu", "--repeats", "1"]) == 0
+    assert memory_bench.main(["--device", "cpu", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "sampler overhead" in out and "resident" in out
     rec = json.loads((tmp_path / "memory_timeline.cpu.json").read_text())
