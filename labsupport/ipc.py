@@ -14,8 +14,9 @@ Lifetimes: an :class:`Exporter` keeps every exported buffer alive until ``releas
 (IpcError) until each declared receiver has acked, and afterwards the handle is dead: rebuilding it
 raises :class:`IpcError` instead of mapping memory that may already hold something else. Liveness is
 checked through a tiny shared "guard" file per exporter (one int64 serial number per export, plus an
-advisory lock that the kernel drops if the exporter dies). The check runs when a handle is rebuilt
-(a few microseconds: a cached mmap read and a non-blocking lock probe).
+advisory lock that the kernel drops if the exporter dies; the files live in :mod:`labsupport.shm`). The
+check runs when a handle is rebuilt (a few microseconds: a cached mmap read and a non-blocking lock probe).
+To watch a handle from another process, see :mod:`labsupport.peer`.
 
 Limits, honestly: the check is not atomic with the mapping (a release racing a rebuild can slip
 through); views rebuilt *before* a release are not invalidated (plain tensors have no per-access hook),
@@ -27,83 +28,31 @@ one host and one ``/dev/shm`` (containers with private IPC namespaces do not).
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import inspect
 import itertools
-import mmap
+import math
 import os
-import queue as queue_mod
 import secrets
-import struct
-import threading
-import time
-import traceback
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from labsupport import shm
 from labsupport.broadcast import ALIGN, _dtype_name, _round_up  # one bucket layout for NCCL and IPC
-
-GUARD_SLOTS = 4096  # live exports per Exporter (8 bytes each in the guard file)
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
+from labsupport.peer import Peer  # noqa: F401  (rl.py uses ipc.Peer; new code imports labsupport.peer)
+from labsupport.shm import SHM_DIR
 
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine/GPU, or bad input."""
 
 
-# --------------------------------------------------------------------------------------------
-# Where am I: host and GPU identity
-# --------------------------------------------------------------------------------------------
-
-def host_id() -> str:
-    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"no-boot-id-{os.uname().nodename}"
-
-
-def device_uuid(index: int) -> str:
-    """UUID (``GPU-...``) of local CUDA device ``index``; it does not depend on CUDA_VISIBLE_DEVICES."""
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-
-
-def visible_uuids() -> list[str]:
-    """UUIDs of the CUDA devices this process sees, in local index order (empty without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    return [device_uuid(i) for i in range(torch.cuda.device_count())]
-
-
-_UUID_TO_INDEX: dict[str, int] = {}
-
-
-def local_index(uuid: str) -> int:
-    """Local CUDA index of the physical GPU ``uuid`` in this process; IpcError if it is not visible."""
-    if uuid in _UUID_TO_INDEX:
-        return _UUID_TO_INDEX[uuid]
-    seen = visible_uuids()
-    if uuid in seen:
-        _UUID_TO_INDEX[uuid] = seen.index(uuid)
-        return _UUID_TO_INDEX[uuid]
-    found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
-    raise IpcError(
-        f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: {found}; "
-        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
-        "works between processes on the same physical GPU: place the receiver on that GPU (Ray "
-        "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast)."
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Handles
-# --------------------------------------------------------------------------------------------
+# ---- Handles: what travels between processes (a few hundred bytes, picklable) ---------------------
 
 @dataclass(frozen=True)
 class Guard:
@@ -173,13 +122,6 @@ class BucketHandle:
         return self.buffer.guard.serial
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise IpcError(f"unknown dtype {name!r} in handle")
-    return dt
-
-
 def plan_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[BucketEntry], int]:
     """Byte layout of a bucket (entries at ALIGN-aligned offsets) and its total size."""
     entries, off, seen = [], 0, set()
@@ -207,137 +149,28 @@ def split_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) 
     return [g for g in groups if g]
 
 
-# --------------------------------------------------------------------------------------------
-# The guard file: one int64 serial per live export + an advisory lock held by the exporter
-# --------------------------------------------------------------------------------------------
-
-class _GuardFile:
-    """Exporter side: creates the guard file, holds its lock, writes serials (0 = released)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.path = os.path.join(SHM_DIR, f"{prefix}.guard")
-        self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(self.fd, 8 * GUARD_SLOTS)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)  # dropped by the kernel when this process dies
-        self.mm = mmap.mmap(self.fd, 8 * GUARD_SLOTS)
-        self.free = list(range(GUARD_SLOTS - 1, -1, -1))
-
-    def take(self, serial: int) -> int:
-        if not self.free:
-            raise IpcError(f"{GUARD_SLOTS} exports are live in this Exporter; release some first")
-        slot = self.free.pop()
-        struct.pack_into("q", self.mm, 8 * slot, serial)
-        return slot
-
-    def clear(self, slot: int) -> None:
-        struct.pack_into("q", self.mm, 8 * slot, 0)
-        self.free.append(slot)
-
-    def close(self) -> None:
-        if self.mm.closed:
-            return
-        self.mm[:] = bytes(len(self.mm))  # receivers with a cached mapping now see "released"
-        self.mm.close()
-        _unlink(self.path)
-        os.close(self.fd)
+@torch.no_grad()  # parameters (requires_grad=True) are packed as plain bytes
+def _pack(flat: torch.Tensor, entries: Sequence[BucketEntry], tensors: Sequence[torch.Tensor]) -> None:
+    for (_, view), t in zip(bucket_views(flat, entries), tensors):
+        if view.numel():
+            view.copy_(t)
 
 
-_GUARD_CACHE: dict[str, tuple[int, mmap.mmap]] = {}
-_GUARD_LOCK = threading.Lock()
+def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
+    """Slice a flat uint8 buffer back into named tensors: one as_strided per entry (a few µs each)."""
+    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
+    out = []
+    for e in entries:
+        if e.dtype not in typed:  # the whole buffer as this dtype (its size is a multiple of ALIGN)
+            t = flat.view(getattr(torch, e.dtype))
+            typed[e.dtype] = (t, t.storage_offset(), t.itemsize)
+        t, base, size = typed[e.dtype]
+        stride = [math.prod(e.shape[i + 1:]) for i in range(len(e.shape))]  # contiguous, row-major
+        out.append((e.name, t.as_strided(e.shape, stride, base + e.offset // size)))
+    return out
 
 
-def _open_guard(path: str) -> tuple[int, mmap.mmap]:
-    with _GUARD_LOCK:
-        if path not in _GUARD_CACHE:
-            fd = os.open(path, os.O_RDONLY)
-            _GUARD_CACHE[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
-        return _GUARD_CACHE[path]
-
-
-def check_handle(handle: IpcHandle | BucketHandle) -> None:
-    """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
-
-    Costs a few microseconds (a cached mmap read and a non-blocking lock probe).
-    """
-    h = handle.buffer if isinstance(handle, BucketHandle) else handle
-    if not isinstance(h, IpcHandle):
-        raise IpcError(f"expected an IpcHandle or BucketHandle, found {type(handle).__name__}")
-    if h.host != host_id():
-        raise IpcError(
-            f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}...). "
-            "CUDA IPC and shared memory only work between processes on one host; across machines "
-            "send the weights with labsupport.broadcast (NCCL/gloo)."
-        )
-    try:
-        fd, mm = _open_guard(h.guard.path)
-    except FileNotFoundError:
-        raise IpcError(
-            f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
-            f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, with its "
-            "own /dev/shm). Ask the owner for a fresh handle."
-        ) from None
-    try:  # the exporter holds an exclusive flock; if we can take a shared one, it is dead
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pass
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        with _GUARD_LOCK:
-            _GUARD_CACHE.pop(h.guard.path, (None, None))[1].close()
-            os.close(fd)
-        raise IpcError(f"the exporter of this handle (pid {h.pid}) has exited; its memory is gone.")
-    (serial,) = struct.unpack_from("q", mm, 8 * h.guard.slot)
-    if serial != h.guard.serial:
-        raise IpcError(
-            f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
-            "its memory may already hold other data. Rebuild from the handle of the current export."
-        )
-
-
-def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove shared files left by exporters that died without cleaning up (their lock is free).
-
-    Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after creating
-    it); ``only`` restricts the sweep to one guard path. Returns the file names removed.
-    """
-    removed = []
-    now = time.time()
-    for name in os.listdir(SHM_DIR):
-        if not (name.startswith("labsupport-ipc-") and name.endswith(".guard")):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        if only is not None and path != only:
-            continue
-        try:
-            if now - os.stat(path).st_mtime < min_age_s:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its exporter is alive
-        finally:
-            os.close(fd)
-        prefix = name.removesuffix(".guard")
-        for other in os.listdir(SHM_DIR):
-            if other == name or (other.startswith(prefix + "-") and other.endswith(".shm")):
-                _unlink(os.path.join(SHM_DIR, other))
-                removed.append(other)
-    return removed
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-# --------------------------------------------------------------------------------------------
-# Exporter
-# --------------------------------------------------------------------------------------------
+# ---- Exporter: the owner's side -------------------------------------------------------------------
 
 @dataclass
 class _Export:
@@ -347,27 +180,29 @@ class _Export:
     acks: int = 0
     shm_path: str | None = None  # shm segment behind this export (CPU backend)
 
+    @property
+    def nbytes(self) -> int:  # a bucket owns its whole (aligned) buffer
+        return self.keep.untyped_storage().nbytes() if isinstance(self.handle, BucketHandle) else self.keep.nbytes
 
-_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()
+
+_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()  # guard path -> owner
 
 
 class Exporter:
     """Owns exported buffers: keeps each alive until its receivers acked and ``release()`` is called."""
 
     def __init__(self) -> None:
-        sweep_stale()  # files of exporters that crashed earlier
-        self.prefix = f"labsupport-ipc-{os.getpid()}-{secrets.token_hex(4)}"
-        self._guard = _GuardFile(self.prefix)
+        shm.sweep_stale()  # files of exporters that crashed earlier
+        self.prefix = f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._guard = shm.GuardFile(os.path.join(SHM_DIR, f"{self.prefix}.guard"))
         self._serials = itertools.count(1)
         self._segments = itertools.count(1)
         self._live: dict[int, _Export] = {}
         self._shm_storages: dict[int, str] = {}  # CPU storage data_ptr -> its /dev/shm file
-        self._shm_users: dict[str, int] = {}  # /dev/shm file -> live exports using it
         self._files = [self._guard.path]
         self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._files)
-        _EXPORTERS[self.prefix] = self
+        _EXPORTERS[self._guard.path] = self
 
-    # ---- exporting -------------------------------------------------------------------------
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
         """Share ``t`` itself (no copy on GPU). On CPU, ``t`` is first moved into shared memory in place.
 
@@ -376,15 +211,15 @@ class Exporter:
         """
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
+        if not self._guard.free:
+            raise IpcError(f"{shm.GUARD_SLOTS} exports are live in this Exporter; release some first")
         serial = next(self._serials)
-        slot = self._guard.take(serial)
-        guard = Guard(self._guard.path, slot, serial)
+        guard = Guard(self._guard.path, self._guard.take(serial), serial)
         if t.is_cuda:
             handle, shm_path = self._cuda_handle(t.detach(), guard), None
         else:
             handle = self._shm_handle(t, guard)  # may move t's storage into shared memory, in place
             shm_path = handle.payload[0]
-            self._shm_users[shm_path] = self._shm_users.get(shm_path, 0) + 1
         self._live[serial] = _Export(handle, t.detach(), receivers, shm_path=shm_path)
         return handle
 
@@ -431,7 +266,6 @@ class Exporter:
         if exp.keep.is_cuda:
             torch.cuda.current_stream(exp.keep.device).synchronize()
 
-    # ---- lifetimes -------------------------------------------------------------------------
     def ack(self, handle: IpcHandle | BucketHandle) -> int:
         """Record that one receiver has finished with ``handle`` (dropped its views); returns acks left."""
         exp = self._get(handle)
@@ -451,14 +285,12 @@ class Exporter:
             )
         self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
         del self._live[handle.guard.serial]
-        nbytes = exp.keep.untyped_storage().nbytes() if isinstance(handle, BucketHandle) else exp.keep.nbytes
-        if exp.shm_path:  # last export of a segment: remove its name (pages go with the last mapping)
-            self._shm_users[exp.shm_path] -= 1
-            if self._shm_users[exp.shm_path] == 0:
-                del self._shm_users[exp.shm_path]
-                self._shm_storages.pop(exp.keep.untyped_storage().data_ptr(), None)
-                _unlink(exp.shm_path)
-                self._files.remove(exp.shm_path)
+        nbytes = exp.nbytes
+        if exp.shm_path and all(e.shm_path != exp.shm_path for e in self._live.values()):
+            # the last export of its segment: remove the file's name (pages go with the last mapping)
+            self._shm_storages.pop(exp.keep.untyped_storage().data_ptr(), None)
+            shm.unlink(exp.shm_path)
+            self._files.remove(exp.shm_path)
         is_cuda = exp.keep.is_cuda
         exp.keep = None  # type: ignore[assignment]
         del exp
@@ -466,13 +298,10 @@ class Exporter:
             torch.cuda.ipc_collect()  # free blocks whose receivers have let go
         return nbytes
 
-    def release_all(self, force: bool = True) -> int:
-        """Release every live export (forced by default); returns bytes released."""
-        return sum(self.release(e.handle, force=force) for e in list(self._live.values()))
-
     def close(self) -> None:
-        """Release everything, mark every slot released, remove the shared files."""
-        self.release_all(force=True)
+        """Release everything (forced), mark every slot released, remove the shared files."""
+        for e in list(self._live.values()):
+            self.release(e.handle, force=True)
         self._finalizer()
 
     def __enter__(self) -> "Exporter":
@@ -482,16 +311,10 @@ class Exporter:
         self.close()
 
     @property
-    def live(self) -> list[IpcHandle | BucketHandle]:
-        return [e.handle for e in self._live.values()]
-
-    @property
     def live_bytes(self) -> int:
         """Bytes of exported buffers this exporter keeps alive."""
-        return sum(e.keep.untyped_storage().nbytes() if isinstance(e.handle, BucketHandle) else e.keep.nbytes
-                   for e in self._live.values())
+        return sum(e.nbytes for e in self._live.values())
 
-    # ---- internals -------------------------------------------------------------------------
     def _get(self, handle: IpcHandle | BucketHandle) -> _Export:
         exp = self._live.get(handle.guard.serial)
         if exp is None or handle.guard.path != self._guard.path:
@@ -507,17 +330,12 @@ class Exporter:
                          device_uuid(t.device.index), tuple(args), guard, os.getpid())
 
     def _new_segment(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        """A new /dev/shm file of ``nbytes`` and its MAP_SHARED mapping as a flat uint8 tensor."""
         path = os.path.join(SHM_DIR, f"{self.prefix}-{next(self._segments)}.shm")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
+        storage = shm.create_segment(path, nbytes)
         self._files.append(path)
-        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
         self._shm_storages[storage.data_ptr()] = path
-        return path, flat
+        return path, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
     def _shm_handle(self, t: torch.Tensor, guard: Guard) -> IpcHandle:
         storage = t.untyped_storage()
@@ -533,40 +351,13 @@ class Exporter:
                          payload, guard, os.getpid())
 
     @staticmethod
-    def _cleanup(guard: _GuardFile, files: list[str]) -> None:
+    def _cleanup(guard: shm.GuardFile, files: list[str]) -> None:
         guard.close()
         for path in files:
-            _unlink(path)
+            shm.unlink(path)
 
 
-@torch.no_grad()  # parameters (requires_grad=True) are packed as plain bytes
-def _pack(flat: torch.Tensor, entries: Sequence[BucketEntry], tensors: Sequence[torch.Tensor]) -> None:
-    for (_, view), t in zip(bucket_views(flat, entries), tensors):
-        if view.numel():
-            view.copy_(t)
-
-
-def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
-    """Slice a flat uint8 buffer back into named tensors: one as_strided per entry (a few µs each)."""
-    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
-    out = []
-    for e in entries:
-        got = typed.get(e.dtype)
-        if got is None:  # the whole buffer as this dtype (its size is a multiple of ALIGN)
-            t = flat.view(_dtype(e.dtype))
-            got = typed[e.dtype] = (t, t.storage_offset(), t.itemsize)
-        t, base, size = got
-        stride, acc = [], 1
-        for d in reversed(e.shape):
-            stride.append(acc)
-            acc *= d
-        out.append((e.name, t.as_strided(e.shape, stride[::-1], base + e.offset // size)))
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Receiving side
-# --------------------------------------------------------------------------------------------
+# ---- Receiving side -------------------------------------------------------------------------------
 
 def rebuild(handle: IpcHandle) -> torch.Tensor:
     """Map an exported tensor into this process (zero-copy), on the local index of the same GPU.
@@ -578,19 +369,13 @@ def rebuild(handle: IpcHandle) -> torch.Tensor:
         raise IpcError(f"rebuild expects an IpcHandle, found {type(handle).__name__}"
                        + ("; use rebuild_bucket() for a bucket" if isinstance(handle, BucketHandle) else ""))
     check_handle(handle)
-    if handle.kind == "cuda":
-        return _rebuild_cuda(handle)
-    if handle.kind == "shm":
-        return _rebuild_shm(handle)
-    raise IpcError(f"unknown handle kind {handle.kind!r}")
+    return _rebuild_cuda(handle) if handle.kind == "cuda" else _rebuild_shm(handle)
 
 
 def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
-    if handle.pid == os.getpid():  # CUDA cannot open its own IPC handle: hand back the original
-        exp = _owner_export(handle)
-        if exp is not None:
-            t = exp.keep
-            return t
+    owner = _EXPORTERS.get(handle.guard.path)
+    if handle.pid == os.getpid() and owner is not None and handle.serial in owner._live:
+        return owner._live[handle.serial].keep  # CUDA cannot open its own IPC handle: hand back the original
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(handle.payload)
@@ -603,28 +388,17 @@ def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
                        f"{err}") from err
 
 
-def _owner_export(handle: IpcHandle) -> _Export | None:
-    for ex in list(_EXPORTERS.values()):
-        if ex._guard.path == handle.guard.path:
-            return ex._live.get(handle.guard.serial)
-    return None
-
-
 def _rebuild_shm(handle: IpcHandle) -> torch.Tensor:
     path, storage_nbytes, offset, stride = handle.payload
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise IpcError(f"shared-memory segment {path} of export #{handle.serial} is gone (released)") from None
-    if size < storage_nbytes:
-        raise IpcError(f"shared-memory segment {path} has {size} bytes, handle expects {storage_nbytes}")
+    if not os.path.exists(path):  # checked first: from_file would create a missing file
+        raise IpcError(f"shared-memory segment {path} of export #{handle.serial} is gone (released)")
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=storage_nbytes)
     try:
         check_handle(handle)  # released between the first check and the mapping?
     except IpcError:
-        _unlink(path)  # from_file may have re-created the file; it belongs to a dead export
+        shm.unlink(path)  # from_file may have re-created the file; it belongs to a dead export
         raise
-    return torch.empty(0, dtype=_dtype(handle.dtype)).set_(storage, offset, handle.shape, stride)
+    return torch.empty(0, dtype=getattr(torch, handle.dtype)).set_(storage, offset, handle.shape, stride)
 
 
 def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
@@ -633,16 +407,6 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
         raise IpcError(f"rebuild_bucket expects a BucketHandle, found {type(handle).__name__}; "
                        "use rebuild() for a single tensor")
     return bucket_views(rebuild(handle.buffer), handle.entries)
-
-
-def _check_dest(handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> None:
-    for e in handle.entries:
-        d = dest.get(e.name)
-        if d is None:
-            raise IpcError(f"bucket tensor {e.name!r} has no destination; nothing was written")
-        if (_dtype_name(d.dtype), tuple(d.shape)) != (e.dtype, e.shape):
-            raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has "
-                           f"{_dtype_name(d.dtype)}{list(d.shape)}; nothing was written")
 
 
 class Receiver:
@@ -668,7 +432,13 @@ class Receiver:
 
         The copies are queued on the current stream; returns bytes copied.
         """
-        _check_dest(handle, dest)
+        for e in handle.entries:
+            d = dest.get(e.name)
+            if d is None:
+                raise IpcError(f"bucket tensor {e.name!r} has no destination; nothing was written")
+            if (_dtype_name(d.dtype), tuple(d.shape)) != (e.dtype, e.shape):
+                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has "
+                               f"{_dtype_name(d.dtype)}{list(d.shape)}; nothing was written")
         with torch.no_grad():
             for name, view in self.bucket(handle):
                 dest[name].copy_(view, non_blocking=True)
@@ -676,26 +446,19 @@ class Receiver:
 
     def drop(self, handle: BucketHandle | None = None) -> None:
         """Forget the views of ``handle`` (or of all handles) after pending copies finished."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        _wait_for_cuda()
         if handle is None:
             self._views.clear()
         else:
             self._views.pop((handle.guard.path, handle.guard.serial), None)
 
 
-def copy_bucket_into(handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
-    """One-shot: rebuild a bucket, copy it into ``dest`` (checked first), wait, drop the views."""
-    receiver = Receiver()
-    try:
-        return receiver.copy_into(handle, dest)
-    finally:
-        receiver.drop()
+def _wait_for_cuda() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
-# --------------------------------------------------------------------------------------------
-# Module-level API (a default Exporter per process)
-# --------------------------------------------------------------------------------------------
+# ---- Module-level API: a default Exporter per process ---------------------------------------------
 
 _DEFAULT: Exporter | None = None
 
@@ -703,7 +466,7 @@ _DEFAULT: Exporter | None = None
 def default_exporter() -> Exporter:
     """The process-wide Exporter behind the module-level export functions."""
     global _DEFAULT
-    if _DEFAULT is None or _DEFAULT._finalizer.alive is False:
+    if _DEFAULT is None or not _DEFAULT._finalizer.alive:
         _DEFAULT = Exporter()
     return _DEFAULT
 
@@ -719,11 +482,11 @@ def export_bucket(named: Iterable[tuple[str, torch.Tensor]], receivers: int = 1)
 
 
 def _owner(handle: IpcHandle | BucketHandle) -> Exporter:
-    for ex in list(_EXPORTERS.values()):
-        if ex._guard.path == handle.guard.path:
-            return ex
-    raise IpcError(f"export #{handle.guard.serial} was not exported by this process (pid {os.getpid()}, "
-                   f"exporter pid {getattr(handle, 'pid', None) or handle.buffer.pid}); ack/release it there")
+    owner = _EXPORTERS.get(handle.guard.path)
+    if owner is None:
+        raise IpcError(f"export #{handle.guard.serial} was not exported by this process (pid {os.getpid()}, "
+                       f"exporter pid {getattr(handle, 'pid', None) or handle.buffer.pid}); ack/release it there")
+    return owner
 
 
 def ack(handle: IpcHandle | BucketHandle) -> int:
@@ -736,150 +499,72 @@ def release(handle: IpcHandle | BucketHandle, force: bool = False) -> int:
     return _owner(handle).release(handle, force=force)
 
 
-# --------------------------------------------------------------------------------------------
-# Memory numbers
-# --------------------------------------------------------------------------------------------
+# ---- Where am I: host identity, and the GPU's local index here (device remapping) -----------------
 
-def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
-    """Memory numbers that show sharing: CUDA allocator + device free bytes, or CPU RSS split.
-
-    On CPU, ``rss_anon`` is private memory and ``rss_shmem`` is mapped shared memory (from /proc).
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
-                "device_free": free, "device_total": total}
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, val = line.partition(":")
-            if key in ("RssAnon", "RssShmem", "VmRSS"):
-                out[{"RssAnon": "rss_anon", "RssShmem": "rss_shmem", "VmRSS": "rss"}[key]] = int(val.split()[0]) * 1024
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# A helper process to talk to (tests, lab, benchmark)
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class _PeerFailure:
-    kind: str
-    text: str
-
-
-def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args: tuple) -> None:
-    os.environ.update(env)  # before anything initialises CUDA (e.g. CUDA_VISIBLE_DEVICES)
+@functools.cache
+def host_id() -> str:
+    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""
     try:
-        fn(inbox, outbox, *args)
-    except BaseException as err:  # report to the parent instead of dying silently
-        outbox.put(_PeerFailure(type(err).__name__, "".join(traceback.format_exception(err))))
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"no-boot-id-{os.uname().nodename}"
 
 
-class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)``; talk to it with send()/recv().
-
-    ``fn`` must be importable (module level). ``env`` is applied in the child before CUDA starts.
-    recv() raises TimeoutError if nothing arrives in time and RuntimeError if the child died.
-    """
-
-    def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox, dict(env or {}), args),
-                                daemon=True)
-        self.proc.start()
-
-    def send(self, obj: Any) -> None:
-        self.inbox.put(obj)
-
-    def recv(self, timeout_s: float = 60.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                msg = self.outbox.get(timeout=0.2)
-                break
-            except queue_mod.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
-        if isinstance(msg, _PeerFailure):
-            cls = IpcError if msg.kind == "IpcError" else RuntimeError
-            raise cls(f"in peer process: {msg.text.strip().splitlines()[-1]}\n{msg.text}")
-        return msg
-
-    def call(self, msg: Any, timeout_s: float = 60.0) -> Any:
-        self.send(msg)
-        return self.recv(timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        if self.proc.is_alive():
-            self.inbox.put(None)
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        for q in (self.inbox, self.outbox):  # never block interpreter exit on undelivered messages
-            q.cancel_join_thread()
-            q.close()
-
-    def __enter__(self) -> "Peer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def visible_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, in local index order (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(i) for i in range(torch.cuda.device_count())]
 
 
-def _probe_peer(inbox: Any, outbox: Any) -> None:
-    """Peer loop: rebuild each handle received (once), report what this process sees, write when asked."""
-    views: dict[int, list[torch.Tensor]] = {}
-    while (msg := inbox.get()) is not None:
-        op, handle, *rest = msg
-        try:
-            if op == "drop":
-                views.pop(handle.serial, None)
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    torch.cuda.synchronize()
-                outbox.put({"dropped": True})
-                continue
-            device = device_of(handle)
-            before = memory_probe(device)
-            ts = views.get(handle.serial)
-            if ts is None:
-                bucket = isinstance(handle, BucketHandle)
-                ts = [v for _, v in rebuild_bucket(handle)] if bucket else [rebuild(handle)]
-                views[handle.serial] = ts
-            if op == "fill":
-                for t in ts:
-                    t.fill_(rest[0])
-            total = sum(float(t.sum()) for t in ts)  # reads every byte (no private copy)
-            after = memory_probe(device)
-            outbox.put({"device": str(ts[0].device), "uuid": device_uuid(ts[0].device.index) if ts[0].is_cuda else None,
-                        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "sum": total,
-                        "head": ts[0].flatten()[:4].tolist(), "before": before, "after": after})
-            ts = t = None  # only `views` may keep the mapping alive (until "drop")
-        except IpcError as err:
-            outbox.put({"error": str(err)})
+@functools.cache  # an index once found stays right for the process; a miss is looked up again
+def local_index(uuid: str) -> int:
+    """Local CUDA index of the physical GPU ``uuid`` in this process; IpcError if it is not visible."""
+    seen = visible_uuids()
+    if uuid in seen:
+        return seen.index(uuid)
+    found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
+    raise IpcError(
+        f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: {found}; "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
+        "works between processes on the same physical GPU: place the receiver on that GPU (Ray "
+        "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast)."
+    )
 
 
 def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
+    """The device a handle rebuilds on in this process (its GPU's local index, or the CPU)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
     return torch.device("cuda", local_index(h.device_uuid)) if h.kind == "cuda" and h.device_uuid else torch.device("cpu")
 
 
-def probe_in_peer(handle: IpcHandle | BucketHandle, *, fill: float | None = None,
-                  env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
-    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0").
+# ---- Liveness: is the export behind a handle still there? (the files are in labsupport.shm) --------
 
-    Returns what the child saw: device, GPU UUID, sum, first values, memory before/after rebuilding,
-    or ``{"error": ...}`` if rebuilding raised IpcError. With ``fill`` the child writes that value.
+def check_handle(handle: IpcHandle | BucketHandle) -> None:
+    """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
+
+    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe).
     """
-    with Peer(_probe_peer, env=env) as peer:
-        out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
-        peer.call(("drop", handle), timeout_s)
-        return out
+    h = handle.buffer if isinstance(handle, BucketHandle) else handle
+    if h.host != host_id():
+        raise IpcError(
+            f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}...). "
+            "CUDA IPC and shared memory only work between processes on one host; across machines "
+            "send the weights with labsupport.broadcast (NCCL/gloo)."
+        )
+    try:
+        serial = shm.guard_serial(h.guard.path, h.guard.slot)
+    except FileNotFoundError:
+        raise IpcError(
+            f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
+            f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, with its "
+            "own /dev/shm). Ask the owner for a fresh handle."
+        ) from None
+    except ProcessLookupError:
+        raise IpcError(f"the exporter of this handle (pid {h.pid}) has exited; its memory is gone.") from None
+    if serial != h.guard.serial:
+        raise IpcError(
+            f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
+            "its memory may already hold other data. Rebuild from the handle of the current export."
+        )

@@ -19,8 +19,9 @@ import torch
 
 from labsupport import hardware, results
 from labsupport.hardware import synchronize as _sync
-from labsupport.ipc import (BucketHandle, Exporter, IpcError, Peer, Receiver, bucket_views, device_of,
-                            memory_probe, rebuild_bucket, split_buckets)
+from labsupport.ipc import (BucketHandle, Exporter, IpcError, Receiver, bucket_views, device_of, rebuild_bucket,
+                            split_buckets)
+from labsupport.peer import Peer, memory_probe
 
 # Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as the
 # target size needs; "cpu" is a small layout for the shared-memory stand-in.
