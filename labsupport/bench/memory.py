@@ -1,6 +1,6 @@
 """``python -m labsupport bench memory``: one RLHF step under each memory strategy, and the sampler's cost.
 
-Records ``labsupport.memory.run_strategy`` for the three strategies, prints each peak-by-phase table,
+Records ``labsupport.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
 measures what the background sampler costs a step (``measure_overhead``, which Lab 2 also calls) and
 writes ``results/memory_timeline.<machine>.json`` with its plot (Chapter 2 and Lab 2 read them).
 """
@@ -14,9 +14,9 @@ from dataclasses import asdict
 import torch
 
 from labsupport import hardware, results
-from labsupport.memory import (CPU_CONFIG, GB, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, MemoryTimeline, StepConfig,
-                               format_peak_table, make_state, peak_bytes, plot_timelines, register_roles,
-                               release_state, rlhf_step, run_strategy)
+from labsupport.memory import GB, MemoryTimeline, format_peak_table, peak_bytes, plot_timelines
+from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, StepConfig, make_state,
+                                   register_roles, release_state, rlhf_step, run_strategy)
 
 
 def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
