@@ -373,9 +373,10 @@ def rebuild(handle: IpcHandle) -> torch.Tensor:
 
 
 def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
-    owner = _EXPORTERS.get(handle.guard.path)
-    if handle.pid == os.getpid() and owner is not None and handle.serial in owner._live:
-        return owner._live[handle.serial].keep  # CUDA cannot open its own IPC handle: hand back the original
+    if handle.pid == os.getpid():  # CUDA cannot open its own IPC handle: hand back the original
+        owner = _EXPORTERS.get(handle.guard.path)
+        if owner is not None and handle.serial in owner._live:
+            return owner._live[handle.serial].keep
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(handle.payload)
@@ -446,16 +447,12 @@ class Receiver:
 
     def drop(self, handle: BucketHandle | None = None) -> None:
         """Forget the views of ``handle`` (or of all handles) after pending copies finished."""
-        _wait_for_cuda()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         if handle is None:
             self._views.clear()
         else:
             self._views.pop((handle.guard.path, handle.guard.serial), None)
-
-
-def _wait_for_cuda() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 # ---- Module-level API: a default Exporter per process ---------------------------------------------
