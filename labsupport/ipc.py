@@ -14,8 +14,9 @@ Lifetimes: an :class:`Exporter` keeps every exported buffer alive until ``releas
 (IpcError) until each declared receiver has acked, and afterwards the handle is dead: rebuilding it
 raises :class:`IpcError` instead of mapping memory that may already hold something else. Liveness is
 checked through a tiny shared "guard" file per exporter (one int64 serial number per export, plus an
-advisory lock that the kernel drops if the exporter dies). The check runs when a handle is rebuilt
-(a few microseconds: a cached mmap read and a non-blocking lock probe).
+advisory lock that the kernel drops if the exporter dies; the files live in :mod:`labsupport.shm`). The
+check runs when a handle is rebuilt (a few microseconds: a cached mmap read and a non-blocking lock probe).
+To watch a handle from another process, see :mod:`labsupport.peer`.
 
 Limits, honestly: the check is not atomic with the mapping (a release racing a rebuild can slip
 through); views rebuilt *before* a release are not invalidated (plain tensors have no per-access hook),
@@ -27,87 +28,31 @@ one host and one ``/dev/shm`` (containers with private IPC namespaces do not).
 
 from __future__ import annotations
 
-import argparse
-import fcntl
+import functools
 import inspect
 import itertools
-import mmap
+import math
 import os
-import queue as queue_mod
 import secrets
-import statistics
-import struct
-import sys
-import threading
-import time
-import traceback
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from labsupport import shm
 from labsupport.broadcast import ALIGN, _dtype_name, _round_up  # one bucket layout for NCCL and IPC
-from labsupport.hardware import synchronize as _sync
-
-GUARD_SLOTS = 4096  # live exports per Exporter (8 bytes each in the guard file)
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
+from labsupport.peer import Peer  # noqa: F401  (rl.py uses ipc.Peer; new code imports labsupport.peer)
+from labsupport.shm import SHM_DIR
 
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine/GPU, or bad input."""
 
 
-# --------------------------------------------------------------------------------------------
-# Where am I: host and GPU identity
-# --------------------------------------------------------------------------------------------
-
-def host_id() -> str:
-    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"no-boot-id-{os.uname().nodename}"
-
-
-def device_uuid(index: int) -> str:
-    """UUID (``GPU-...``) of local CUDA device ``index``; it does not depend on CUDA_VISIBLE_DEVICES."""
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-
-
-def visible_uuids() -> list[str]:
-    """UUIDs of the CUDA devices this process sees, in local index order (empty without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    return [device_uuid(i) for i in range(torch.cuda.device_count())]
-
-
-_UUID_TO_INDEX: dict[str, int] = {}
-
-
-def local_index(uuid: str) -> int:
-    """Local CUDA index of the physical GPU ``uuid`` in this process; IpcError if it is not visible."""
-    if uuid in _UUID_TO_INDEX:
-        return _UUID_TO_INDEX[uuid]
-    seen = visible_uuids()
-    if uuid in seen:
-        _UUID_TO_INDEX[uuid] = seen.index(uuid)
-        return _UUID_TO_INDEX[uuid]
-    found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
-    raise IpcError(
-        f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: {found}; "
-        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
-        "works between processes on the same physical GPU: place the receiver on that GPU (Ray "
-        "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast)."
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Handles
-# --------------------------------------------------------------------------------------------
+# ---- Handles: what travels between processes (a few hundred bytes, picklable) ---------------------
 
 @dataclass(frozen=True)
 class Guard:
@@ -177,13 +122,6 @@ class BucketHandle:
         return self.buffer.guard.serial
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise IpcError(f"unknown dtype {name!r} in handle")
-    return dt
-
-
 def plan_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[BucketEntry], int]:
     """Byte layout of a bucket (entries at ALIGN-aligned offsets) and its total size."""
     entries, off, seen = [], 0, set()
@@ -211,137 +149,28 @@ def split_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) 
     return [g for g in groups if g]
 
 
-# --------------------------------------------------------------------------------------------
-# The guard file: one int64 serial per live export + an advisory lock held by the exporter
-# --------------------------------------------------------------------------------------------
-
-class _GuardFile:
-    """Exporter side: creates the guard file, holds its lock, writes serials (0 = released)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.path = os.path.join(SHM_DIR, f"{prefix}.guard")
-        self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(self.fd, 8 * GUARD_SLOTS)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)  # dropped by the kernel when this process dies
-        self.mm = mmap.mmap(self.fd, 8 * GUARD_SLOTS)
-        self.free = list(range(GUARD_SLOTS - 1, -1, -1))
-
-    def take(self, serial: int) -> int:
-        if not self.free:
-            raise IpcError(f"{GUARD_SLOTS} exports are live in this Exporter; release some first")
-        slot = self.free.pop()
-        struct.pack_into("q", self.mm, 8 * slot, serial)
-        return slot
-
-    def clear(self, slot: int) -> None:
-        struct.pack_into("q", self.mm, 8 * slot, 0)
-        self.free.append(slot)
-
-    def close(self) -> None:
-        if self.mm.closed:
-            return
-        self.mm[:] = bytes(len(self.mm))  # receivers with a cached mapping now see "released"
-        self.mm.close()
-        _unlink(self.path)
-        os.close(self.fd)
+@torch.no_grad()  # parameters (requires_grad=True) are packed as plain bytes
+def _pack(flat: torch.Tensor, entries: Sequence[BucketEntry], tensors: Sequence[torch.Tensor]) -> None:
+    for (_, view), t in zip(bucket_views(flat, entries), tensors):
+        if view.numel():
+            view.copy_(t)
 
 
-_GUARD_CACHE: dict[str, tuple[int, mmap.mmap]] = {}
-_GUARD_LOCK = threading.Lock()
+def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
+    """Slice a flat uint8 buffer back into named tensors: one as_strided per entry (a few µs each)."""
+    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
+    out = []
+    for e in entries:
+        if e.dtype not in typed:  # the whole buffer as this dtype (its size is a multiple of ALIGN)
+            t = flat.view(getattr(torch, e.dtype))
+            typed[e.dtype] = (t, t.storage_offset(), t.itemsize)
+        t, base, size = typed[e.dtype]
+        stride = [math.prod(e.shape[i + 1:]) for i in range(len(e.shape))]  # contiguous, row-major
+        out.append((e.name, t.as_strided(e.shape, stride, base + e.offset // size)))
+    return out
 
 
-def _open_guard(path: str) -> tuple[int, mmap.mmap]:
-    with _GUARD_LOCK:
-        if path not in _GUARD_CACHE:
-            fd = os.open(path, os.O_RDONLY)
-            _GUARD_CACHE[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
-        return _GUARD_CACHE[path]
-
-
-def check_handle(handle: IpcHandle | BucketHandle) -> None:
-    """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
-
-    Costs a few microseconds (a cached mmap read and a non-blocking lock probe).
-    """
-    h = handle.buffer if isinstance(handle, BucketHandle) else handle
-    if not isinstance(h, IpcHandle):
-        raise IpcError(f"expected an IpcHandle or BucketHandle, found {type(handle).__name__}")
-    if h.host != host_id():
-        raise IpcError(
-            f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}...). "
-            "CUDA IPC and shared memory only work between processes on one host; across machines "
-            "send the weights with labsupport.broadcast (NCCL/gloo)."
-        )
-    try:
-        fd, mm = _open_guard(h.guard.path)
-    except FileNotFoundError:
-        raise IpcError(
-            f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
-            f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, with its "
-            "own /dev/shm). Ask the owner for a fresh handle."
-        ) from None
-    try:  # the exporter holds an exclusive flock; if we can take a shared one, it is dead
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pass
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        with _GUARD_LOCK:
-            _GUARD_CACHE.pop(h.guard.path, (None, None))[1].close()
-            os.close(fd)
-        raise IpcError(f"the exporter of this handle (pid {h.pid}) has exited; its memory is gone.")
-    (serial,) = struct.unpack_from("q", mm, 8 * h.guard.slot)
-    if serial != h.guard.serial:
-        raise IpcError(
-            f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
-            "its memory may already hold other data. Rebuild from the handle of the current export."
-        )
-
-
-def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove shared files left by exporters that died without cleaning up (their lock is free).
-
-    Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after creating
-    it); ``only`` restricts the sweep to one guard path. Returns the file names removed.
-    """
-    removed = []
-    now = time.time()
-    for name in os.listdir(SHM_DIR):
-        if not (name.startswith("labsupport-ipc-") and name.endswith(".guard")):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        if only is not None and path != only:
-            continue
-        try:
-            if now - os.stat(path).st_mtime < min_age_s:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its exporter is alive
-        finally:
-            os.close(fd)
-        prefix = name.removesuffix(".guard")
-        for other in os.listdir(SHM_DIR):
-            if other == name or (other.startswith(prefix + "-") and other.endswith(".shm")):
-                _unlink(os.path.join(SHM_DIR, other))
-                removed.append(other)
-    return removed
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-# --------------------------------------------------------------------------------------------
-# Exporter
-# --------------------------------------------------------------------------------------------
+# ---- Exporter: the owner's side -------------------------------------------------------------------
 
 @dataclass
 class _Export:
@@ -351,27 +180,29 @@ class _Export:
     acks: int = 0
     shm_path: str | None = None  # shm segment behind this export (CPU backend)
 
+    @property
+    def nbytes(self) -> int:  # a bucket owns its whole (aligned) buffer
+        return self.keep.untyped_storage().nbytes() if isinstance(self.handle, BucketHandle) else self.keep.nbytes
 
-_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()
+
+_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()  # guard path -> owner
 
 
 class Exporter:
     """Owns exported buffers: keeps each alive until its receivers acked and ``release()`` is called."""
 
     def __init__(self) -> None:
-        sweep_stale()  # files of exporters that crashed earlier
-        self.prefix = f"labsupport-ipc-{os.getpid()}-{secrets.token_hex(4)}"
-        self._guard = _GuardFile(self.prefix)
+        shm.sweep_stale()  # files of exporters that crashed earlier
+        self.prefix = f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._guard = shm.GuardFile(os.path.join(SHM_DIR, f"{self.prefix}.guard"))
         self._serials = itertools.count(1)
         self._segments = itertools.count(1)
         self._live: dict[int, _Export] = {}
         self._shm_storages: dict[int, str] = {}  # CPU storage data_ptr -> its /dev/shm file
-        self._shm_users: dict[str, int] = {}  # /dev/shm file -> live exports using it
         self._files = [self._guard.path]
         self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._files)
-        _EXPORTERS[self.prefix] = self
+        _EXPORTERS[self._guard.path] = self
 
-    # ---- exporting -------------------------------------------------------------------------
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
         """Share ``t`` itself (no copy on GPU). On CPU, ``t`` is first moved into shared memory in place.
 
@@ -380,15 +211,15 @@ class Exporter:
         """
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
+        if not self._guard.free:
+            raise IpcError(f"{shm.GUARD_SLOTS} exports are live in this Exporter; release some first")
         serial = next(self._serials)
-        slot = self._guard.take(serial)
-        guard = Guard(self._guard.path, slot, serial)
+        guard = Guard(self._guard.path, self._guard.take(serial), serial)
         if t.is_cuda:
             handle, shm_path = self._cuda_handle(t.detach(), guard), None
         else:
             handle = self._shm_handle(t, guard)  # may move t's storage into shared memory, in place
             shm_path = handle.payload[0]
-            self._shm_users[shm_path] = self._shm_users.get(shm_path, 0) + 1
         self._live[serial] = _Export(handle, t.detach(), receivers, shm_path=shm_path)
         return handle
 
@@ -435,7 +266,6 @@ class Exporter:
         if exp.keep.is_cuda:
             torch.cuda.current_stream(exp.keep.device).synchronize()
 
-    # ---- lifetimes -------------------------------------------------------------------------
     def ack(self, handle: IpcHandle | BucketHandle) -> int:
         """Record that one receiver has finished with ``handle`` (dropped its views); returns acks left."""
         exp = self._get(handle)
@@ -455,14 +285,12 @@ class Exporter:
             )
         self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
         del self._live[handle.guard.serial]
-        nbytes = exp.keep.untyped_storage().nbytes() if isinstance(handle, BucketHandle) else exp.keep.nbytes
-        if exp.shm_path:  # last export of a segment: remove its name (pages go with the last mapping)
-            self._shm_users[exp.shm_path] -= 1
-            if self._shm_users[exp.shm_path] == 0:
-                del self._shm_users[exp.shm_path]
-                self._shm_storages.pop(exp.keep.untyped_storage().data_ptr(), None)
-                _unlink(exp.shm_path)
-                self._files.remove(exp.shm_path)
+        nbytes = exp.nbytes
+        if exp.shm_path and all(e.shm_path != exp.shm_path for e in self._live.values()):
+            # the last export of its segment: remove the file's name (pages go with the last mapping)
+            self._shm_storages.pop(exp.keep.untyped_storage().data_ptr(), None)
+            shm.unlink(exp.shm_path)
+            self._files.remove(exp.shm_path)
         is_cuda = exp.keep.is_cuda
         exp.keep = None  # type: ignore[assignment]
         del exp
@@ -470,13 +298,10 @@ class Exporter:
             torch.cuda.ipc_collect()  # free blocks whose receivers have let go
         return nbytes
 
-    def release_all(self, force: bool = True) -> int:
-        """Release every live export (forced by default); returns bytes released."""
-        return sum(self.release(e.handle, force=force) for e in list(self._live.values()))
-
     def close(self) -> None:
-        """Release everything, mark every slot released, remove the shared files."""
-        self.release_all(force=True)
+        """Release everything (forced), mark every slot released, remove the shared files."""
+        for e in list(self._live.values()):
+            self.release(e.handle, force=True)
         self._finalizer()
 
     def __enter__(self) -> "Exporter":
@@ -486,16 +311,10 @@ class Exporter:
         self.close()
 
     @property
-    def live(self) -> list[IpcHandle | BucketHandle]:
-        return [e.handle for e in self._live.values()]
-
-    @property
     def live_bytes(self) -> int:
         """Bytes of exported buffers this exporter keeps alive."""
-        return sum(e.keep.untyped_storage().nbytes() if isinstance(e.handle, BucketHandle) else e.keep.nbytes
-                   for e in self._live.values())
+        return sum(e.nbytes for e in self._live.values())
 
-    # ---- internals -------------------------------------------------------------------------
     def _get(self, handle: IpcHandle | BucketHandle) -> _Export:
         exp = self._live.get(handle.guard.serial)
         if exp is None or handle.guard.path != self._guard.path:
@@ -511,17 +330,12 @@ class Exporter:
                          device_uuid(t.device.index), tuple(args), guard, os.getpid())
 
     def _new_segment(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        """A new /dev/shm file of ``nbytes`` and its MAP_SHARED mapping as a flat uint8 tensor."""
         path = os.path.join(SHM_DIR, f"{self.prefix}-{next(self._segments)}.shm")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
+        storage = shm.create_segment(path, nbytes)
         self._files.append(path)
-        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
         self._shm_storages[storage.data_ptr()] = path
-        return path, flat
+        return path, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
     def _shm_handle(self, t: torch.Tensor, guard: Guard) -> IpcHandle:
         storage = t.untyped_storage()
@@ -537,40 +351,13 @@ class Exporter:
                          payload, guard, os.getpid())
 
     @staticmethod
-    def _cleanup(guard: _GuardFile, files: list[str]) -> None:
+    def _cleanup(guard: shm.GuardFile, files: list[str]) -> None:
         guard.close()
         for path in files:
-            _unlink(path)
+            shm.unlink(path)
 
 
-@torch.no_grad()  # parameters (requires_grad=True) are packed as plain bytes
-def _pack(flat: torch.Tensor, entries: Sequence[BucketEntry], tensors: Sequence[torch.Tensor]) -> None:
-    for (_, view), t in zip(_views(flat, entries), tensors):
-        if view.numel():
-            view.copy_(t)
-
-
-def _views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
-    """Slice a flat uint8 buffer back into named tensors: one as_strided per entry (a few µs each)."""
-    typed: dict[str, tuple[torch.Tensor, int, int]] = {}
-    out = []
-    for e in entries:
-        got = typed.get(e.dtype)
-        if got is None:  # the whole buffer as this dtype (its size is a multiple of ALIGN)
-            t = flat.view(_dtype(e.dtype))
-            got = typed[e.dtype] = (t, t.storage_offset(), t.itemsize)
-        t, base, size = got
-        stride, acc = [], 1
-        for d in reversed(e.shape):
-            stride.append(acc)
-            acc *= d
-        out.append((e.name, t.as_strided(e.shape, stride[::-1], base + e.offset // size)))
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Receiving side
-# --------------------------------------------------------------------------------------------
+# ---- Receiving side -------------------------------------------------------------------------------
 
 def rebuild(handle: IpcHandle) -> torch.Tensor:
     """Map an exported tensor into this process (zero-copy), on the local index of the same GPU.
@@ -582,19 +369,14 @@ def rebuild(handle: IpcHandle) -> torch.Tensor:
         raise IpcError(f"rebuild expects an IpcHandle, found {type(handle).__name__}"
                        + ("; use rebuild_bucket() for a bucket" if isinstance(handle, BucketHandle) else ""))
     check_handle(handle)
-    if handle.kind == "cuda":
-        return _rebuild_cuda(handle)
-    if handle.kind == "shm":
-        return _rebuild_shm(handle)
-    raise IpcError(f"unknown handle kind {handle.kind!r}")
+    return _rebuild_cuda(handle) if handle.kind == "cuda" else _rebuild_shm(handle)
 
 
 def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
     if handle.pid == os.getpid():  # CUDA cannot open its own IPC handle: hand back the original
-        exp = _owner_export(handle)
-        if exp is not None:
-            t = exp.keep
-            return t
+        owner = _EXPORTERS.get(handle.guard.path)
+        if owner is not None and handle.serial in owner._live:
+            return owner._live[handle.serial].keep
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(handle.payload)
@@ -607,28 +389,17 @@ def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
                        f"{err}") from err
 
 
-def _owner_export(handle: IpcHandle) -> _Export | None:
-    for ex in list(_EXPORTERS.values()):
-        if ex._guard.path == handle.guard.path:
-            return ex._live.get(handle.guard.serial)
-    return None
-
-
 def _rebuild_shm(handle: IpcHandle) -> torch.Tensor:
     path, storage_nbytes, offset, stride = handle.payload
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise IpcError(f"shared-memory segment {path} of export #{handle.serial} is gone (released)") from None
-    if size < storage_nbytes:
-        raise IpcError(f"shared-memory segment {path} has {size} bytes, handle expects {storage_nbytes}")
+    if not os.path.exists(path):  # checked first: from_file would create a missing file
+        raise IpcError(f"shared-memory segment {path} of export #{handle.serial} is gone (released)")
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=storage_nbytes)
     try:
         check_handle(handle)  # released between the first check and the mapping?
     except IpcError:
-        _unlink(path)  # from_file may have re-created the file; it belongs to a dead export
+        shm.unlink(path)  # from_file may have re-created the file; it belongs to a dead export
         raise
-    return torch.empty(0, dtype=_dtype(handle.dtype)).set_(storage, offset, handle.shape, stride)
+    return torch.empty(0, dtype=getattr(torch, handle.dtype)).set_(storage, offset, handle.shape, stride)
 
 
 def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
@@ -636,17 +407,7 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(handle, BucketHandle):
         raise IpcError(f"rebuild_bucket expects a BucketHandle, found {type(handle).__name__}; "
                        "use rebuild() for a single tensor")
-    return _views(rebuild(handle.buffer), handle.entries)
-
-
-def _check_dest(handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> None:
-    for e in handle.entries:
-        d = dest.get(e.name)
-        if d is None:
-            raise IpcError(f"bucket tensor {e.name!r} has no destination; nothing was written")
-        if (_dtype_name(d.dtype), tuple(d.shape)) != (e.dtype, e.shape):
-            raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has "
-                           f"{_dtype_name(d.dtype)}{list(d.shape)}; nothing was written")
+    return bucket_views(rebuild(handle.buffer), handle.entries)
 
 
 class Receiver:
@@ -672,7 +433,13 @@ class Receiver:
 
         The copies are queued on the current stream; returns bytes copied.
         """
-        _check_dest(handle, dest)
+        for e in handle.entries:
+            d = dest.get(e.name)
+            if d is None:
+                raise IpcError(f"bucket tensor {e.name!r} has no destination; nothing was written")
+            if (_dtype_name(d.dtype), tuple(d.shape)) != (e.dtype, e.shape):
+                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has "
+                               f"{_dtype_name(d.dtype)}{list(d.shape)}; nothing was written")
         with torch.no_grad():
             for name, view in self.bucket(handle):
                 dest[name].copy_(view, non_blocking=True)
@@ -688,18 +455,7 @@ class Receiver:
             self._views.pop((handle.guard.path, handle.guard.serial), None)
 
 
-def copy_bucket_into(handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
-    """One-shot: rebuild a bucket, copy it into ``dest`` (checked first), wait, drop the views."""
-    receiver = Receiver()
-    try:
-        return receiver.copy_into(handle, dest)
-    finally:
-        receiver.drop()
-
-
-# --------------------------------------------------------------------------------------------
-# Module-level API (a default Exporter per process)
-# --------------------------------------------------------------------------------------------
+# ---- Module-level API: a default Exporter per process ---------------------------------------------
 
 _DEFAULT: Exporter | None = None
 
@@ -707,7 +463,7 @@ _DEFAULT: Exporter | None = None
 def default_exporter() -> Exporter:
     """The process-wide Exporter behind the module-level export functions."""
     global _DEFAULT
-    if _DEFAULT is None or _DEFAULT._finalizer.alive is False:
+    if _DEFAULT is None or not _DEFAULT._finalizer.alive:
         _DEFAULT = Exporter()
     return _DEFAULT
 
@@ -723,11 +479,11 @@ def export_bucket(named: Iterable[tuple[str, torch.Tensor]], receivers: int = 1)
 
 
 def _owner(handle: IpcHandle | BucketHandle) -> Exporter:
-    for ex in list(_EXPORTERS.values()):
-        if ex._guard.path == handle.guard.path:
-            return ex
-    raise IpcError(f"export #{handle.guard.serial} was not exported by this process (pid {os.getpid()}, "
-                   f"exporter pid {getattr(handle, 'pid', None) or handle.buffer.pid}); ack/release it there")
+    owner = _EXPORTERS.get(handle.guard.path)
+    if owner is None:
+        raise IpcError(f"export #{handle.guard.serial} was not exported by this process (pid {os.getpid()}, "
+                       f"exporter pid {getattr(handle, 'pid', None) or handle.buffer.pid}); ack/release it there")
+    return owner
 
 
 def ack(handle: IpcHandle | BucketHandle) -> int:
@@ -740,434 +496,72 @@ def release(handle: IpcHandle | BucketHandle, force: bool = False) -> int:
     return _owner(handle).release(handle, force=force)
 
 
-# --------------------------------------------------------------------------------------------
-# Memory numbers
-# --------------------------------------------------------------------------------------------
+# ---- Where am I: host identity, and the GPU's local index here (device remapping) -----------------
 
-def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
-    """Memory numbers that show sharing: CUDA allocator + device free bytes, or CPU RSS split.
-
-    On CPU, ``rss_anon`` is private memory and ``rss_shmem`` is mapped shared memory (from /proc).
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
-                "device_free": free, "device_total": total}
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, val = line.partition(":")
-            if key in ("RssAnon", "RssShmem", "VmRSS"):
-                out[{"RssAnon": "rss_anon", "RssShmem": "rss_shmem", "VmRSS": "rss"}[key]] = int(val.split()[0]) * 1024
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# A helper process to talk to (tests, lab, benchmark)
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class _PeerFailure:
-    kind: str
-    text: str
-
-
-def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args: tuple) -> None:
-    os.environ.update(env)  # before anything initialises CUDA (e.g. CUDA_VISIBLE_DEVICES)
+@functools.cache
+def host_id() -> str:
+    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""
     try:
-        fn(inbox, outbox, *args)
-    except BaseException as err:  # report to the parent instead of dying silently
-        outbox.put(_PeerFailure(type(err).__name__, "".join(traceback.format_exception(err))))
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"no-boot-id-{os.uname().nodename}"
 
 
-class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)``; talk to it with send()/recv().
-
-    ``fn`` must be importable (module level). ``env`` is applied in the child before CUDA starts.
-    recv() raises TimeoutError if nothing arrives in time and RuntimeError if the child died.
-    """
-
-    def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox, dict(env or {}), args),
-                                daemon=True)
-        self.proc.start()
-
-    def send(self, obj: Any) -> None:
-        self.inbox.put(obj)
-
-    def recv(self, timeout_s: float = 60.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                msg = self.outbox.get(timeout=0.2)
-                break
-            except queue_mod.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
-        if isinstance(msg, _PeerFailure):
-            cls = IpcError if msg.kind == "IpcError" else RuntimeError
-            raise cls(f"in peer process: {msg.text.strip().splitlines()[-1]}\n{msg.text}")
-        return msg
-
-    def call(self, msg: Any, timeout_s: float = 60.0) -> Any:
-        self.send(msg)
-        return self.recv(timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        if self.proc.is_alive():
-            self.inbox.put(None)
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        for q in (self.inbox, self.outbox):  # never block interpreter exit on undelivered messages
-            q.cancel_join_thread()
-            q.close()
-
-    def __enter__(self) -> "Peer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def visible_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, in local index order (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(i) for i in range(torch.cuda.device_count())]
 
 
-def _probe_peer(inbox: Any, outbox: Any) -> None:
-    """Peer loop: rebuild each handle received (once), report what this process sees, write when asked."""
-    views: dict[int, list[torch.Tensor]] = {}
-    while (msg := inbox.get()) is not None:
-        op, handle, *rest = msg
-        try:
-            if op == "drop":
-                views.pop(handle.serial, None)
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    torch.cuda.synchronize()
-                outbox.put({"dropped": True})
-                continue
-            device = _device_of(handle)
-            before = memory_probe(device)
-            ts = views.get(handle.serial)
-            if ts is None:
-                bucket = isinstance(handle, BucketHandle)
-                ts = [v for _, v in rebuild_bucket(handle)] if bucket else [rebuild(handle)]
-                views[handle.serial] = ts
-            if op == "fill":
-                for t in ts:
-                    t.fill_(rest[0])
-            total = sum(float(t.sum()) for t in ts)  # reads every byte (no private copy)
-            after = memory_probe(device)
-            outbox.put({"device": str(ts[0].device), "uuid": device_uuid(ts[0].device.index) if ts[0].is_cuda else None,
-                        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "sum": total,
-                        "head": ts[0].flatten()[:4].tolist(), "before": before, "after": after})
-            ts = t = None  # only `views` may keep the mapping alive (until "drop")
-        except IpcError as err:
-            outbox.put({"error": str(err)})
+@functools.cache  # an index once found stays right for the process; a miss is looked up again
+def local_index(uuid: str) -> int:
+    """Local CUDA index of the physical GPU ``uuid`` in this process; IpcError if it is not visible."""
+    seen = visible_uuids()
+    if uuid in seen:
+        return seen.index(uuid)
+    found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
+    raise IpcError(
+        f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: {found}; "
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
+        "works between processes on the same physical GPU: place the receiver on that GPU (Ray "
+        "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast)."
+    )
 
 
-def _device_of(handle: IpcHandle | BucketHandle) -> torch.device:
+def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
+    """The device a handle rebuilds on in this process (its GPU's local index, or the CPU)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
     return torch.device("cuda", local_index(h.device_uuid)) if h.kind == "cuda" and h.device_uuid else torch.device("cpu")
 
 
-def probe_in_peer(handle: IpcHandle | BucketHandle, *, fill: float | None = None,
-                  env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
-    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0").
+# ---- Liveness: is the export behind a handle still there? (the files are in labsupport.shm) --------
 
-    Returns what the child saw: device, GPU UUID, sum, first values, memory before/after rebuilding,
-    or ``{"error": ...}`` if rebuilding raised IpcError. With ``fill`` the child writes that value.
+def check_handle(handle: IpcHandle | BucketHandle) -> None:
+    """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
+
+    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe).
     """
-    with Peer(_probe_peer, env=env) as peer:
-        out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
-        peer.call(("drop", handle), timeout_s)
-        return out
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark: python -m labsupport bench ipc
-# --------------------------------------------------------------------------------------------
-
-# Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as the
-# target size needs; "cpu" is a small layout for the shared-memory stand-in.
-SHAPES = {"cuda": dict(hidden=2048, inter=11008, kv=256, vocab=151936),
-          "cpu": dict(hidden=256, inter=1024, kv=64, vocab=4096)}
-
-
-def model_state(target_bytes: int, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
-                preset: str | None = None) -> list[tuple[str, torch.Tensor]]:
-    """A realistic decoder-LM tensor list (embeddings, attention, MLP, norms, biases) of ~``target_bytes``."""
-    device = torch.device(device)
-    p = SHAPES[preset or device.type]
-    h, i, kv, v = p["hidden"], p["inter"], p["kv"], p["vocab"]
-    per_layer = {"self_attn.q_proj.weight": (h, h), "self_attn.q_proj.bias": (h,),
-                 "self_attn.k_proj.weight": (kv, h), "self_attn.k_proj.bias": (kv,),
-                 "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
-                 "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (i, h),
-                 "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
-                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    esize = torch.empty(0, dtype=dtype).element_size()
-    layer_bytes = sum(torch.Size(s).numel() for s in per_layer.values()) * esize
-    fixed = (2 * v * h + h) * esize
-    layers = max(1, -(-(target_bytes - fixed) // layer_bytes))
-    shapes = [("model.embed_tokens.weight", (v, h))]
-    shapes += [(f"model.layers.{n}.{k}", s) for n in range(layers) for k, s in per_layer.items()]
-    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
-    gen = torch.Generator(device=device).manual_seed(0)
-    return [(name, torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype)
-             if len(s) > 1 or device.type == "cpu" else torch.ones(s, device=device, dtype=dtype))
-            for name, s in shapes]
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def time_update_vs_copy(handles: Sequence[BucketHandle], dest: Mapping[str, torch.Tensor],
-                        receiver: Receiver | None = None, rounds: int = 3) -> dict[str, Any]:
-    """Time an IPC update of ``dest`` from ``handles`` against plain copies of the same bytes, here and now.
-
-    ``ipc_s``: Receiver.copy_into for every bucket (mappings cached); ``d2d_s``: the same per-tensor
-    copies from a local buffer with the bucket layout; ``flat_s``: one copy of the same total bytes.
-    """
-    receiver = receiver or Receiver()
-    device = next(iter(dest.values())).device
-    local = torch.empty(max(h.buffer.nbytes for h in handles), dtype=torch.uint8, device=device)
-    total = sum(h.nbytes for h in handles)
-    flat_src = torch.zeros(total, dtype=torch.uint8, device=device)
-    flat_dst = torch.empty(total, dtype=torch.uint8, device=device)
-
-    def ipc_update() -> None:
-        for h in handles:
-            receiver.copy_into(h, dest)
-
-    def local_copies() -> None:
-        with torch.no_grad():
-            for h in handles:
-                for name, view in _views(local, h.entries):
-                    dest[name].copy_(view, non_blocking=True)
-
-    out: dict[str, Any] = {"bytes": total, "ipc_s": [], "d2d_s": [], "flat_s": []}
-    ipc_update(), local_copies(), flat_dst.copy_(flat_src)  # warm up: map pages, first-touch memory
-    for _ in range(rounds):
-        out["ipc_s"].append(_timed(ipc_update, device))
-        out["d2d_s"].append(_timed(local_copies, device))
-        out["flat_s"].append(_timed(lambda: flat_dst.copy_(flat_src), device))
-    ipc_update()  # leave dest holding the exported values
-    _sync(device)
-    return out
-
-
-def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, str, tuple[int, ...]]], rounds: int) -> None:
-    """Engine side of the benchmark: owns a separate inference copy and updates it from IPC buckets."""
-    handles, probes = inbox.get()
-    device = _device_of(handles[0])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # copies are memory-bound; extra threads only fight on a busy CPU
-    weights = {n: torch.empty(s, dtype=_dtype(d), device=device) for n, d, s in metas}
-    # 1) first rebuild of fresh buckets of several sizes (opens each IPC mapping), then a cached one
-    probe_ms = []
-    for h in probes:
-        r0 = time.perf_counter()
-        views = rebuild_bucket(h)
-        r1 = time.perf_counter()
-        rebuild_bucket(h)
-        probe_ms.append((h.buffer.nbytes, (r1 - r0) * 1e3, (time.perf_counter() - r1) * 1e3))
-        del views
-    _sync(device)
-    outbox.put({"probe_ms": probe_ms})
-    # 2) first update: map every bucket (cold) and copy into the inference copy
-    receiver = Receiver()
-    mem0 = memory_probe(device)
-    cold_rebuild = []
-    _sync(device)
-    t0 = time.perf_counter()
-    for h in handles:
-        r0 = time.perf_counter()
-        receiver.bucket(h)
-        cold_rebuild.append(time.perf_counter() - r0)
-        receiver.copy_into(h, weights)
-    _sync(device)
-    cold_update = time.perf_counter() - t0
-    mem1 = memory_probe(device)
-    ok = all(torch.equal(weights[n], v) for h in handles for n, v in receiver.bucket(h))
-    warm_rebuild = []
-    for h in handles:
-        r0 = time.perf_counter()
-        receiver.bucket(h)
-        warm_rebuild.append(time.perf_counter() - r0)
-    outbox.put({"cold_update_s": cold_update, "cold_rebuild_s": cold_rebuild, "warm_rebuild_s": warm_rebuild,
-                "mem_before": mem0, "mem_after": mem1, "equal": ok})
-    # 3) steady state: the trainer repacks the same buckets; the engine (mapped already) copies,
-    # then does plain local copies of the same bytes for reference (same process, same run).
-    ipc_s, d2d_s, flat_s = [], [], []
-    for _ in range(rounds):
-        if inbox.get() != "go":
-            return
-        got = time_update_vs_copy(handles, weights, receiver, rounds=1)
-        ipc_s += got["ipc_s"]
-        d2d_s += got["d2d_s"]
-        flat_s += got["flat_s"]
-        ok = ok and all(torch.equal(weights[n], v) for h in handles for n, v in receiver.bucket(h))
-        outbox.put("done")
-    receiver.drop()  # views gone: now the trainer may release
-    outbox.put({"ipc_s": ipc_s, "d2d_s": d2d_s, "flat_s": flat_s, "equal": ok})
-    inbox.get()  # "released"
+    h = handle.buffer if isinstance(handle, BucketHandle) else handle
+    if h.host != host_id():
+        raise IpcError(
+            f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}...). "
+            "CUDA IPC and shared memory only work between processes on one host; across machines "
+            "send the weights with labsupport.broadcast (NCCL/gloo)."
+        )
     try:
-        rebuild_bucket(handles[0])
-        outbox.put({"after_release": "no error (BUG)"})
-    except IpcError as err:
-        outbox.put({"after_release": f"IpcError: {str(err)[:80]}..."})
-    inbox.get()
-
-
-def bench_main(argv: list[str] | None = None) -> int:
-    """Time bucket rebuilds and an IPC weight update against a plain device-to-device copy."""
-    ap = argparse.ArgumentParser(prog="python -m labsupport bench ipc", description=bench_main.__doc__)
-    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--gb", type=float, default=None, help="model state size (default 3 on GPU, 0.05 on CPU)")
-    ap.add_argument("--bucket-mb", type=int, default=None, help="bucket size (default 1024 on GPU, 16 on CPU)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--no-save", action="store_true", help="print only; write no JSON/PNG")
-    args = ap.parse_args(argv)
-    kind = args.device
-    if kind == "auto":
-        from labsupport import hardware
-
-        kind = "cuda" if hardware.gpu_count() > 0 else "cpu"
-    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
-    gb = args.gb if args.gb is not None else (3.0 if kind == "cuda" else 0.05)
-    bucket_mb = args.bucket_mb or (1024 if kind == "cuda" else 16)
-    if kind == "cpu":
-        torch.set_num_threads(1)
-        print("CPU stand-in: shared memory between two processes, small sizes; these are not GPU numbers.")
-
-    state = model_state(int(gb * 1e9), device)
-    total = sum(t.nbytes for _, t in state)
-    metas = [(n, _dtype_name(t.dtype), tuple(t.shape)) for n, t in state]
-    exporter = Exporter()
-    t0 = time.perf_counter()
-    handles = exporter.export_buckets(state, bucket_mb << 20)
-    _sync(device)
-    export_s = time.perf_counter() - t0
-    mem_exp = memory_probe(device)
-    probe_sizes = [s << 20 for s in ((16, 256, 1024) if kind == "cuda" else (1, 8, 32))]
-    probes = [exporter.export_bucket([("x", torch.empty(n, dtype=torch.uint8, device=device))]) for n in probe_sizes]
-    with Peer(_bench_engine, metas, args.rounds) as peer:
-        peer.send((handles, probes))
-        probe = peer.recv(180)
-        for h in probes:
-            exporter.release(h, force=True)  # the peer dropped its views of them
-        cold = peer.recv(180)
-        pack_s = []
-        groups = split_buckets(state, bucket_mb << 20)
-        for _ in range(args.rounds):
-            pack_s.append(_timed(lambda: [exporter.update_bucket(h, g) for h, g in zip(handles, groups)], device))
-            peer.call("go", 180)
-        steady = peer.recv(180)
-        for h in handles:
-            exporter.ack(h)
-        before_release = memory_probe(device)
-        freed = sum(exporter.release(h) for h in handles)
-        after_release = memory_probe(device)
-        peer.send("released")
-        after = peer.recv(60)
-        peer.send(None)
-    exporter.close()
-
-    med = statistics.median
-    gbps = lambda s: total / s / 1e9  # noqa: E731
-    rows = [
-        ("d2d copy, one flat buffer", med(steady["flat_s"])),
-        ("d2d copy, same tensor list", med(steady["d2d_s"])),
-        ("IPC update (cached handles)", med(steady["ipc_s"])),
-        ("IPC update (first, opens handles)", cold["cold_update_s"]),
-        ("trainer repack into buckets", med(pack_s)),
-    ]
-    ratio = med(steady["d2d_s"]) / med(steady["ipc_s"])
-    ratio_flat = med(steady["flat_s"]) / med(steady["ipc_s"])
-    rb_cold = [s * 1e3 for s in cold["cold_rebuild_s"]]
-    rb_warm = [s * 1e3 for s in cold["warm_rebuild_s"]]
-    grow = cold["mem_after"].get("allocated", 0) - cold["mem_before"].get("allocated", 0)
-    dev_grow = cold["mem_before"].get("device_free", 0) - cold["mem_after"].get("device_free", 0)
-    print(f"\nIPC weight update: {total / 1e9:.2f} GB bf16 in {len(handles)} bucket(s) of <= {bucket_mb} MiB, "
-          f"{len(state)} tensors, device {device} ({kind})")
-    print(f"{'what':38s} {'time ms':>10s} {'GB/s':>9s}")
-    for name, s in rows:
-        print(f"{name:38s} {s * 1e3:10.2f} {gbps(s):9.1f}")
-    print(f"rebuild one bucket handle: first {med(rb_cold):.3f} ms median (max {max(rb_cold):.3f}), "
-          f"cached {med(rb_warm):.3f} ms")
-    for nbytes, first, cached in probe["probe_ms"]:
-        print(f"  fresh {nbytes >> 20:5d} MiB bucket: first rebuild {first:.3f} ms, cached {cached:.3f} ms")
-    print(f"IPC update / d2d (same tensor list): {ratio:.0%}  (vs one flat copy: {ratio_flat:.0%})")
-    if kind == "cuda":
-        print(f"receiver allocator growth on rebuild: {grow} B; device free memory drop: {dev_grow / 2**20:.1f} MiB "
-              f"(model {total / 2**20:.0f} MiB)")
-        print(f"exporter memory_allocated: {before_release['allocated'] / 2**20:.0f} MiB before release, "
-              f"{after_release['allocated'] / 2**20:.0f} MiB after ({freed / 2**20:.0f} MiB of buckets freed)")
-    print(f"rebuild after release: {after['after_release']}")
-    print(f"bytes equal after update: {cold['equal'] and steady['equal']}")
-    bars = {"rebuild_le_1ms": med(rb_cold) <= 1.0, "ipc_ge_70pct_d2d": ratio >= 0.7}
-    print("bars:", ", ".join(f"{k}={'PASS' if v else 'FAIL'}" for k, v in bars.items()),
-          "(bars are for GPU runs)" if kind == "cpu" else "")
-
-    data = {
-        "backend": "cuda_ipc" if kind == "cuda" else "shared_memory",
-        "total_bytes": total, "n_tensors": len(state), "n_buckets": len(handles), "bucket_mb": bucket_mb,
-        "dtype": "bfloat16", "rounds": args.rounds,
-        "times_s": {name: s for name, s in rows}, "gbps": {name: gbps(s) for name, s in rows},
-        "ipc_over_d2d": ratio, "ipc_over_flat_d2d": ratio_flat,
-        "rebuild_ms_first": rb_cold, "rebuild_ms_cached": rb_warm,
-        "rebuild_by_size": [{"bytes": n, "first_ms": f, "cached_ms": c} for n, f, c in probe["probe_ms"]],
-        "export_s": export_s, "exporter_mem_after_export": mem_exp,
-        "receiver_mem_before": cold["mem_before"], "receiver_mem_after": cold["mem_after"],
-        "receiver_allocated_growth": grow, "device_free_drop": dev_grow,
-        "exporter_mem_before_release": before_release, "exporter_mem_after_release": after_release,
-        "released_bytes": freed, "after_release": after["after_release"],
-        "equal": bool(cold["equal"] and steady["equal"]), "bars": bars,
-    }
-    if not args.no_save:
-        from labsupport import results
-
-        fig = _bench_figure(rows, rb_cold, rb_warm, total, kind)
-        path = results.save_result("bench_ipc", data, figure=fig,
-                                   command="python -m labsupport bench ipc " + " ".join(argv or []))
-        print(f"wrote {path} (+ .png)")
-    return 0
-
-
-def _bench_figure(rows: list[tuple[str, float]], rb_cold: list[float], rb_warm: list[float], total: int,
-                  kind: str) -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [2, 1]})
-    names = [n for n, _ in rows]
-    a.barh(names, [total / s / 1e9 for _, s in rows], color=["#888", "#888", "#2a7", "#7c5", "#59c"])
-    a.invert_yaxis()
-    a.set_xlabel("GB/s (bytes of model state / time)")
-    a.set_title(f"IPC update vs d2d copy, {total / 1e9:.2f} GB ({'CUDA IPC' if kind == 'cuda' else 'shared memory'})")
-    b.bar(["first", "cached"], [statistics.median(rb_cold), statistics.median(rb_warm)], color=["#7c5", "#2a7"])
-    b.axhline(1.0, color="r", ls="--", lw=1, label="1 ms bar")
-    b.set_ylabel("ms per bucket")
-    b.set_title("rebuild one bucket handle")
-    b.legend()
-    fig.tight_layout()
-    return fig
-
-
-if __name__ == "__main__":
-    sys.exit(bench_main(sys.argv[1:]))
+        serial = shm.guard_serial(h.guard.path, h.guard.slot)
+    except FileNotFoundError:
+        raise IpcError(
+            f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
+            f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, with its "
+            "own /dev/shm). Ask the owner for a fresh handle."
+        ) from None
+    except ProcessLookupError:
+        raise IpcError(f"the exporter of this handle (pid {h.pid}) has exited; its memory is gone.") from None
+    if serial != h.guard.serial:
+        raise IpcError(
+            f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
+            "its memory may already hold other data. Rebuild from the handle of the current export."
+        )

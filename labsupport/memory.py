@@ -1,27 +1,26 @@
-"""Where the bytes go across RLHF phases: a memory timeline recorder, plots, and a real RLHF step.
+"""Where the bytes go across RLHF phases: a memory timeline recorder, its summaries and plots.
 
 ``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA
 caching allocator (allocated, reserved, peak) at phase edges and from a background thread, and the
 bytes held by each role (weights, gradients, optimizer, kv_cache, activations) counted from the
 tensors the lab registers. On CPU there is no allocator to ask, so only the role bytes are recorded.
-``rlhf_step`` runs one generate -> reward -> train step under three memory strategies;
-``python -m labsupport bench memory`` records all three and saves the timelines.
+``move_optimizer_state`` parks Adam's moments in host memory and brings them back (offloading).
+The RLHF step this records lives in ``labsupport.strategies``.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import gc
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from labsupport import hardware
 from labsupport.hardware import synchronize as _sync
 
 GB = 1e9
@@ -69,7 +68,6 @@ class MemoryTimeline:
     def __init__(self, device: str | torch.device | None = None, *, name: str = "", interval_s: float = 0.01,
                  roles_interval_s: float | None = None) -> None:
         if device is None:
-            from labsupport import hardware
             device = "cuda" if hardware.gpu_count() else "cpu"
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -407,75 +405,7 @@ def plot_timelines(timelines: dict[str, Any] | list[Any], *, unit: float = GB, f
     return fig
 
 
-# ---------------------------------------------------------------- one RLHF step, three strategies
-STRATEGIES = ("resident", "kv_freed", "offloaded")
-STRATEGY_TEXT = {"resident": "everything resident: KV pool, gradients and Adam state stay on the GPU",
-                 "kv_freed": "KV pool freed after generation, gradients freed after the optimizer step",
-                 "offloaded": "KV freed, and Adam state parked in pinned host memory outside training"}
-
-
-@dataclass
-class StepConfig:
-    """Model shape and rollout/training sizes of the demo RLHF step (fp32 weights and Adam)."""
-    layers: int = 2
-    hidden: int = 128
-    heads: int = 2
-    kv_heads: int = 2
-    intermediate: int = 256
-    batch: int = 8  # rollouts per step
-    prompt_len: int = 8
-    new_tokens: int = 8
-    kv_len: int = 256  # KV pool length per sequence, allocated up front like an inference engine's pool
-    micro_batch: int = 4
-    lr: float = 1e-4
-    seed: int = 0
-
-    def overrides(self) -> dict[str, int]:
-        return dict(num_hidden_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                    num_key_value_heads=self.kv_heads, intermediate_size=self.intermediate, head_dim=64,
-                    max_position_embeddings=max(self.kv_len, 256))
-
-
-CPU_CONFIG = StepConfig()
-# ~206M parameters (0.82 GB of fp32 weights); KV pool 64 x 1024 tokens = 8.6 GB, larger than the
-# gradients plus one micro-batch's activations, so each strategy has a different peak.
-GPU_CONFIG = StepConfig(layers=16, hidden=1024, heads=16, kv_heads=16, intermediate=2816, batch=64,
-                        prompt_len=32, new_tokens=64, kv_len=1024, micro_batch=16)
-
-
-@dataclass
-class RLHFState:
-    """The policy, its Adam optimizer and its KV pool, kept between steps."""
-    strategy: str
-    config: StepConfig
-    device: torch.device
-    model: Any
-    optimizer: torch.optim.Optimizer
-    kv: list[torch.Tensor] = field(default_factory=list)  # the KV pool's tensors (empty when freed)
-    cache: Any = None
-    steps: int = 0
-
-
-def make_state(strategy: str, config: StepConfig | None = None, device: str | torch.device = "cpu") -> RLHFState:
-    """Build the policy (a Qwen2 from labsupport.models, random init) and Adam on device."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: expected one of {STRATEGIES}")
-    from labsupport import models
-
-    cfg = config or CPU_CONFIG
-    model = models.build_model(seed=cfg.seed, **cfg.overrides()).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    return RLHFState(strategy, cfg, torch.device(device), model, opt)
-
-
-def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
-    """Tell the timeline which tensors are weights, gradients, optimizer state and KV cache."""
-    tl.register("weights", state.model, name="policy")
-    tl.register("gradients", state.model, name="policy.grad")
-    tl.register("optimizer", state.optimizer, name="adam")
-    tl.register("kv_cache", state.kv, name="kv pool")
-
-
+# ---------------------------------------------------------------- moving state off the GPU
 def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device, pin: bool = True) -> int:
     """Move Adam's moment tensors to device (to "cpu": into pinned host memory when CUDA is present).
     Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
@@ -492,205 +422,3 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device,
             moved += v.numel() * v.element_size()
     _sync(dev if dev.type == "cuda" else torch.device("cuda") if torch.cuda.is_available() else dev)
     return moved
-
-
-def _allocate_kv(state: RLHFState) -> None:
-    from transformers import StaticCache
-
-    c = state.config
-    cache = StaticCache(config=state.model.config, max_cache_len=c.kv_len)
-    dtype = next(state.model.parameters()).dtype
-    cache.early_initialization(batch_size=c.batch, num_heads=c.kv_heads, head_dim=64, dtype=dtype,
-                               device=state.device)
-    state.cache = cache
-    state.kv[:] = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-
-def _free_kv(state: RLHFState) -> None:
-    state.kv.clear()
-    state.cache = None
-    if state.device.type == "cuda":
-        torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
-
-
-def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, float]:
-    """One RLHF step, phase by phase: generate (KV pool), [free KV], reward, [reload Adam], train,
-    optimizer step, [offload Adam]. The bracketed phases depend on state.strategy."""
-    c, dev, model, opt = state.config, state.device, state.model, state.optimizer
-    phase = tl.phase if tl is not None else (lambda name: contextlib.nullcontext())
-    acts = tl.track_activations if tl is not None else contextlib.nullcontext
-    g = torch.Generator(device=dev).manual_seed(c.seed + state.steps)
-    t0 = time.perf_counter()
-
-    with phase("generate"), torch.no_grad():
-        model.eval()
-        if state.cache is None:
-            _allocate_kv(state)
-        else:
-            state.cache.reset()
-        prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev, generator=g)
-        seq, tok_in, pos = prompts, prompts, torch.arange(c.prompt_len, device=dev)
-        for i in range(c.new_tokens):
-            logits = model(tok_in, past_key_values=state.cache, cache_position=pos, use_cache=True).logits[:, -1]
-            tok_in = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
-            seq = torch.cat([seq, tok_in], 1)
-            pos = pos[-1:] + 1
-        _sync(dev)
-    if state.strategy != "resident":
-        with phase("free_kv"):
-            _free_kv(state)
-    with phase("reward"):
-        gen = seq[:, c.prompt_len:]
-        # a rule-based reward: how often a token is its predecessor + 1 (the course's "succession" pattern)
-        reward = (gen[:, 1:] == gen[:, :-1] + 1).float().mean(1)
-        adv = (reward - reward.mean()) / (reward.std() + 1e-6)
-    if state.strategy == "offloaded" and state.steps > 0:
-        with phase("reload_optimizer"):
-            move_optimizer_state(opt, dev)
-    total_loss = 0.0
-    with phase("train"):
-        model.train()
-        n_micro = max(1, c.batch // c.micro_batch)
-        for mb in range(n_micro):
-            sl = slice(mb * c.micro_batch, (mb + 1) * c.micro_batch)
-            with acts():
-                logits = model(seq[sl, :-1], use_cache=False).logits[:, c.prompt_len - 1:]
-                logp = torch.log_softmax(logits.float(), -1).gather(-1, gen[sl, :, None]).squeeze(-1)
-                loss = -(adv[sl, None] * logp).mean() / n_micro
-            loss.backward()
-            total_loss += loss.item()
-            del logits, logp, loss
-        _sync(dev)
-    with phase("optimizer_step"):
-        opt.step()
-        opt.zero_grad(set_to_none=state.strategy != "resident")
-        _sync(dev)
-    if state.strategy == "offloaded":
-        with phase("offload_optimizer"):
-            move_optimizer_state(opt, "cpu")
-    state.steps += 1
-    return {"reward_mean": reward.mean().item(), "loss": total_loss, "step_s": time.perf_counter() - t0}
-
-
-def release_state(state: RLHFState | None) -> None:
-    """Free a state's KV pool, model and optimizer, and return cached GPU memory to the driver."""
-    if state is not None:
-        _free_kv(state)
-        state.model, state.optimizer = None, None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def run_strategy(strategy: str, config: StepConfig | None = None, device: str | torch.device | None = None, *,
-                 interval_s: float = 0.01, roles_interval_s: float | None = None,
-                 snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
-    """Warm up one step (creates Adam state), then record one step of strategy on a fresh timeline.
-    With snapshot= (GPU only) the recorded step's allocator history is saved for memory_viz."""
-    if device is None:
-        from labsupport import hardware
-        device = "cuda" if hardware.gpu_count() else "cpu"
-    state = make_state(strategy, config, device)
-    try:
-        rlhf_step(state)  # warm-up: Adam state exists from here on, and lazy CUDA init is done
-        _sync(state.device)
-        gc.collect()
-        tl = MemoryTimeline(state.device, name=strategy, interval_s=interval_s, roles_interval_s=roles_interval_s)
-        register_roles(tl, state)
-        if snapshot:
-            tl.start_history()
-        with tl.sampling():
-            info = rlhf_step(state, tl)
-        info["params"] = sum(p.numel() for p in state.model.parameters())
-        if snapshot:
-            info["snapshot"] = str(tl.save_snapshot(snapshot))
-        tl.forget_sources()
-        return tl, info
-    finally:
-        release_state(state)
-
-
-def run_all(config: StepConfig | None = None, device: str | torch.device | None = None, *,
-            interval_s: float = 0.01) -> dict[str, MemoryTimeline]:
-    """The three strategies, one recorded step each, in STRATEGIES order."""
-    return {s: run_strategy(s, config, device, interval_s=interval_s)[0] for s in STRATEGIES}
-
-
-def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
-                     interval_s: float = 0.01, roles_interval_s: float | None = None) -> dict[str, float]:
-    """Step time with the background sampler vs without any timeline (alternating, medians)."""
-    import statistics
-
-    state = make_state("kv_freed", config, device)
-    try:
-        rlhf_step(state)
-        off, on, busy = [], [], []
-        for _ in range(repeats):
-            off.append(rlhf_step(state)["step_s"])
-            tl = MemoryTimeline(state.device, interval_s=interval_s, roles_interval_s=roles_interval_s)
-            register_roles(tl, state)
-            with tl.sampling():
-                on.append(rlhf_step(state, tl)["step_s"])
-            busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
-        m_off, m_on = statistics.median(off), statistics.median(on)
-        return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
-                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
-                "roles_interval_s": tl.roles_interval_s, "repeats": repeats,
-                "steps_without": off, "steps_with": on}
-    finally:
-        release_state(state)
-
-
-def bench_main(argv: list[str] | None = None) -> int:
-    """`python -m labsupport bench memory`: record the three strategies, print peaks, save JSON + PNG."""
-    from labsupport import hardware, results
-
-    p = argparse.ArgumentParser(prog="python -m labsupport bench memory", description=bench_main.__doc__)
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--interval", type=float, default=0.02, help="allocator sampling interval (s); roles every 1 s on GPU")
-    p.add_argument("--roles-interval", type=float, default=None,
-                   help="seconds between role counts in the background (default 1.0 on GPU, 0.02 on CPU)")
-    p.add_argument("--repeats", type=int, default=5, help="step pairs for the overhead measurement (0: skip)")
-    p.add_argument("--no-snapshot", action="store_true", help="do not write the memory_viz snapshot (GPU)")
-    p.add_argument("--no-save", action="store_true", help="print only; write no result files")
-    a = p.parse_args(argv)
-    device = ("cuda" if hardware.gpu_count() else "cpu") if a.device == "auto" else a.device
-    if device == "cuda":
-        hardware.require_gpus(1, "bench memory --device cuda")
-    cfg = GPU_CONFIG if device == "cuda" else CPU_CONFIG
-    unit = GB if device == "cuda" else 1e6
-    u = "GB" if unit == GB else "MB"
-    print(f"RLHF step memory on {device}: {cfg}")
-
-    snap = None
-    if device == "cuda" and not a.no_snapshot and not a.no_save:
-        snap = results.RESULTS_DIR / f"memory_timeline.{results.machine_tag()}.offloaded.snapshot.pickle"
-    tls, infos = {}, {}
-    for s in STRATEGIES:
-        tls[s], infos[s] = run_strategy(s, cfg, device, interval_s=a.interval, roles_interval_s=a.roles_interval,
-                                        snapshot=snap if s == "offloaded" else None)
-        print(f"\n== {s}: {STRATEGY_TEXT[s]}  (step {infos[s]['step_s']:.2f} s)")
-        print(format_peak_table(tls[s], unit))
-    over = (measure_overhead(cfg, device, repeats=a.repeats, interval_s=a.interval, roles_interval_s=a.roles_interval)
-            if a.repeats > 0 else None)
-
-    peaks = {s: peak_bytes(tl) for s, tl in tls.items()}
-    print(f"\npeak per strategy ({'allocator' if device == 'cuda' else 'registered tensors'}):")
-    for s in STRATEGIES:
-        print(f"  {s:10s} {peaks[s] / unit:8.3f} {u}")
-    if over:
-        print(f"sampler overhead: {100 * over['overhead']:+.2f}% of a step (median of {a.repeats}: "
-              f"{over['step_s_without']:.3f} s without a timeline, {over['step_s_with']:.3f} s with; "
-              + (f"allocator every {a.interval * 1e3:.0f} ms, " if device == "cuda" else "")
-              + f"roles every {over['roles_interval_s'] * 1e3:.0f} ms; "
-              f"sampler thread busy {100 * over['sampler_busy_fraction']:.2f}% of the step)")
-    if a.no_save:
-        return 0
-    fig = plot_timelines({f"{s} (peak {peaks[s] / unit:.2f} {u})": tls[s] for s in STRATEGIES}, unit=unit)
-    data = {"device": device, "config": asdict(cfg), "params": infos["resident"]["params"],
-            "strategies": {s: tls[s].to_dict() for s in STRATEGIES}, "peaks": peaks,
-            "steps": infos, "overhead": over, "snapshot": snap.name if snap else None,
-            "strategy_text": STRATEGY_TEXT}
-    path = results.save_result("memory_timeline", data, figure=fig)
-    print(f"wrote {path} and {path.with_suffix('.png')}" + (f" and {snap}" if snap else ""))
-    return 0

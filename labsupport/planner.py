@@ -2,12 +2,11 @@
 per-GPU totals of co-located / hybrid / disaggregated layouts, and weight-transfer times.
 
 Units: bytes in, bytes out; tables print GB with GB = 1e9 bytes (the ZeRO paper's unit).
-`python -m labsupport plan {zero,kv,act,layout,transfer,models,links} ...` prints the tables.
+`python -m labsupport plan {zero,kv,act,layout,transfer} ...` prints the tables.
 """
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -16,13 +15,10 @@ DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8"
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name such as "bf16" (also accepts torch-style "bfloat16")."""
-    aliases = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-               "float8": "fp8", "float8_e4m3fn": "fp8"}
-    key = aliases.get(dtype.lower().removeprefix("torch."), dtype.lower())
-    if key not in DTYPE_BYTES:
+    """Bytes per element of a dtype name such as "bf16"."""
+    if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[key]
+    return DTYPE_BYTES[dtype]
 
 
 # ---------------------------------------------------------------- bytes per parameter / ZeRO
@@ -38,21 +34,17 @@ class BytesPerParam:
         return self.weights + self.grads + self.optimizer
 
 
-def bytes_per_param(weights: str = "bf16", grads: str | None = None, optimizer: str = "adam",
-                    master: str | None = "fp32") -> BytesPerParam:
-    """Training-state bytes per parameter. Defaults are mixed-precision Adam: 2 + 2 + 12 = 16
-    (ZeRO, Rajbhandari et al. 2020, sec. 3.1). optimizer: "adam" (2 fp32 moments), "sgd" (none),
-    "frozen" (no grads, no optimizer: a reference or reward model)."""
+def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> BytesPerParam:
+    """Training-state bytes per parameter. The default is mixed-precision Adam: 2 + 2 + 12 = 16
+    (ZeRO, Rajbhandari et al. 2020, sec. 3.1). optimizer="frozen": no grads, no optimizer (a reference
+    or reward model)."""
     w = dtype_bytes(weights)
     if optimizer == "frozen":
         return BytesPerParam(w, 0, 0)
-    g = dtype_bytes(grads or weights)
-    moments = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
-    if optimizer not in moments:
-        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {sorted(moments)} or 'frozen'")
-    # a separate fp32 master copy exists only when the weights themselves are not fp32
-    m = dtype_bytes(master) if master and dtype_bytes(master) > w else 0
-    return BytesPerParam(w, g, m + 4 * moments[optimizer])
+    if optimizer != "adam":
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected 'adam' or 'frozen'")
+    master = 4 if w < 4 else 0  # a separate fp32 master copy exists only when the weights are not fp32
+    return BytesPerParam(w, w, master + 4 * 2)  # + Adam's two fp32 moments
 
 
 @dataclass(frozen=True)
@@ -69,24 +61,24 @@ class ZeroMemory:
         return self.weights + self.grads + self.optimizer
 
 
-def zero_memory(params: float, n_gpus: int, stage: int, bpp: BytesPerParam | None = None) -> ZeroMemory:
+def zero_memory(params: float, n_gpus: int, stage: int) -> ZeroMemory:
     """Per-GPU model-state bytes for ZeRO stage 0 (plain data parallel), 1 (shard optimizer state,
-    P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p) over n_gpus data-parallel GPUs."""
+    P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p) over n_gpus data-parallel GPUs, with
+    mixed-precision Adam (bytes_per_param())."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, found {stage}")
     if n_gpus < 1:
         raise ValueError(f"n_gpus must be >= 1, found {n_gpus}")
-    b = bpp or bytes_per_param()
-    n = n_gpus
+    b, n = bytes_per_param(), n_gpus
     return ZeroMemory(stage, n,
                       weights=params * b.weights / (n if stage >= 3 else 1),
                       grads=params * b.grads / (n if stage >= 2 else 1),
                       optimizer=params * b.optimizer / (n if stage >= 1 else 1))
 
 
-def zero_table(params: float, n_gpus: int, bpp: BytesPerParam | None = None) -> list[ZeroMemory]:
+def zero_table(params: float, n_gpus: int) -> list[ZeroMemory]:
     """All four ZeRO stages for one model size and GPU count (the rows of the paper's Figure 1)."""
-    return [zero_memory(params, n_gpus, s, bpp) for s in range(4)]
+    return [zero_memory(params, n_gpus, s) for s in range(4)]
 
 
 # ---------------------------------------------------------------- model presets
@@ -322,17 +314,18 @@ LINKS: dict[str, Link] = {l.name: l for l in [
 
 
 def get_link(name: str) -> Link:
+    """A link preset by name (see LINKS); raises a ValueError listing the presets otherwise."""
     if name not in LINKS:
         raise ValueError(f"unknown link {name!r}: expected one of {list(LINKS)}")
     return LINKS[name]
 
 
-def transfer_seconds(n_bytes: float, link: Link | str | float, n_links: int = 1, latency_s: float = 0.0) -> float:
+def transfer_seconds(n_bytes: float, link: Link | str | float, n_links: int = 1) -> float:
     """Lower-bound time to move n_bytes over n_links parallel links (link = preset, name or GB/s)."""
     bw = link if isinstance(link, (int, float)) else (get_link(link) if isinstance(link, str) else link).gb_per_s
     if bw <= 0 or n_links < 1:
         raise ValueError(f"bandwidth and n_links must be positive, found {bw} GB/s x {n_links}")
-    return latency_s + n_bytes / (bw * GB * n_links)
+    return n_bytes / (bw * GB * n_links)
 
 
 def required_gb_per_s(n_bytes: float, seconds: float) -> float:
@@ -380,38 +373,16 @@ def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
     return out + "\n" + format_table(rows, ["group", "GPUs", "phase", "component", "GB/GPU"])
 
 
-def _params_arg(a: argparse.Namespace) -> float:
-    if a.params is not None:
-        return a.params
-    return get_model(a.model).params
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m labsupport plan ...`: print planner tables."""
     p = argparse.ArgumentParser(prog="python -m labsupport plan",
                                 description="Memory and transfer-time arithmetic for RLHF designs (GB = 1e9 bytes).")
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", default="70b", help=f"preset: {', '.join(MODELS)}")
-        sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. 7.5e9")
-
     z = sub.add_parser("zero", help="ZeRO stages 0-3 per GPU")
-    model_args(z)
     z.add_argument("--gpus", type=int, default=64)
     k = sub.add_parser("kv", help="KV cache size")
-    k.add_argument("--model", default="70b")
-    k.add_argument("--seq", type=int, default=4096)
-    k.add_argument("--batch", type=int, default=1)
-    k.add_argument("--dtype", default="bf16")
-    k.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads are split tp ways)")
     ac = sub.add_parser("act", help="activation estimate (Korthikanti et al. 2022)")
-    ac.add_argument("--model", default="70b")
-    ac.add_argument("--seq", type=int, default=4096)
-    ac.add_argument("--batch", type=int, default=1)
-    ac.add_argument("--tp", type=int, default=1)
     lay = sub.add_parser("layout", help="per-GPU bytes of actor/critic/reference/reward")
-    model_args(lay)
     lay.add_argument("--layout", choices=LAYOUTS, default="colocated")
     lay.add_argument("--gpus", type=int, default=8, help="GPUs (colocated, hybrid)")
     lay.add_argument("--train", type=int, default=16, help="training GPUs (disaggregated)")
@@ -420,42 +391,40 @@ def main(argv: list[str] | None = None) -> int:
     lay.add_argument("--no-critic", action="store_true", help="GRPO-style: no critic model")
     lay.add_argument("--kv-gb", type=float, default=20.0, help="KV cache pool per rollout GPU (GB)")
     lay.add_argument("--act-gb", type=float, default=5.0, help="training activations per GPU (GB)")
-    lay.add_argument("--rollout-tp", type=int, default=8)
     lay.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (H100: 80, H200: 141)")
     t = sub.add_parser("transfer", help="weight-transfer time over link presets")
-    model_args(t)
     t.add_argument("--gb", type=float, help="bytes to move in GB (default: the model in bf16)")
     t.add_argument("--seconds", type=float, help="also print the bandwidth needed to finish in this time")
     t.add_argument("--links", type=int, default=1, help="parallel links (e.g. NICs)")
-    sub.add_parser("models", help="list model presets")
-    sub.add_parser("links", help="list link presets")
+    for sp in (z, k, ac, lay, t):
+        sp.add_argument("--model", default="70b", help=f"preset: {', '.join(MODELS)}")
+    for sp in (z, lay, t):
+        sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. 7.5e9")
+    for sp in (k, ac):
+        sp.add_argument("--seq", type=int, default=4096)
+        sp.add_argument("--batch", type=int, default=1)
     a = p.parse_args(argv)
+    m = get_model(a.model)
+    params = a.params if getattr(a, "params", None) is not None else m.params
 
     if a.cmd == "zero":
-        print(zero_report(_params_arg(a), a.gpus))
+        print(zero_report(params, a.gpus))
     elif a.cmd == "kv":
-        m = get_model(a.model)
-        if m.kv_heads % a.tp:
-            print(f"note: {m.kv_heads} KV heads do not split evenly over tp={a.tp}; heads are replicated")
-        heads = max(1, math.ceil(m.kv_heads / a.tp))
-        per_tok = kv_cache_bytes(m.layers, heads, m.hd, 1, 1, a.dtype)
-        total = kv_cache_bytes(m.layers, heads, m.hd, a.seq, a.batch, a.dtype)
-        print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, {a.dtype}), "
-              f"per GPU at tp={a.tp}")
-        print(format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, _gb(total)]],
+        per_tok = model_kv_bytes(m, 1, 1)
+        print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, bf16)")
+        print(format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, _gb(model_kv_bytes(m, a.seq, a.batch))]],
                            ["per token", "seq", "batch", "total GB"]))
     elif a.cmd == "act":
-        m = get_model(a.model)
-        rows = [[r, _gb(model_activation_bytes(m, a.seq, a.batch, r, a.tp))] for r in ("none", "selective", "full")]
-        print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch}, tp {a.tp} (Korthikanti et al. 2022)")
+        rows = [[r, _gb(model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
+        print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch} (Korthikanti et al. 2022)")
         print(format_table(rows, ["recompute", "GB/GPU"]))
     elif a.cmd == "layout":
-        w = Workload(_params_arg(a), critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * GB,
-                     act_bytes_per_gpu=a.act_gb * GB, rollout_tp=a.rollout_tp)
+        w = Workload(params, critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * GB,
+                     act_bytes_per_gpu=a.act_gb * GB)
         plan = plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
         print(layout_report(plan, a.gpu_gb * GB))
     elif a.cmd == "transfer":
-        n = a.gb * GB if a.gb is not None else _params_arg(a) * 2
+        n = a.gb * GB if a.gb is not None else params * 2
         rows = [[l.name, f"{l.gb_per_s:g}", f"{transfer_seconds(n, l, a.links):.2f}",
                  "yes" if l.measured_here else "", l.source] for l in LINKS.values()]
         print(f"moving {_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
@@ -464,13 +433,6 @@ def main(argv: list[str] | None = None) -> int:
             need = required_gb_per_s(n, a.seconds) / a.links
             ok = [l.name for l in LINKS.values() if l.gb_per_s >= need]
             print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: {', '.join(ok) or 'none'}")
-    elif a.cmd == "models":
-        rows = [[m.name, f"{m.params / 1e9:.2f}", m.layers, m.hidden, m.heads, m.kv_heads, m.hd, m.source]
-                for m in MODELS.values()]
-        print(format_table(rows, ["preset", "params (B)", "layers", "hidden", "heads", "kv heads", "head dim", "source"]))
-    elif a.cmd == "links":
-        rows = [[l.name, f"{l.gb_per_s:g}", "yes" if l.measured_here else "", l.source] for l in LINKS.values()]
-        print(format_table(rows, ["link", "GB/s", "measured here", "source"]))
     return 0
 
 

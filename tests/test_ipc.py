@@ -1,6 +1,6 @@
 """labsupport.ipc: zero-copy handoff semantics, over shared memory (CPU) and CUDA IPC (gpu-marked).
 
-Every cross-process test talks to a real spawned process through ipc.Peer; nothing is mocked.
+Every cross-process test talks to a real spawned process through labsupport.peer.Peer; nothing is mocked.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
-from labsupport import ipc
-from labsupport.ipc import IpcError, Peer
+from labsupport import ipc, shm
+from labsupport.bench import ipc as ipc_bench
+from labsupport.ipc import IpcError
+from labsupport.peer import Peer, _probe_peer, probe_in_peer
 
 
 def _gpus() -> int:
@@ -91,7 +93,7 @@ def exporter():
     ex = ipc.Exporter()
     yield ex
     ex.close()
-    assert not [f for f in os.listdir(ipc.SHM_DIR) if f.startswith(ex.prefix)], "exporter left files behind"
+    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(ex.prefix)], "exporter left files behind"
 
 
 @pytest.mark.timeout(120)
@@ -99,7 +101,7 @@ def test_zero_copy_both_ways_across_processes(exporter):
     owner = torch.nn.Parameter(torch.arange(1024, dtype=torch.float32))
     handle = exporter.export_tensor(owner)
     assert isinstance(owner, torch.nn.Parameter) and owner.requires_grad  # still the model's parameter
-    with Peer(ipc._probe_peer) as peer:
+    with Peer(_probe_peer) as peer:
         first = peer.call(("read", handle))
         assert first["sum"] == float(torch.arange(1024).sum())
         with torch.no_grad():
@@ -144,7 +146,7 @@ def test_use_after_release_raises_ipc_error_and_frees(exporter):
     handle = exporter.export_bucket([("w", torch.ones(4096))])
     seg = handle.buffer.payload[0]
     assert os.path.exists(seg) and exporter.live_bytes >= 4096 * 4
-    assert ipc.probe_in_peer(handle)["sum"] == 4096.0  # live: another process maps it fine
+    assert probe_in_peer(handle)["sum"] == 4096.0  # live: another process maps it fine
     with pytest.raises(IpcError, match="acked"):
         exporter.release(handle)  # the receiver has not acked yet
     assert exporter.ack(handle) == 0
@@ -155,7 +157,7 @@ def test_use_after_release_raises_ipc_error_and_frees(exporter):
     assert not os.path.exists(seg)  # the shared segment's name is gone; pages go with the last mapping
     with pytest.raises(IpcError, match="released"):
         ipc.rebuild_bucket(handle)
-    assert "released" in ipc.probe_in_peer(handle)["error"]  # same in another process
+    assert "released" in probe_in_peer(handle)["error"]  # same in another process
     with pytest.raises(IpcError, match="not live"):
         exporter.release(handle)
 
@@ -165,7 +167,7 @@ def test_receiver_maps_instead_of_copying_cpu():
     n = 16 << 20  # 16 Mi float32 = 64 MiB
     with ipc.Exporter() as ex:
         handle = ex.export_bucket([("w", torch.ones(n))])
-        seen = ipc.probe_in_peer(handle)
+        seen = probe_in_peer(handle)
     assert seen["sum"] == n
     grew_private = seen["after"]["rss_anon"] - seen["before"]["rss_anon"]
     grew_shared = seen["after"]["rss_shmem"] - seen["before"]["rss_shmem"]
@@ -219,7 +221,7 @@ def test_bad_inputs_give_ipc_errors(exporter):
 def test_unknown_gpu_uuid_in_another_process_is_an_error(exporter):
     h = exporter.export_tensor(torch.zeros(4))
     fake = dataclasses.replace(h, kind="cuda", device_uuid="GPU-00000000-dead-beef-0000-000000000000")
-    out = ipc.probe_in_peer(fake)
+    out = probe_in_peer(fake)
     assert "cannot see" in out["error"] and "00000000-dead-beef" in out["error"]
 
 
@@ -228,14 +230,14 @@ def test_crashed_exporter_is_detected_not_a_crash():
     with Peer(_child_exporter) as peer:
         handle = peer.recv()
         assert ipc.rebuild(handle).sum() == 48.0  # alive: maps fine
-        assert ipc.sweep_stale(min_age_s=0, only=handle.guard.path) == []  # alive: never swept
+        assert shm.sweep_stale(min_age_s=0, only=handle.guard.path) == []  # alive: never swept
         peer.proc.kill()
         peer.proc.join(10)
     try:
         with pytest.raises(IpcError, match="exited"):
             ipc.rebuild(handle)
     finally:  # a killed exporter cannot clean up; its lock is free, so sweep_stale may remove its files
-        removed = ipc.sweep_stale(min_age_s=0, only=handle.guard.path)
+        removed = shm.sweep_stale(min_age_s=0, only=handle.guard.path)
     assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard.path, handle.payload[0]))
     with pytest.raises(IpcError, match="closed or exited"):
         ipc.rebuild(handle)
@@ -268,7 +270,7 @@ def test_module_level_api_uses_a_default_exporter():
 
 
 def test_model_state_is_realistic_and_sized():
-    state = ipc.model_state(20_000_000, "cpu")
+    state = ipc_bench.model_state(20_000_000, "cpu")
     total = sum(t.nbytes for _, t in state)
     assert 20e6 <= total < 26e6
     names = [n for n, _ in state]
@@ -287,7 +289,7 @@ def test_cuda_zero_copy_both_ways():
         owner = torch.full((1 << 20,), 2.0, device="cuda:0")  # sums stay exact in float32
         handle = ex.export_tensor(owner)
         assert handle.kind == "cuda" and handle.device_uuid == ipc.device_uuid(0)
-        with Peer(ipc._probe_peer) as peer:
+        with Peer(_probe_peer) as peer:
             first = peer.call(("read", handle))
             assert first["uuid"] == ipc.device_uuid(0)
             assert first["sum"] == 2.0 * (1 << 20)
@@ -314,7 +316,7 @@ def test_cuda_bucket_exact_and_receiver_memory_does_not_grow():
             torch.cuda.synchronize()
             assert bool((dict(ipc.rebuild_bucket(handle))["layer.bias"] == 3).all())
             peer.send("bye")
-        seen = ipc.probe_in_peer(handle)
+        seen = probe_in_peer(handle)
         assert seen["after"]["allocated"] == seen["before"]["allocated"]  # no allocation in the receiver
         drop = seen["before"]["device_free"] - seen["after"]["device_free"]
         assert drop < size // 8, f"device free memory dropped {drop >> 20} MiB while mapping a 1 GiB bucket"
@@ -330,13 +332,13 @@ def test_cuda_release_frees_memory_and_kills_the_handle():
         handle = ex.export_bucket([("w", torch.zeros(256 << 20, dtype=torch.uint8, device="cuda:0"))])
         a1 = torch.cuda.memory_allocated(0)
         assert a1 - a0 >= 256 << 20  # the packed bucket
-        assert ipc.probe_in_peer(handle)["sum"] == 0.0  # receiver maps, reads, drops its views
+        assert probe_in_peer(handle)["sum"] == 0.0  # receiver maps, reads, drops its views
         ex.ack(handle)
         freed = ex.release(handle)
         torch.cuda.synchronize()
         a2 = torch.cuda.memory_allocated(0)
         assert freed >= 256 << 20 and a2 <= a0, f"allocated {a0} -> {a1} -> {a2} bytes"
-        out = ipc.probe_in_peer(handle)
+        out = probe_in_peer(handle)
         assert "released" in out["error"]
 
 
@@ -349,24 +351,24 @@ def test_cuda_remap_reordered_visible_devices():
         t = torch.arange(4096, dtype=torch.float32, device="cuda:1") * 3
         handle = ex.export_tensor(t, receivers=2)
         assert handle.device_uuid == ipc.device_uuid(1)
-        swapped = ipc.probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": f"{ids[1]},{ids[0]}"}, fill=5.0)
+        swapped = probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": f"{ids[1]},{ids[0]}"}, fill=5.0)
         assert swapped["visible"] == f"{ids[1]},{ids[0]}"
         assert swapped["device"] == "cuda:0"  # physical GPU 1 is local index 0 over there
         assert swapped["uuid"] == ipc.device_uuid(1)
         torch.cuda.synchronize()
         assert bool((t == 5).all())  # and it wrote our memory, not a copy
-        hidden = ipc.probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": ids[0]})
+        hidden = probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": ids[0]})
         assert "cannot see" in hidden["error"]
         ex.ack(handle)
         ex.ack(handle)
 
 
 def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):
-    state = ipc.model_state(2_000_000, "cpu")
+    state = ipc_bench.model_state(2_000_000, "cpu")
     handles = exporter.export_buckets(state, 512 << 10)
     assert len(handles) > 1 and sum(len(h.entries) for h in handles) == len(state)
     dest = {n: torch.zeros_like(t) for n, t in state}
-    out = ipc.time_update_vs_copy(handles, dest, rounds=2)
+    out = ipc_bench.time_update_vs_copy(handles, dest, rounds=2)
     assert out["bytes"] == sum(t.nbytes for _, t in state)
     assert all(len(out[k]) == 2 and min(out[k]) > 0 for k in ("ipc_s", "d2d_s", "flat_s"))
     assert all(torch.equal(dest[n], t) for n, t in state)
@@ -375,7 +377,7 @@ def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):
 @pytest.mark.timeout(180)
 def test_bench_runs_end_to_end_on_the_stand_in(capsys):
     """The benchmark's two-process protocol (the GPU run uses the same code) at a tiny size."""
-    assert ipc.bench_main(["--device", "cpu", "--gb", "0.01", "--bucket-mb", "4", "--rounds", "1", "--no-save"]) == 0
+    assert ipc_bench.main(["--device", "cpu", "--gb", "0.01", "--bucket-mb", "4", "--rounds", "1", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "bytes equal after update: True" in out
     assert "rebuild after release: IpcError" in out

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from labsupport import hardware, memory as M, planner
+from labsupport import hardware, memory as M, planner, strategies as S
+from labsupport.bench import memory as memory_bench
 
 
 def nbytes(ts):
@@ -160,10 +161,10 @@ def test_memory_history_needs_gpu_on_cpu():
 
 
 def test_rlhf_step_roles_match_planner_and_strategies_order():
-    cfg = M.CPU_CONFIG
+    cfg = S.CPU_CONFIG
     tls = {}
     for s in ("resident", "kv_freed"):
-        tls[s], info = M.run_strategy(s, cfg, "cpu")
+        tls[s], info = S.run_strategy(s, cfg, "cpu")
         assert info["params"] > 0
     d = tls["kv_freed"].to_dict()
     assert [p["name"] for p in d["phases"]] == ["generate", "free_kv", "reward", "train", "optimizer_step"]
@@ -172,7 +173,7 @@ def test_rlhf_step_roles_match_planner_and_strategies_order():
     assert end_of["generate"]["roles"]["kv_cache"] == kv
     assert end_of["free_kv"]["roles"]["kv_cache"] == 0
     n = info["params"]
-    model = M.make_state("kv_freed", cfg).model
+    model = S.make_state("kv_freed", cfg).model
     n_tensors = len(list(model.parameters()))
     buffers = sum({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}.values())
     assert end_of["generate"]["roles"]["weights"] == 4 * n + buffers  # fp32 parameters + rotary buffers
@@ -208,12 +209,12 @@ def test_bench_cpu_writes_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
     from labsupport import results
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
-    assert M.bench_main(["--device", "cpu", "--repeats", "1"]) == 0
+    assert memory_bench.main(["--device", "cpu", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "sampler overhead" in out and "resident" in out
     rec = json.loads((tmp_path / "memory_timeline.cpu.json").read_text())
     data = rec["data"]
-    assert set(data["strategies"]) == set(M.STRATEGIES)
+    assert set(data["strategies"]) == set(S.STRATEGIES)
     assert data["peaks"]["resident"] > data["peaks"]["kv_freed"]
     assert (tmp_path / "memory_timeline.cpu.png").exists()
 
@@ -249,5 +250,5 @@ def test_gpu_allocator_tracks_known_allocation_and_snapshot(tmp_path):
 @pytest.mark.gpu(1)
 @pytest.mark.skipif(not hardware.has_gpus(1), reason="needs 1 CUDA GPU")
 def test_gpu_strategies_peaks_order():
-    peaks = {s: M.peak_bytes(M.run_strategy(s, M.GPU_CONFIG, "cuda")[0]) for s in M.STRATEGIES}
+    peaks = {s: M.peak_bytes(S.run_strategy(s, S.GPU_CONFIG, "cuda")[0]) for s in S.STRATEGIES}
     assert peaks["offloaded"] < peaks["kv_freed"] < peaks["resident"]

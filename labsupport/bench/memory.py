@@ -1,0 +1,95 @@
+"""``python -m labsupport bench memory``: one RLHF step under each memory strategy, and the sampler's cost.
+
+Records ``labsupport.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
+measures what the background sampler costs a step (``measure_overhead``, which Lab 2 also calls) and
+writes ``results/memory_timeline.<machine>.json`` with its plot (Chapter 2 and Lab 2 read them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict
+
+import torch
+
+from labsupport import hardware, results
+from labsupport.memory import GB, MemoryTimeline, format_peak_table, peak_bytes, plot_timelines
+from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, StepConfig, make_state,
+                                   register_roles, release_state, rlhf_step, run_strategy)
+
+
+def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
+                     interval_s: float = 0.01, roles_interval_s: float | None = None) -> dict[str, float]:
+    """Step time with the background sampler vs without any timeline (alternating, medians)."""
+    state = make_state("kv_freed", config, device)
+    try:
+        rlhf_step(state)
+        off, on, busy = [], [], []
+        for _ in range(repeats):
+            off.append(rlhf_step(state)["step_s"])
+            tl = MemoryTimeline(state.device, interval_s=interval_s, roles_interval_s=roles_interval_s)
+            register_roles(tl, state)
+            with tl.sampling():
+                on.append(rlhf_step(state, tl)["step_s"])
+            busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
+        m_off, m_on = statistics.median(off), statistics.median(on)
+        return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
+                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
+                "roles_interval_s": tl.roles_interval_s, "repeats": repeats,
+                "steps_without": off, "steps_with": on}
+    finally:
+        release_state(state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m labsupport bench memory`: record the three strategies, print peaks, save JSON + PNG."""
+    p = argparse.ArgumentParser(prog="python -m labsupport bench memory", description=main.__doc__)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--interval", type=float, default=0.02, help="allocator sampling interval (s); roles every 1 s on GPU")
+    p.add_argument("--roles-interval", type=float, default=None,
+                   help="seconds between role counts in the background (default 1.0 on GPU, 0.02 on CPU)")
+    p.add_argument("--repeats", type=int, default=5, help="step pairs for the overhead measurement (0: skip)")
+    p.add_argument("--no-snapshot", action="store_true", help="do not write the memory_viz snapshot (GPU)")
+    p.add_argument("--no-save", action="store_true", help="print only; write no result files")
+    a = p.parse_args(argv)
+    device = ("cuda" if hardware.gpu_count() else "cpu") if a.device == "auto" else a.device
+    if device == "cuda":
+        hardware.require_gpus(1, "bench memory --device cuda")
+    cfg = GPU_CONFIG if device == "cuda" else CPU_CONFIG
+    unit = GB if device == "cuda" else 1e6
+    u = "GB" if unit == GB else "MB"
+    print(f"RLHF step memory on {device}: {cfg}")
+
+    snap = None
+    if device == "cuda" and not a.no_snapshot and not a.no_save:
+        snap = results.RESULTS_DIR / f"memory_timeline.{results.machine_tag()}.offloaded.snapshot.pickle"
+    tls, infos = {}, {}
+    for s in STRATEGIES:
+        tls[s], infos[s] = run_strategy(s, cfg, device, interval_s=a.interval, roles_interval_s=a.roles_interval,
+                                        snapshot=snap if s == "offloaded" else None)
+        print(f"\n== {s}: {STRATEGY_TEXT[s]}  (step {infos[s]['step_s']:.2f} s)")
+        print(format_peak_table(tls[s], unit))
+    over = (measure_overhead(cfg, device, repeats=a.repeats, interval_s=a.interval, roles_interval_s=a.roles_interval)
+            if a.repeats > 0 else None)
+
+    peaks = {s: peak_bytes(tl) for s, tl in tls.items()}
+    print(f"\npeak per strategy ({'allocator' if device == 'cuda' else 'registered tensors'}):")
+    for s in STRATEGIES:
+        print(f"  {s:10s} {peaks[s] / unit:8.3f} {u}")
+    if over:
+        print(f"sampler overhead: {100 * over['overhead']:+.2f}% of a step (median of {a.repeats}: "
+              f"{over['step_s_without']:.3f} s without a timeline, {over['step_s_with']:.3f} s with; "
+              + (f"allocator every {a.interval * 1e3:.0f} ms, " if device == "cuda" else "")
+              + f"roles every {over['roles_interval_s'] * 1e3:.0f} ms; "
+              f"sampler thread busy {100 * over['sampler_busy_fraction']:.2f}% of the step)")
+    if a.no_save:
+        return 0
+    fig = plot_timelines({f"{s} (peak {peaks[s] / unit:.2f} {u})": tls[s] for s in STRATEGIES}, unit=unit)
+    data = {"device": device, "config": asdict(cfg), "params": infos["resident"]["params"],
+            "strategies": {s: tls[s].to_dict() for s in STRATEGIES}, "peaks": peaks,
+            "steps": infos, "overhead": over, "snapshot": snap.name if snap else None,
+            "strategy_text": STRATEGY_TEXT}
+    path = results.save_result("memory_timeline", data, figure=fig)
+    print(f"wrote {path} and {path.with_suffix('.png')}" + (f" and {snap}" if snap else ""))
+    return 0

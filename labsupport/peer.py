@@ -1,0 +1,158 @@
+"""A second process to talk to, and what it sees of shared memory.
+
+``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with it;
+it never hangs (timeouts) and reports the child's exceptions. ``probe_in_peer`` rebuilds an
+``labsupport.ipc`` handle in a fresh process and reports what that process sees (device, values, and
+``memory_probe``'s numbers before and after): Lab 5 and the tests use it to show that nothing is copied.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from labsupport.hardware import gpu_uuid, synchronize
+
+
+def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
+    """Memory numbers that show sharing: CUDA allocator + device free bytes, or CPU RSS split.
+
+    On CPU, ``rss_anon`` is private memory and ``rss_shmem`` is mapped shared memory (from /proc).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+                "device_free": free, "device_total": total}
+    keys = {"RssAnon": "rss_anon", "RssShmem": "rss_shmem", "VmRSS": "rss"}
+    with open("/proc/self/status") as f:
+        fields = [line.partition(":") for line in f]
+    return {keys[k]: int(v.split()[0]) * 1024 for k, _, v in fields if k in keys}
+
+
+@dataclass
+class _PeerFailure:
+    kind: str
+    text: str
+
+
+def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args: tuple) -> None:
+    os.environ.update(env)  # before anything initialises CUDA (e.g. CUDA_VISIBLE_DEVICES)
+    try:
+        fn(inbox, outbox, *args)
+    except BaseException as err:  # report to the parent instead of dying silently
+        outbox.put(_PeerFailure(type(err).__name__, "".join(traceback.format_exception(err))))
+
+
+class Peer:
+    """A spawned process running ``fn(inbox, outbox, *args)``; talk to it with send()/recv().
+
+    ``fn`` must be importable (module level). ``env`` is applied in the child before CUDA starts.
+    recv() raises TimeoutError if nothing arrives in time and RuntimeError if the child died.
+    """
+
+    def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox, dict(env or {}), args),
+                                daemon=True)
+        self.proc.start()
+
+    def send(self, obj: Any) -> None:
+        self.inbox.put(obj)
+
+    def recv(self, timeout_s: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self.outbox.get(timeout=0.2)
+                break
+            except queue_mod.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
+        if isinstance(msg, _PeerFailure):
+            from labsupport.ipc import IpcError  # the one error callers catch across the process boundary
+
+            cls = IpcError if msg.kind == "IpcError" else RuntimeError
+            raise cls(f"in peer process: {msg.text.strip().splitlines()[-1]}\n{msg.text}")
+        return msg
+
+    def call(self, msg: Any, timeout_s: float = 60.0) -> Any:
+        self.send(msg)
+        return self.recv(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self.proc.is_alive():
+            self.inbox.put(None)
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        for q in (self.inbox, self.outbox):  # never block interpreter exit on undelivered messages
+            q.cancel_join_thread()
+            q.close()
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _probe_peer(inbox: Any, outbox: Any) -> None:
+    """Peer loop: rebuild each handle received (once), report what this process sees, write when asked."""
+    from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_bucket  # ipc imports this module
+
+    views: dict[int, list[torch.Tensor]] = {}
+    while (msg := inbox.get()) is not None:
+        op, handle, *rest = msg
+        try:
+            if op == "drop":
+                dropped = views.pop(handle.serial, None)
+                if dropped:
+                    synchronize(dropped[0].device)  # writes through the views have landed
+                outbox.put({"dropped": True})
+                continue
+            device = device_of(handle)
+            before = memory_probe(device)
+            ts = views.get(handle.serial)
+            if ts is None:
+                bucket = isinstance(handle, BucketHandle)
+                ts = [v for _, v in rebuild_bucket(handle)] if bucket else [rebuild(handle)]
+                views[handle.serial] = ts
+            if op == "fill":
+                for t in ts:
+                    t.fill_(rest[0])
+            total = sum(float(t.sum()) for t in ts)  # reads every byte (no private copy)
+            after = memory_probe(device)
+            outbox.put({"device": str(ts[0].device), "uuid": gpu_uuid(ts[0].device.index) if ts[0].is_cuda else None,
+                        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "sum": total,
+                        "head": ts[0].flatten()[:4].tolist(), "before": before, "after": after})
+            ts = t = None  # only `views` may keep the mapping alive (until "drop")
+        except IpcError as err:
+            outbox.put({"error": str(err)})
+
+
+def probe_in_peer(handle: Any, *, fill: float | None = None,
+                  env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
+    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0").
+
+    Returns what the child saw: device, GPU UUID, sum, first values, memory before/after rebuilding,
+    or ``{"error": ...}`` if rebuilding raised IpcError. With ``fill`` the child writes that value.
+    """
+    with Peer(_probe_peer, env=env) as peer:
+        out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
+        peer.call(("drop", handle), timeout_s)
+        return out

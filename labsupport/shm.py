@@ -1,0 +1,132 @@
+"""Files in ``/dev/shm`` that processes on one host share: the operating-system plumbing of ``labsupport.ipc``.
+
+An exporter makes two kinds of file, both named ``labsupport-ipc-<pid>-<random>...``:
+
+* *segments* (``...-<n>.shm``): tensor bytes that every process maps with ``MAP_SHARED``; the CPU
+  stand-in for GPU memory shared over CUDA IPC;
+* one *guard* (``....guard``): an int64 serial per export slot (0 = released), plus an exclusive advisory
+  lock that the exporter holds and the kernel drops when it dies. Reading a slot and probing the lock
+  tells a receiver, in microseconds, whether an export is still live.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import threading
+import time
+
+import torch
+
+GUARD_SLOTS = 4096  # live exports per exporter (8 bytes each in the guard file)
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+PREFIX = "labsupport-ipc-"
+
+
+def create_segment(path: str, nbytes: int) -> torch.UntypedStorage:
+    """Create the file ``path`` of ``nbytes`` (it must not exist) and map it shared into this process."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+
+
+class GuardFile:
+    """Exporter side: creates the guard file, holds its lock, writes serials (0 = released)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(self.fd, 8 * GUARD_SLOTS)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # dropped by the kernel when this process dies
+        self.mm = mmap.mmap(self.fd, 8 * GUARD_SLOTS)
+        self.free = list(range(GUARD_SLOTS - 1, -1, -1))
+
+    def take(self, serial: int) -> int:
+        """Write ``serial`` into a free slot and return the slot."""
+        slot = self.free.pop()
+        struct.pack_into("q", self.mm, 8 * slot, serial)
+        return slot
+
+    def clear(self, slot: int) -> None:
+        struct.pack_into("q", self.mm, 8 * slot, 0)
+        self.free.append(slot)
+
+    def close(self) -> None:
+        """Mark every slot released (for receivers with a cached mapping) and remove the file. Call once."""
+        self.mm[:] = bytes(len(self.mm))
+        self.mm.close()
+        unlink(self.path)
+        os.close(self.fd)
+
+
+_GUARDS: dict[str, tuple[int, mmap.mmap]] = {}  # receiver side: guard path -> (fd, read-only mapping)
+_GUARDS_LOCK = threading.Lock()
+
+
+def guard_serial(path: str, slot: int) -> int:
+    """The serial in ``slot`` of the guard ``path`` (0: released), read through a cached mapping.
+
+    Raises FileNotFoundError if the guard is gone (its exporter closed, or another /dev/shm), and
+    ProcessLookupError if its exporter died (its lock is free).
+    """
+    with _GUARDS_LOCK:
+        if path not in _GUARDS:
+            fd = os.open(path, os.O_RDONLY)
+            _GUARDS[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
+        fd, mm = _GUARDS[path]
+    try:  # the exporter holds an exclusive flock; if we can take a shared one, it is dead
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return struct.unpack_from("q", mm, 8 * slot)[0]
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    with _GUARDS_LOCK:
+        _GUARDS.pop(path, (None, None))[1].close()
+        os.close(fd)
+    raise ProcessLookupError(f"the exporter of guard {path} has exited")
+
+
+def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
+    """Remove shared files left by exporters that died without cleaning up (their lock is free).
+
+    Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after creating
+    it); ``only`` restricts the sweep to one guard path. Returns the file names removed.
+    """
+    removed = []
+    now = time.time()
+    for name in os.listdir(SHM_DIR):
+        path = os.path.join(SHM_DIR, name)
+        if not (name.startswith(PREFIX) and name.endswith(".guard")):
+            continue
+        if only is not None and path != only:
+            continue
+        try:
+            if now - os.stat(path).st_mtime < min_age_s:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its exporter is alive
+        finally:
+            os.close(fd)
+        prefix = name.removesuffix(".guard")
+        for other in os.listdir(SHM_DIR):
+            if other == name or (other.startswith(prefix + "-") and other.endswith(".shm")):
+                unlink(os.path.join(SHM_DIR, other))
+                removed.append(other)
+    return removed
+
+
+def unlink(path: str) -> None:
+    """Remove ``path`` if it is still there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
