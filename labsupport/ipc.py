@@ -44,7 +44,6 @@ import torch
 from labsupport import shm
 from labsupport.broadcast import ALIGN, _dtype_name, _round_up  # one bucket layout for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
-from labsupport.peer import Peer  # noqa: F401  (rl.py uses ipc.Peer; new code imports labsupport.peer)
 from labsupport.shm import SHM_DIR
 
 

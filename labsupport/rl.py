@@ -629,7 +629,7 @@ class EngineProcess(_EngineClient):
 
     def __init__(self, model_dir: str | os.PathLike, device: str, timeline: Timeline, seed: int = 0,
                  threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
-        from labsupport import ipc
+        from labsupport.peer import Peer
 
         self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
         env = {}
@@ -640,7 +640,7 @@ class EngineProcess(_EngineClient):
                 index = torch.device(device).index or 0
                 env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
                 device = "cuda:0"
-        self.peer = ipc.Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
+        self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
         self.peer.recv(timeout_s if engine == "transformers" else max(timeout_s, 600))  # "ready" (vLLM: start-up)
 
     def send(self, *ops: dict[str, Any]) -> None:

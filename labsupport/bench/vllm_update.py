@@ -163,7 +163,6 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
     llm.collective_rpc("destroy_weight_update_group")
     group.destroy()
     llm.llm_engine.engine_core.shutdown()
-    del llm
     return out, nbytes / raw_s / 1e9, version
 
 
@@ -221,7 +220,6 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     row = timed(via_extension, llm)
     sleep["level2"]["reloaded_ok"] = row["tokens"] == want
     llm.llm_engine.engine_core.shutdown()
-    del llm
     return modes, sleep, version
 
 
