@@ -128,6 +128,20 @@ def timed(fn: Any, llm: Any) -> dict[str, Any]:
     return {"seconds": t2 - t0, "update_s": t1 - t0, "generate_s": t2 - t1, "tokens": toks}
 
 
+def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int) -> tuple[dict[str, Any], int]:
+    """Time each update mode on a new version of the weights and check the engine's greedy tokens."""
+    out = {}
+    for name, fn in modes.items():
+        for _ in range(2):  # the second round is the one reported (the first warms up buffers and kernels)
+            version += 1
+            want = new_version(model, version)
+            row = timed(fn, llm)
+        row["ok"] = row.pop("tokens") == want
+        out[name] = row
+        print(f"  {name:<12} {row['seconds'] * 1e3:8.1f} ms  output equals trainer's: {row['ok']}", flush=True)
+    return out, version
+
+
 def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict[str, Any], float, int]:
     """Modes over NCCL to an engine on GPUs 1..tp; returns the modes, raw GB/s and the next version."""
     from vllm.config import WeightTransferConfig
@@ -150,15 +164,7 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
         "bucketed": lambda: vllm_ext.push_weights(group, named, call, mode="bucketed", bucket_bytes=1 << 30),
         "native_nccl": native.send_weights,
     }
-    out = {}
-    for name, fn in modes.items():
-        for _ in range(2):  # the second round is the one reported (the first warms up buffers and kernels)
-            version += 1
-            want = new_version(model, version)
-            row = timed(fn, llm)
-        row["ok"] = row.pop("tokens") == want
-        out[name] = row
-        print(f"  {name:<12} {row['seconds'] * 1e3:8.1f} ms  output equals trainer's: {row['ok']}", flush=True)
+    out, version = run_modes(modes, model, llm, version)
     native.shutdown()
     llm.collective_rpc("destroy_weight_update_group")
     group.destroy()
@@ -194,15 +200,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
         IPCWeightTransferEngine.trainer_send_weights(iter(named), {"send_mode": send, "packed": False})
         vllm_ext.finish_update(llm)
 
-    modes = {}
-    for name, fn in (("ipc_extension", via_extension), ("native_ipc", via_native)):
-        for _ in range(2):
-            version += 1
-            want = new_version(model, version)
-            row = timed(fn, llm)
-        row["ok"] = row.pop("tokens") == want
-        modes[name] = row
-        print(f"  {name:<12} {row['seconds'] * 1e3:8.1f} ms  output equals trainer's: {row['ok']}", flush=True)
+    modes, version = run_modes({"ipc_extension": via_extension, "native_ipc": via_native}, model, llm, version)
     sleep = {}
     for level in (1, 2):
         torch.cuda.synchronize()
