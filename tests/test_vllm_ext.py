@@ -173,8 +173,10 @@ def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
     assert llm.collective_rpc("check_weights_changed") == [True] * TP
     assert llm.collective_rpc("check_weights_changed") == [False] * TP  # nothing new since the last check
 
-    # A fused layer (qkv_proj) is loaded only once all of its q/k/v tensors have arrived.
-    qkv = [(n, p) for n, p in hf["random"].named_parameters() if "layers.0.self_attn." in n and "o_proj" not in n]
+    # A fused layer (qkv_proj) is loaded only once all of its q/k/v tensors have arrived. (Halved values: on GPU
+    # the "random" model shares these tensors with the trained one, so they would not count as a change.)
+    qkv = [(n, p.detach() / 2) for n, p in hf["trained"].named_parameters()
+           if "layers.0.self_attn." in n and "o_proj" not in n]
     q = [(n, p) for n, p in qkv if "q_proj" in n]
     vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="per_tensor", dtype=DTYPE)
     assert llm.collective_rpc("pending_weight_names") == [sorted(n for n, _ in q)] * TP

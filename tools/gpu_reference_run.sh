@@ -50,6 +50,10 @@ for step in $STEPS; do
     vllm_labs46) run vllm_labs46 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_04_disaggregated_vllm.md labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_labs_vllm46.xml" ;;
     vllm_lab7) run vllm_lab7 280 python3 -m pytest -v -p no:cacheprovider --timeout=270 labs/lab_07_capstone.md --junitxml="$OUT/logs/gpu_labs_vllm7.xml" ;;
     vllm_bench) run vllm_bench 330 python3 -m labsupport bench vllm-update ;;
+    # one GPU: the co-located half of the bench, the GPU-capable vLLM test of the capstone, its co-located loop
+    vllm_bench1) run vllm_bench1 540 python3 -m labsupport bench vllm-update ;;
+    vllm_rl1) run vllm_rl1_test 270 python3 -m pytest tests/test_rl.py -k "vllm_engine_logprobs" -v -rA --tb=short -p no:cacheprovider --timeout=260 --junitxml="$OUT/logs/gpu_tests_vllm_rl1.xml"
+              run vllm_rl1 300 python3 -m labsupport rl --arch colocated --engine vllm ;;
     *) echo "unknown step $step" ;;
   esac
 done
