@@ -41,6 +41,7 @@ SMALL = 1 << 20  # bucketed mode packs tensors under 1 MiB (norms, biases): one 
 RAMP = (16, 4)  # bucketed mode: the first two grouped buckets are 1/16 and 1/4 of a bucket (see plan_buckets)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+Batch = list[tuple[str, torch.Tensor]]
 
 
 class WeightSyncError(Exception):
@@ -48,8 +49,7 @@ class WeightSyncError(Exception):
 
 
 class SyncTimeout(WeightSyncError, TimeoutError):
-    """A peer died or stopped answering during a sync (timeout, aborted NCCL communicator, store gone);
-    raised instead of hanging, with the rank(s) that vanished in the message. The group is then unusable."""
+    """A peer died or stopped answering during a sync; the message names it. The group is then unusable."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+def _items(named_tensors: NamedTensors) -> Batch:
     return list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
 
 
@@ -116,10 +116,10 @@ def expected_from(named_tensors: NamedTensors) -> dict[str, TensorMeta]:
     return {m.name: m for m in metadata_of(named_tensors)}
 
 
-def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
     """A ``load`` callback that copies each received tensor into ``targets[name]`` (in place, no grad)."""
 
-    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+    def load(batch: Batch) -> None:
         with torch.no_grad():  # one multi-tensor copy for the whole bucket, not one kernel launch per tensor
             torch._foreach_copy_([targets[name] for name, _ in batch], [t for _, t in batch])
 
@@ -130,9 +130,9 @@ def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, 
 
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",
          bucket_bytes: int = 256 << 20, version: int = 0, verify: bool = True) -> SyncStats:
-    """Broadcast named tensors from this rank (``src``) to every other rank of ``group``, in ``mode``
-    (module docstring). Returns once every receiver has loaded the update (and, with ``verify``, matched
-    its checksums).
+    """Broadcast named tensors from this rank (``src``) to every other rank of ``group``, in ``mode``.
+
+    Returns once every receiver has loaded the update (and, with ``verify``, matched its checksums).
     Raises ``WeightSyncError`` if any receiver rejects the metadata (no receiver loads anything then),
     reports a checksum mismatch or a failing ``load``; ``SyncTimeout`` if a peer stops answering.
     """
@@ -151,12 +151,7 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
         if changed:
             _guard(group, lambda: group.broadcast_object([(m.name, m.dtype, m.shape) for m in metas], src),
                    "the handshake")
-        rejected = _vote(group, [], "metadata")
-        if rejected is not None:
-            group.cache.pop("send_sig", None)
-            raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
-                                                  "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
-                                                  "(or the receiver's expected metadata) and send again."))
+        _vote(group, [], version)
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
@@ -179,7 +174,7 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
                         group.wait_work(pending[i], "bucket broadcast")
                     payload = bufs[i][: b.nbytes]  # pack: one multi-tensor copy kernel for the whole bucket
                     torch._foreach_copy_([v for _, v in views[k]], [tensors[j] for j, _, _ in b.items])
-                    pending[i] = group.broadcast(payload, src, async_op=True)
+                    pending[i] = group.broadcast_many([payload], src)
                     n_launch += 1
                     if sums is not None:  # reads the bucket beside the broadcast (both only read it)
                         sums[k] = _checksum(payload)
@@ -205,10 +200,10 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
                      handshake_s=t_hand, verified=verify)
 
 
-def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], tuple[int, int], bool]:
+def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMeta], tuple[int, int], bool]:
     """``(metas, key, changed)``: the metadata and its hash (``key``), recomputed only when names, dtypes or
     shapes changed since the last send; the receivers get the full list only when ``changed``."""
-    sig = [(n, t.dtype, t.shape) for n, t in items]  # (a tensor on another device: NCCL itself refuses it)
+    sig = [(n, t.dtype, t.shape) for n, t in items]
     last = group.cache.get("send_sig")
     if last is not None and last[0] == sig:
         return last[1], last[2], False
@@ -227,7 +222,7 @@ def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]
 # ---------------------------------------------------------------------------- receiver side
 
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, TensorMeta] | None,
-            load: Callable[[list[tuple[str, torch.Tensor]]], None], device: str | torch.device | None = None,
+            load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
     """Receive one update from ``src``: validate its metadata, then land every tensor.
 
@@ -257,10 +252,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
     metas = group.cache["recv_meta"]
     if flags & NEW_LAYOUT or n_stale:
         group.cache.pop("accepted", None)
-        rejected = _vote(group, _validate(metas, expected), "metadata")
-        if rejected is not None:
-            raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
-                                                  "Nothing was loaded on any receiver."))
+        _vote(group, _validate(metas, expected), version)
         group.cache["accepted"] = (key, expected, len(expected or ()))
     t_hand = time.perf_counter() - t0
 
@@ -279,15 +271,12 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
         nonlocal n_launch
         b, i = plan.buckets[k], k % 2
         with _on(streams[i]):
-            homes = []
+            dst, staged, homes = [], [], []
             if b.packed:  # lands in a staging buffer; tensors with a home in `into` are copied there after
                 dst = [bufs[i][: b.nbytes]]
                 homes = [(land[j], v) for (j, _, _), (_, v) in zip(b.items, views[k]) if land[j] is not None]
                 staged = [(name, v) for (j, _, _), (name, v) in zip(b.items, views[k]) if land[j] is None]
-                work = group.broadcast(dst[0], src, async_op=True)
-                n_launch += 1
             else:
-                dst, staged = [], []
                 for n, (j, _, _) in enumerate(b.items):
                     t = land[j]
                     if t is None:
@@ -295,8 +284,8 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
                         t = views[k][n][1] if len(b.items) > 1 else torch.empty(m.shape, dtype=m.torch_dtype, device=dev)
                         staged.append((m.name, t))
                     dst.append(t)
-                work = group.broadcast_many(dst, src)
-                n_launch += 1 if group.backend == "nccl" else len(dst)
+            work = group.broadcast_many(dst, src)
+            n_launch += 1 if group.backend == "nccl" else len(dst)
             slots[i] = (work, dst, staged, homes)
 
     def transfer() -> None:
@@ -333,8 +322,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
 def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor] | None,
              dev: torch.device) -> tuple[list[torch.Tensor | None], bool]:
     """Per tensor of the plan, the receiver's own tensor it can land in (contiguous, same dtype, shape and
-    device) or None; and whether staging buffers are needed. Cached per (plan, ``into`` object), so build
-    ``into`` once."""
+    device) or None; and whether staging buffers are needed. Cached per (plan, ``into`` object)."""
     hit = group.cache.get("landing")
     if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into or ()):
         return hit[3], hit[4]
@@ -386,15 +374,19 @@ def _validate(metas: list[TensorMeta], expected: Mapping[str, TensorMeta] | None
     return problems
 
 
-def _vote(group: StatelessGroup, my_problems: list[str], what: str) -> list[list[str]] | None:
-    """All ranks agree on failure: returns every rank's problem list if any rank objects, else None."""
+def _vote(group: StatelessGroup, my_problems: list[str], version: int) -> None:
+    """The metadata vote: if any rank objects, every rank raises ``WeightSyncError`` with every rank's problems."""
     # torch.full is a device-side fill: unlike torch.tensor(..., device="cuda") it never waits for the
     # stream, which may be stuck behind a broadcast to a dead peer (we must reach our timed wait below).
     flag = torch.full((1,), 1 if my_problems else 0, dtype=torch.int32, device=group.device)
-    _all_reduce_now(group, flag, "max", f"the {what} vote")
+    _all_reduce_now(group, flag, "max", "the metadata vote")
     if int(flag.item()) == 0:
-        return None
-    return _guard(group, lambda: group.all_gather_object(list(my_problems)), f"the {what} vote")
+        return
+    everyone = _guard(group, lambda: group.all_gather_object(list(my_problems)), "the metadata vote")
+    group.cache.pop("send_sig", None)  # (the sender announces the layout again next time)
+    raise WeightSyncError(_reject_message(version, everyone, "rejected before any weight changed",
+                                          "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
+                                          "(or the receiver's expected metadata) and send again."))
 
 
 def _finish(group: StatelessGroup, version: int, problems: list[str], sums: torch.Tensor | None,
@@ -511,7 +503,7 @@ class _Plan:
     staging: int  # bytes of the largest multi-tensor bucket (the size of each of the two staging buffers)
     views: Any = None  # (buffers, per bucket: [(name, view into its buffer)]) made once per buffer pair
 
-    def views_in(self, bufs: list[torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+    def views_in(self, bufs: list[torch.Tensor]) -> list[Batch]:
         """Per multi-tensor bucket, each tensor's typed view into the bucket's buffer (cached: views cost
         Python time); [] for single-tensor buckets."""
         if self.views is None or self.views[0] is not bufs:
