@@ -37,9 +37,9 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
                  timeout_s: float = 60.0) -> StatelessGroup:
     """Join (rank 0: host) a stateless group of ``world_size`` ranks; every rank must call this.
 
-    ``backend`` defaults to "nccl" when ``device`` is CUDA, else "gloo". Raises ``GroupError`` for a port in
-    use, a duplicate rank or ranks that disagree on ``world_size``, and ``GroupTimeout`` naming the ranks that
-    never arrived. Does not touch torch.distributed's default group.
+    ``backend`` defaults to "nccl" on a CUDA ``device``, else "gloo" (CPU, the default device). Raises
+    ``GroupError`` for a port in use, a duplicate rank or ranks that disagree on ``world_size``, and
+    ``GroupTimeout`` naming the ranks that never arrived.
     """
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
@@ -126,12 +126,9 @@ class StatelessGroup:
 
     # ------------------------------------------------------------------ tensor collectives (backend)
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None, async_op: bool = False) -> Any:
-        """Broadcast ``tensor`` in place from group rank ``src``.
-
-        On NCCL the op is ordered after work already queued on ``stream`` (default: the current stream), and
-        waiting only makes that stream wait for it (no host block); on gloo waiting blocks until done (or the
-        group's timeout). With ``async_op=True`` the caller gets the Work and must ``wait_work`` it.
-        """
+        """Broadcast ``tensor`` in place from group rank ``src``. On NCCL it is ordered after the work queued on
+        ``stream`` (default: the current stream), which waits for it; on gloo the host waits. With
+        ``async_op=True`` the caller gets the Work and must ``wait_work`` it."""
         self._check_open()
         opts = _root(src)
         with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
@@ -173,11 +170,8 @@ class StatelessGroup:
             raise self._lost(what, exc) from exc
 
     def synchronize(self, what: str = "work") -> None:
-        """Block the host until the device work queued so far is done, but never longer than the timeout.
-
-        NCCL kernels waiting on a dead peer spin forever, so a plain ``torch.cuda.synchronize()`` would hang;
-        we poll an event instead and, on timeout, abort the group and raise ``GroupTimeout``.
-        """
+        """Block the host until the device work queued so far is done, but never longer than the timeout: NCCL
+        kernels waiting on a dead peer spin forever, so we poll an event, then abort and raise ``GroupTimeout``."""
         if self.backend != "nccl":
             return
         event = torch.cuda.Event()
@@ -219,9 +213,8 @@ class StatelessGroup:
                             "The group was aborted; check those ranks' logs, then create a new group.")
 
     def unresponsive_peers(self) -> list[int]:
-        """After a failure: ranks that do not check in through the store in time; [0] if the store, hosted by
-        rank 0, is gone. Every survivor calls this; they notice a failure up to one group timeout apart, so
-        the window is the group's timeout plus 1 s (at most 20 s)."""
+        """After a failure: ranks that do not check in through the store within the group's timeout + 1 s (at
+        most 20 s: survivors notice a failure up to one timeout apart); [0] if rank 0's store is gone."""
         gone = None
         try:
             self.store.set(f"alive/{self.rank}", "1")
@@ -375,11 +368,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
               cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return ``[(ok, result)]`` by rank.
 
-    A failed rank gives ``(False, (exception type name, message, traceback))``; one that exited without
-    reporting, ``(False, ("Died", ...))``. Processes still running after ``timeout_s`` are killed and reported
-    as ``(False, ("Timeout", ...))``, so a hung collective never hangs the caller. ``fn`` must be importable
-    (defined at module level). Ranks fork from a "forkserver" that imported torch once (fast, and safe for
-    CUDA). ``cpu_threads``: torch threads per rank.
+    A failed rank gives ``(False, (exception type name, message, traceback))``, one that exited silently
+    ``"Died"`` and one still running after ``timeout_s`` (killed) ``"Timeout"``: a hung collective never hangs
+    the caller. ``fn`` must be importable. Ranks fork from a "forkserver" that imported torch once (fast, and
+    safe for CUDA), each with ``cpu_threads`` torch threads.
     """
     import torch.multiprocessing as mp
 
@@ -394,15 +386,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(Exception):  # (queue.Empty: nothing within 0.5 s)
                 rank, ok, out = queue.get(timeout=0.5)
                 results[rank] = (ok, out)
-            except Exception:  # queue.Empty. A rank that died without reporting: give its last message a moment
-                for r in [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]:
-                    with contextlib.suppress(Exception):
-                        rank, ok, out = queue.get(timeout=1.0)
-                        results[rank] = (ok, out)
-                    results.setdefault(r, (False, ("Died", f"rank {r} exited with code {procs[r].exitcode}", "")))
+            for r, p in enumerate(procs):  # exited without reporting (its last message would be in the queue)
+                if r not in results and p.exitcode is not None and queue.empty():
+                    results[r] = (False, ("Died", f"rank {r} exited with code {p.exitcode}", ""))
     finally:
         for r, p in enumerate(procs):
             p.join(timeout=5 if r in results else 0.1)

@@ -23,16 +23,10 @@ VOCAB_SIZE = 64  # embedding rows: the tokenizer's 54 symbols, padded to a multi
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 LETTERS = string.ascii_lowercase
 
-DEFAULT_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,  # head_dim 64: vLLM's CPU attention needs head_dim >= 64
-    num_key_value_heads=2,  # divisible by tensor-parallel size 2
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+DEFAULT_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=256,
+                      num_attention_heads=2,  # head_dim 64: vLLM's CPU attention needs head_dim >= 64
+                      num_key_value_heads=2,  # divisible by tensor-parallel size 2
+                      rope_theta=10000.0, tie_word_embeddings=False)
 
 CACHE_DIR = Path(os.environ.get("LABSUPPORT_CACHE", REPO_ROOT / ".cache"))
 CACHE_VERSION = 2  # bump when the architecture, tokenizer or training recipe changes: old caches are ignored

@@ -140,19 +140,18 @@ def activation_bytes(layers: int, hidden: int, heads: int, seq_len: int, batch: 
     s, b, h, a, t = seq_len, batch, hidden, heads, tensor_parallel
     if recompute == "none":
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
-    elif recompute in ("selective", "flash"):
+    elif recompute == "selective":
         per_layer = 34 * s * b * h / t
     elif recompute == "full":
         per_layer = 2 * s * b * h
     else:
-        raise ValueError(f"recompute must be 'none', 'selective'/'flash' or 'full', found {recompute!r}")
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', found {recompute!r}")
     return layers * per_layer
 
 
-def model_activation_bytes(model: ModelSpec, seq_len: int, batch: int, recompute: str = "full",
-                           tensor_parallel: int = 1) -> float:
+def model_activation_bytes(model: ModelSpec, seq_len: int, batch: int, recompute: str = "full") -> float:
     """activation_bytes for a ModelSpec preset."""
-    return activation_bytes(model.layers, model.hidden, model.heads, seq_len, batch, recompute, tensor_parallel)
+    return activation_bytes(model.layers, model.hidden, model.heads, seq_len, batch, recompute)
 
 
 # ---------------------------------------------------------------- RLHF layouts
@@ -166,7 +165,6 @@ class Workload:
     kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
     act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
     rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights are split tp ways)
-    zero_stage: int = 3
     frozen_dtype: str = "bf16"
 
     def size(self, role: str) -> float:
@@ -174,8 +172,8 @@ class Workload:
         return self.actor_params if v is None else v
 
     def train(self, role: str, n: int) -> float:
-        """Per-GPU bytes of a trained model's states, ZeRO-sharded over n GPUs."""
-        return zero_memory(self.size(role), n, self.zero_stage).total
+        """Per-GPU bytes of a trained model's states, ZeRO-3-sharded over n GPUs."""
+        return zero_memory(self.size(role), n, 3).total
 
     def frozen(self, role: str, n: int) -> float:
         """Per-GPU bytes of a frozen model's weights, split over n GPUs."""
