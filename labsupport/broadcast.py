@@ -12,8 +12,8 @@
    while the next bucket arrives); ``packed`` (the classic: the trainer copies bucket k+1 into one of two
    buffers while bucket k is on the wire; the receiver unpacks). Copies compete with NCCL for memory
    bandwidth, which is why ``bucketed`` avoids them.
-3. verification: an integer checksum per bucket, computed on the device on both sides, compared in the
-   closing all-reduce that also reports receivers whose ``load`` failed.
+3. verification: an integer checksum per bucket (``labsupport.checksums``), computed on the device on both
+   sides, compared in the closing all-reduce that also reports receivers whose ``load`` failed.
 
 A peer that dies makes every survivor raise ``SyncTimeout`` naming it (never a hang). Read top down:
 ``send``, ``receive``, then the steps they share. ``python -m labsupport bench sync`` measures the modes.
@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from labsupport import checksums
+from labsupport.checksums import tensor_checksums  # noqa: F401 (callers use broadcast.tensor_checksums)
 from labsupport.groups import GroupError, StatelessGroup
 
 ALIGN = 256  # every packed tensor starts on a 256-byte boundary (any dtype can view it)
@@ -167,12 +169,12 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
                     torch._foreach_copy_([v for _, v in views[k]], [tensors[j] for j, _, _ in b.items])
                     pending[i] = group.broadcast_many([payload], src)
                     if sums is not None:  # reads the bucket beside the broadcast (both only read it)
-                        sums[k] = _checksum(payload)
+                        sums[k] = checksums.of_bytes(payload)
             else:  # no copy: the bucket's tensors go out as one grouped launch, each from its own memory
                 srcs = [tensors[j].contiguous() for j, _, _ in b.items]
                 works.append(group.broadcast_many(srcs, src))
                 if sums is not None:
-                    sums[k] = _checksum(_cat_bytes(srcs))
+                    sums[k] = checksums.of_bytes(checksums.cat_bytes(srcs))
         for w in works:
             group.wait_work(w, "bucket broadcast")
         for i in range(2):
@@ -275,7 +277,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
             with _on(streams[i]):
                 group.wait_work(work, "bucket broadcast")
                 if sums is not None:
-                    sums[k] = _checksum(_cat_bytes(dst))
+                    sums[k] = checksums.of_bytes(checksums.cat_bytes(dst))
                 if homes:
                     torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
                 if staged and not load_errors:
@@ -504,58 +506,6 @@ def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], 
     return plans[pk]
 
 
-# ---------------------------------------------------------------------------- checksums
-
-def tensor_checksums(named_tensors: NamedTensors) -> dict[str, int]:
-    """``{name: checksum}`` of each tensor's bytes (computed on its device; equal bytes give equal numbers)."""
-    items = _items(named_tensors)
-    if not items:
-        return {}
-    sums = [_checksum(_cat_bytes([t.detach().contiguous()])) for _, t in items]
-    values = torch.stack([x.to(sums[0].device) for x in sums]).tolist()  # one host sync
-    return {n: int(v) for (n, _), v in zip(items, values)}
-
-
-_ROW = 1024  # words per checksum row
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _checksum(u8: torch.Tensor) -> torch.Tensor:
-    """Integer checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device (no host sync).
-
-    The bytes are read as the widest integer words their length allows; rows of 1024 words are summed (one
-    bandwidth-bound reduction), then weighted by an odd pseudo-random number per row, so moving data between
-    rows changes the result. Integer sums wrap the same way in any order: every device agrees.
-    """
-    n = u8.numel()
-    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if n % d.itemsize == 0)
-    if u8.storage_offset() % dtype.itemsize:
-        u8 = u8.clone()  # (a view at an odd address: align it)
-    words = u8.view(dtype)
-    rows = words.numel() // _ROW
-    w = _row_weights(u8.device, rows)
-    total = words[rows * _ROW:].sum() * w[rows] + n
-    if rows:
-        total += (words[: rows * _ROW].view(rows, _ROW).sum(dim=1) * w[:rows]).sum()
-    return total
-
-
-def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
-    """Odd pseudo-random 32-bit multipliers, one per checksum row; made once per device, on the current
-    stream (before the side streams start, so they see it ready)."""
-    w = _WEIGHTS.get(device)
-    if w is None or w.numel() <= rows:
-        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device) \
-            .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
-    return w
-
-
-def _cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of contiguous tensors, one after the other (a view of a single tensor, else a copy)."""
-    u8 = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    return u8[0] if len(u8) == 1 else torch.cat(u8)
-
-
 # ---------------------------------------------------------------------------- buffers and streams (GPU vs CPU)
 
 def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev: torch.device) -> tuple:
@@ -567,8 +517,8 @@ def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev:
     bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if stage else None
     views = plan.views_in(bufs) if stage else None
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
-    if verify:  # (enough rows for any bucket, even read as single bytes: a gathered bucket may be odd-sized)
-        _row_weights(dev, max((b.nbytes // _ROW + 1 for b in plan.buckets), default=0))
+    if verify:
+        checksums.reserve(dev, max((b.nbytes for b in plan.buckets), default=0))
     if group.backend != "nccl":
         return bufs, views, sums, [None, None], None
     if "streams" not in group.cache:

@@ -37,19 +37,18 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
                  timeout_s: float = 60.0) -> StatelessGroup:
     """Join (rank 0: host) a stateless group of ``world_size`` ranks; every rank must call this.
 
-    ``backend`` defaults to "nccl" on a CUDA ``device``, else "gloo" (CPU, the default device). Raises
+    ``backend``: "nccl" on a CUDA ``device``, "gloo" on the CPU (the default device). Raises
     ``GroupError`` for a port in use, a duplicate rank or ranks that disagree on ``world_size``, and
     ``GroupTimeout`` naming the ranks that never arrived.
     """
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
-    device = torch.device(device if device is not None else "cuda" if backend == "nccl" else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device if device is not None else "cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise GroupError(f"backend='nccl' needs a CUDA device; got device={device}. Use backend='gloo' on CPU.")
     if device.type == "cuda":
+        device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     address = f"{master_address}:{master_port}"
     try:

@@ -146,9 +146,10 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
 def nvlink_topology() -> str | None:
     """``nvidia-smi topo -m`` output (NV18 means 18 NVLinks between a pair), or None without nvidia-smi."""
     try:
-        return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout.strip() or None
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):  # not installed, or hung
         return None
+    return out.strip() or None
 
 
 def cuda_ipc_works() -> bool | None:
@@ -206,7 +207,8 @@ def format_doctor(rep: dict[str, Any]) -> str:
     if missing:
         lines.append(f"Not installed: {', '.join(missing)} (labs that need them will say so)")
     lines.append("Labs (GPU path needs min_gpus):")
-    lines += [f"  {lab:<32} min_gpus={info['min_gpus']}  -> {info['path']} path here" for lab, info in rep["labs"].items()]
+    lines += [f"  {lab:<32} min_gpus={info['min_gpus']}  -> {info['path']} path here"
+              for lab, info in rep["labs"].items()]
     return "\n".join(lines)
 
 
