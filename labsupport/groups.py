@@ -90,10 +90,10 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     return group
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now (bind to port 0 and ask the OS which one it picked)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
