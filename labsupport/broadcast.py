@@ -12,8 +12,8 @@
    while the next bucket arrives); ``packed`` (the classic: the trainer copies bucket k+1 into one of two
    buffers while bucket k is on the wire; the receiver unpacks). Copies compete with NCCL for memory
    bandwidth, which is why ``bucketed`` avoids them.
-3. verification: an integer checksum per bucket, computed on the device on both sides, compared in the
-   closing all-reduce that also reports receivers whose ``load`` failed.
+3. verification: an integer checksum per bucket (``labsupport.checksums``), computed on the device on both
+   sides, compared in the closing all-reduce that also reports receivers whose ``load`` failed.
 
 A peer that dies makes every survivor raise ``SyncTimeout`` naming it (never a hang). Read top down:
 ``send``, ``receive``, then the steps they share. ``python -m labsupport bench sync`` measures the modes.
@@ -31,16 +31,18 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from labsupport import checksums
+from labsupport.checksums import tensor_checksums  # noqa: F401 (callers use broadcast.tensor_checksums)
 from labsupport.groups import GroupError, StatelessGroup
 
 ALIGN = 256  # every packed tensor starts on a 256-byte boundary (any dtype can view it)
-MAGIC = 0x5EED_2026  # the header's first word: a receiver knows the all-reduce it joined came from send()
 MODES = {"per_tensor": 0, "bucketed": 1, "packed": 2}
 VERIFY, NEW_LAYOUT = 1, 2  # header flags: checksums follow; the metadata follows (it changed)
 SMALL = 1 << 20  # bucketed mode packs tensors under 1 MiB (norms, biases): one launch costs more than their copy
 RAMP = (16, 4)  # bucketed mode: the first two grouped buckets are 1/16 and 1/4 of a bucket (see plan_buckets)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+Batch = list[tuple[str, torch.Tensor]]
 
 
 class WeightSyncError(Exception):
@@ -48,8 +50,7 @@ class WeightSyncError(Exception):
 
 
 class SyncTimeout(WeightSyncError, TimeoutError):
-    """A peer died or stopped answering during a sync (timeout, aborted NCCL communicator, store gone);
-    raised instead of hanging, with the rank(s) that vanished in the message. The group is then unusable."""
+    """A peer died or stopped answering during a sync (the message names it); the group is then unusable."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+def _items(named_tensors: NamedTensors) -> Batch:
     return list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
 
 
@@ -116,10 +117,10 @@ def expected_from(named_tensors: NamedTensors) -> dict[str, TensorMeta]:
     return {m.name: m for m in metadata_of(named_tensors)}
 
 
-def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
     """A ``load`` callback that copies each received tensor into ``targets[name]`` (in place, no grad)."""
 
-    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+    def load(batch: Batch) -> None:
         with torch.no_grad():  # one multi-tensor copy for the whole bucket, not one kernel launch per tensor
             torch._foreach_copy_([targets[name] for name, _ in batch], [t for _, t in batch])
 
@@ -130,12 +131,10 @@ def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, 
 
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",
          bucket_bytes: int = 256 << 20, version: int = 0, verify: bool = True) -> SyncStats:
-    """Broadcast named tensors from this rank (``src``) to every other rank of ``group``, in ``mode``
-    (module docstring). Returns once every receiver has loaded the update (and, with ``verify``, matched
-    its checksums).
-    Raises ``WeightSyncError`` if any receiver rejects the metadata (no receiver loads anything then),
-    reports a checksum mismatch or a failing ``load``; ``SyncTimeout`` if a peer stops answering.
-    """
+    """Broadcast named tensors from this rank (``src``) to every other rank of ``group``; returns once every
+    receiver has loaded them (and, with ``verify``, matched the checksums). Raises ``WeightSyncError`` if a
+    receiver rejects the metadata (then nothing was loaded anywhere), a checksum differs or a ``load``
+    fails; ``SyncTimeout`` if a peer stops answering."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     if group.rank != src:
@@ -145,31 +144,20 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
     t0 = time.perf_counter()
     items = _items(named_tensors)
     metas, key, changed = _sender_metadata(group, items)
-    hdr = _header(group, [MAGIC, version, key[0], key[1], len(metas), MODES[mode], bucket_bytes,
+    hdr = _header(group, [version, key[0], key[1], len(metas), MODES[mode], bucket_bytes,
                           (VERIFY if verify else 0) | (NEW_LAYOUT if changed else 0)], False)
-    if changed or hdr[8]:  # new layout, or a receiver that has not checked this one: wait for the verdict
+    if changed or hdr[7]:  # new layout, or a receiver that has not checked this one: wait for the verdict
         if changed:
             _guard(group, lambda: group.broadcast_object([(m.name, m.dtype, m.shape) for m in metas], src),
                    "the handshake")
-        rejected = _vote(group, [], "metadata")
-        if rejected is not None:
-            group.cache.pop("send_sig", None)
-            raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
-                                                  "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
-                                                  "(or the receiver's expected metadata) and send again."))
+        _vote(group, [], version)
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    packed = any(b.packed for b in plan.buckets)
-    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if packed else None
-    views = plan.views_in(bufs) if packed else None
-    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=group.device) if verify else None
-    streams, cur = _streams(group, plan, verify, group.device)
+    bufs, views, sums, streams, cur = _prepare(group, plan, any(b.packed for b in plan.buckets), verify, group.device)
     tensors = [t for _, t in items]  # (made contiguous bucket by bucket: Python time is wire time here)
-    n_launch = 0
 
     def transfer() -> None:
-        nonlocal n_launch
         works, pending = [], [None, None]
         for k, b in enumerate(plan.buckets):
             if b.packed:
@@ -179,16 +167,14 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
                         group.wait_work(pending[i], "bucket broadcast")
                     payload = bufs[i][: b.nbytes]  # pack: one multi-tensor copy kernel for the whole bucket
                     torch._foreach_copy_([v for _, v in views[k]], [tensors[j] for j, _, _ in b.items])
-                    pending[i] = group.broadcast(payload, src, async_op=True)
-                    n_launch += 1
+                    pending[i] = group.broadcast_many([payload], src)
                     if sums is not None:  # reads the bucket beside the broadcast (both only read it)
-                        sums[k] = _checksum(payload)
+                        sums[k] = checksums.of_bytes(payload)
             else:  # no copy: the bucket's tensors go out as one grouped launch, each from its own memory
                 srcs = [tensors[j].contiguous() for j, _, _ in b.items]
                 works.append(group.broadcast_many(srcs, src))
-                n_launch += 1 if group.backend == "nccl" else len(srcs)  # (gloo cannot group)
                 if sums is not None:
-                    sums[k] = _checksum(_cat_bytes(srcs))
+                    sums[k] = checksums.of_bytes(checksums.cat_bytes(srcs))
         for w in works:
             group.wait_work(w, "bucket broadcast")
         for i in range(2):
@@ -200,15 +186,15 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
     with torch.no_grad():
         _guard(group, transfer, "the transfer")
     _finish(group, version, [], sums, plan, src)
-    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=n_launch,
+    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=plan.launches(group),
                      mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas), version=version,
                      handshake_s=t_hand, verified=verify)
 
 
-def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], tuple[int, int], bool]:
+def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMeta], tuple[int, int], bool]:
     """``(metas, key, changed)``: the metadata and its hash (``key``), recomputed only when names, dtypes or
     shapes changed since the last send; the receivers get the full list only when ``changed``."""
-    sig = [(n, t.dtype, t.shape) for n, t in items]  # (a tensor on another device: NCCL itself refuses it)
+    sig = [(n, t.dtype, t.shape) for n, t in items]
     last = group.cache.get("send_sig")
     if last is not None and last[0] == sig:
         return last[1], last[2], False
@@ -227,16 +213,14 @@ def _sender_metadata(group: StatelessGroup, items: list[tuple[str, torch.Tensor]
 # ---------------------------------------------------------------------------- receiver side
 
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, TensorMeta] | None,
-            load: Callable[[list[tuple[str, torch.Tensor]]], None], device: str | torch.device | None = None,
+            load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
     """Receive one update from ``src``: validate its metadata, then land every tensor.
 
-    ``expected`` (from ``expected_from``; ``None`` accepts anything) is checked once per layout: later
-    updates with the same layout and the same ``expected`` object skip the vote, so build it once. ``into``:
-    this receiver's own tensors by name (contiguous, matching dtype and shape), received in place with no
-    copy in ``bucketed`` and ``per_tensor`` modes. Everything else arrives in a staging buffer and goes to
-    ``load`` as ``[(name, tensor)]`` views, valid only during the call (copy what you keep); on NCCL ``load``
-    runs with a side stream current, so its copies are ordered after the data landed.
+    ``expected`` (from ``expected_from``; ``None`` accepts anything) is checked once per layout and
+    ``expected`` object, so build it once. ``into``: this receiver's own tensors by name, received in place
+    (no copy) in ``bucketed`` and ``per_tensor`` modes. The rest goes to ``load`` as ``[(name, tensor)]``
+    views of a staging buffer, valid only during the call; on NCCL ``load`` runs on a side stream.
     """
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
@@ -244,50 +228,34 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
     dev = torch.device(device) if device is not None else group.device
     accepted = group.cache.get("accepted")  # (key, expected, len) of the last layout this rank voted for
     stale = accepted is None or accepted[1] is not expected or accepted[2] != len(expected or ())
-    magic, version, h0, h1, n_tensors, mode_code, bucket_bytes, flags, n_stale = _header(group, None, stale)
-    if magic != MAGIC:
-        group.abort()
-        raise WeightSyncError(f"rank {group.rank}: got a header that is not from labsupport.broadcast.send "
-                              f"(magic {magic:#x}); are both sides calling send/receive in the same order?")
-    mode = {v: k for k, v in MODES.items()}[mode_code]
-    key = (h0, h1)
+    version, h0, h1, n_tensors, mode_code, bucket_bytes, flags, n_stale = _header(group, None, stale)
+    mode, key = list(MODES)[mode_code], (h0, h1)
     if flags & NEW_LAYOUT:  # (otherwise it is the layout announced last, which this rank keeps)
         raw = _guard(group, lambda: group.broadcast_object(None, src), "the handshake")
         group.cache["recv_meta"] = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
     metas = group.cache["recv_meta"]
     if flags & NEW_LAYOUT or n_stale:
         group.cache.pop("accepted", None)
-        rejected = _vote(group, _validate(metas, expected), "metadata")
-        if rejected is not None:
-            raise WeightSyncError(_reject_message(version, rejected, "rejected before any weight changed",
-                                                  "Nothing was loaded on any receiver."))
+        _vote(group, _validate(metas, expected), version)
         group.cache["accepted"] = (key, expected, len(expected or ()))
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
-    land, need_stage = _landing(group, plan, into, dev)
-    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if need_stage and plan.staging else None
-    views = plan.views_in(bufs) if bufs is not None else None
-    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if flags & VERIFY else None
-    streams, cur = _streams(group, plan, bool(flags & VERIFY), dev)
+    land, stage = _landing(group, plan, into, dev)
+    bufs, views, sums, streams, cur = _prepare(group, plan, stage, bool(flags & VERIFY), dev)
     load_errors: list[str] = []
     slots: list[Any] = [None, None]
-    n_launch = 0
 
     def issue(k: int) -> None:
         """Start bucket k's broadcast into its landing places, on side stream k % 2."""
-        nonlocal n_launch
         b, i = plan.buckets[k], k % 2
         with _on(streams[i]):
-            homes = []
+            dst, staged, homes = [], [], []
             if b.packed:  # lands in a staging buffer; tensors with a home in `into` are copied there after
                 dst = [bufs[i][: b.nbytes]]
                 homes = [(land[j], v) for (j, _, _), (_, v) in zip(b.items, views[k]) if land[j] is not None]
                 staged = [(name, v) for (j, _, _), (name, v) in zip(b.items, views[k]) if land[j] is None]
-                work = group.broadcast(dst[0], src, async_op=True)
-                n_launch += 1
             else:
-                dst, staged = [], []
                 for n, (j, _, _) in enumerate(b.items):
                     t = land[j]
                     if t is None:
@@ -295,9 +263,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
                         t = views[k][n][1] if len(b.items) > 1 else torch.empty(m.shape, dtype=m.torch_dtype, device=dev)
                         staged.append((m.name, t))
                     dst.append(t)
-                work = group.broadcast_many(dst, src)
-                n_launch += 1 if group.backend == "nccl" else len(dst)
-            slots[i] = (work, dst, staged, homes)
+            slots[i] = (group.broadcast_many(dst, src), dst, staged, homes)
 
     def transfer() -> None:
         n = len(plan.buckets)
@@ -311,7 +277,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
             with _on(streams[i]):
                 group.wait_work(work, "bucket broadcast")
                 if sums is not None:
-                    sums[k] = _checksum(_cat_bytes(dst))
+                    sums[k] = checksums.of_bytes(checksums.cat_bytes(dst))
                 if homes:
                     torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
                 if staged and not load_errors:
@@ -325,16 +291,15 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
     with torch.no_grad():
         _guard(group, transfer, "the transfer")
     _finish(group, version, load_errors, sums, plan, src)
-    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=n_launch,
+    return SyncStats(bytes=plan.total, seconds=time.perf_counter() - t0, n_collectives=plan.launches(group),
                      mode=mode, bucket_bytes=bucket_bytes, n_tensors=len(metas), version=version,
                      handshake_s=t_hand, verified=sums is not None)
 
 
 def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor] | None,
              dev: torch.device) -> tuple[list[torch.Tensor | None], bool]:
-    """Per tensor of the plan, the receiver's own tensor it can land in (contiguous, same dtype, shape and
-    device) or None; and whether staging buffers are needed. Cached per (plan, ``into`` object), so build
-    ``into`` once."""
+    """Per tensor, the receiver's own tensor it lands in (contiguous, same dtype, shape and device) or None;
+    and whether staging buffers are needed. Cached per (plan, ``into`` object)."""
     hit = group.cache.get("landing")
     if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into or ()):
         return hit[3], hit[4]
@@ -352,14 +317,13 @@ def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor
 # ---------------------------------------------------------------------------- handshake and votes
 
 def _header(group: StatelessGroup, fields: list[int] | None, stale: bool) -> list[int]:
-    """The handshake's one collective, an all-reduce (sum): the sender contributes the header, each receiver
-    zeros and, in the last slot, 1 if it must vote on the metadata again. Every rank gets the header and
-    the number of such receivers."""
+    """The handshake's one collective, an all-reduce (sum) of the sender's header and, in the last slot, each
+    receiver's 1 if it must vote on the metadata again: every rank gets both."""
     if "header" not in group.cache:  # a pinned host slot and a device slot, reused (each sync ends synchronized)
-        host = torch.zeros(9, dtype=torch.int64, pin_memory=group.backend == "nccl")
-        group.cache["header"] = (host, torch.zeros(9, dtype=torch.int64, device=group.device))
+        host = torch.zeros(8, dtype=torch.int64, pin_memory=group.backend == "nccl")
+        group.cache["header"] = (host, torch.zeros(8, dtype=torch.int64, device=group.device))
     host, vals = group.cache["header"]
-    host.numpy()[:] = (fields or [0] * 8) + [int(stale)]
+    host.numpy()[:] = (fields or [0] * 7) + [int(stale)]
     vals.copy_(host, non_blocking=True)  # from pinned memory: never waits for a stream (it may be stuck)
     _all_reduce_now(group, vals, "sum", "the handshake")
     return vals.tolist()
@@ -386,22 +350,25 @@ def _validate(metas: list[TensorMeta], expected: Mapping[str, TensorMeta] | None
     return problems
 
 
-def _vote(group: StatelessGroup, my_problems: list[str], what: str) -> list[list[str]] | None:
-    """All ranks agree on failure: returns every rank's problem list if any rank objects, else None."""
+def _vote(group: StatelessGroup, my_problems: list[str], version: int) -> None:
+    """The metadata vote: if any rank objects, every rank raises ``WeightSyncError`` with every rank's problems."""
     # torch.full is a device-side fill: unlike torch.tensor(..., device="cuda") it never waits for the
     # stream, which may be stuck behind a broadcast to a dead peer (we must reach our timed wait below).
     flag = torch.full((1,), 1 if my_problems else 0, dtype=torch.int32, device=group.device)
-    _all_reduce_now(group, flag, "max", f"the {what} vote")
+    _all_reduce_now(group, flag, "max", "the metadata vote")
     if int(flag.item()) == 0:
-        return None
-    return _guard(group, lambda: group.all_gather_object(list(my_problems)), f"the {what} vote")
+        return
+    everyone = _guard(group, lambda: group.all_gather_object(list(my_problems)), "the metadata vote")
+    group.cache.pop("send_sig", None)  # (the sender announces the layout again next time)
+    raise WeightSyncError(_reject_message(version, everyone, "rejected before any weight changed",
+                                          "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
+                                          "(or the receiver's expected metadata) and send again."))
 
 
 def _finish(group: StatelessGroup, version: int, problems: list[str], sums: torch.Tensor | None,
             plan: _Plan, src: int) -> None:
-    """The closing vote (every rank), one all-reduce (max) of [failed?, checksums, -checksums]: all ranks hold
-    the same checksums exactly when max == -max(-x) == min for every bucket. On any failure every rank
-    raises ``WeightSyncError`` saying which rank failed and how."""
+    """The closing vote, one all-reduce (max) of [failed?, checksums, -checksums]: all ranks hold the same
+    checksums exactly when max == -max(-x) == min. On any failure every rank raises ``WeightSyncError``."""
     vec = torch.full((1,), 1 if problems else 0, dtype=torch.int64, device=group.device)
     if sums is not None:
         vec = torch.cat([vec, sums, -sums])
@@ -458,12 +425,11 @@ class _Bucket:
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
     """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan.
 
-    ``per_tensor``: one bucket per tensor. ``packed``: every bucket is packed; single tensors (those larger
-    than a bucket) go first, so the wire is busy while the first bucket is being packed. ``bucketed``: the
-    tensors under 1 MiB (or 1/64 of a smaller bucket) are packed into buckets of their own (a few MB to
-    copy); the rest travel as grouped launches of unpacked tensors. Launching a group costs host time per
-    tensor (about 5 us), and nothing moves until the first group is launched, so the first two groups are
-    small (1/16 and 1/4 of a bucket) and the packed buckets go second, packed while the first is on the wire.
+    ``per_tensor``: one bucket per tensor. ``packed``: every bucket packed; tensors larger than a bucket go
+    first, alone, so the wire is busy while the first bucket is packed. ``bucketed``: tensors under 1 MiB (or
+    1/64 of a smaller bucket) are packed into buckets of their own; the rest go as grouped launches. A group
+    costs host time per tensor (about 5 us) and nothing moves before the first one is launched, so the first
+    two groups are small (1/16 and 1/4 of a bucket) and the packed buckets go second.
     """
     sizes = [m.nbytes for m in metas]
     idx = [i for i, n in enumerate(sizes) if n]
@@ -478,8 +444,8 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucket
 
 
 def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool, ramp: bool = False) -> list[_Bucket]:
-    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own). ``ramp``: the
-    first two buckets are capped at 1/16 and 1/4 of that, so the wire starts after a short launch."""
+    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own); with ``ramp`` the
+    first two are capped at 1/16 and 1/4 of that."""
     out: list[_Bucket] = []
     used = 0
     for i in idx:
@@ -511,9 +477,8 @@ class _Plan:
     staging: int  # bytes of the largest multi-tensor bucket (the size of each of the two staging buffers)
     views: Any = None  # (buffers, per bucket: [(name, view into its buffer)]) made once per buffer pair
 
-    def views_in(self, bufs: list[torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-        """Per multi-tensor bucket, each tensor's typed view into the bucket's buffer (cached: views cost
-        Python time); [] for single-tensor buckets."""
+    def views_in(self, bufs: list[torch.Tensor]) -> list[Batch]:
+        """Per bucket, each tensor's typed view into its buffer ([] for a single tensor); cached: views cost time."""
         if self.views is None or self.views[0] is not bufs:
             per_bucket = []
             for k, b in enumerate(self.buckets):
@@ -522,6 +487,10 @@ class _Plan:
                                    for m, (_, off, n) in zip(metas, b.items)])
             self.views = (bufs, per_bucket)
         return self.views[1]
+
+    def launches(self, group: StatelessGroup) -> int:
+        """Broadcast launches per sync: one per bucket on NCCL; gloo cannot group, so one per unpacked tensor."""
+        return sum(1 if b.packed or group.backend == "nccl" else len(b.items) for b in self.buckets)
 
 
 def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int, mode: str) -> _Plan:
@@ -537,77 +506,27 @@ def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], 
     return plans[pk]
 
 
-# ---------------------------------------------------------------------------- checksums
+# ---------------------------------------------------------------------------- buffers and streams (GPU vs CPU)
 
-def tensor_checksums(named_tensors: NamedTensors) -> dict[str, int]:
-    """``{name: checksum}`` of each tensor's bytes (computed on its device; equal bytes give equal numbers)."""
-    items = _items(named_tensors)
-    if not items:
-        return {}
-    sums = [_checksum(_cat_bytes([t.detach().contiguous()])) for _, t in items]
-    values = torch.stack([x.to(sums[0].device) for x in sums]).tolist()  # one host sync
-    return {n: int(v) for (n, _), v in zip(items, values)}
-
-
-_ROW = 1024  # words per checksum row
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _checksum(u8: torch.Tensor) -> torch.Tensor:
-    """Integer checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device (no host sync).
-
-    The bytes are read as the widest integer words their length allows (both sides pick the same from the
-    size alone); rows of 1024 words are summed (one bandwidth-bound reduction), then weighted by a
-    pseudo-random odd number per row, so moving data between rows changes the result. Integer sums wrap
-    the same way in any order: every device agrees.
-    """
-    n = u8.numel()
-    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if n % d.itemsize == 0)
-    if u8.storage_offset() % dtype.itemsize:
-        u8 = u8.clone()  # (a view at an odd address: align it)
-    words = u8.view(dtype)
-    rows = words.numel() // _ROW
-    w = _row_weights(u8.device, rows)
-    total = words[rows * _ROW:].sum() * w[rows] + n
-    if rows:
-        total += (words[: rows * _ROW].view(rows, _ROW).sum(dim=1) * w[:rows]).sum()
-    return total
-
-
-def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
-    """Odd pseudo-random 32-bit multipliers, one per checksum row; made once per device, on the current
-    stream (senders and receivers call this before their side streams start, so those see it ready)."""
-    w = _WEIGHTS.get(device)
-    if w is None or w.numel() <= rows:
-        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device) \
-            .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
-    return w
-
-
-def _cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of contiguous tensors, one after the other: a flat uint8 view of a single tensor, else a
-    copy (made only to checksum a bucket that does not sit in one buffer)."""
-    u8 = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    return u8[0] if len(u8) == 1 else torch.cat(u8)
-
-
-# ---------------------------------------------------------------------------- streams and buffers (GPU vs CPU)
-
-def _streams(group: StatelessGroup, plan: _Plan, verify: bool, dev: torch.device) -> tuple[list[Any], Any]:
-    """Two side streams (made once per group), each after the current stream's work so far: the weights as
-    last written and the checksum multipliers (made here, for the largest bucket, so that no side stream
-    makes them while the other reads them). Returns them and the current stream; on gloo ``[None, None],
-    None``, which ``_on`` and ``_join`` take as "run inline"."""
-    if verify:  # (enough rows for any bucket, even read as single bytes: a gathered bucket may be odd-sized)
-        _row_weights(dev, max((b.nbytes // _ROW + 1 for b in plan.buckets), default=0))
+def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev: torch.device) -> tuple:
+    """What a transfer needs besides its plan: ``(buffers, views, sums, streams, current stream)``. The two
+    staging buffers and their views if ``stage``; a checksum slot per bucket if ``verify``; two side streams
+    (made once per group), each after the current stream's work so far: the weights as last written and the
+    checksum multipliers (made here, for the largest bucket, so that no side stream makes them while the
+    other reads them). On gloo the streams are ``[None, None], None``: ``_on`` and ``_join`` run inline."""
+    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if stage else None
+    views = plan.views_in(bufs) if stage else None
+    sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
+    if verify:
+        checksums.reserve(dev, max((b.nbytes for b in plan.buckets), default=0))
     if group.backend != "nccl":
-        return [None, None], None
+        return bufs, views, sums, [None, None], None
     if "streams" not in group.cache:
         group.cache["streams"] = [torch.cuda.Stream(device=group.device) for _ in range(2)]
     cur = torch.cuda.current_stream(group.device)
     for s in group.cache["streams"]:
         s.wait_stream(cur)
-    return group.cache["streams"], cur
+    return bufs, views, sums, group.cache["streams"], cur
 
 
 def _on(stream: Any):
@@ -622,7 +541,7 @@ def _join(streams: list[Any], cur: Any) -> None:
 
 
 def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
-    """Two reusable byte buffers of at least ``nbytes`` each (kept in the group; no per-sync allocation)."""
+    """Two byte buffers of at least ``nbytes`` each, kept in the group (no allocation per sync)."""
     have = group.cache.get("buffers")
     if have is None or have[0].numel() < nbytes:
         del have

