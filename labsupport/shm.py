@@ -96,13 +96,10 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
     Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after creating
     it); ``only`` restricts the sweep to one guard path. Returns the file names removed.
     """
-    removed = []
-    now = time.time()
+    removed, now = [], time.time()
     for name in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, name)
-        if not (name.startswith(PREFIX) and name.endswith(".guard")):
-            continue
-        if only is not None and path != only:
+        if not (name.startswith(PREFIX) and name.endswith(".guard")) or only not in (None, path):
             continue
         try:
             if now - os.stat(path).st_mtime < min_age_s:
