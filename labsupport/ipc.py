@@ -188,11 +188,9 @@ class Exporter:
         _EXPORTERS[self._guard.path] = self
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
-        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` is first moved into shared memory in place.
-
-        The CPU move is like ``Tensor.share_memory_()``: one copy, once; other views of the old storage
-        keep the old memory, so export the base tensor (e.g. a model's parameters, not slices of them).
-        """
+        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` first moves into shared memory in place, once, like
+        ``Tensor.share_memory_()``: other views of the old storage keep the old memory, so export base tensors
+        (a model's parameters, not slices of them)."""
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
         if not self._guard.free:
@@ -223,9 +221,7 @@ class Exporter:
 
     def update_bucket(self, handle: BucketHandle, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Repack new values into a live bucket in place (same names, dtypes, shapes; checked first).
-
-        Receivers that rebuild the same handle see the new bytes; returns once they are written.
-        """
+        Receivers that rebuild the same handle see the new bytes; returns once they are written."""
         exp = self._get(handle)
         named = list(named)
         if [n for n, _ in named] != handle.names:
@@ -371,9 +367,7 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
 
 class Receiver:
     """Engine side: maps each exported bucket once and reuses the mapping while the export is live.
-
-    Every use re-checks liveness (microseconds). Call drop() before acking: views must not outlive it.
-    """
+    Every use re-checks liveness (microseconds). Call drop() before acking: views must not outlive it."""
 
     def __init__(self) -> None:
         self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
@@ -389,9 +383,7 @@ class Receiver:
 
     def copy_into(self, handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
         """Copy the bucket into ``dest[name]`` (e.g. a separate inference copy); checks all entries first.
-
-        The copies are queued on the current stream; returns bytes copied.
-        """
+        The copies are queued on the current stream; returns bytes copied."""
         for e in handle.entries:
             d = dest.get(e.name)
             if d is None:
@@ -484,9 +476,7 @@ def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
 
 def check_handle(handle: IpcHandle | BucketHandle) -> None:
     """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
-
-    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe).
-    """
+    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
     if h.host != host_id():
         raise IpcError(f"this handle was exported on another machine (boot id {h.host[:8]}..., here "

@@ -125,10 +125,8 @@ class MemoryTimeline:
         return [t for r in refs if (t := r()) is not None]
 
     def role_bytes(self) -> tuple[dict[str, int], int]:
-        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded).
-
-        Each storage counts once, under the first role in ROLES order that holds it (a weight saved for
-        backward stays a weight)."""
+        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded). Each storage
+        counts once, under the first role in ROLES order that holds it (a weight saved for backward stays a weight)."""
         out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
         for src in sorted(self._sources, key=lambda s: ROLES.index(s.role)):  # stable: in order within a role
             for t in src.tensors():

@@ -23,10 +23,8 @@ from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_b
 
 
 def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
-    """Memory numbers that show sharing: CUDA allocator + device free bytes, or CPU RSS split.
-
-    On CPU, ``rss_anon`` is private memory and ``rss_shmem`` is mapped shared memory (from /proc).
-    """
+    """Memory numbers that show sharing: CUDA allocator + device free bytes, or the CPU's resident memory
+    split into private (``rss_anon``) and mapped shared (``rss_shmem``) pages, from /proc."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -54,11 +52,9 @@ def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args:
 
 
 class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)``; talk to it with send()/recv().
-
-    ``fn`` must be importable (module level). ``env`` is applied in the child before CUDA starts.
-    recv() raises TimeoutError if nothing arrives in time and RuntimeError if the child died.
-    """
+    """A spawned process running ``fn(inbox, outbox, *args)`` (a module-level function); talk to it with
+    send()/recv(). ``env`` is applied in the child before CUDA starts. recv() raises TimeoutError if nothing
+    arrives in time and RuntimeError if the child died."""
 
     def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
@@ -141,11 +137,9 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
 
 def probe_in_peer(handle: Any, *, fill: float | None = None,
                   env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
-    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0").
-
-    Returns what the child saw: device, GPU UUID, sum, first values, memory before/after rebuilding,
-    or ``{"error": ...}`` if rebuilding raised IpcError. With ``fill`` the child writes that value.
-    """
+    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), which
+    writes ``fill`` through it if given. Returns what the child saw: device, GPU UUID, sum, first values,
+    memory before/after rebuilding, or ``{"error": ...}`` if rebuilding raised IpcError."""
     with Peer(_probe_peer, env=env) as peer:
         out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
         peer.call(("drop", handle), timeout_s)

@@ -174,7 +174,8 @@ def release_state(state: RLHFState) -> None:
 
 
 def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, *, interval_s: float = 0.01,
-                 roles_interval_s: float | None = None, snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
+                 roles_interval_s: float | None = None,
+                 snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
     """Warm up one step (creates Adam state), then record one step of strategy on a fresh timeline.
     With snapshot= (GPU only) the recorded step's allocator history is saved for memory_viz."""
     state = make_state(strategy, config, device)
