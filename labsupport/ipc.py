@@ -13,10 +13,9 @@ that points at the same memory: nothing is copied through the host. The backend 
 Lifetimes: an :class:`Exporter` keeps every exported buffer alive until ``release()``; release refuses
 (IpcError) until each declared receiver has acked, and afterwards the handle is dead: rebuilding it
 raises :class:`IpcError` instead of mapping memory that may already hold something else. Liveness is
-checked through a tiny shared "guard" file per exporter (one int64 serial number per export, plus an
-advisory lock that the kernel drops if the exporter dies; the files live in :mod:`labsupport.shm`). The
-check runs when a handle is rebuilt (a few microseconds: a cached mmap read and a non-blocking lock probe).
-To watch a handle from another process, see :mod:`labsupport.peer`.
+checked at every rebuild through a tiny shared "guard" file per exporter (one int64 serial number per
+export, plus an advisory lock that the kernel drops if the exporter dies; the files live in
+:mod:`labsupport.shm`). To watch a handle from another process, see :mod:`labsupport.peer`.
 
 Limits, honestly: the check is not atomic with the mapping (a release racing a rebuild can slip
 through); views rebuilt *before* a release are not invalidated (plain tensors have no per-access hook),
@@ -40,11 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import shm
 from labsupport.broadcast import ALIGN, _dtype_name, _round_up  # one bucket layout for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
-from labsupport.shm import SHM_DIR
 
 
 class IpcError(RuntimeError):
@@ -75,10 +74,6 @@ class IpcHandle:
     payload: tuple  # cuda: torch's reduce_tensor args; shm: (path, storage_nbytes, offset, stride)
     guard: Guard
     pid: int  # exporting process
-
-    @property
-    def serial(self) -> int:
-        return self.guard.serial
 
 
 @dataclass(frozen=True)
@@ -115,10 +110,6 @@ class BucketHandle:
     @property
     def guard(self) -> Guard:
         return self.buffer.guard
-
-    @property
-    def serial(self) -> int:
-        return self.buffer.guard.serial
 
 
 def plan_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[BucketEntry], int]:
@@ -173,15 +164,11 @@ def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tup
 
 @dataclass
 class _Export:
-    handle: IpcHandle | BucketHandle
-    keep: torch.Tensor  # keeps the memory alive
+    handle: IpcHandle
+    keep: torch.Tensor  # keeps the memory alive (a bucket: its whole aligned buffer)
     receivers: int
+    shm_path: str | None  # shm segment behind this export (CPU backend)
     acks: int = 0
-    shm_path: str | None = None  # shm segment behind this export (CPU backend)
-
-    @property
-    def nbytes(self) -> int:  # a bucket owns its whole (aligned) buffer
-        return self.keep.untyped_storage().nbytes() if isinstance(self.handle, BucketHandle) else self.keep.nbytes
 
 
 _EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()  # guard path -> owner
@@ -193,54 +180,39 @@ class Exporter:
     def __init__(self) -> None:
         shm.sweep_stale()  # files of exporters that crashed earlier
         self.prefix = f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        self._guard = shm.GuardFile(os.path.join(SHM_DIR, f"{self.prefix}.guard"))
-        self._serials = itertools.count(1)
-        self._segments = itertools.count(1)
+        self._guard = shm.GuardFile(os.path.join(shm.SHM_DIR, f"{self.prefix}.guard"))
+        self._ids = itertools.count(1)  # serials of exports and numbers of segment files
         self._live: dict[int, _Export] = {}
-        self._shm_storages: dict[int, str] = {}  # CPU storage data_ptr -> its /dev/shm file
-        self._files = [self._guard.path]
-        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._files)
+        self._segments: dict[int, str] = {}  # CPU storage data_ptr -> its /dev/shm file
+        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._segments)
         _EXPORTERS[self._guard.path] = self
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
-        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` is first moved into shared memory in place.
-
-        The CPU move is like ``Tensor.share_memory_()``: one copy, once; other views of the old storage
-        keep the old memory, so export the base tensor (e.g. a model's parameters, not slices of them).
-        """
+        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` first moves into shared memory in place, once, like
+        ``Tensor.share_memory_()``: other views of the old storage keep the old memory, so export base tensors
+        (a model's parameters, not slices of them)."""
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
         if not self._guard.free:
             raise IpcError(f"{shm.GUARD_SLOTS} exports are live in this Exporter; release some first")
-        serial = next(self._serials)
-        guard = Guard(self._guard.path, self._guard.take(serial), serial)
-        if t.is_cuda:
-            handle, shm_path = self._cuda_handle(t.detach(), guard), None
-        else:
-            handle = self._shm_handle(t, guard)  # may move t's storage into shared memory, in place
-            shm_path = handle.payload[0]
-        self._live[serial] = _Export(handle, t.detach(), receivers, shm_path=shm_path)
+        serial = next(self._ids)
+        handle = self._handle(t, Guard(self._guard.path, self._guard.take(serial), serial))
+        self._live[serial] = _Export(handle, t.detach(), receivers, None if t.is_cuda else handle.payload[0])
         return handle
 
     def export_bucket(self, named: Iterable[tuple[str, torch.Tensor]], receivers: int = 1) -> BucketHandle:
         """Pack ``named`` tensors into one new flat buffer on their device and export it as one handle."""
         named = list(named)
-        if not named:
-            raise IpcError("export_bucket needs at least one (name, tensor) pair")
         devices = {t.device for _, t in named}
         if len(devices) != 1:
-            raise IpcError(f"a bucket lives on one device; found tensors on {sorted(map(str, devices))}")
+            raise IpcError("export_bucket needs at least one (name, tensor) pair, all on one device; "
+                           f"found tensors on {sorted(map(str, devices))}")
         (device,) = devices
         entries, total = plan_bucket(named)
-        if device.type == "cuda":
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
-        else:
-            _, flat = self._new_segment(total)
+        flat = (torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda"
+                else self._new_segment(total))
         _pack(flat, entries, [t for _, t in named])
-        handle = self.export_tensor(flat, receivers)
-        bucket = BucketHandle(handle, tuple(entries))
-        self._live[handle.serial].handle = bucket
-        return bucket
+        return BucketHandle(self.export_tensor(flat, receivers), tuple(entries))
 
     def export_buckets(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
                        receivers: int = 1) -> list[BucketHandle]:
@@ -249,9 +221,7 @@ class Exporter:
 
     def update_bucket(self, handle: BucketHandle, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Repack new values into a live bucket in place (same names, dtypes, shapes; checked first).
-
-        Receivers that rebuild the same handle see the new bytes; returns once they are written.
-        """
+        Receivers that rebuild the same handle see the new bytes; returns once they are written."""
         exp = self._get(handle)
         named = list(named)
         if [n for n, _ in named] != handle.names:
@@ -277,22 +247,17 @@ class Exporter:
         """Kill ``handle`` and free its buffer (once receivers dropped theirs); returns bytes released."""
         exp = self._get(handle)
         if exp.acks < exp.receivers and not force:
-            raise IpcError(
-                f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; a receiver "
-                "may still read this memory. Call exporter.ack(handle) when each is done (e.g. after "
-                "ray.get on its update call), or release(handle, force=True) if you know better."
-            )
+            raise IpcError(f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; a "
+                           "receiver may still read this memory. Call exporter.ack(handle) when each is done (e.g. "
+                           "after ray.get on its update call), or release(handle, force=True) if you know better.")
         self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
         del self._live[handle.guard.serial]
-        nbytes = exp.nbytes
         if exp.shm_path and all(e.shm_path != exp.shm_path for e in self._live.values()):
             # the last export of its segment: remove the file's name (pages go with the last mapping)
-            self._shm_storages.pop(exp.keep.untyped_storage().data_ptr(), None)
+            self._segments.pop(exp.keep.untyped_storage().data_ptr(), None)
             shm.unlink(exp.shm_path)
-            self._files.remove(exp.shm_path)
-        is_cuda = exp.keep.is_cuda
-        exp.keep = None  # type: ignore[assignment]
-        del exp
+        nbytes, is_cuda = exp.keep.nbytes, exp.keep.is_cuda
+        exp.keep = None  # type: ignore[assignment]  # close() still holds exp: drop the buffer itself
         if is_cuda:
             torch.cuda.ipc_collect()  # free blocks whose receivers have let go
         return nbytes
@@ -312,7 +277,7 @@ class Exporter:
     @property
     def live_bytes(self) -> int:
         """Bytes of exported buffers this exporter keeps alive."""
-        return sum(e.nbytes for e in self._live.values())
+        return sum(e.keep.nbytes for e in self._live.values())
 
     def _get(self, handle: IpcHandle | BucketHandle) -> _Export:
         exp = self._live.get(handle.guard.serial)
@@ -321,49 +286,42 @@ class Exporter:
                            "or exported by another process/Exporter)")
         return exp
 
-    def _cuda_handle(self, t: torch.Tensor, guard: Guard) -> IpcHandle:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        _, args = reduce_tensor(t)
-        return IpcHandle("cuda", _dtype_name(t.dtype), tuple(t.shape), t.nbytes, host_id(),
-                         device_uuid(t.device.index), tuple(args), guard, os.getpid())
-
-    def _new_segment(self, nbytes: int) -> tuple[str, torch.Tensor]:
-        """A new /dev/shm file of ``nbytes`` and its MAP_SHARED mapping as a flat uint8 tensor."""
-        path = os.path.join(SHM_DIR, f"{self.prefix}-{next(self._segments)}.shm")
-        storage = shm.create_segment(path, nbytes)
-        self._files.append(path)
-        self._shm_storages[storage.data_ptr()] = path
-        return path, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-
-    def _shm_handle(self, t: torch.Tensor, guard: Guard) -> IpcHandle:
-        storage = t.untyped_storage()
-        path = self._shm_storages.get(storage.data_ptr())
-        if path is None:  # like share_memory_(): move the storage into a shared segment, once
-            path, flat = self._new_segment(max(storage.nbytes(), 1))
-            flat[: storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-            with torch.no_grad():
-                t.set_(flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    def _handle(self, t: torch.Tensor, guard: Guard) -> IpcHandle:
+        """CUDA: torch's IPC arguments for ``t``. CPU: its shared file and layout (``t`` moved there first)."""
+        if t.is_cuda:
+            kind, uuid, payload = "cuda", device_uuid(t.device.index), tuple(reduce_tensor(t.detach())[1])
+        else:
+            old = t.untyped_storage()
+            if old.data_ptr() not in self._segments:  # like share_memory_(): move the storage, once
+                flat = self._new_segment(max(old.nbytes(), 1))
+                flat[: old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+                with torch.no_grad():
+                    t.set_(flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
             storage = t.untyped_storage()
-        payload = (path, storage.nbytes(), t.storage_offset(), tuple(t.stride()))
-        return IpcHandle("shm", _dtype_name(t.dtype), tuple(t.shape), t.nbytes, host_id(), None,
-                         payload, guard, os.getpid())
+            path = self._segments[storage.data_ptr()]
+            kind, uuid, payload = "shm", None, (path, storage.nbytes(), t.storage_offset(), tuple(t.stride()))
+        return IpcHandle(kind, _dtype_name(t.dtype), tuple(t.shape), t.nbytes, host_id(), uuid, payload, guard,
+                         os.getpid())
+
+    def _new_segment(self, nbytes: int) -> torch.Tensor:
+        """A new /dev/shm file of ``nbytes``, mapped MAP_SHARED, as a flat uint8 tensor."""
+        path = os.path.join(shm.SHM_DIR, f"{self.prefix}-{next(self._ids)}.shm")
+        storage = shm.create_segment(path, nbytes)
+        self._segments[storage.data_ptr()] = path
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
     @staticmethod
-    def _cleanup(guard: shm.GuardFile, files: list[str]) -> None:
+    def _cleanup(guard: shm.GuardFile, segments: dict[int, str]) -> None:
         guard.close()
-        for path in files:
+        for path in segments.values():
             shm.unlink(path)
 
 
 # ---- Receiving side -------------------------------------------------------------------------------
 
 def rebuild(handle: IpcHandle) -> torch.Tensor:
-    """Map an exported tensor into this process (zero-copy), on the local index of the same GPU.
-
-    Checked first: same host, exporter alive, export not released (else IpcError). Not checked: a
-    release racing this call, and views rebuilt *before* a release (see the module's "Limits").
-    """
+    """Map an exported tensor into this process (zero-copy), on the local index of the same GPU, after
+    checking that it is live (:func:`check_handle`; what that cannot catch is in the module's "Limits")."""
     if not isinstance(handle, IpcHandle):
         raise IpcError(f"rebuild expects an IpcHandle, found {type(handle).__name__}"
                        + ("; use rebuild_bucket() for a bucket" if isinstance(handle, BucketHandle) else ""))
@@ -374,24 +332,22 @@ def rebuild(handle: IpcHandle) -> torch.Tensor:
 def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
     if handle.pid == os.getpid():  # CUDA cannot open its own IPC handle: hand back the original
         owner = _EXPORTERS.get(handle.guard.path)
-        if owner is not None and handle.serial in owner._live:
-            return owner._live[handle.serial].keep
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+        if owner is not None and handle.guard.serial in owner._live:
+            return owner._live[handle.guard.serial].keep
     args = list(handle.payload)
     slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
     args[slot] = local_index(handle.device_uuid or "")  # remap: the exporter's index -> ours
     try:
         return rebuild_cuda_tensor(*args)
     except RuntimeError as err:
-        raise IpcError(f"could not open the CUDA IPC handle of export #{handle.serial} (pid {handle.pid}): "
-                       f"{err}") from err
+        raise IpcError(f"could not open the CUDA IPC handle of export #{handle.guard.serial} "
+                       f"(pid {handle.pid}): {err}") from err
 
 
 def _rebuild_shm(handle: IpcHandle) -> torch.Tensor:
     path, storage_nbytes, offset, stride = handle.payload
     if not os.path.exists(path):  # checked first: from_file would create a missing file
-        raise IpcError(f"shared-memory segment {path} of export #{handle.serial} is gone (released)")
+        raise IpcError(f"shared-memory segment {path} of export #{handle.guard.serial} is gone (released)")
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=storage_nbytes)
     try:
         check_handle(handle)  # released between the first check and the mapping?
@@ -411,9 +367,7 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
 
 class Receiver:
     """Engine side: maps each exported bucket once and reuses the mapping while the export is live.
-
-    Every use re-checks liveness (microseconds). Call drop() before acking: views must not outlive it.
-    """
+    Every use re-checks liveness (microseconds). Call drop() before acking: views must not outlive it."""
 
     def __init__(self) -> None:
         self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
@@ -429,9 +383,7 @@ class Receiver:
 
     def copy_into(self, handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
         """Copy the bucket into ``dest[name]`` (e.g. a separate inference copy); checks all entries first.
-
-        The copies are queued on the current stream; returns bytes copied.
-        """
+        The copies are queued on the current stream; returns bytes copied."""
         for e in handle.entries:
             d = dest.get(e.name)
             if d is None:
@@ -444,14 +396,11 @@ class Receiver:
                 dest[name].copy_(view, non_blocking=True)
         return handle.nbytes
 
-    def drop(self, handle: BucketHandle | None = None) -> None:
-        """Forget the views of ``handle`` (or of all handles) after pending copies finished."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+    def drop(self) -> None:
+        """Forget every view, after pending copies finished."""
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        if handle is None:
-            self._views.clear()
-        else:
-            self._views.pop((handle.guard.path, handle.guard.serial), None)
+        self._views.clear()
 
 
 # ---- Module-level API: a default Exporter per process ---------------------------------------------
@@ -500,33 +449,21 @@ def release(handle: IpcHandle | BucketHandle, force: bool = False) -> int:
 @functools.cache
 def host_id() -> str:
     """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"no-boot-id-{os.uname().nodename}"
-
-
-def visible_uuids() -> list[str]:
-    """UUIDs of the CUDA devices this process sees, in local index order (empty without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    return [device_uuid(i) for i in range(torch.cuda.device_count())]
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
 
 
 @functools.cache  # an index once found stays right for the process; a miss is looked up again
 def local_index(uuid: str) -> int:
     """Local CUDA index of the physical GPU ``uuid`` in this process; IpcError if it is not visible."""
-    seen = visible_uuids()
+    seen = [device_uuid(i) for i in range(torch.cuda.device_count())]  # UUIDs in local index order
     if uuid in seen:
         return seen.index(uuid)
     found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
-    raise IpcError(
-        f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: {found}; "
-        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
-        "works between processes on the same physical GPU: place the receiver on that GPU (Ray "
-        "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast)."
-    )
+    raise IpcError(f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: "
+                   f"{found}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC "
+                   "only works between processes on the same physical GPU: place the receiver on that GPU (Ray "
+                   "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast).")
 
 
 def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
@@ -539,28 +476,20 @@ def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
 
 def check_handle(handle: IpcHandle | BucketHandle) -> None:
     """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
-
-    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe).
-    """
+    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
     if h.host != host_id():
-        raise IpcError(
-            f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}...). "
-            "CUDA IPC and shared memory only work between processes on one host; across machines "
-            "send the weights with labsupport.broadcast (NCCL/gloo)."
-        )
+        raise IpcError(f"this handle was exported on another machine (boot id {h.host[:8]}..., here "
+                       f"{host_id()[:8]}...). CUDA IPC and shared memory only work between processes on one "
+                       "host; across machines send the weights with labsupport.broadcast (NCCL/gloo).")
     try:
         serial = shm.guard_serial(h.guard.path, h.guard.slot)
     except FileNotFoundError:
-        raise IpcError(
-            f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
-            f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, with its "
-            "own /dev/shm). Ask the owner for a fresh handle."
-        ) from None
+        raise IpcError(f"the exporter of this handle (pid {h.pid}) has closed or exited: its guard file "
+                       f"{h.guard.path} is gone (or this process runs in another container / IPC namespace, "
+                       "with its own /dev/shm). Ask the owner for a fresh handle.") from None
     except ProcessLookupError:
         raise IpcError(f"the exporter of this handle (pid {h.pid}) has exited; its memory is gone.") from None
     if serial != h.guard.serial:
-        raise IpcError(
-            f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
-            "its memory may already hold other data. Rebuild from the handle of the current export."
-        )
+        raise IpcError(f"this handle (export #{h.guard.serial} of pid {h.pid}) has been released by its exporter; "
+                       "its memory may already hold other data. Rebuild from the handle of the current export.")

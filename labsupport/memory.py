@@ -1,11 +1,12 @@
-"""Where the bytes go across RLHF phases: a memory timeline recorder, its summaries and plots.
+"""Where the bytes go across RLHF phases: a memory timeline recorder and its summaries.
 
 ``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA
 caching allocator (allocated, reserved, peak) at phase edges and from a background thread, and the
 bytes held by each role (weights, gradients, optimizer, kv_cache, activations) counted from the
 tensors the lab registers. On CPU there is no allocator to ask, so only the role bytes are recorded.
 ``move_optimizer_state`` parks Adam's moments in host memory and brings them back (offloading).
-The RLHF step this records lives in ``labsupport.strategies``.
+The RLHF step this records lives in ``labsupport.strategies``; the peak table and the plots of a
+timeline, in ``labsupport.bench.memory``.
 """
 from __future__ import annotations
 
@@ -20,13 +21,9 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware
 from labsupport.hardware import synchronize as _sync
 
-GB = 1e9
 ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other")
-ROLE_COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer": "#c44e52", "kv_cache": "#55a868",
-               "activations": "#8172b3", "other": "#b0b0b0"}
 
 
 # ---------------------------------------------------------------- what a registered source yields
@@ -36,9 +33,7 @@ def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
         if role == "gradients":
             return lambda: [p.grad for p in obj.parameters() if p.grad is not None]
         return lambda: [*obj.parameters(), *obj.buffers()]
-    if isinstance(obj, torch.optim.Optimizer):
-        if role == "gradients":
-            return lambda: [p.grad for g in obj.param_groups for p in g["params"] if p.grad is not None]
+    if isinstance(obj, torch.optim.Optimizer):  # its state (register the model for its gradients)
         return lambda: [t for s in list(obj.state.values()) for t in list(s.values()) if isinstance(t, torch.Tensor)]
     if isinstance(obj, torch.Tensor):
         ref = weakref.ref(obj)  # do not keep a registered tensor alive
@@ -65,10 +60,8 @@ class MemoryTimeline:
     with tl.sampling(), tl.phase("generate"): ...
     """
 
-    def __init__(self, device: str | torch.device | None = None, *, name: str = "", interval_s: float = 0.01,
+    def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01,
                  roles_interval_s: float | None = None) -> None:
-        if device is None:
-            device = "cuda" if hardware.gpu_count() else "cpu"
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -77,19 +70,16 @@ class MemoryTimeline:
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         self.device, self.gpu, self.name = dev, dev.type == "cuda", name
         self.capacity = torch.cuda.get_device_properties(dev).total_memory if self.gpu else None
-        # allocator counters are cheap (~microseconds); walking every registered tensor is not, so the
-        # background thread counts roles less often on GPU (phase edges always count them); each role
-        # count holds the GIL for ~1-2 ms, which a launch-bound GPU step feels
+        # allocator counters cost microseconds; counting roles walks every registered tensor and holds the
+        # GIL for ~1-2 ms, which a launch-bound GPU step feels: on GPU the thread counts them less often
         self.interval_s = interval_s
         self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (1.0 if self.gpu else 0.02)
         self.samples: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
         self._sources: list[_Source] = []
-        self._registered: list[dict[str, str]] = []
         self._current: dict[str, Any] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards samples and the saved-for-backward list
         self._act_refs: list[weakref.ref] = []
-        self._act_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ticks, self._sample_s, self._history = 0, 0.0, False
@@ -104,7 +94,6 @@ class MemoryTimeline:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
         self._sources.append(_Source(role, name or type(obj).__name__, _tensors_of(role, obj)))
-        self._registered.append({"role": role, "name": self._sources[-1].name})
 
     def unregister(self, name: str) -> None:
         """Stop counting the source registered under this name."""
@@ -116,13 +105,13 @@ class MemoryTimeline:
     def forget_sources(self) -> None:
         """Drop the registered objects (keeping what was recorded) so a finished timeline does not keep
         a model, optimizer or cache alive."""
-        self._sources = []
+        self._sources = [_Source(s.role, s.name, lambda: []) for s in self._sources]
 
     @contextlib.contextmanager
     def track_activations(self) -> Iterator[None]:
         """Count tensors that autograd saves for backward (role "activations") while they are alive."""
         def pack(t: torch.Tensor) -> torch.Tensor:
-            with self._act_lock:
+            with self._lock:
                 self._act_refs.append(weakref.ref(t))
             return t
 
@@ -130,31 +119,28 @@ class MemoryTimeline:
             yield
 
     def _live_activations(self) -> list[torch.Tensor]:
-        with self._act_lock:
+        with self._lock:
             self._act_refs = [r for r in self._act_refs if r() is not None]
             refs = list(self._act_refs)
         return [t for r in refs if (t := r()) is not None]
 
     def role_bytes(self) -> tuple[dict[str, int], int]:
-        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded).
-
-        Each storage counts once, under the first role in ROLES order that holds it (a weight saved for
-        backward stays a weight)."""
+        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded). Each storage
+        counts once, under the first role in ROLES order that holds it (a weight saved for backward stays a weight)."""
         out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
-        for role in ROLES:
-            for src in [s for s in self._sources if s.role == role]:
-                for t in src.tensors():
-                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                        continue
-                    st = t.untyped_storage()
-                    key = (t.device.type, t.device.index, st.data_ptr())
-                    if st.data_ptr() == 0 or key in seen:
-                        continue
-                    seen.add(key)
-                    if t.device == self.device:
-                        out[role] += st.nbytes()
-                    elif t.device.type == "cpu":
-                        host += st.nbytes()
+        for src in sorted(self._sources, key=lambda s: ROLES.index(s.role)):  # stable: in order within a role
+            for t in src.tensors():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                st = t.untyped_storage()
+                key = (t.device.type, t.device.index, st.data_ptr())
+                if st.data_ptr() == 0 or key in seen:  # no memory behind it (empty, meta), or counted already
+                    continue
+                seen.add(key)
+                if t.device == self.device:
+                    out[src.role] += st.nbytes()
+                elif t.device.type == "cpu":
+                    host += st.nbytes()
         return out, host
 
     # ------------------------------------------------------------ sampling
@@ -174,8 +160,7 @@ class MemoryTimeline:
             except Exception:  # e.g. a user callable failed, or a dict changed size under us: skip this count
                 if event != "tick":
                     raise
-                r = None
-            if r is not None:
+            else:
                 if self.gpu:  # what the allocator holds that no registered tensor explains
                     r["other"] = max(0, s["allocated"] - sum(v for k, v in r.items() if k != "other"))
                 s["roles"], s["host"] = r, host
@@ -250,24 +235,23 @@ class MemoryTimeline:
             self.phases.append(ph)
 
     # ------------------------------------------------------------ PyTorch memory history
-    def start_history(self, max_entries: int = 100_000) -> None:
+    def start_history(self) -> None:
         """Start PyTorch's allocator history (every alloc/free with a Python stack) for memory_viz."""
         if not self.gpu:
             raise RuntimeError("PyTorch's memory history records the CUDA caching allocator; "
                                "it needs a GPU (this timeline is on CPU). Skip it on the CPU path.")
-        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python", device=self.device)
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python", device=self.device)
         self._history = True
 
-    def save_snapshot(self, path: str | Path, stop: bool = True) -> Path:
-        """Write the history as a pickle that https://pytorch.org/memory_viz opens (drag and drop)."""
+    def save_snapshot(self, path: str | Path) -> Path:
+        """Write the history as a pickle that https://pytorch.org/memory_viz opens (drag and drop), and stop it."""
         if not self._history:
             raise RuntimeError("no memory history is being recorded; call start_history() before the step")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(path))
-        if stop:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self._history = False
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self._history = False
         return path
 
     # ------------------------------------------------------------ summaries
@@ -280,9 +264,9 @@ class MemoryTimeline:
         with self._lock:
             samples = [dict(s) for s in self.samples]
         return {"name": self.name, "device": str(self.device), "gpu": self.gpu, "capacity_bytes": self.capacity,
-                "roles": list(ROLES), "sources": list(self._registered),
-                "interval_s": self.interval_s,
-                "roles_interval_s": self.roles_interval_s, "phases": [dict(p) for p in self.phases], "samples": samples,
+                "roles": list(ROLES), "sources": [{"role": s.role, "name": s.name} for s in self._sources],
+                "interval_s": self.interval_s, "roles_interval_s": self.roles_interval_s,
+                "phases": [dict(p) for p in self.phases], "samples": samples,
                 "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
                             "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)), 4)}}
 
@@ -317,108 +301,19 @@ def peak_bytes(tl: MemoryTimeline | dict[str, Any]) -> int:
     return max((role_total(s) for s in d["samples"]), default=0)
 
 
-def format_peak_table(tl: MemoryTimeline | dict[str, Any], unit: float = GB) -> str:
-    """The peak-by-phase table as text (GB = 1e9 bytes; pass unit=1e6 for MB)."""
-    d = _as_dict(tl)
-    u = "GB" if unit == GB else ("MB" if unit == 1e6 else f"x{unit:g} B")
-    head = ["phase", "s", f"alloc peak {u}", f"reserved {u}", f"registered {u}"] + [r[:8] for r in ROLES]
-    rows = []
-    for r in peak_by_phase(d):
-        f = lambda v: "n/a (CPU)" if v is None else f"{v / unit:.3f}"
-        rows.append([r["phase"], f"{r['seconds']:.3f}", f(r["peak_allocated"]), f(r["peak_reserved"]),
-                     f"{r['peak_roles'] / unit:.3f}"] + [f"{r['roles_at_peak'].get(k, 0) / unit:.3f}" for k in ROLES])
-    cells = [head] + rows
-    w = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(row))
-                     for row in cells)
-
-
-# ---------------------------------------------------------------- plots
-def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any = None, *, title: str | None = None,
-                  unit: float = GB, show_capacity: bool | str = "auto", legend: bool = True) -> Any:
-    """Stacked area of bytes by role over time, with phase bands, allocator lines (GPU), capacity, peak."""
-    import matplotlib.pyplot as plt
-
-    d = _as_dict(tl)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4))
-    u = "GB" if unit == GB else ("MB" if unit == 1e6 else "bytes")
-    rs = [s for s in d["samples"] if s.get("roles")]
-    t = [s["t"] for s in rs]
-    ax.stackplot(t, *[[s["roles"].get(r, 0) / unit for s in rs] for r in ROLES], labels=ROLES,
-                 colors=[ROLE_COLORS[r] for r in ROLES], alpha=0.85, step="post")  # a value holds until the next sample
-    top = max([role_total(s) for s in rs] + [0])
-    if d["gpu"]:
-        al = [s for s in d["samples"] if "allocated" in s]
-        ax.plot([s["t"] for s in al], [s["allocated"] / unit for s in al], color="black", lw=1.2, label="allocated")
-        ax.plot([s["t"] for s in al], [s["reserved"] / unit for s in al], color="black", lw=1, ls="--",
-                label="reserved")
-        top = max([top] + [s["reserved"] for s in al])
-    else:
-        ax.text(0.99, 0.97, "CPU: allocator lines n/a\n(registered tensor bytes only)", transform=ax.transAxes,
-                ha="right", va="top", fontsize=7, color="dimgray")
-    host = [s for s in rs if s.get("host")]
-    if d["gpu"] and host:
-        ax.plot(t, [s.get("host", 0) / unit for s in rs], color=ROLE_COLORS["optimizer"], lw=1, ls=":",
-                label="in host memory")
-    span = (d["phases"][-1]["end"] - d["phases"][0]["start"]) if d["phases"] else 1.0
-    level = 0
-    for i, ph in enumerate(d["phases"]):
-        ax.axvspan(ph["start"], ph["end"], color="0.85" if i % 2 else "0.93", zorder=0)
-        narrow = (ph["end"] - ph["start"]) < 0.04 * span  # stagger labels of short neighbouring phases
-        level = (level + 1) % 3 if narrow else 0
-        ax.text((ph["start"] + ph["end"]) / 2, 0.02 + 0.3 * level, ph["name"], transform=ax.get_xaxis_transform(),
-                rotation=90, ha="center", va="bottom", fontsize=7,
-                bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.7))
-    peak = peak_bytes(d)
-    ax.axhline(peak / unit, color="crimson", lw=0.8, ls=":")
-    ax.annotate(f"peak {peak / unit:.3g} {u}", xy=(0.01, peak / unit), xycoords=("axes fraction", "data"),
-                va="bottom", fontsize=8, color="crimson")
-    cap = d.get("capacity_bytes")
-    if cap:
-        if show_capacity is True or (show_capacity == "auto" and cap <= 1.5 * max(top, 1)):
-            ax.axhline(cap / unit, color="red", lw=1.5, label="GPU capacity")
-        elif show_capacity:
-            ax.text(0.99, 0.97, f"GPU capacity {cap / unit:.1f} {u} (above this axis)", transform=ax.transAxes,
-                    ha="right", va="top", fontsize=7, color="red")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel(f"{u} on {d['device']}")
-    ax.set_title(title if title is not None else d.get("name", ""), fontsize=10)
-    if legend:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return ax
-
-
-def plot_timelines(timelines: dict[str, Any] | list[Any], *, unit: float = GB, figsize: tuple | None = None) -> Any:
-    """Timelines side by side with a shared y axis, so the strategies' peaks compare at a glance."""
-    import matplotlib.pyplot as plt
-
-    items = list(timelines.items()) if isinstance(timelines, dict) else [(None, t) for t in timelines]
-    fig, axes = plt.subplots(1, len(items), figsize=figsize or (4.6 * len(items), 4), sharey=True, squeeze=False)
-    for i, (ax, (title, tl)) in enumerate(zip(axes[0], items)):
-        plot_timeline(tl, ax, title=title, unit=unit, legend=False)
-        if i:
-            ax.set_ylabel("")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    return fig
-
-
 # ---------------------------------------------------------------- moving state off the GPU
-def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device, pin: bool = True) -> int:
-    """Move Adam's moment tensors to device (to "cpu": into pinned host memory when CUDA is present).
+def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device) -> int:
+    """Move Adam's moment tensors to device (to "cpu": into pinned host memory) and wait for the copies.
     Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
     dev, moved = torch.device(device), 0
     for st in opt.state.values():
         for k, v in st.items():
             if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.device.type == dev.type:
                 continue
-            if dev.type == "cpu":
-                host = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin and torch.cuda.is_available())
-                st[k] = host.copy_(v, non_blocking=True)
+            if dev.type == "cpu":  # v is on a GPU
+                st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
             else:
                 st[k] = v.to(dev, non_blocking=True)
-            moved += v.numel() * v.element_size()
+            moved += v.nbytes
     _sync(dev if dev.type == "cuda" else torch.device("cuda") if torch.cuda.is_available() else dev)
     return moved

@@ -19,13 +19,12 @@ from typing import Any
 import torch
 
 from labsupport.hardware import gpu_uuid, synchronize
+from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_bucket
 
 
 def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
-    """Memory numbers that show sharing: CUDA allocator + device free bytes, or CPU RSS split.
-
-    On CPU, ``rss_anon`` is private memory and ``rss_shmem`` is mapped shared memory (from /proc).
-    """
+    """Memory numbers that show sharing: CUDA allocator + device free bytes, or the CPU's resident memory
+    split into private (``rss_anon``) and mapped shared (``rss_shmem``) pages, from /proc."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -53,16 +52,12 @@ def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args:
 
 
 class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)``; talk to it with send()/recv().
-
-    ``fn`` must be importable (module level). ``env`` is applied in the child before CUDA starts.
-    recv() raises TimeoutError if nothing arrives in time and RuntimeError if the child died.
-    """
+    """A spawned process running ``fn(inbox, outbox, *args)`` (a module-level function); talk to it with
+    send()/recv(). ``env`` is applied in the child before CUDA starts. recv() raises TimeoutError if nothing
+    arrives in time and RuntimeError if the child died."""
 
     def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
+        ctx = torch.multiprocessing.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox, dict(env or {}), args),
                                 daemon=True)
@@ -82,9 +77,7 @@ class Peer:
                     raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
-        if isinstance(msg, _PeerFailure):
-            from labsupport.ipc import IpcError  # the one error callers catch across the process boundary
-
+        if isinstance(msg, _PeerFailure):  # IpcError: the one error callers catch across the process boundary
             cls = IpcError if msg.kind == "IpcError" else RuntimeError
             raise cls(f"in peer process: {msg.text.strip().splitlines()[-1]}\n{msg.text}")
         return msg
@@ -113,25 +106,22 @@ class Peer:
 
 def _probe_peer(inbox: Any, outbox: Any) -> None:
     """Peer loop: rebuild each handle received (once), report what this process sees, write when asked."""
-    from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_bucket  # ipc imports this module
-
     views: dict[int, list[torch.Tensor]] = {}
     while (msg := inbox.get()) is not None:
         op, handle, *rest = msg
         try:
             if op == "drop":
-                dropped = views.pop(handle.serial, None)
+                dropped = views.pop(handle.guard.serial, None)
                 if dropped:
                     synchronize(dropped[0].device)  # writes through the views have landed
                 outbox.put({"dropped": True})
                 continue
             device = device_of(handle)
             before = memory_probe(device)
-            ts = views.get(handle.serial)
+            ts = views.get(handle.guard.serial)
             if ts is None:
-                bucket = isinstance(handle, BucketHandle)
-                ts = [v for _, v in rebuild_bucket(handle)] if bucket else [rebuild(handle)]
-                views[handle.serial] = ts
+                ts = [v for _, v in rebuild_bucket(handle)] if isinstance(handle, BucketHandle) else [rebuild(handle)]
+                views[handle.guard.serial] = ts
             if op == "fill":
                 for t in ts:
                     t.fill_(rest[0])
@@ -147,11 +137,9 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
 
 def probe_in_peer(handle: Any, *, fill: float | None = None,
                   env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
-    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0").
-
-    Returns what the child saw: device, GPU UUID, sum, first values, memory before/after rebuilding,
-    or ``{"error": ...}`` if rebuilding raised IpcError. With ``fill`` the child writes that value.
-    """
+    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), which
+    writes ``fill`` through it if given. Returns what the child saw: device, GPU UUID, sum, first values,
+    memory before/after rebuilding, or ``{"error": ...}`` if rebuilding raised IpcError."""
     with Peer(_probe_peer, env=env) as peer:
         out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
         peer.call(("drop", handle), timeout_s)

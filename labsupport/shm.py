@@ -11,6 +11,7 @@ An exporter makes two kinds of file, both named ``labsupport-ipc-<pid>-<random>.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -69,11 +70,9 @@ _GUARDS_LOCK = threading.Lock()
 
 
 def guard_serial(path: str, slot: int) -> int:
-    """The serial in ``slot`` of the guard ``path`` (0: released), read through a cached mapping.
-
-    Raises FileNotFoundError if the guard is gone (its exporter closed, or another /dev/shm), and
-    ProcessLookupError if its exporter died (its lock is free).
-    """
+    """The serial in ``slot`` of the guard ``path`` (0: released), read through a cached mapping. Raises
+    FileNotFoundError if the guard is gone (its exporter closed, or another /dev/shm), and ProcessLookupError
+    if its exporter died (its lock is free)."""
     with _GUARDS_LOCK:
         if path not in _GUARDS:
             fd = os.open(path, os.O_RDONLY)
@@ -91,18 +90,13 @@ def guard_serial(path: str, slot: int) -> int:
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove shared files left by exporters that died without cleaning up (their lock is free).
-
-    Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after creating
-    it); ``only`` restricts the sweep to one guard path. Returns the file names removed.
-    """
-    removed = []
-    now = time.time()
+    """Remove shared files left by exporters that died without cleaning up (their lock is free); returns
+    their names. Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after
+    creating it); ``only`` restricts the sweep to one guard path."""
+    removed, now = [], time.time()
     for name in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, name)
-        if not (name.startswith(PREFIX) and name.endswith(".guard")):
-            continue
-        if only is not None and path != only:
+        if not (name.startswith(PREFIX) and name.endswith(".guard")) or only not in (None, path):
             continue
         try:
             if now - os.stat(path).st_mtime < min_age_s:
@@ -126,7 +120,5 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
 
 def unlink(path: str) -> None:
     """Remove ``path`` if it is still there."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, models
+from labsupport import models
 from labsupport.hardware import synchronize as _sync
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 
@@ -164,23 +164,20 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
     return {"reward_mean": reward.mean().item(), "loss": total_loss, "step_s": time.perf_counter() - t0}
 
 
-def release_state(state: RLHFState | None) -> None:
+def release_state(state: RLHFState) -> None:
     """Free a state's KV pool, model and optimizer, and return cached GPU memory to the driver."""
-    if state is not None:
-        _free_kv(state)
-        state.model, state.optimizer = None, None
+    state.model = state.optimizer = state.cache = None
+    state.kv.clear()
     gc.collect()
-    if torch.cuda.is_available():
+    if state.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def run_strategy(strategy: str, config: StepConfig | None = None, device: str | torch.device | None = None, *,
-                 interval_s: float = 0.01, roles_interval_s: float | None = None,
+def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, *, interval_s: float = 0.01,
+                 roles_interval_s: float | None = None,
                  snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
     """Warm up one step (creates Adam state), then record one step of strategy on a fresh timeline.
     With snapshot= (GPU only) the recorded step's allocator history is saved for memory_viz."""
-    if device is None:
-        device = "cuda" if hardware.gpu_count() else "cpu"
     state = make_state(strategy, config, device)
     try:
         rlhf_step(state)  # warm-up: Adam state exists from here on, and lazy CUDA init is done
