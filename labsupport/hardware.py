@@ -9,8 +9,6 @@ GPU-to-GPU) is a benchmark: ``labsupport.bench.links`` (``python -m labsupport b
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import subprocess
@@ -210,17 +208,3 @@ def format_doctor(rep: dict[str, Any]) -> str:
     lines += [f"  {lab:<32} min_gpus={info['min_gpus']}  -> {info['path']} path here"
               for lab, info in rep["labs"].items()]
     return "\n".join(lines)
-
-
-def doctor_main(argv: list[str]) -> int:
-    """``python -m labsupport doctor [--json] [--save] [--no-ipc]``."""
-    ap = argparse.ArgumentParser(prog="python -m labsupport doctor", description=doctor.__doc__)
-    ap.add_argument("--json", action="store_true", help="print JSON instead of text")
-    ap.add_argument("--save", action="store_true", help="also write results/doctor.<machine>.json")
-    ap.add_argument("--no-ipc", action="store_true", help="skip the two-process CUDA IPC check")
-    args = ap.parse_args(argv)
-    rep = doctor(check_ipc=not args.no_ipc)
-    print(json.dumps(rep, indent=1) if args.json else format_doctor(rep))
-    if args.save:
-        print("wrote", results.save_result("doctor", rep))
-    return 0

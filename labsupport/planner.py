@@ -6,7 +6,6 @@ Units: bytes in, bytes out; tables print GB with GB = 1e9 bytes (the ZeRO paper'
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -311,8 +310,8 @@ def required_gb_per_s(n_bytes: float, seconds: float) -> float:
     return n_bytes / seconds / GB
 
 
-# ---------------------------------------------------------------- tables and CLI
-def _gb(x: float) -> str:
+# ---------------------------------------------------------------- tables (python -m labsupport plan prints them)
+def fmt_gb(x: float) -> str:
     return f"{x / GB:,.2f}" if x < 100 * GB else f"{x / GB:,.1f}"
 
 
@@ -326,7 +325,7 @@ def format_table(rows: list[list], header: list[str]) -> str:
 
 def zero_report(params: float, n_gpus: int) -> str:
     names = ["0 baseline", "1 P_os", "2 P_os+g", "3 P_os+g+p"]
-    rows = [[names[s], _gb(z.weights), _gb(z.grads), _gb(z.optimizer), _gb(z.total)]
+    rows = [[names[s], fmt_gb(z.weights), fmt_gb(z.grads), fmt_gb(z.optimizer), fmt_gb(z.total)]
             for s, z in enumerate(zero_table(params, n_gpus))]
     return (f"ZeRO model states per GPU: {params / 1e9:g}B params, {n_gpus} GPUs, mixed-precision Adam "
             f"(2+2+12 = 16 bytes/param), GB = 1e9\n"
@@ -337,74 +336,11 @@ def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
     rows = []
     for g in plan.groups:
         for ph, comps in g.phases.items():
-            rows += [[g.name, g.n_gpus, ph, c, _gb(v)] for c, v in comps.items() if v]  # (no row for a model left out)
-            rows.append([g.name, g.n_gpus, ph, "= total", _gb(sum(comps.values()))])
+            rows += [[g.name, g.n_gpus, ph, c, fmt_gb(v)] for c, v in comps.items() if v]  # (no row for a model left out)
+            rows.append([g.name, g.n_gpus, ph, "= total", fmt_gb(sum(comps.values()))])
         if g.host_bytes_per_gpu:
-            rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", _gb(g.host_bytes_per_gpu)])
-    out = f"layout {plan.layout}: {plan.n_gpus} GPUs, peak {_gb(plan.peak)} GB per GPU"
+            rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", fmt_gb(g.host_bytes_per_gpu)])
+    out = f"layout {plan.layout}: {plan.n_gpus} GPUs, peak {fmt_gb(plan.peak)} GB per GPU"
     if gpu_bytes:
-        out += f" -> {'fits' if plan.fits(gpu_bytes) else 'does NOT fit'} in {_gb(gpu_bytes)} GB"
+        out += f" -> {'fits' if plan.fits(gpu_bytes) else 'does NOT fit'} in {fmt_gb(gpu_bytes)} GB"
     return out + "\n" + format_table(rows, ["group", "GPUs", "phase", "component", "GB/GPU"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m labsupport plan ...`: print planner tables."""
-    p = argparse.ArgumentParser(prog="python -m labsupport plan",
-                                description="Memory and transfer-time arithmetic for RLHF designs (GB = 1e9 bytes).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    z = sub.add_parser("zero", help="ZeRO stages 0-3 per GPU")
-    z.add_argument("--gpus", type=int, default=64)
-    k = sub.add_parser("kv", help="KV cache size")
-    ac = sub.add_parser("act", help="activation estimate (Korthikanti et al. 2022)")
-    lay = sub.add_parser("layout", help="per-GPU bytes of actor/critic/reference/reward")
-    lay.add_argument("--layout", choices=LAYOUTS, default="colocated")
-    lay.add_argument("--gpus", type=int, default=8, help="GPUs (colocated, hybrid)")
-    lay.add_argument("--train", type=int, default=16, help="training GPUs (disaggregated)")
-    lay.add_argument("--rollout", type=int, default=8, help="rollout GPUs (disaggregated)")
-    lay.add_argument("--score", type=int, default=8, help="reference+reward GPUs (disaggregated)")
-    lay.add_argument("--no-critic", action="store_true", help="GRPO-style: no critic model")
-    lay.add_argument("--kv-gb", type=float, default=20.0, help="KV cache pool per rollout GPU (GB)")
-    lay.add_argument("--act-gb", type=float, default=5.0, help="training activations per GPU (GB)")
-    lay.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (H100: 80, H200: 141)")
-    t = sub.add_parser("transfer", help="weight-transfer time over link presets")
-    t.add_argument("--gb", type=float, help="bytes to move in GB (default: the model in bf16)")
-    t.add_argument("--seconds", type=float, help="also print the bandwidth needed to finish in this time")
-    t.add_argument("--links", type=int, default=1, help="parallel links (e.g. NICs)")
-    for sp in (z, k, ac, lay, t):
-        sp.add_argument("--model", default="70b", help=f"preset: {', '.join(MODELS)}")
-    for sp in (z, lay, t):
-        sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. 7.5e9")
-    for sp in (k, ac):
-        sp.add_argument("--seq", type=int, default=4096)
-        sp.add_argument("--batch", type=int, default=1)
-    a = p.parse_args(argv)
-    m = get_model(a.model)
-    params = a.params if getattr(a, "params", None) is not None else m.params
-
-    if a.cmd == "zero":
-        print(zero_report(params, a.gpus))
-    elif a.cmd == "kv":
-        per_tok = model_kv_bytes(m, 1, 1)
-        print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, bf16)")
-        print(format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, _gb(model_kv_bytes(m, a.seq, a.batch))]],
-                           ["per token", "seq", "batch", "total GB"]))
-    elif a.cmd == "act":
-        rows = [[r, _gb(model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
-        print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch} (Korthikanti et al. 2022)")
-        print(format_table(rows, ["recompute", "GB/GPU"]))
-    elif a.cmd == "layout":
-        w = Workload(params, critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * GB,
-                     act_bytes_per_gpu=a.act_gb * GB)
-        plan = plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
-        print(layout_report(plan, a.gpu_gb * GB))
-    elif a.cmd == "transfer":
-        n = a.gb * GB if a.gb is not None else params * 2
-        rows = [[l.name, f"{l.gb_per_s:g}", f"{transfer_seconds(n, l, a.links):.2f}",
-                 "yes" if l.measured_here else "", l.source] for l in LINKS.values()]
-        print(f"moving {_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
-        print(format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
-        if a.seconds:
-            need = required_gb_per_s(n, a.seconds) / a.links
-            ok = [l.name for l in LINKS.values() if l.gb_per_s >= need]
-            print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: {', '.join(ok) or 'none'}")
-    return 0

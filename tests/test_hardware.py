@@ -115,3 +115,15 @@ def test_lab_front_matter_matches_lab_setup():
         text = (hardware.LABS_DIR / f"{lab}.md").read_text()
         calls = re.findall(r"lab_setup\(min_gpus=(\d+)", text)
         assert calls == [str(need)], f"{lab}: front matter says min_gpus={need}, lab_setup calls {calls}"
+
+
+def test_doctor_command_prints_the_report_as_json(capsys):
+    """``python -m labsupport doctor --json`` prints what ``hardware.doctor()`` finds."""
+    import json
+
+    from labsupport.__main__ import main
+
+    assert main(["doctor", "--json", "--no-ipc"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["gpu_count"] == hardware.gpu_count() and rep["backend"] == hardware.backend()
+    assert main(["no-such-command"]) == 2

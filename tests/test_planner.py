@@ -106,15 +106,18 @@ def test_layouts_70b_exercise():
 
 
 def test_cli_prints_tables(capsys):
-    assert P.main(["zero", "--params", "7.5e9", "--gpus", "64"]) == 0
+    """``python -m labsupport plan ...`` (parsed in labsupport/__main__.py) prints the planner's tables."""
+    from labsupport.__main__ import main
+
+    assert main(["plan", "zero", "--params", "7.5e9", "--gpus", "64"]) == 0
     out = capsys.readouterr().out
     assert "120.0" in out and "31.41" in out and "16.64" in out and "1.88" in out
-    P.main(["transfer", "--gb", "140", "--seconds", "10"])
+    main(["plan", "transfer", "--gb", "140", "--seconds", "10"])
     out = capsys.readouterr().out
     assert "14.0 GB/s" in out and "2.80" in out
-    P.main(["kv", "--model", "70b", "--seq", "4096", "--batch", "8"])
+    main(["plan", "kv", "--model", "70b", "--seq", "4096", "--batch", "8"])
     assert "10.74" in capsys.readouterr().out  # 10 GiB = 10.74 GB
-    P.main(["layout", "--layout", "disaggregated", "--no-critic", "--params", "70e9"])
+    main(["plan", "layout", "--layout", "disaggregated", "--no-critic", "--params", "70e9"])
     assert "fits" in capsys.readouterr().out
 
 
