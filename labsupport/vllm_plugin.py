@@ -140,19 +140,19 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # unsubscripted: 0.26's takes 2 types
-    """Trainer side: rank 0 of the gloo group; ``send_weights()`` drives one full update round."""
+    """Trainer side: rank 0 of the gloo group; ``send_weights()`` drives one full update round through
+    ``client`` (any ``VLLMWeightSyncClient``), replaying ``source`` (a ``WeightSource``, e.g. ``ModuleSource``)."""
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client: vllm_wt.VLLMWeightSyncClient, source: vllm_wt.WeightSource,
-                 is_sender: bool) -> None:
+    def __init__(self, *, client: Any, source: Any, is_sender: bool) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: groups.StatelessGroup | None = None
         self.version = 0
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: vllm_wt.VLLMWeightSyncClient,
-                     source: vllm_wt.WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
+                     source: Any = None) -> GlooTrainerWeightTransferEngine:
         if source is None:
             raise ValueError("the gloo trainer engine needs a WeightSource, e.g. ModuleSource(model)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
