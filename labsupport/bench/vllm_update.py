@@ -231,7 +231,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
         llm.start_weight_update()
         send = lambda info: llm.update_weights({"update_info": asdict(info)})  # noqa: E731
         IPCWeightTransferEngine.trainer_send_weights(iter(named), {"send_mode": send, "packed": False})
-        vllm_ext.finish_update(llm)
+        llm.finish_weight_update()
 
     modes, version = run_modes({"ipc_extension": via_extension, "native_ipc": via_native}, model, llm, version)
     sleep = {}
