@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import string
 import time
@@ -193,9 +194,8 @@ def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> 
     """Greedy continuations from the engine, with an adapter when ``lora_request`` is given."""
     from vllm import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), lora_request=lora_request,
-                        use_tqdm=False)
-    return [o.outputs[0].text for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=n)
+    return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)]
 
 
 def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -233,19 +233,15 @@ def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> di
 def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
     """An in-process vLLM ``LLM`` that takes both kinds of update: adapters (``enable_lora``) and full weights
     through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (as ``cluster.engine_dtype``)."""
-    import os
-
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     kw = dict(model=str(model_dir), dtype="bfloat16" if gpu else "float32", enforce_eager=True, max_model_len=128,
               max_num_seqs=8, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
-              worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
-    if gpu:
-        kw["gpu_memory_utilization"] = 0.3
-    kw.update(llm_kwargs)
-    return LLM(**kw)
+              worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension",
+              **({"gpu_memory_utilization": 0.3} if gpu else {}))
+    return LLM(**{**kw, **llm_kwargs})
 
 
 def stop_engine(llm: Any) -> None:

@@ -70,7 +70,7 @@ def test_adapter_changes_engine_output_and_new_id_loads_new_version(llm, trained
     v2 = lora.send_adapter(llm, fresh, tmp_path / "v2", 2, dtype=DTYPE)
     lora.retire(llm, v1["request"])
     assert lora.generate(llm, PROMPTS, N, v2["request"]) == models.greedy_generate(fresh, tok, PROMPTS, N)
-    assert llm.llm_engine.list_loras() == {2}
+    assert set(llm.llm_engine.list_loras()) == {2}
 
 
 def test_adapter_bytes_far_below_merged_bytes(trained, tmp_path):
@@ -78,7 +78,7 @@ def test_adapter_bytes_far_below_merged_bytes(trained, tmp_path):
     tensors = sum(p.numel() * 2 for n, p in trained.named_parameters() if "lora_" in n)
     full = sum(t.numel() * t.element_size() for _, t in lora.merged_weights(trained, torch.bfloat16))
     assert tensors <= lora.adapter_bytes(folder) < tensors + 16_384  # A and B, plus a config and a header
-    assert lora.adapter_bytes(folder) < 0.15 * full  # 9 % here; for a 7B model at rank 8, about 0.1 %
+    assert lora.adapter_bytes(folder) < 0.15 * full  # 9 % here; for a 7B model at rank 8, 0.3 %
 
 
 def test_check_adapter_refuses_rank_module_and_shape_without_an_engine(tmp_path):
