@@ -5,12 +5,11 @@ With LoRA (Hu et al., 2021) the base weights never change: each targeted linear 
 needs to ship ``A`` and ``B`` only. Two ways into vLLM, each ending with the engine's greedy output equal to the
 trainer's:
 
-* **adapter**: save ``A`` and ``B`` (peft's adapter format), then ``llm.llm_engine.add_lora(LoRARequest(...))``
-  on an engine started with ``enable_lora=True``, and generate with that request. Each version gets a new
-  ``lora_int_id`` (vLLM caches adapters by id) and the previous version is removed once the new one serves.
+* **adapter**: save ``A`` and ``B`` (peft's format), ``llm.llm_engine.add_lora(LoRARequest(...))`` on an engine
+  with ``enable_lora=True``, generate with that request. Each version gets a new ``lora_int_id`` (vLLM caches
+  adapters by id); the previous one is removed once the new one serves.
 * **full merged**: merge the adapter into a copy of the base (peft's ``merge_and_unload``) and send every
-  weight, as for full fine-tuning (here through IPC into ``vllm_ext.ColocateWorkerExtension``: shared memory
-  on CPU, CUDA IPC on a GPU shared with the trainer).
+  weight, through IPC into ``vllm_ext.ColocateWorkerExtension`` (shared memory on CPU, CUDA IPC on a GPU).
 
 The demo task: a base model that writes the alphabet *by twos* (``"cde"`` -> ``"gikmoq"``), built and cached
 like ``models.tiny_model_dir``; a rank-8 adapter teaches it the alphabet (``"fghijk"``) in a few dozen steps.
@@ -49,8 +48,7 @@ def train(model, tokenizer, steps: int, *, step: int = 1, lr: float = 1e-2, batc
           seed: int = 0) -> list[float]:
     """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."). Only parameters
     with ``requires_grad`` move: with a peft model, the adapter. Returns the loss per step."""
-    rng, letters = random.Random(seed), string.ascii_lowercase
-    device = next(model.parameters()).device
+    rng, letters, device = random.Random(seed), string.ascii_lowercase, next(model.parameters()).device
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     losses = []
@@ -90,10 +88,9 @@ def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tupl
 
 def save_adapter(peft_model, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the adapter only (``adapter_config.json`` + ``adapter_model.safetensors``) into ``folder``."""
-    folder = Path(folder)
-    if dtype is not None:  # vLLM casts adapters to its lora_dtype anyway; sending bf16 halves the bytes
-        peft_model = copy.deepcopy(peft_model).to(dtype)
-    peft_model.save_pretrained(str(folder), safe_serialization=True)
+    folder = Path(folder)  # dtype: the engine's (a float32 trainer sends a bfloat16 engine half the bytes)
+    state = None if dtype is None else {k: v.to(dtype) for k, v in peft_model.state_dict().items() if "lora_" in k}
+    peft_model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
     (folder / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the update
     return folder
 
@@ -225,16 +222,16 @@ def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> di
     """One full update of the merged weights, timed: merge a copy, send every tensor, load."""
     t0 = time.perf_counter()
     named = merged_weights(peft_model, dtype)
-    n = push_merged(llm, named)
-    return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": time.perf_counter() - t0,
-            "tensors": n}
+    n, seconds = push_merged(llm, named), time.perf_counter() - t0
+    return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds, "tensors": n}
 
 
 def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
     """An in-process vLLM ``LLM`` that takes both kinds of update: adapters (``enable_lora``) and full weights
     through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (as ``cluster.engine_dtype``)."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
     from vllm import LLM
 
     kw = dict(model=str(model_dir), dtype="bfloat16" if gpu else "float32", enforce_eager=True, max_model_len=128,
@@ -245,5 +242,8 @@ def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = F
 
 
 def stop_engine(llm: Any) -> None:
-    """Stop the engine's processes now (not when the garbage collector gets to it)."""
-    llm.llm_engine.engine_core.shutdown()
+    """Stop the engine's processes now, giving them time to exit cleanly (vLLM 0.26 takes no timeout)."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except TypeError:
+        llm.llm_engine.engine_core.shutdown()
