@@ -23,13 +23,14 @@ BENCHES = {
     "memory": "labsupport.bench.memory:main",
     "cluster": "labsupport.bench.cluster:main",
     "vllm-update": "labsupport.bench.vllm_update:main",
+    "lora": "labsupport.bench.lora:main",
 }
 
 USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory|cluster|vllm-update
+  bench links|sync|ipc|memory|cluster|vllm-update|lora
                        benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)

@@ -23,7 +23,7 @@ import student_edition as se  # noqa: E402
 
 CHAPTERS = sorted(BOOK.glob("ch0*_*.md"))
 LABS = ["lab_01_environment", "lab_02_memory_timeline", "lab_03_nccl_weight_sync", "lab_04_disaggregated_vllm",
-        "lab_05_cuda_ipc", "lab_06_colocated_vllm", "lab_07_capstone"]
+        "lab_05_cuda_ipc", "lab_06_colocated_vllm", "lab_07_capstone", "lab_09_lora_updates"]
 ROLE = re.compile(r"\{(?P<role>[\w:-]+)\}`(?P<target>[^`]+)`")
 
 

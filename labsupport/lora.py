@@ -1,0 +1,249 @@
+"""LoRA-only weight updates: the trainer trains a low-rank adapter, and the engine receives only the adapter.
+
+With LoRA (Hu et al., 2021) the base weights never change: each targeted linear layer computes with
+``W + (alpha / r) * B @ A``, ``A`` of shape ``[r, in]``, ``B`` of shape ``[out, r]``, so after a step the trainer
+needs to ship ``A`` and ``B`` only. Two ways into vLLM, each ending with the engine's greedy output equal to the
+trainer's:
+
+* **adapter**: save ``A`` and ``B`` (peft's format), ``llm.llm_engine.add_lora(LoRARequest(...))`` on an engine
+  with ``enable_lora=True``, generate with that request. Each version gets a new ``lora_int_id`` (vLLM caches
+  adapters by id); the previous one is removed once the new one serves.
+* **full merged**: merge the adapter into a copy of the base (peft's ``merge_and_unload``) and send every
+  weight, through IPC into ``vllm_ext.ColocateWorkerExtension`` (shared memory on CPU, CUDA IPC on a GPU).
+
+The demo task: a base model that writes the alphabet *by twos* (``"cde"`` -> ``"gikmoq"``), built and cached
+like ``models.tiny_model_dir``; a rank-8 adapter teaches it the alphabet (``"fghijk"``) in a few dozen steps.
+Bad adapters (rank above the engine's ``max_lora_rank``, a module without a LoRA slot, wrong shapes) are
+refused by :func:`check_adapter` before the engine sees them; vLLM's loader refuses rank and module errors
+too, in a utility call that leaves the engine serving its previous adapter.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labsupport import models
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every decoder linear
+BASE_STEP = 2  # the base model continues the alphabet by twos; the adapter teaches steps of one
+
+
+class AdapterError(ValueError):
+    """An adapter was refused before the engine loaded it; the message says what is wrong and what to do."""
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+
+def train(model, tokenizer, steps: int, *, step: int = 1, lr: float = 1e-2, batch_size: int = 16,
+          seed: int = 0) -> list[float]:
+    """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."). Only parameters
+    with ``requires_grad`` move: with a peft model, the adapter. Returns the loss per step."""
+    rng, letters, device = random.Random(seed), string.ascii_lowercase, next(model.parameters()).device
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        starts = [rng.randrange(26) for _ in range(batch_size)]
+        texts = ["".join(letters[(s + step * i) % 26] for i in range(16)) for s in starts]
+        ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def base_model_dir(seed: int = 0) -> Path:
+    """A tiny model that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``), trained once and cached."""
+
+    def build():
+        tok, model = models.build_tokenizer(), models.build_model(seed)
+        train(model, tok, 40, step=BASE_STEP, lr=5e-3, batch_size=32, seed=seed)
+        return model, tok
+
+    return models.cached_model_dir(f"by-twos-v{models.CACHE_VERSION}-seed{seed}", build)
+
+
+def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tuple[str, ...] = TARGETS, seed: int = 0):
+    """Wrap a transformers model with a fresh LoRA adapter (``B = 0``: it starts as the base model)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets), lora_dropout=0.0,
+                     bias="none")
+    return get_peft_model(model, cfg)
+
+
+def save_adapter(peft_model, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the adapter only (``adapter_config.json`` + ``adapter_model.safetensors``) into ``folder``."""
+    folder = Path(folder)  # dtype: the engine's (a float32 trainer sends a bfloat16 engine half the bytes)
+    state = None if dtype is None else {k: v.to(dtype) for k, v in peft_model.state_dict().items() if "lora_" in k}
+    peft_model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
+    (folder / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the update
+    return folder
+
+
+def adapter_bytes(folder: str | Path) -> int:
+    """Bytes that travel for one adapter version: its config and its tensors (what vLLM reads)."""
+    return sum((Path(folder) / f).stat().st_size for f in ("adapter_config.json", "adapter_model.safetensors"))
+
+
+@torch.no_grad()
+def merged_weights(peft_model, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The full weights with the adapter folded in (``W + alpha/r * B @ A``), in checkpoint names, from a copy:
+    the trainer keeps its adapter."""
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    return [(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in merged.named_parameters()]
+
+
+# ----------------------------------------------------------------------------- engine side
+
+
+def adapter_spec(hf_config: Any, max_rank: int) -> dict[str, Any]:
+    """What an engine with this model config accepts: ``max_rank`` and the ``(out, in)`` shape of every module
+    with a LoRA slot: the decoder layers' linear projections (vLLM's fused ``qkv_proj`` / ``gate_up_proj``
+    take q, k, v / gate, up adapters). Built on the meta device: no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(hf_config)
+    shapes = {n: (m.out_features, m.in_features) for n, m in ref.named_modules()
+              if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in TARGETS}
+    return {"max_rank": max_rank, "modules": shapes}
+
+
+def engine_spec(llm: Any) -> dict[str, Any]:
+    """:func:`adapter_spec` of a running engine, read from its config (no RPC)."""
+    cfg = llm.llm_engine.vllm_config
+    if cfg.lora_config is None:
+        raise AdapterError("this engine was started without enable_lora=True, so it cannot take adapters: "
+                           "start it with LLM(..., enable_lora=True, max_lora_rank=R), or send merged weights")
+    return adapter_spec(cfg.model_config.hf_config, cfg.lora_config.max_lora_rank)
+
+
+def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
+    """Raise ``AdapterError`` listing every problem of the adapter in ``folder`` against ``spec``
+    (:func:`engine_spec`); nothing is loaded anywhere."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{folder} is not a peft LoRA adapter folder ({exc}); write it with save_adapter") from exc
+    probs = []
+    ranks = [cfg.get("r", 0), *(cfg.get("rank_pattern") or {}).values()]
+    if max(ranks) > spec["max_rank"]:
+        probs.append(f"rank {max(ranks)} > the engine's max_lora_rank {spec['max_rank']} (train with rank <= "
+                     f"{spec['max_rank']}, or restart the engine with a larger max_lora_rank)")
+    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
+        probs.append("bias or modules_to_save: vLLM serves plain A/B adapters only")
+    for key, shape in shapes.items():
+        mod, _, ab = key.removeprefix("base_model.model.").rpartition(".lora_")
+        if mod not in spec["modules"]:
+            probs.append(f"'{mod}': the engine has no LoRA slot for this module (it has "
+                         f"{', '.join(TARGETS)} in each decoder layer)")
+            continue
+        out, inp = spec["modules"][mod]
+        want = (shape[0], inp) if ab.startswith("A") else (out, shape[1])
+        if shape != want:
+            probs.append(f"'{key}': shape {shape}, the engine's model needs {want}")
+    if probs:
+        shown = "\n  ".join(probs[:6]) + (f"\n  ... and {len(probs) - 6} more" if len(probs) > 6 else "")
+        raise AdapterError(f"adapter {folder.name} refused, the engine keeps its current adapter:\n  {shown}")
+
+
+def push_adapter(llm: Any, folder: str | Path, version: int, *, check: bool = True) -> Any:
+    """Load adapter ``folder`` into the engine as version ``version`` (its ``lora_int_id``); returns the
+    ``LoRARequest`` to generate with. ``check=False`` skips :func:`check_adapter` (vLLM still validates)."""
+    from vllm.lora.request import LoRARequest
+
+    if check:
+        check_adapter(folder, engine_spec(llm))
+    req = LoRARequest(f"policy-v{version}", int(version), str(Path(folder).resolve()))
+    try:
+        llm.llm_engine.add_lora(req)
+    except Exception as exc:  # vLLM refused it in its loader (a utility call: the engine keeps serving)
+        raise AdapterError(f"vLLM refused adapter {req.lora_name}: {exc}") from exc
+    return req
+
+
+def retire(llm: Any, old: Any) -> None:
+    """Drop a previous version's adapter from the engine (once the new one serves)."""
+    llm.llm_engine.remove_lora(old.lora_int_id)
+
+
+def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> list[str]:
+    """Greedy continuations from the engine, with an adapter when ``lora_request`` is given."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n)
+    return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)]
+
+
+def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Send full weights to an engine with ``ColocateWorkerExtension`` (same host or GPU) through one IPC
+    bucket; returns the tensors loaded per worker."""
+    from labsupport import ipc, vllm_ext
+
+    dev = llm.collective_rpc("report_device_id")[0]
+    with ipc.Exporter() as ex:
+        bucket = ex.export_bucket(named)
+        loaded = llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({dev: bucket}),))
+        ex.release(bucket, force=True)
+    return loaded[0]
+
+
+def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *, dtype: torch.dtype | None = None,
+                 check: bool = True) -> dict[str, Any]:
+    """One LoRA-only update, timed: save the adapter (trainer), load it as ``version`` (engine).
+    Returns the ``request`` to generate with, the ``bytes`` that moved and the ``seconds`` it took."""
+    t0 = time.perf_counter()
+    save_adapter(peft_model, folder, dtype)
+    req = push_adapter(llm, folder, version, check=check)
+    return {"request": req, "bytes": adapter_bytes(folder), "seconds": time.perf_counter() - t0}
+
+
+def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """One full update of the merged weights, timed: merge a copy, send every tensor, load."""
+    t0 = time.perf_counter()
+    named = merged_weights(peft_model, dtype)
+    n, seconds = push_merged(llm, named), time.perf_counter() - t0
+    return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds, "tensors": n}
+
+
+def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
+    """An in-process vLLM ``LLM`` that takes both kinds of update: adapters (``enable_lora``) and full weights
+    through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (as ``cluster.engine_dtype``)."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
+    from vllm import LLM
+
+    kw = dict(model=str(model_dir), dtype="bfloat16" if gpu else "float32", enforce_eager=True, max_model_len=128,
+              max_num_seqs=8, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
+              worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension",
+              **({"gpu_memory_utilization": 0.3} if gpu else {}))
+    return LLM(**{**kw, **llm_kwargs})
+
+
+def stop_engine(llm: Any) -> None:
+    """Stop the engine's processes now, giving them time to exit cleanly (vLLM 0.26 takes no timeout)."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except TypeError:
+        llm.llm_engine.engine_core.shutdown()
