@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -369,10 +370,8 @@ class NcclTrainer026:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait for rank 0 (us) in their init
-            joining = pool.submit(client.init_weight_transfer_engine, {**info, "rank_offset": 1})
-            group = NCCLWeightTransferEngine.trainer_init(info)
-            joining.result()
+        join = lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1})  # noqa: E731
+        group = _alongside(join, lambda: NCCLWeightTransferEngine.trainer_init(info))  # workers wait for rank 0
         return cls(group, packed, client, source)
 
     def send_weights(self) -> None:
@@ -382,14 +381,30 @@ class NcclTrainer026:
         update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
                        "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
         self.client.start_weight_update()
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while we broadcast
-            receiving = pool.submit(self.client.update_weights, update_info)
-            NCCLWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": self.group, "packed": self.packed})
-            receiving.result()
+        _alongside(lambda: self.client.update_weights(update_info),  # the workers receive while we broadcast
+                   lambda: NCCLWeightTransferEngine.trainer_send_weights(
+                       iter(pairs), {"group": self.group, "packed": self.packed}))
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def _alongside(engine_side: Callable[[], Any], trainer_side: Callable[[], Any], timeout_s: float = 300.0) -> Any:
+    """Run ``engine_side()`` (an RPC that returns only once the trainer has taken part) in a thread while
+    ``trainer_side()`` runs here. An error on the trainer's side raises at once, instead of waiting forever for
+    an engine that waits for us; an engine silent for ``timeout_s`` afterwards raises ``TimeoutError``."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    engine = pool.submit(engine_side)
+    try:
+        out = trainer_side()
+        try:
+            engine.result(timeout=timeout_s)
+        except FutureTimeout as e:
+            raise TimeoutError(f"the engine's side did not finish within {timeout_s:.0f} s of the trainer's") from e
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def shutdown_transfer(llm: Any) -> None:

@@ -345,3 +345,20 @@ def test_colocated_ipc_update(llm, group, hf):
             llm.collective_rpc("update_weights_from_ipc", args=({"GPU-elsewhere": bad[ids[0]]},))
     assert generate(llm) == TRAINED
     assert llm.collective_rpc("check_weights_changed") == [False] * TP
+
+
+def test_native_trainer_026_never_waits_forever_for_the_engine():
+    """vLLM 0.26's trainer side runs the engine's RPC in a thread while it joins or broadcasts: a trainer-side
+    error raises at once (the engine, waiting for the trainer, would never answer), a silent engine times out."""
+    import threading
+    import time as _time
+
+    never = threading.Event()
+    t0 = _time.perf_counter()
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        vllm_ext._alongside(never.wait, lambda: (_ for _ in ()).throw(RuntimeError("trainer failed")))
+    assert _time.perf_counter() - t0 < 5
+    with pytest.raises(TimeoutError, match="engine's side"):
+        vllm_ext._alongside(never.wait, lambda: "sent", timeout_s=0.5)
+    assert vllm_ext._alongside(lambda: None, lambda: "sent") == "sent"
+    never.set()
