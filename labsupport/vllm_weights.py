@@ -17,6 +17,7 @@ API (``labsupport.vllm_plugin``). It imports neither, so neither imports the oth
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import math
@@ -38,6 +39,26 @@ def dtype_name(t: torch.Tensor | torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: how dtypes travel in RPC arguments."""
     dt = t if isinstance(t, torch.dtype) else t.dtype
     return str(dt).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def _lora_unwrapped(model: torch.nn.Module):
+    """With LoRA enabled, vLLM wraps layers and keeps their weights under ``.base_layer``, which vLLM 0.26's
+    loader does not see through. Put the wrapped layers in their wrappers' places while loading (the wrappers
+    read the same tensors), then put the wrappers back."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        base = getattr(module, "base_layer", None)
+        if name and isinstance(base, torch.nn.Module):
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            swapped.append((owner, child, module))
+            setattr(owner, child, base)
+    try:
+        yield
+    finally:
+        for owner, child, module in reversed(swapped):
+            setattr(owner, child, module)
 
 
 def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[str, Any]) -> str:
@@ -143,7 +164,7 @@ class EngineWeights:
             by_module.setdefault(self.module_of[n], []).append((n, t))
         if self.reference is None:
             self.reference = self.fingerprint()
-        with set_current_vllm_config(self.vllm_config):
+        with set_current_vllm_config(self.vllm_config), _lora_unwrapped(self.model):
             for mod, items in by_module.items():
                 self._load_layer(self.model.get_submodule(mod) if mod else self.model, items)
         return len(named)
