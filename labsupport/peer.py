@@ -22,8 +22,7 @@ from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_b
 
 
 def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
-    """Memory numbers that show sharing: CUDA allocator + device free bytes, or the CPU's resident memory
-    split into private (``rss_anon``) and mapped shared (``rss_shmem``) pages, from /proc."""
+    """Numbers that show sharing: CUDA allocator and device free bytes, or /proc's private and shared RSS."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -47,9 +46,8 @@ def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args:
 
 
 class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)`` (a module-level function); talk to it with
-    send()/recv(). ``env`` is applied in the child before CUDA starts. recv() raises TimeoutError if nothing
-    arrives in time and RuntimeError if the child died."""
+    """A spawned process running ``fn(inbox, outbox, *args)`` (module-level; ``env`` set before CUDA starts),
+    talked to with send() and recv(), which raises TimeoutError if nothing comes and RuntimeError if it died."""
 
     def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
@@ -131,9 +129,8 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
 
 def probe_in_peer(handle: Any, *, fill: float | None = None,
                   env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
-    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), which
-    writes ``fill`` through it if given. Returns what the child saw: device, GPU UUID, sum, first values,
-    memory before/after rebuilding, or ``{"error": ...}`` if rebuilding raised IpcError."""
+    """Rebuild ``handle`` in a fresh process (with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), writing ``fill``
+    through it if given; returns what it saw (device, UUID, sum, head, memory before/after) or ``{"error": ...}``."""
     with Peer(_probe_peer, env=env) as peer:
         out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
         peer.call(("drop", handle), timeout_s)

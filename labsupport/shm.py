@@ -69,9 +69,8 @@ _GUARDS_LOCK = threading.Lock()
 
 
 def guard_serial(path: str, slot: int) -> int:
-    """The serial in ``slot`` of the guard ``path`` (0: released), read through a cached mapping. Raises
-    FileNotFoundError if the guard is gone (its exporter closed, or another /dev/shm), and ProcessLookupError
-    if its exporter died (its lock is free)."""
+    """The serial in ``slot`` of guard ``path`` (0: released), through a cached mapping. FileNotFoundError:
+    the guard is gone (exporter closed, or another /dev/shm); ProcessLookupError: its exporter died."""
     with _GUARDS_LOCK:
         if path not in _GUARDS:
             fd = os.open(path, os.O_RDONLY)
@@ -89,9 +88,8 @@ def guard_serial(path: str, slot: int) -> int:
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove shared files left by exporters that died without cleaning up (their lock is free); returns
-    their names. Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after
-    creating it); ``only`` restricts the sweep to one guard path."""
+    """Remove the files of exporters that died without cleaning up (their lock is free); returns their names.
+    Guards younger than ``min_age_s`` are spared (an exporter locks its guard just after creating it)."""
     removed, now = [], time.time()
     for path in [only] if only else glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.guard")):
         try:

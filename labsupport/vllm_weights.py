@@ -133,8 +133,7 @@ class EngineWeights:
     # ---- 3. load ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors (nothing stays on
-        the meta device), layers loaded before it keep their new ones. Returns the number of tensors."""
+        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors. Returns how many."""
         from vllm.config import set_current_vllm_config
 
         by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -148,10 +147,7 @@ class EngineWeights:
         return len(named)
 
     def _load_layer(self, layer: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         initialize_layerwise_reload(layer)  # layer's tensors -> meta, loaders buffer until the layer is full
