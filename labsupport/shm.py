@@ -1,18 +1,17 @@
 """Files in ``/dev/shm`` that processes on one host share: the operating-system plumbing of ``labsupport.ipc``.
 
-An exporter makes two kinds of file, both named ``labsupport-ipc-<pid>-<random>...``:
-
-* *segments* (``...-<n>.shm``): tensor bytes that every process maps with ``MAP_SHARED``; the CPU
-  stand-in for GPU memory shared over CUDA IPC;
-* one *guard* (``....guard``): an int64 serial per export slot (0 = released), plus an exclusive advisory
-  lock that the exporter holds and the kernel drops when it dies. Reading a slot and probing the lock
-  tells a receiver, in microseconds, whether an export is still live.
+An exporter makes two kinds of file, both named ``labsupport-ipc-<pid>-<random>...``: *segments*
+(``...-<n>.shm``), tensor bytes that every process maps with ``MAP_SHARED`` (the CPU stand-in for GPU memory
+shared over CUDA IPC), and one *guard* (``....guard``): an int64 serial per export slot (0 = released) and an
+exclusive advisory lock that the exporter holds and the kernel drops when it dies. Reading a slot and probing
+the lock tell a receiver, in microseconds, whether an export is still live.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import mmap
 import os
 import struct
@@ -70,9 +69,8 @@ _GUARDS_LOCK = threading.Lock()
 
 
 def guard_serial(path: str, slot: int) -> int:
-    """The serial in ``slot`` of the guard ``path`` (0: released), read through a cached mapping. Raises
-    FileNotFoundError if the guard is gone (its exporter closed, or another /dev/shm), and ProcessLookupError
-    if its exporter died (its lock is free)."""
+    """The serial in ``slot`` of guard ``path`` (0: released), through a cached mapping. FileNotFoundError:
+    the guard is gone (exporter closed, or another /dev/shm); ProcessLookupError: its exporter died."""
     with _GUARDS_LOCK:
         if path not in _GUARDS:
             fd = os.open(path, os.O_RDONLY)
@@ -90,14 +88,10 @@ def guard_serial(path: str, slot: int) -> int:
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove shared files left by exporters that died without cleaning up (their lock is free); returns
-    their names. Guards younger than ``min_age_s`` are left alone (an exporter locks its guard right after
-    creating it); ``only`` restricts the sweep to one guard path."""
+    """Remove the files of exporters that died without cleaning up (their lock is free); returns their names.
+    Guards younger than ``min_age_s`` are spared (an exporter locks its guard just after creating it)."""
     removed, now = [], time.time()
-    for name in os.listdir(SHM_DIR):
-        path = os.path.join(SHM_DIR, name)
-        if not (name.startswith(PREFIX) and name.endswith(".guard")) or only not in (None, path):
-            continue
+    for path in [only] if only else glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.guard")):
         try:
             if now - os.stat(path).st_mtime < min_age_s:
                 continue
@@ -110,11 +104,9 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
             continue  # its exporter is alive
         finally:
             os.close(fd)
-        prefix = name.removesuffix(".guard")
-        for other in os.listdir(SHM_DIR):
-            if other == name or (other.startswith(prefix + "-") and other.endswith(".shm")):
-                unlink(os.path.join(SHM_DIR, other))
-                removed.append(other)
+        for stale in [path, *glob.glob(glob.escape(path.removesuffix(".guard")) + "-*.shm")]:
+            unlink(stale)
+            removed.append(os.path.basename(stale))
     return removed
 
 

