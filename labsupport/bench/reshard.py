@@ -201,12 +201,12 @@ def plot(data: dict[str, Any]):
         xs = [k + i * width for k in range(len(MODES))]
         axes[0].bar(xs, [modes[m]["seconds"] for m in MODES], width, label=shape)
         axes[1].bar(xs, [max(modes[m]["peak_extra_bytes_per_rank"]) / 2**30 for m in MODES], width, label=shape)
-    for ax, label in zip(axes, ("seconds per update", "peak extra GiB per trainer GPU")):
+    for ax, label in zip(axes, ("seconds per update", "peak extra GiB per trainer rank")):
         ax.set_xticks([k + width * (len(shapes) - 1) / 2 for k in range(len(MODES))], ["a", "b", "c"])
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     axes[1].axhline(data["bucket_bytes"] / 2**30, color="gray", linestyle="--", linewidth=1)
-    fig.suptitle(f"FSDP2 (2 ranks) -> vLLM TP=2: a gather all, b bucket overlap, c shard to shard")
+    fig.suptitle("FSDP2 (2 ranks) -> vLLM TP=2: a gather all, b bucket overlap, c shard to shard")
     fig.tight_layout()
     return fig
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer process has touched CUDA
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the plan travels pickled
     shapes = ["tiny"] if a.tiny else a.shapes.split(",")
-    bucket = (256 << 10) if a.tiny else a.bucket_mib << 20
+    bucket = (512 << 10) if a.tiny else a.bucket_mib << 20  # tiny: the 1.4 MB model in a few buckets
     import vllm
 
     import torch.multiprocessing as mp
