@@ -50,6 +50,9 @@ for step in $STEPS; do
     vllm_labs46) run vllm_labs46 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_04_disaggregated_vllm.md labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_labs_vllm46.xml" ;;
     vllm_lab7) run vllm_lab7 280 python3 -m pytest -v -p no:cacheprovider --timeout=270 labs/lab_07_capstone.md --junitxml="$OUT/logs/gpu_labs_vllm7.xml" ;;
     vllm_bench) run vllm_bench 330 python3 -m labsupport bench vllm-update ;;
+    # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
+    vllm_reshard) run vllm_reshard 560 python3 -m labsupport bench reshard ;;
+    vllm_lab8) run vllm_lab8 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_08_resharding.md --junitxml="$OUT/logs/gpu_labs_vllm8.xml" ;;
     *) echo "unknown step $step" ;;
   esac
 done
