@@ -70,6 +70,23 @@ def test_plans_with_a_gap_or_an_element_written_twice_are_refused():
         reshard.make_plan(layout, 2, owners=uneven)
 
 
+def _p2p_rank(rank: int, world: int, port: int):
+    g = groups.create_group("127.0.0.1", port, rank, world)
+    if rank == 0:  # to each peer three tensors, tagged; the peers post their receives in the reverse order
+        ops = [("send", torch.full((4,), float(10 * p + i)), p, 10 * p + i) for p in (1, 2) for i in range(3)]
+    else:
+        bufs = [torch.empty(4) for _ in range(3)]
+        ops = [("recv", b, 0, 10 * rank + i) for i, b in enumerate(bufs)][::-1]
+    g.wait_work(g.exchange(ops))
+    g.destroy()
+    return [] if rank == 0 else [b[0].item() for b in bufs]
+
+
+def test_exchange_matches_sends_and_receives_by_peer_and_tag():
+    out = groups.run_ranks(_p2p_rank, 3, (groups.free_port(),), timeout_s=120)
+    assert out == [(True, []), (True, [10.0, 11.0, 12.0]), (True, [20.0, 21.0, 22.0])]
+
+
 # ----------------------------------------------------------------------------- against a real engine
 
 @pytest.fixture(scope="module")
