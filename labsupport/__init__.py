@@ -18,6 +18,7 @@ The modules, in the order the chapters use them (read them in this order; the AP
 - ``vllm_ext``: vLLM worker extensions and the trainer's side of a weight update (and the vLLM version layer)
 - ``vllm_plugin``: vLLM's native weight-transfer API over gloo, registered as a vLLM plugin
 - ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
+- ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: name/layout mapping, plan, three ways
 - ``lora``: LoRA-only updates: a trained adapter into vLLM, against a full update of the merged weights
 - ``rl``: the capstone: a small GRPO loop in three orchestrations, side by side
 

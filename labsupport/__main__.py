@@ -24,13 +24,14 @@ BENCHES = {
     "cluster": "labsupport.bench.cluster:main",
     "vllm-update": "labsupport.bench.vllm_update:main",
     "lora": "labsupport.bench.lora:main",
+    "reshard": "labsupport.bench.reshard:main",
 }
 
 USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory|cluster|vllm-update|lora
+  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora
                        benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)

