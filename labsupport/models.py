@@ -46,15 +46,20 @@ def build_tokenizer():
                                    model_max_length=DEFAULT_CONFIG["max_position_embeddings"])
 
 
+def build_config(**overrides):
+    """The Qwen2 config of the tiny LM; ``overrides`` change any field (e.g. ``num_hidden_layers=4``)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                       dtype="float32", **{**DEFAULT_CONFIG, **overrides})
+
+
 def build_model(seed: int = 0, **overrides):
-    """A freshly initialised tiny Qwen2ForCausalLM in fp32 (same seed -> same weights); ``overrides`` change
-    any field of the config (e.g. ``num_hidden_layers=4``)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A freshly initialised tiny Qwen2ForCausalLM in fp32 (same seed -> same weights)."""
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                         dtype="float32", **{**DEFAULT_CONFIG, **overrides})
-    return Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(build_config(**overrides)).eval()
 
 
 # ----------------------------------------------------------------------------- the pattern task
