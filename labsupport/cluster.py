@@ -210,10 +210,14 @@ class RayWorker:
 class TrainerActor(RayWorker):
     """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else CPU)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, model_dir: str | None = None) -> None:
+        """A fresh model from ``seed``, or the one saved in ``model_dir`` (e.g. the trained tiny model)."""
+        from transformers import AutoModelForCausalLM
+
         self.device = "cuda:0" if hardware.gpu_count() > 0 else "cpu"
         self.tokenizer = models.build_tokenizer()
-        self.model = models.build_model(seed).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir) if model_dir else models.build_model(seed)
+        self.model = model.float().to(self.device).eval()
 
     def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
         """Teach the alphabet pattern (labsupport.models.train_pattern); returns the losses."""
