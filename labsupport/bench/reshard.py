@@ -5,8 +5,8 @@ or 7B shape in bfloat16 (random weights from a config: nothing is downloaded). E
 GPUs 2-3, dummy weights, ``labsupport.reshard.ReshardExtension``; trainer rank 0 owns it (an in-process
 ``LLM``). Modes (``labsupport.reshard``): ``a_gather_all`` (gather everything on rank 0, then one bucketed
 broadcast), ``b_bucket_overlap`` (gather bucket k+1 while bucket k is on the wire), ``c_shard_to_shard``
-(point to point, straight into the engine's fused TP parameters), and ``lora`` when
-``labsupport.bench.lora.measure`` exists (Lab 9's code; skipped otherwise).
+(point to point, straight into the engine's fused TP parameters), and ``lora`` (Lab 9's LoRA-only update
+against a full merged update, ``labsupport.bench.lora.measure``).
 
 Reported per mode: seconds from "start sending" to "engine updated", and the peak extra memory of each
 trainer GPU (``torch.cuda.max_memory_allocated`` over the value before the update). Each version of the weights
@@ -20,7 +20,6 @@ peak extra memory is the bytes of trainer buffers counted by ``labsupport.reshar
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import pickle
 import time
@@ -180,14 +179,10 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
 
 
 def _lora(shape: str, folder: Path) -> dict[str, Any]:
-    """Lab 9's LoRA-only update, if its measurement exists (``labsupport.bench.lora.measure(shape, folder)``)."""
-    try:
-        lora = importlib.import_module("labsupport.bench.lora")
-    except ImportError:
-        return {"skipped": "labsupport.bench.lora is not there yet"}
-    if not hasattr(lora, "measure"):
-        return {"skipped": "labsupport.bench.lora has no measure()"}
-    return dict(lora.measure(shape, folder))
+    """Lab 9's LoRA-only update against a full merged update, at the same shape (``bench.lora.measure``)."""
+    from labsupport.bench import lora
+
+    return dict(lora.measure(shape, folder=folder))
 
 
 def plot(data: dict[str, Any]):
