@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in MODES:
             r = d["modes"][m]
             print(f"{m:<20}{r['seconds']:>9.3f}{max(r['peak_extra_bytes_per_rank']) / 2**20:>20.2f} MiB  {r['ok']}")
-        print(f"{'lora':<20}{d['modes']['lora']}")
+        lo = d["modes"]["lora"]
+        for m in ("lora", "full_merged"):  # Lab 9's comparison at this shape (co-located, one GPU)
+            print(f"{m:<20}{lo[m]['seconds']:>9.3f}{lo[m]['bytes'] / 2**20:>20.2f} MiB sent  {lo[m]['ok']}")
     print(f"\nbar (largest shape): {data['bar']}")
     if not a.no_save:
         import matplotlib
