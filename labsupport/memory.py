@@ -1,12 +1,10 @@
 """Where the bytes go across RLHF phases: a memory timeline recorder and its summaries.
 
-``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA
-caching allocator (allocated, reserved, peak) at phase edges and from a background thread, and the
-bytes held by each role (weights, gradients, optimizer, kv_cache, activations) counted from the
-tensors the lab registers. On CPU there is no allocator to ask, so only the role bytes are recorded.
-``move_optimizer_state`` parks Adam's moments in host memory and brings them back (offloading).
-The RLHF step this records lives in ``labsupport.strategies``; the peak table and the plots of a
-timeline, in ``labsupport.bench.memory``.
+``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA caching
+allocator (allocated, reserved, peak) at phase edges and from a background thread, and the bytes held by each
+role (weights, gradients, optimizer, kv_cache, activations) counted from the tensors the lab registers (on CPU,
+only these). ``move_optimizer_state`` offloads Adam's moments to host memory and back. The RLHF step it
+records is ``labsupport.strategies``; its tables and plots, ``labsupport.bench.memory``.
 """
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,8 +43,7 @@ def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
                     f"returning tensors; found {type(obj).__name__}")
 
 
-@dataclass
-class _Source:
+class _Source(NamedTuple):
     role: str
     name: str
     tensors: Callable[[], Iterable[torch.Tensor]]
@@ -70,8 +66,7 @@ class MemoryTimeline:
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         self.device, self.gpu, self.name = dev, dev.type == "cuda", name
         self.capacity = torch.cuda.get_device_properties(dev).total_memory if self.gpu else None
-        # allocator counters cost microseconds; counting roles walks every registered tensor and holds the
-        # GIL for ~1-2 ms, which a launch-bound GPU step feels: on GPU the thread counts them less often
+        # allocator counters cost microseconds, counting roles ~1-2 ms of GIL: on GPU roles are counted less often
         self.interval_s = interval_s
         self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (1.0 if self.gpu else 0.02)
         self.samples: list[dict[str, Any]] = []
@@ -88,9 +83,8 @@ class MemoryTimeline:
 
     # ------------------------------------------------------------ registration
     def register(self, role: str, obj: Any, name: str | None = None) -> None:
-        """Count obj's tensors under role: a Module (its parameters and buffers, or with role
-        "gradients" its .grad), an Optimizer (its state), a Tensor, a list/dict of tensors, or a callable
-        that returns tensors. A list or callable is read at every sample, so clearing it shows up."""
+        """Count obj's tensors under role: a Module (parameters and buffers; for "gradients" their .grad), an
+        Optimizer (its state), a Tensor, or a list/dict/callable of tensors (read at every sample)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
         self._sources.append(_Source(role, name or type(obj).__name__, _tensors_of(role, obj)))
@@ -255,10 +249,6 @@ class MemoryTimeline:
         return path
 
     # ------------------------------------------------------------ summaries
-    def peak_by_phase(self) -> list[dict[str, Any]]:
-        """One row per phase: duration, allocator peak (GPU) and the largest registered total."""
-        return peak_by_phase(self.to_dict())
-
     def to_dict(self) -> dict[str, Any]:
         """Everything recorded, as plain JSON-able data (what plots and save_result take)."""
         with self._lock:
@@ -281,7 +271,7 @@ def role_total(sample: dict[str, Any]) -> int:
 
 
 def peak_by_phase(tl: MemoryTimeline | dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows {phase, seconds, peak_allocated, peak_reserved, peak_roles, roles_at_peak} per phase."""
+    """One row per phase: {phase, seconds, peak_allocated, peak_reserved (GPU), peak_roles, roles_at_peak}."""
     d = _as_dict(tl)
     rows = []
     for ph in d["phases"]:

@@ -1,9 +1,8 @@
 """One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by phase.
 
-``rlhf_step`` runs a small Qwen2 policy (from ``labsupport.models``) through generation with a KV pool
-allocated up front, a rule-based reward, and a policy-gradient update with Adam; each phase is a
-``with tl.phase(...)`` block of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what
-stays on the GPU between phases (``STRATEGY_TEXT``). Lab 2 and ``python -m labsupport bench memory`` run it.
+``rlhf_step`` runs a small Qwen2 policy (``labsupport.models``) through generation into a KV pool allocated up
+front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block
+of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what stays on the GPU (``STRATEGY_TEXT``).
 """
 from __future__ import annotations
 
@@ -98,13 +97,6 @@ def _allocate_kv(state: RLHFState) -> None:
     state.kv[:] = [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
-def _free_kv(state: RLHFState) -> None:
-    state.kv.clear()
-    state.cache = None
-    if state.device.type == "cuda":
-        torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
-
-
 def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, float]:
     """One RLHF step, phase by phase: generate (KV pool), [free KV], reward, [reload Adam], train,
     optimizer step, [offload Adam]. The bracketed phases depend on state.strategy."""
@@ -130,7 +122,10 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
         _sync(dev)
     if state.strategy != "resident":
         with phase("free_kv"):
-            _free_kv(state)
+            state.kv.clear()
+            state.cache = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
     with phase("reward"):
         gen = seq[:, c.prompt_len:]
         # a rule-based reward: how often a token is its predecessor + 1 (the course's "succession" pattern)
