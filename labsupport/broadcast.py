@@ -52,7 +52,6 @@ class SyncTimeout(WeightSyncError, TimeoutError):
 @dataclass(frozen=True)
 class TensorMeta:
     """What a receiver needs to allocate and validate one tensor: name, dtype name, shape."""
-
     name: str
     dtype: str  # e.g. "bfloat16"
     shape: tuple[int, ...]
@@ -69,7 +68,6 @@ class TensorMeta:
 @dataclass
 class SyncStats:
     """What one sync moved and how long it took (``seconds`` covers handshake, transfer and verification)."""
-
     bytes: int
     seconds: float
     n_collectives: int  # data broadcasts (the handshake's few small collectives are not counted)
@@ -124,7 +122,6 @@ def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
 
 
 # ---------------------------------------------------------------------------- trainer side
-
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",
          bucket_bytes: int = 256 << 20, version: int = 0, verify: bool = True) -> SyncStats:
     """Broadcast named tensors from this rank (``src``) to every other rank; returns once every receiver has
@@ -205,7 +202,6 @@ def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMe
 
 
 # ---------------------------------------------------------------------------- receiver side
-
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, TensorMeta] | None,
             load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
@@ -307,7 +303,6 @@ def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor
 
 
 # ---------------------------------------------------------------------------- handshake and votes
-
 def _header(group: StatelessGroup, fields: list[int] | None, stale: bool) -> list[int]:
     """The handshake: an all-reduce (sum) of the sender's header and the count of receivers that must vote."""
     if "header" not in group.cache:  # a pinned host slot and a device slot, reused (each sync ends synchronized)
@@ -404,7 +399,6 @@ def _guard(group: StatelessGroup, fn: Callable[[], Any], what: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- bucket plan
-
 @dataclass
 class _Bucket:
     items: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor index, byte offset, nbytes)
@@ -457,7 +451,6 @@ def _round_up(x: int, a: int = ALIGN) -> int:
 @dataclass
 class _Plan:
     """Everything both sides derive once per (metadata, bucket size, mode) and reuse on every update."""
-
     metas: list[TensorMeta]
     buckets: list[_Bucket]
     total: int
@@ -494,7 +487,6 @@ def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], 
 
 
 # ---------------------------------------------------------------------------- buffers and streams (GPU vs CPU)
-
 def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev: torch.device) -> tuple:
     """``(buffers, views, sums, streams, current stream)``: staging buffers if ``stage``, checksum slots if
     ``verify``, and two side streams that start after the current stream's work (the weights as last written,

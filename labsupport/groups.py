@@ -2,9 +2,8 @@
 
 RLHF trainers already own a default process group (data parallel) and vLLM builds its own; the weight-sync
 group must coexist with both. So we never call ``init_process_group``: a TCPStore does the rendezvous and a
-``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) backend object is built directly on it, the same
-idea as vLLM's ``stateless_init_torch_distributed_process_group``. Every wait has a timeout, and failures say
-which rank is missing and what to do. Read ``create_group`` first, then the group's collectives.
+``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it, as in vLLM's
+``stateless_init_torch_distributed_process_group``. Every wait has a timeout; failures name the missing rank.
 """
 
 from __future__ import annotations
@@ -33,17 +32,14 @@ class GroupTimeout(GroupError, TimeoutError):
 
 
 def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                 backend: str | None = None, device: str | torch.device | None = None,
-                 timeout_s: float = 60.0) -> StatelessGroup:
-    """Join (rank 0: host) a stateless group of ``world_size`` ranks: "nccl" on a CUDA ``device``, "gloo" on
-    the CPU (the default). Raises ``GroupError`` for a port in use, a duplicate rank or disagreeing world sizes,
+                 device: str | torch.device | None = None, timeout_s: float = 60.0) -> StatelessGroup:
+    """Join (rank 0: host) a stateless group of ``world_size`` ranks: NCCL on a CUDA ``device``, gloo on the CPU
+    (the default). Raises ``GroupError`` for a port in use, a duplicate rank or disagreeing world sizes,
     ``GroupTimeout`` naming the ranks that never arrived."""
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
     device = torch.device(device if device is not None else "cpu")
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise GroupError(f"backend='nccl' needs a CUDA device; got device={device}. Use backend='gloo' on CPU.")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -301,8 +297,6 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     """Build the backend object directly (no default group, nothing registered globally)."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
-    if backend != "nccl":
-        raise GroupError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
     opts = dist.ProcessGroupNCCL.Options()
     # The watchdog waits longer than our host-side waits, so our clear GroupTimeout comes first; error handling
     # "2" cleans up the communicator without killing the process (torch's default, 3, kills it).
@@ -347,7 +341,6 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
 
 
 # ---------------------------------------------------------------------------- multi-process helper
-
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
               cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
     """Run ``fn(rank, world_size, *args)`` in fresh processes (forked from a forkserver that imported torch once);

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,11 +63,8 @@ def gpu_uuid(index: int) -> str:
 
 
 # ---------------------------------------------------------------------------- which path a lab takes
-
-@dataclass(frozen=True)
-class LabEnv:
+class LabEnv(NamedTuple):
     """Which path a lab takes: ``gpu`` is True when the machine meets the lab's ``min_gpus``."""
-
     gpu: bool
     device: str  # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
@@ -113,7 +109,6 @@ def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- the doctor
-
 def doctor(check_ipc: bool = True) -> dict[str, Any]:
     """Everything the labs care about on this machine, as a dict (``format_doctor`` writes it out)."""
     n = gpu_count()
@@ -145,8 +140,7 @@ def nvlink_topology() -> str | None:
 
 
 def cuda_ipc_works() -> bool | None:
-    """Hand a CUDA tensor to a second process, which writes through it: True if the owner sees the write,
-    False if not, None without a GPU to try."""
+    """Whether the owner of a CUDA tensor sees a second process write through it (None without a GPU)."""
     if gpu_count() == 0:
         return None
     import torch.multiprocessing as mp

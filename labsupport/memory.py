@@ -50,11 +50,8 @@ class _Source(NamedTuple):
 
 
 class MemoryTimeline:
-    """Phases, allocator samples and bytes by role over time, for one device.
-
-    tl = MemoryTimeline("cuda"); tl.register("weights", model); tl.register("optimizer", opt)
-    with tl.sampling(), tl.phase("generate"): ...
-    """
+    """Phases, allocator samples and bytes by role over time, for one device: ``tl.register("weights", model)``,
+    then ``with tl.sampling(), tl.phase("generate"): ...``."""
 
     def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01,
                  roles_interval_s: float | None = None) -> None:
@@ -72,11 +69,9 @@ class MemoryTimeline:
         self.samples: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
         self._sources: list[_Source] = []
-        self._current: dict[str, Any] | None = None
-        self._lock = threading.Lock()  # guards samples and the saved-for-backward list
-        self._act_refs: list[weakref.ref] = []
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
+        self._lock = threading.Lock()  # guards samples and _act_refs
+        self._current, self._thread, self._stop = None, None, threading.Event()  # phase, sampler thread
         self._ticks, self._sample_s, self._history = 0, 0.0, False
         self._t0 = time.perf_counter()
         self.register("activations", self._live_activations, name="saved for backward")
@@ -97,8 +92,7 @@ class MemoryTimeline:
             raise KeyError(f"no source named {name!r}; registered: {[s.name for s in self._sources]}")
 
     def forget_sources(self) -> None:
-        """Drop the registered objects (keeping what was recorded) so a finished timeline does not keep
-        a model, optimizer or cache alive."""
+        """Drop the registered objects (keeping what was recorded): a finished timeline keeps nothing alive."""
         self._sources = [_Source(s.role, s.name, lambda: []) for s in self._sources]
 
     @contextlib.contextmanager

@@ -57,7 +57,6 @@ def build_model(seed: int = 0, **overrides):
 
 
 # ----------------------------------------------------------------------------- the pattern task
-
 def _succession(start: int, n: int) -> str:
     return "".join(LETTERS[(start + i) % 26] for i in range(n))
 
@@ -105,7 +104,6 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 
 
 
 # ----------------------------------------------------------------------------- saved folders
-
 def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
     """A saved tiny model (``kind`` "random": gibberish, or "trained" on the alphabet), built once and cached."""
     if kind not in ("random", "trained"):

@@ -158,7 +158,6 @@ class Workload:
     kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
     act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
     rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights are split tp ways)
-    frozen_dtype: str = "bf16"
 
     def size(self, role: str) -> float:
         v = getattr(self, f"{role}_params")
@@ -169,8 +168,8 @@ class Workload:
         return zero_memory(self.size(role), n, 3).total
 
     def frozen(self, role: str, n: int) -> float:
-        """Per-GPU bytes of a frozen model's weights, split over n GPUs."""
-        return self.size(role) * dtype_bytes(self.frozen_dtype) / n
+        """Per-GPU bytes of a frozen model's bf16 weights, split over n GPUs."""
+        return self.size(role) * dtype_bytes("bf16") / n
 
 
 @dataclass
