@@ -205,12 +205,10 @@ def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMe
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, TensorMeta] | None,
             load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
-    """Receive one update from ``src``: validate its metadata, then land every tensor.
-
-    ``expected`` (from ``expected_from``; ``None`` accepts anything) is checked once per layout and object.
-    ``into``: this receiver's own tensors by name, received in place in ``bucketed`` and ``per_tensor`` modes;
-    the rest goes to ``load`` as ``[(name, view)]`` valid only during the call (on NCCL, on a side stream).
-    """
+    """Receive one update from ``src``: validate its metadata, then land every tensor. ``expected`` (from
+    ``expected_from``; ``None`` accepts anything) is checked once per layout and object. ``into``: this receiver's
+    own tensors by name, received in place in ``bucketed`` and ``per_tensor`` modes; the rest goes to ``load`` as
+    ``[(name, view)]``, valid only during the call (on NCCL, on a side stream)."""
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
     t0 = time.perf_counter()
@@ -407,12 +405,10 @@ class _Bucket:
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
-    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan.
-
-    ``packed``: tensors larger than a bucket go first, alone, so the wire is busy while bucket 1 is packed.
-    ``bucketed``: small tensors are packed in buckets of their own; the rest go as grouped launches. A group
-    costs host time per tensor (~5 us) before anything moves, so the first two are small and packing comes second.
-    """
+    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan. ``packed``:
+    tensors larger than a bucket go first, alone, so the wire is busy while bucket 1 is packed. ``bucketed``: small
+    tensors are packed in buckets of their own, the rest go as grouped launches; a group costs host time per
+    tensor (~5 us) before anything moves, so the first two are small and packing comes second."""
     sizes = [m.nbytes for m in metas]
     idx = [i for i, n in enumerate(sizes) if n]
     if mode == "per_tensor":
@@ -491,8 +487,14 @@ def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev:
     """``(buffers, views, sums, streams, current stream)``: staging buffers if ``stage``, checksum slots if
     ``verify``, and two side streams that start after the current stream's work (the weights as last written,
     the checksum multipliers made here). On gloo the streams are ``[None, None], None`` (all inline)."""
-    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if stage else None
-    views = plan.views_in(bufs) if stage else None
+    bufs = views = None
+    if stage:  # two byte buffers kept in the group, grown when a larger bucket comes (no allocation per sync)
+        if "buffers" not in group.cache or group.cache["buffers"][0].numel() < plan.staging:
+            _guard(group, lambda: release_buffers(group), "buffer allocation")
+            group.cache["buffers"] = [torch.zeros(plan.staging, dtype=torch.uint8, device=group.device)
+                                      for _ in range(2)]
+        bufs = group.cache["buffers"]
+        views = plan.views_in(bufs)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     if verify:
         checksums.reserve(dev, max((b.nbytes for b in plan.buckets), default=0))
@@ -515,16 +517,6 @@ def _join(streams: list[Any], cur: Any) -> None:
     if cur is not None:
         for s in streams:
             cur.wait_stream(s)
-
-
-def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
-    """Two byte buffers of at least ``nbytes`` each, kept in the group (no allocation per sync)."""
-    have = group.cache.get("buffers")
-    if have is None or have[0].numel() < nbytes:
-        del have
-        release_buffers(group)
-        group.cache["buffers"] = [torch.zeros(nbytes, dtype=torch.uint8, device=group.device) for _ in range(2)]
-    return group.cache["buffers"]
 
 
 def release_buffers(group: StatelessGroup) -> None:

@@ -9,13 +9,13 @@ group must coexist with both. So we never call ``init_process_group``: a TCPStor
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
 import pickle
 import re
 import socket
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -45,7 +45,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
         torch.cuda.set_device(device)
     address = f"{master_address}:{master_port}"
     try:
-        store = TCPStore(master_address, master_port, None, rank == 0, timeout=_td(timeout_s),
+        store = TCPStore(master_address, master_port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
     except Exception as exc:
         if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
@@ -111,24 +111,20 @@ class StatelessGroup:
                 f"device={str(self.device)!r}, master={self.address})")
 
     # ------------------------------------------------------------------ tensor collectives (backend)
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None, async_op: bool = False) -> Any:
-        """Broadcast ``tensor`` in place from ``src``, on NCCL ordered after ``stream`` (default: the current
-        one); with ``async_op=True`` the caller gets the Work and must ``wait_work`` it."""
-        self._check_open()
-        opts = _root(src)
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        """Broadcast ``tensor`` in place from ``src`` and wait; on NCCL ordered after ``stream`` (default: the
+        current one), which waits for it."""
         with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
-            work = self._issue(lambda: self.pg.broadcast([tensor], opts), "broadcast")
-            if not async_op:
-                self.wait_work(work, "broadcast")
-        return work if async_op else None
+            self.wait_work(self.broadcast_many([tensor], src), "broadcast")
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
-        """Broadcast several tensors from ``src`` as one launch (an NCCL group: ``ncclGroupStart``/``End``);
-        gloo cannot group, so there each tensor is its own broadcast. Returns what ``wait_work`` takes."""
-        if self.backend != "nccl" or len(tensors) == 1:
-            return [self.broadcast(t, src, async_op=True) for t in tensors]
+        """Start a broadcast of several tensors from ``src`` as one launch (an NCCL group: ``ncclGroupStart``/
+        ``End``); returns what ``wait_work`` takes."""
         self._check_open()
-        opts = _root(src)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        if self.backend != "nccl" or len(tensors) == 1:  # gloo cannot group: one broadcast per tensor
+            return [self._issue(lambda t=t: self.pg.broadcast([t], opts), "broadcast") for t in tensors]
 
         def grouped() -> Any:
             self.pg._start_coalescing()
@@ -246,7 +242,7 @@ class StatelessGroup:
 
     def _wait_keys(self, keys: dict[int, str], what: str) -> None:
         try:
-            self._obj.wait(list(keys.values()), _td(self.timeout_s))
+            self._obj.wait(list(keys.values()), timedelta(seconds=self.timeout_s))
         except Exception as exc:
             try:
                 missing = [r for r, k in keys.items() if not self._obj.check([k])]
@@ -283,24 +279,14 @@ class StatelessGroup:
                 return getattr(self.pg, way)()
 
 
-def _td(seconds: float) -> _dt.timedelta:
-    return _dt.timedelta(seconds=float(seconds))
-
-
-def _root(src: int) -> dist.BroadcastOptions:
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = src, 0
-    return opts
-
-
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """Build the backend object directly (no default group, nothing registered globally)."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
+        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
     opts = dist.ProcessGroupNCCL.Options()
     # The watchdog waits longer than our host-side waits, so our clear GroupTimeout comes first; error handling
     # "2" cleans up the communicator without killing the process (torch's default, 3, kills it).
-    opts._timeout = _td(timeout_s * 2 + 30)
+    opts._timeout = timedelta(seconds=timeout_s * 2 + 30)
     opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
     old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"

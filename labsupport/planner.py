@@ -124,12 +124,10 @@ def model_kv_bytes(model: ModelSpec, seq_len: int, batch: int, dtype: str = "bf1
 
 def activation_bytes(layers: int, hidden: int, heads: int, seq_len: int, batch: int,
                      recompute: str = "none", tensor_parallel: int = 1) -> float:
-    """Activation bytes saved for backward in a training step (16-bit activations, GPT-style 4h MLP).
-
-    Per layer s*b*h*(34 + 5*a*s/h), divided by t under tensor+sequence parallelism (Korthikanti et al. 2022,
-    eq. 1-2, sec. 5); "selective" recompute (or flash attention: no a*s*s scores) leaves 34*s*b*h/t, "full"
-    only the layer input, 2*s*b*h. Logits, loss and pipeline micro-batches in flight are not counted.
-    """
+    """Activation bytes saved for backward in a training step (16-bit activations, GPT-style 4h MLP): per layer
+    s*b*h*(34 + 5*a*s/h), divided by t under tensor+sequence parallelism (Korthikanti et al. 2022, eq. 1-2, sec. 5);
+    "selective" recompute (or flash attention: no a*s*s scores) leaves 34*s*b*h/t, "full" only the layer input,
+    2*s*b*h. Logits, loss and pipeline micro-batches in flight are not counted."""
     s, b, h, a, t = seq_len, batch, hidden, heads, tensor_parallel
     if recompute == "none":
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
@@ -158,6 +156,7 @@ class Workload:
     kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
     act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
     rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights are split tp ways)
+    frozen_dtype: str = "bf16"  # rollout and frozen models' weights
 
     def size(self, role: str) -> float:
         v = getattr(self, f"{role}_params")
@@ -168,8 +167,8 @@ class Workload:
         return zero_memory(self.size(role), n, 3).total
 
     def frozen(self, role: str, n: int) -> float:
-        """Per-GPU bytes of a frozen model's bf16 weights, split over n GPUs."""
-        return self.size(role) * dtype_bytes("bf16") / n
+        """Per-GPU bytes of a frozen model's weights, split over n GPUs."""
+        return self.size(role) * dtype_bytes(self.frozen_dtype) / n
 
 
 @dataclass
@@ -211,14 +210,11 @@ LAYOUTS = ("colocated", "hybrid", "disaggregated")
 
 def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
                 groups: dict[str, int] | None = None) -> LayoutPlan:
-    """Per-GPU bytes of the actor, critic, reference and reward models for one layout.
-
-    colocated: all four models plus the rollout weights and KV cache resident on the same n_gpus (sharded).
-    hybrid: the same n_gpus, time-shared: only the current phase's states on the GPU, the rest offloaded to
-      host memory (a verl-style hybrid engine); the peak is the largest phase.
-    disaggregated: groups {"train": n, "rollout": n, "score": n}: training states, rollout weights and KV
-      cache, reference and reward models.
-    """
+    """Per-GPU bytes of the actor, critic, reference and reward models for one layout. colocated: all four
+    models plus the rollout weights and KV cache resident on the same n_gpus (sharded). hybrid: the same n_gpus,
+    time-shared: only the current phase's states on the GPU, the rest offloaded to host memory (a verl-style
+    hybrid engine). disaggregated: groups {"train": n, "rollout": n, "score": n}: training states, rollout
+    weights and KV cache, reference and reward models."""
     plan = LayoutPlan(layout)
     generate = {"rollout weights": w.frozen("actor", w.rollout_tp), "kv cache": w.kv_bytes_per_gpu}
     if layout in ("colocated", "hybrid"):
