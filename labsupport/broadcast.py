@@ -113,7 +113,6 @@ def expected_from(named_tensors: NamedTensors) -> dict[str, TensorMeta]:
 
 def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
     """A ``load`` callback that copies each received tensor into ``targets[name]`` (in place, no grad)."""
-
     def load(batch: Batch) -> None:
         with torch.no_grad():  # one multi-tensor copy for the whole bucket, not one kernel launch per tensor
             torch._foreach_copy_([targets[name] for name, _ in batch], [t for _, t in batch])

