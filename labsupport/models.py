@@ -1,9 +1,8 @@
 """Tiny causal language models built offline, small enough to train on a laptop CPU in seconds.
 
 The labs need a model whose output *visibly* changes when new weights arrive: a Qwen2-architecture LM (both
-transformers and vLLM load it) with a character-level tokenizer, taught "alphabet succession": after ``cde``
-it writes ``fgh``, where a random model writes gibberish. Nothing is downloaded: the tokenizer and config are
-made here.
+transformers and vLLM load it) with a character-level tokenizer, taught "alphabet succession" (after ``cde`` it
+writes ``fgh``; a random model writes gibberish). Nothing is downloaded: tokenizer and config are made here.
 """
 
 from __future__ import annotations

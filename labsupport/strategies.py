@@ -67,13 +67,14 @@ class RLHFState:
     steps: int = 0
 
 
-def make_state(strategy: str, config: StepConfig, device: str | torch.device = "cpu") -> RLHFState:
+def make_state(strategy: str, config: StepConfig | None = None, device: str | torch.device = "cpu") -> RLHFState:
     """Build the policy (a Qwen2 from labsupport.models, random init) and Adam on device."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {STRATEGIES}")
-    model = models.build_model(seed=config.seed, **config.overrides()).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-    return RLHFState(strategy, config, torch.device(device), model, opt)
+    cfg = config or CPU_CONFIG
+    model = models.build_model(seed=cfg.seed, **cfg.overrides()).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    return RLHFState(strategy, cfg, torch.device(device), model, opt)
 
 
 def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
