@@ -1,22 +1,18 @@
 """Weight sync from a trainer to inference ranks over a stateless group: handshake, buckets, verification.
 
-``send`` (trainer, rank ``src``) and ``receive`` (every other rank) run concurrently:
+``send`` (the trainer, rank ``src``) and ``receive`` (every other rank) run concurrently:
 
-1. handshake: one all-reduce carries the header (version, metadata hash, mode, bucket size) from the
-   trainer and, from each receiver, whether it must check the metadata again. The names/dtypes/shapes
-   follow only when they changed; every receiver checks them and all ranks vote: one objection makes
-   *every* rank raise ``WeightSyncError`` naming the tensor, before any weight changes.
-2. transfer, three ways: ``per_tensor`` (one broadcast per tensor, the baseline); ``bucketed`` (each
-   bucket leaves as one NCCL launch, a group of broadcasts straight from the tensors' own memory, and
-   lands in the receiver's own tensors (``into``) or in one of two staging buffers that ``load`` empties
-   while the next bucket arrives); ``packed`` (the classic: the trainer copies bucket k+1 into one of two
-   buffers while bucket k is on the wire; the receiver unpacks). Copies compete with NCCL for memory
+1. handshake: one all-reduce carries the trainer's header (version, metadata hash, mode, bucket size) and
+   each receiver's "must I check the metadata again?". Names/dtypes/shapes follow only when they changed;
+   receivers check them and all ranks vote: one objection makes *every* rank raise ``WeightSyncError``
+   naming the tensor, before any weight changes.
+2. transfer: ``per_tensor`` (one broadcast per tensor, the baseline); ``bucketed`` (a bucket is one NCCL
+   launch straight from the tensors' memory, landing in the receiver's own tensors (``into``) or in a
+   staging buffer that ``load`` empties while the next bucket arrives); ``packed`` (the classic: the trainer
+   copies bucket k+1 into a buffer while bucket k is on the wire). Copies compete with NCCL for memory
    bandwidth, which is why ``bucketed`` avoids them.
-3. verification: an integer checksum per bucket (``labsupport.checksums``), computed on the device on both
-   sides, compared in the closing all-reduce that also reports receivers whose ``load`` failed.
-
-A peer that dies makes every survivor raise ``SyncTimeout`` naming it (never a hang). Read top down:
-``send``, ``receive``, then the steps they share. ``python -m labsupport bench sync`` measures the modes.
+3. verification: a checksum per bucket (``labsupport.checksums``) on both sides, compared in a closing
+   all-reduce that also reports failed ``load`` calls. A dead peer makes every survivor raise ``SyncTimeout``.
 """
 
 from __future__ import annotations
@@ -56,7 +52,6 @@ class SyncTimeout(WeightSyncError, TimeoutError):
 @dataclass(frozen=True)
 class TensorMeta:
     """What a receiver needs to allocate and validate one tensor: name, dtype name, shape."""
-
     name: str
     dtype: str  # e.g. "bfloat16"
     shape: tuple[int, ...]
@@ -73,7 +68,6 @@ class TensorMeta:
 @dataclass
 class SyncStats:
     """What one sync moved and how long it took (``seconds`` covers handshake, transfer and verification)."""
-
     bytes: int
     seconds: float
     n_collectives: int  # data broadcasts (the handshake's few small collectives are not counted)
@@ -119,7 +113,6 @@ def expected_from(named_tensors: NamedTensors) -> dict[str, TensorMeta]:
 
 def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
     """A ``load`` callback that copies each received tensor into ``targets[name]`` (in place, no grad)."""
-
     def load(batch: Batch) -> None:
         with torch.no_grad():  # one multi-tensor copy for the whole bucket, not one kernel launch per tensor
             torch._foreach_copy_([targets[name] for name, _ in batch], [t for _, t in batch])
@@ -128,13 +121,11 @@ def copy_into(targets: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
 
 
 # ---------------------------------------------------------------------------- trainer side
-
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",
          bucket_bytes: int = 256 << 20, version: int = 0, verify: bool = True) -> SyncStats:
-    """Broadcast named tensors from this rank (``src``) to every other rank of ``group``; returns once every
-    receiver has loaded them (and, with ``verify``, matched the checksums). Raises ``WeightSyncError`` if a
-    receiver rejects the metadata (then nothing was loaded anywhere), a checksum differs or a ``load``
-    fails; ``SyncTimeout`` if a peer stops answering."""
+    """Broadcast named tensors from this rank (``src``) to every other rank; returns once every receiver has
+    loaded them (and matched the checksums). Raises ``WeightSyncError`` on rejected metadata (nothing loaded
+    anywhere), a checksum mismatch or a failed ``load``; ``SyncTimeout`` if a peer stops answering."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     if group.rank != src:
@@ -192,8 +183,7 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
 
 
 def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMeta], tuple[int, int], bool]:
-    """``(metas, key, changed)``: the metadata and its hash (``key``), recomputed only when names, dtypes or
-    shapes changed since the last send; the receivers get the full list only when ``changed``."""
+    """``(metas, key, changed)``: the metadata and its hash, recomputed only when the layout changed."""
     sig = [(n, t.dtype, t.shape) for n, t in items]
     last = group.cache.get("send_sig")
     if last is not None and last[0] == sig:
@@ -211,17 +201,13 @@ def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMe
 
 
 # ---------------------------------------------------------------------------- receiver side
-
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, TensorMeta] | None,
             load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
-    """Receive one update from ``src``: validate its metadata, then land every tensor.
-
-    ``expected`` (from ``expected_from``; ``None`` accepts anything) is checked once per layout and
-    ``expected`` object, so build it once. ``into``: this receiver's own tensors by name, received in place
-    (no copy) in ``bucketed`` and ``per_tensor`` modes. The rest goes to ``load`` as ``[(name, tensor)]``
-    views of a staging buffer, valid only during the call; on NCCL ``load`` runs on a side stream.
-    """
+    """Receive one update from ``src``: validate its metadata, then land every tensor. ``expected`` (from
+    ``expected_from``; ``None`` accepts anything) is checked once per layout and object. ``into``: this receiver's
+    own tensors by name, received in place in ``bucketed`` and ``per_tensor`` modes; the rest goes to ``load`` as
+    ``[(name, view)]``, valid only during the call (on NCCL, on a side stream)."""
     if group.rank == src:
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
     t0 = time.perf_counter()
@@ -298,8 +284,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
 
 def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor] | None,
              dev: torch.device) -> tuple[list[torch.Tensor | None], bool]:
-    """Per tensor, the receiver's own tensor it lands in (contiguous, same dtype, shape and device) or None;
-    and whether staging buffers are needed. Cached per (plan, ``into`` object)."""
+    """Per tensor, the matching tensor of ``into`` it lands in (or None); and whether staging is needed."""
     hit = group.cache.get("landing")
     if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into or ()):
         return hit[3], hit[4]
@@ -315,10 +300,8 @@ def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor
 
 
 # ---------------------------------------------------------------------------- handshake and votes
-
 def _header(group: StatelessGroup, fields: list[int] | None, stale: bool) -> list[int]:
-    """The handshake's one collective, an all-reduce (sum) of the sender's header and, in the last slot, each
-    receiver's 1 if it must vote on the metadata again: every rank gets both."""
+    """The handshake: an all-reduce (sum) of the sender's header and the count of receivers that must vote."""
     if "header" not in group.cache:  # a pinned host slot and a device slot, reused (each sync ends synchronized)
         host = torch.zeros(8, dtype=torch.int64, pin_memory=group.backend == "nccl")
         group.cache["header"] = (host, torch.zeros(8, dtype=torch.int64, device=group.device))
@@ -367,8 +350,7 @@ def _vote(group: StatelessGroup, my_problems: list[str], version: int) -> None:
 
 def _finish(group: StatelessGroup, version: int, problems: list[str], sums: torch.Tensor | None,
             plan: _Plan, src: int) -> None:
-    """The closing vote, one all-reduce (max) of [failed?, checksums, -checksums]: all ranks hold the same
-    checksums exactly when max == -max(-x) == min. On any failure every rank raises ``WeightSyncError``."""
+    """The closing vote: all-reduce (max) of [failed?, sums, -sums]; the sums agree when max == min."""
     vec = torch.full((1,), 1 if problems else 0, dtype=torch.int64, device=group.device)
     if sums is not None:
         vec = torch.cat([vec, sums, -sums])
@@ -414,7 +396,6 @@ def _guard(group: StatelessGroup, fn: Callable[[], Any], what: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- bucket plan
-
 @dataclass
 class _Bucket:
     items: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor index, byte offset, nbytes)
@@ -423,14 +404,10 @@ class _Bucket:
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucketed") -> list[_Bucket]:
-    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan.
-
-    ``per_tensor``: one bucket per tensor. ``packed``: every bucket packed; tensors larger than a bucket go
-    first, alone, so the wire is busy while the first bucket is packed. ``bucketed``: tensors under 1 MiB (or
-    1/64 of a smaller bucket) are packed into buckets of their own; the rest go as grouped launches. A group
-    costs host time per tensor (about 5 us) and nothing moves before the first one is launched, so the first
-    two groups are small (1/16 and 1/4 of a bucket) and the packed buckets go second.
-    """
+    """Split tensors into buckets of at most ``bucket_bytes``; both sides compute the same plan. ``packed``:
+    tensors larger than a bucket go first, alone, so the wire is busy while bucket 1 is packed. ``bucketed``: small
+    tensors are packed in buckets of their own, the rest go as grouped launches; a group costs host time per
+    tensor (~5 us) before anything moves, so the first two are small and packing comes second."""
     sizes = [m.nbytes for m in metas]
     idx = [i for i, n in enumerate(sizes) if n]
     if mode == "per_tensor":
@@ -444,8 +421,7 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucket
 
 
 def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool, ramp: bool = False) -> list[_Bucket]:
-    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own); with ``ramp`` the
-    first two are capped at 1/16 and 1/4 of that."""
+    """Consecutive buckets of at most ``bucket_bytes``; with ``ramp`` the first two are smaller (``RAMP``)."""
     out: list[_Bucket] = []
     used = 0
     for i in idx:
@@ -470,7 +446,6 @@ def _round_up(x: int, a: int = ALIGN) -> int:
 @dataclass
 class _Plan:
     """Everything both sides derive once per (metadata, bucket size, mode) and reuse on every update."""
-
     metas: list[TensorMeta]
     buckets: list[_Bucket]
     total: int
@@ -507,15 +482,18 @@ def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], 
 
 
 # ---------------------------------------------------------------------------- buffers and streams (GPU vs CPU)
-
 def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev: torch.device) -> tuple:
-    """What a transfer needs besides its plan: ``(buffers, views, sums, streams, current stream)``. The two
-    staging buffers and their views if ``stage``; a checksum slot per bucket if ``verify``; two side streams
-    (made once per group), each after the current stream's work so far: the weights as last written and the
-    checksum multipliers (made here, for the largest bucket, so that no side stream makes them while the
-    other reads them). On gloo the streams are ``[None, None], None``: ``_on`` and ``_join`` run inline."""
-    bufs = _guard(group, lambda: _buffers(group, plan.staging), "buffer allocation") if stage else None
-    views = plan.views_in(bufs) if stage else None
+    """``(buffers, views, sums, streams, current stream)``: staging buffers if ``stage``, checksum slots if
+    ``verify``, and two side streams that start after the current stream's work (the weights as last written,
+    the checksum multipliers made here). On gloo the streams are ``[None, None], None`` (all inline)."""
+    bufs = views = None
+    if stage:  # two byte buffers kept in the group, grown when a larger bucket comes (no allocation per sync)
+        if "buffers" not in group.cache or group.cache["buffers"][0].numel() < plan.staging:
+            _guard(group, lambda: release_buffers(group), "buffer allocation")
+            group.cache["buffers"] = [torch.zeros(plan.staging, dtype=torch.uint8, device=group.device)
+                                      for _ in range(2)]
+        bufs = group.cache["buffers"]
+        views = plan.views_in(bufs)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     if verify:
         checksums.reserve(dev, max((b.nbytes for b in plan.buckets), default=0))
@@ -540,19 +518,8 @@ def _join(streams: list[Any], cur: Any) -> None:
             cur.wait_stream(s)
 
 
-def _buffers(group: StatelessGroup, nbytes: int) -> list[torch.Tensor]:
-    """Two byte buffers of at least ``nbytes`` each, kept in the group (no allocation per sync)."""
-    have = group.cache.get("buffers")
-    if have is None or have[0].numel() < nbytes:
-        del have
-        release_buffers(group)
-        group.cache["buffers"] = [torch.zeros(nbytes, dtype=torch.uint8, device=group.device) for _ in range(2)]
-    return group.cache["buffers"]
-
-
 def release_buffers(group: StatelessGroup) -> None:
-    """Drop the two bucket buffers this group keeps between syncs (2 x bucket_bytes of device memory). The
-    memory goes back to PyTorch's cache: add ``torch.cuda.empty_cache()`` to hand it to an engine's KV cache."""
+    """Drop the two bucket buffers this group keeps between syncs (back to PyTorch's cache, not the driver)."""
     for plan in group.cache.get("plans", {}).values():
         plan.views = None  # (views into the buffers would keep them alive)
     if group.cache.pop("buffers", None) is not None:

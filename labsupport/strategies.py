@@ -1,9 +1,8 @@
 """One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by phase.
 
-``rlhf_step`` runs a small Qwen2 policy (from ``labsupport.models``) through generation with a KV pool
-allocated up front, a rule-based reward, and a policy-gradient update with Adam; each phase is a
-``with tl.phase(...)`` block of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what
-stays on the GPU between phases (``STRATEGY_TEXT``). Lab 2 and ``python -m labsupport bench memory`` run it.
+``rlhf_step`` runs a small Qwen2 policy (``labsupport.models``) through generation into a KV pool allocated up
+front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block
+of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what stays on the GPU (``STRATEGY_TEXT``).
 """
 from __future__ import annotations
 
@@ -86,28 +85,11 @@ def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
     tl.register("kv_cache", state.kv, name="kv pool")
 
 
-def _allocate_kv(state: RLHFState) -> None:
-    from transformers import StaticCache
-
-    c = state.config
-    cache = StaticCache(config=state.model.config, max_cache_len=c.kv_len)
-    dtype = next(state.model.parameters()).dtype
-    cache.early_initialization(batch_size=c.batch, num_heads=c.kv_heads, head_dim=64, dtype=dtype,
-                               device=state.device)
-    state.cache = cache
-    state.kv[:] = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-
-def _free_kv(state: RLHFState) -> None:
-    state.kv.clear()
-    state.cache = None
-    if state.device.type == "cuda":
-        torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
-
-
 def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, float]:
     """One RLHF step, phase by phase: generate (KV pool), [free KV], reward, [reload Adam], train,
     optimizer step, [offload Adam]. The bracketed phases depend on state.strategy."""
+    from transformers import StaticCache
+
     c, dev, model, opt = state.config, state.device, state.model, state.optimizer
     phase = tl.phase if tl is not None else (lambda name: contextlib.nullcontext())
     acts = tl.track_activations if tl is not None else contextlib.nullcontext
@@ -116,8 +98,11 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
 
     with phase("generate"), torch.no_grad():
         model.eval()
-        if state.cache is None:
-            _allocate_kv(state)
+        if state.cache is None:  # the KV pool, allocated up front for the whole batch as an engine does
+            state.cache = StaticCache(config=model.config, max_cache_len=c.kv_len)
+            state.cache.early_initialization(batch_size=c.batch, num_heads=c.kv_heads, head_dim=64,
+                                             dtype=next(model.parameters()).dtype, device=dev)
+            state.kv[:] = [t for layer in state.cache.layers for t in (layer.keys, layer.values)]
         else:
             state.cache.reset()
         prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev, generator=g)
@@ -130,7 +115,10 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
         _sync(dev)
     if state.strategy != "resident":
         with phase("free_kv"):
-            _free_kv(state)
+            state.kv.clear()
+            state.cache = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
     with phase("reward"):
         gen = seq[:, c.prompt_len:]
         # a rule-based reward: how often a token is its predecessor + 1 (the course's "succession" pattern)
