@@ -14,7 +14,6 @@ import pickle
 import re
 import socket
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -334,48 +333,3 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
                 f"rank {rank}: rank(s) {missing} never joined group {address} within {timeout_s:.0f} s "
                 f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s.")
         time.sleep(0.02)
-
-
-# ---------------------------------------------------------------------------- multi-process helper
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
-              cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
-    """Run ``fn(rank, world_size, *args)`` in fresh processes (forked from a forkserver that imported torch once);
-    return ``[(ok, result)]`` by rank. A failure gives ``(False, (type name, message, traceback))``: "Died" for a
-    silent exit, "Timeout" for a rank killed after ``timeout_s`` (a hung collective never hangs the caller)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "labsupport.broadcast"])
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world_size and time.monotonic() < deadline:
-            with contextlib.suppress(Exception):  # (queue.Empty: nothing within 0.5 s)
-                rank, ok, out = queue.get(timeout=0.5)
-                results[rank] = (ok, out)
-            for r, p in enumerate(procs):  # exited without reporting (its last message would be in the queue)
-                if r not in results and p.exitcode is not None and queue.empty():
-                    results[r] = (False, ("Died", f"rank {r} exited with code {p.exitcode}", ""))
-    finally:
-        for r, p in enumerate(procs):
-            p.join(timeout=5 if r in results else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-            results.setdefault(r, (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", "")))
-    return [results[r] for r in range(world_size)]
-
-
-def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, queue: Any,
-                cpu_threads: int | None) -> None:
-    if cpu_threads:
-        torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
-    try:
-        queue.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException as exc:  # report every failure to the parent, with its type and message
-        queue.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))

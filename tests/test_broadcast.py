@@ -16,7 +16,8 @@ import torch
 
 from labsupport import broadcast as B
 from labsupport.bench import sync as bench_sync
-from labsupport.groups import create_group, free_port, run_ranks
+from labsupport.bench.ranks import run_ranks
+from labsupport.groups import create_group, free_port
 
 
 def _device(kind: str, rank: int) -> str:

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from labsupport.groups import GroupError, GroupTimeout, create_group, free_port, run_ranks
+from labsupport.bench.ranks import run_ranks
+from labsupport.groups import GroupError, GroupTimeout, create_group, free_port
 
 
 def _device(kind: str, rank: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import os
 import pickle
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from labsupport import groups, hardware, models, reshard, vllm_ext
+from labsupport.bench.ranks import run_ranks
 
 TP = 2
 N_TOKENS = 6
@@ -83,7 +83,7 @@ def _p2p_rank(rank: int, world: int, port: int):
 
 
 def test_exchange_matches_sends_and_receives_by_peer_and_tag():
-    out = groups.run_ranks(_p2p_rank, 3, (groups.free_port(),), timeout_s=120)
+    out = run_ranks(_p2p_rank, 3, (groups.free_port(),), timeout_s=120)
     assert out == [(True, []), (True, [10.0, 11.0, 12.0]), (True, [20.0, 21.0, 22.0])]
 
 
@@ -153,7 +153,7 @@ def _reshard(llm, plan: reshard.Plan, trainers: int = 2):
     port = groups.free_port()
     joined = call("init_reshard_group", ("127.0.0.1", port, trainers, trainers + TP))
     got = call("receive_shards", (pickle.dumps(plan), "float32", 64 << 10, True))
-    out = groups.run_ranks(_fsdp_trainer, trainers, (groups.free_port(), port, TP, pickle.dumps(plan)), timeout_s=240)
+    out = run_ranks(_fsdp_trainer, trainers, (groups.free_port(), port, TP, pickle.dumps(plan)), timeout_s=240)
     assert all(ok for ok, _ in out), out
     assert joined() == [trainers, trainers + 1]
     try:
@@ -197,8 +197,6 @@ def _loaded_by_vllm(worker, model_dir: str) -> dict[str, str]:
 
 
 def test_shard_to_shard_from_fsdp2_writes_exactly_what_vllms_loader_writes(llm):
-    from vllm import SamplingParams  # noqa: F401 (the engine fixture needs vLLM)
-
     llm.collective_rpc("check_weights_changed")
     before = generate(llm)
     plan = reshard.make_plan(reshard.qwen2_layout(models.build_config(), TP), 2)

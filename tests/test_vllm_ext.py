@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from labsupport import groups, hardware, ipc, models, vllm_ext, vllm_weights
+from labsupport.bench.ranks import run_ranks
 from labsupport.broadcast import WeightSyncError
 
 GPU = hardware.gpu_count() >= 2
@@ -46,7 +47,7 @@ def _rlhf_py_rank(rank: int, world_size: int, port: int, device_type: str) -> tu
 @pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(2))])
 def test_stateless_init_process_group_is_a_drop_in(device_type):
     """The trainer's helper: NCCL on CUDA devices, gloo on CPU, same broadcast(tensor, src, stream) call."""
-    out = groups.run_ranks(_rlhf_py_rank, 2, (groups.free_port(), device_type), timeout_s=180)
+    out = run_ranks(_rlhf_py_rank, 2, (groups.free_port(), device_type), timeout_s=180)
     backend = "nccl" if device_type == "cuda" else "gloo"
     assert out == [(True, (backend, True))] * 2
 

@@ -21,7 +21,8 @@ import torch
 
 from labsupport import hardware, results
 from labsupport.broadcast import ALIGN, SyncStats, copy_into, expected_from, receive, release_buffers, send
-from labsupport.groups import StatelessGroup, create_group, free_port, run_ranks
+from labsupport.bench.ranks import run_ranks
+from labsupport.groups import StatelessGroup, create_group, free_port
 
 
 def transformer_shapes(target_bytes: int, bytes_per_param: int = 2, min_layers: int = 20) -> list[tuple[str, tuple[int, ...]]]:
