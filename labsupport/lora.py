@@ -23,8 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
-import string
 import time
 from pathlib import Path
 from typing import Any
@@ -46,23 +44,10 @@ class AdapterError(ValueError):
 
 def train(model, tokenizer, steps: int, *, step: int = 1, lr: float = 1e-2, batch_size: int = 16,
           seed: int = 0) -> list[float]:
-    """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."). Only parameters
-    with ``requires_grad`` move: with a peft model, the adapter. Returns the loss per step."""
-    rng, letters, device = random.Random(seed), string.ascii_lowercase, next(model.parameters()).device
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        starts = [rng.randrange(26) for _ in range(batch_size)]
-        texts = ["".join(letters[(s + step * i) % 26] for i in range(16)) for s in starts]
-        ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
+    """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."), where the model
+    is. Only parameters with ``requires_grad`` move: with a peft model, the adapter. Returns the loss per step."""
+    return models.train_pattern(model, tokenizer, steps, device=None, lr=lr, seed=seed, batch_size=batch_size,
+                                stride=step)
 
 
 def base_model_dir(seed: int = 0) -> Path:

@@ -61,8 +61,8 @@ def build_model(seed: int = 0, **overrides):
 
 
 # ----------------------------------------------------------------------------- the pattern task
-def _succession(start: int, n: int) -> str:
-    return "".join(LETTERS[(start + i) % 26] for i in range(n))
+def _succession(start: int, n: int, stride: int = 1) -> str:
+    return "".join(LETTERS[(start + stride * i) % 26] for i in range(n))
 
 
 def pattern_prompts() -> list[str]:
@@ -75,15 +75,20 @@ def expected_continuation(prompt: str, n_tokens: int) -> str:
     return _succession(LETTERS.index(prompt.strip()[-1]) + 1, n_tokens)
 
 
-def train_pattern(model, tokenizer, steps: int = 120, device: str | torch.device = "cpu", lr: float = 5e-3,
-                  seed: int = 0, batch_size: int = 32) -> list[float]:
-    """Teach alphabet succession with next-token loss (AdamW) on random 16-letter runs; the loss per step."""
+def train_pattern(model, tokenizer, steps: int = 120, device: str | torch.device | None = "cpu", lr: float = 5e-3,
+                  seed: int = 0, batch_size: int = 32, stride: int = 1) -> list[float]:
+    """Teach alphabet succession (``stride`` letters at a time: 2 gives "acegi...") with next-token loss (AdamW)
+    on random 16-letter runs; only parameters with ``requires_grad`` move (with a peft model, the adapter).
+    ``device=None`` keeps the model where it is. Returns the loss per step."""
     rng = random.Random(seed)
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if device is not None:
+        model.to(device)
+    device = next(model.parameters()).device
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for _ in range(steps):
-        texts = [_succession(rng.randrange(26), 16) for _ in range(batch_size)]
+        texts = [_succession(rng.randrange(26), 16, stride) for _ in range(batch_size)]
         ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
