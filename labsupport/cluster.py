@@ -23,7 +23,7 @@ import torch
 from ray.util import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from labsupport import hardware, models
+from labsupport import hardware, models, vllm_ext
 from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 
@@ -62,11 +62,6 @@ def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
     res = ray.cluster_resources()
     return {"address": os.environ.get("RAY_ADDRESS") or "local", "nodes": len(ray.nodes()),
             "CPU": res.get("CPU", 0), "GPU": res.get("GPU", 0)}
-
-
-def shutdown() -> None:
-    """Stop Ray in this process (actors and placement groups go with it)."""
-    ray.shutdown()
 
 
 # ---- Pure placement logic -------------------------------------------------------------------------
@@ -320,7 +315,7 @@ class EngineActor(RayWorker):
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        vllm_ext.stop_engine(self.llm)
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""

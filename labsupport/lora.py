@@ -227,8 +227,7 @@ def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = F
 
 
 def stop_engine(llm: Any) -> None:
-    """Stop the engine's processes now, giving them time to exit cleanly (vLLM 0.26 takes no timeout)."""
-    try:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
-    except TypeError:
-        llm.llm_engine.engine_core.shutdown()
+    """Stop the engine's processes now (``vllm_ext.stop_engine``)."""
+    from labsupport import vllm_ext
+
+    vllm_ext.stop_engine(llm)

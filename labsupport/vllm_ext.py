@@ -365,6 +365,15 @@ def _alongside(engine_side: Callable[[], Any], trainer_side: Callable[[], Any], 
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def stop_engine(llm: Any) -> None:
+    """Stop an in-process ``LLM``'s engine-core and worker processes now. vLLM 0.32 waits for them to exit
+    cleanly (else their shared-memory queues stay in /dev/shm); vLLM 0.26 takes no timeout."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except TypeError:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def shutdown_transfer(llm: Any) -> None:
     """Release the native API's trainer connection: ``llm.shutdown_weight_transfer_engine()`` in vLLM 0.32;
     vLLM 0.26 has no such call (its workers drop the group when the engine stops)."""

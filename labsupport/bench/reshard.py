@@ -168,7 +168,7 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
             llm.collective_rpc("destroy_weight_update_group")
             llm.collective_rpc("destroy_reshard_group")
             bcast.destroy()
-            llm.llm_engine.engine_core.shutdown()
+            vllm_ext.stop_engine(llm)
             del llm
         p2p.destroy()
         del model

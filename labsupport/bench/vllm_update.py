@@ -201,7 +201,7 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
     native.shutdown()
     llm.collective_rpc("destroy_weight_update_group")
     group.destroy()
-    llm.llm_engine.engine_core.shutdown()
+    vllm_ext.stop_engine(llm)
     return out, nbytes / raw_s / 1e9, version
 
 
@@ -251,7 +251,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     row = timed(via_extension, llm)
     sleep["level2"]["reloaded_ok"] = agrees(model, row["tokens"])
     sleep["level2"]["reloaded_exact"] = row["tokens"] == want
-    llm.llm_engine.engine_core.shutdown()
+    vllm_ext.stop_engine(llm)
     return modes, sleep, version
 
 
