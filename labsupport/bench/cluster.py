@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from labsupport import hardware
-from labsupport.cluster import RayWorker, actor_resources, init_ray, place, shutdown
+from labsupport.cluster import RayWorker, actor_resources, init_ray, place
 
 
 
@@ -126,6 +126,6 @@ def main(argv: list[str]) -> int:
                               command="python -m labsupport bench cluster " + " ".join(argv))
     print(f"wrote {out}")
     pl.remove()
-    shutdown()
+    ray.shutdown()
     ok = all(r["same_gpu"] for r in rows) and bcast["receiver_ok"] and ipc_row["owner_sees_write"]
     return 0 if ok else 1
