@@ -26,22 +26,10 @@ from typing import Any
 import torch
 
 from labsupport import hardware, lora, results
+from labsupport.bench.vllm_update import shape_config
 
 PROMPTS = [[11, 22, 33, 44, 5], [40, 7, 9, 12]]
 NEW_TOKENS = 4
-
-
-def _config(shape: str | dict[str, Any]):
-    from transformers import Qwen2Config
-
-    from labsupport import models
-    from labsupport.bench.vllm_update import SHAPES
-
-    if shape == "tiny":
-        return models.build_config()
-    fields = SHAPES[shape] if isinstance(shape, str) else dict(shape)
-    return Qwen2Config(**fields, max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=1e6,
-                       rms_norm_eps=1e-6)
 
 
 def _greedy(model, device: str) -> list[list[int]]:
@@ -83,7 +71,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
     gpu = hardware.gpu_count() > 0 if gpu is None else gpu
     device, dtype = ("cuda:0", torch.bfloat16) if gpu else ("cpu", torch.float32)
     tmp = Path(folder or tempfile.mkdtemp(prefix="labsupport_lora_"))
-    cfg = _config(shape)
+    cfg = shape_config(shape)
     cfg.save_pretrained(tmp / "model")
     torch.manual_seed(0)
     with torch.device(device):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from labsupport import groups, hardware, models, reshard, results, vllm_ext
-from labsupport.bench.vllm_update import PROMPTS, SHAPES
+from labsupport.bench.vllm_update import PROMPTS, SHAPES, shape_config
 
 NEW_TOKENS = 4
 MODES = ("a_gather_all", "b_bucket_overlap", "c_shard_to_shard")
@@ -37,13 +37,7 @@ MODES = ("a_gather_all", "b_bucket_overlap", "c_shard_to_shard")
 
 def _config(shape: str, folder: Path | None = None) -> Any:
     """The HF config of ``shape`` (or the tiny model's); saved to ``folder`` for vLLM if given."""
-    from transformers import Qwen2Config
-
-    if shape == "tiny":
-        cfg = models.build_config()
-    else:
-        cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=1e6,
-                          rms_norm_eps=1e-6, dtype="bfloat16")
+    cfg = models.build_config() if shape == "tiny" else shape_config(shape, dtype="bfloat16")
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         cfg.save_pretrained(folder)

@@ -42,12 +42,25 @@ PROMPTS = [[11, 22, 33, 44, 55], [101, 7, 9000, 12]]
 NEW_TOKENS = 4
 
 
+def shape_config(shape: str | dict[str, Any], **extra: Any) -> Any:
+    """The Qwen2 config of a shape: a name in ``SHAPES``, a dict of fields, or ``"tiny"`` (the course's model).
+    The benches of vLLM updates, resharding and LoRA all build their models from it."""
+    from transformers import Qwen2Config
+
+    from labsupport import models
+
+    if shape == "tiny":
+        return models.build_config(**extra)
+    fields = SHAPES[shape] if isinstance(shape, str) else dict(shape)
+    return Qwen2Config(**fields, max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=1e6,
+                       rms_norm_eps=1e-6, **extra)
+
+
 def build(shape: str, folder: Path) -> tuple[Any, Path]:
     """The trainer's model on cuda:0 (bfloat16, random) and a folder with its config for vLLM."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=2048, tie_word_embeddings=False,
-                      rope_theta=1e6, rms_norm_eps=1e-6, dtype="bfloat16")
+    cfg = shape_config(shape, dtype="bfloat16")
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(folder)
     torch.manual_seed(0)
