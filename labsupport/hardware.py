@@ -98,17 +98,17 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
     return env
 
 
-def lab_requirements(labs_dir: Path = LABS_DIR) -> dict[str, int]:
-    """``{lab file stem: min_gpus}`` read from each lab's front matter."""
+def lab_requirements(labs_dir: Path | None = None) -> dict[str, int]:
+    """``{lab file stem: min_gpus}`` read from each lab's front matter (0 when it names none)."""
     out = {}
-    for path in sorted(labs_dir.glob("lab_*.md")):
+    for path in sorted((labs_dir or LABS_DIR).glob("lab_*.md")):
         m = re.search(r"min_gpus:\s*(\d+)", path.read_text().split("\n---", 1)[0])
         out[path.stem] = int(m.group(1)) if m else 0
     return out
 
 
 # ---------------------------------------------------------------------------- the doctor
-def doctor(check_ipc: bool = True) -> dict[str, Any]:
+def doctor(check_ipc: bool = True, labs_dir: Path | None = None) -> dict[str, Any]:
     """Everything the labs care about on this machine, as a dict (``format_doctor`` writes it out)."""
     n = gpu_count()
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
@@ -130,7 +130,7 @@ def doctor(check_ipc: bool = True) -> dict[str, Any]:
         "versions": results.versions(),
         "cpu_count": os.cpu_count(),
         "labs": {lab: {"min_gpus": need, "path": "GPU" if _gpu_path(need, n) else "CPU"}
-                 for lab, need in lab_requirements().items()},
+                 for lab, need in lab_requirements(labs_dir).items()},
     }
 
 

