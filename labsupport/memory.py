@@ -283,15 +283,22 @@ def peak_bytes(tl: MemoryTimeline | dict[str, Any]) -> int:
 def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device) -> int:
     """Move Adam's moment tensors to device (to "cpu": into pinned host memory) and wait for the copies.
     Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
-    dev, moved = torch.device(device), 0
+    dev, moved, devices = torch.device(device), 0, set()
     for st in opt.state.values():
         for k, v in st.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.device.type == dev.type:
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or _on(v, dev):
                 continue
             if dev.type == "cpu":  # v is on a GPU
                 st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
             else:
                 st[k] = v.to(dev, non_blocking=True)
+            devices |= {v.device, st[k].device}  # each copy is queued on the source or the destination GPU
             moved += v.nbytes
-    _sync(dev if dev.type == "cuda" else torch.device("cuda") if torch.cuda.is_available() else dev)
+    for d in devices:  # wait for those GPUs, not the current one (a state on cuda:1 moved while cuda:0 is current)
+        _sync(d)
     return moved
+
+
+def _on(t: torch.Tensor, dev: torch.device) -> bool:
+    """Whether t is already on dev ("cuda" without an index: any GPU)."""
+    return t.device.type == dev.type and (dev.index is None or t.device.index == dev.index)

@@ -219,6 +219,73 @@ def test_bench_cpu_writes_result(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "memory_timeline.cpu.png").exists()
 
 
+def _trained_adam(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and Adam after three steps: moments and step counters hold non-trivial values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for seed in range(3):
+        _adam_step(model, opt, device, seed)
+    return model, opt
+
+
+def _adam_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(8, 16, generator=g).to(device)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.detach().cpu().clone() for k, v in opt.state[p].items()} for p in opt.param_groups[0]["params"]]
+
+
+def _check_round_trip(device: str) -> None:
+    """Offload Adam's state to host memory and back: values bit-identical, and the next step is the same."""
+    model, opt = _trained_adam(device)
+    ref_model, ref_opt = _trained_adam(device)  # the same run, never moved
+    before = _state(opt)
+    n = sum(p.numel() for p in model.parameters())
+    assert M.move_optimizer_state(opt, "cpu") == 2 * 4 * n  # exp_avg and exp_avg_sq, fp32
+    moments = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in moments)
+    assert M.move_optimizer_state(opt, device) == 2 * 4 * n
+    assert all(v.device.type == "cuda" for s in opt.state.values() for k, v in s.items() if k != "step")
+    after = _state(opt)
+    assert [sorted(s) for s in after] == [["exp_avg", "exp_avg_sq", "step"]] * len(before)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(after, before) for k in a)  # bit-identical, step too
+    _adam_step(model, opt, device, 3)
+    _adam_step(ref_model, ref_opt, device, 3)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_optimizer_state_already_in_place_is_not_copied():
+    """On the CPU path the state is already in host memory: nothing moves, the same tensors stay, the run is
+    unchanged. (The host round trip itself needs a GPU: test_gpu_optimizer_state_round_trip_is_exact.)"""
+    model, opt = _trained_adam("cpu")
+    ref_model, ref_opt = _trained_adam("cpu")
+    held = [dict(s) for s in opt.state.values()]
+    assert M.move_optimizer_state(opt, "cpu") == 0
+    assert all(opt.state[p][k] is held[i][k] for i, p in enumerate(opt.state) for k in held[i])
+    _adam_step(model, opt, "cpu", 3)
+    _adam_step(ref_model, ref_opt, "cpu", 3)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(hardware.gpu_count() < 1, reason="needs 1 CUDA GPU")
+def test_gpu_optimizer_state_round_trip_is_exact():
+    _check_round_trip("cuda")
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.skipif(hardware.gpu_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_optimizer_state_round_trip_off_the_current_device():
+    """The state lives on cuda:1 while cuda:0 is current: the copies must be waited for on cuda:1."""
+    torch.cuda.set_device(0)
+    _check_round_trip("cuda:1")
+
+
 @pytest.mark.gpu(1)
 @pytest.mark.skipif(hardware.gpu_count() < 1, reason="needs 1 CUDA GPU")
 def test_gpu_allocator_tracks_known_allocation_and_snapshot(tmp_path):
