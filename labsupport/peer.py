@@ -98,22 +98,23 @@ class Peer:
 
 def _probe_peer(inbox: Any, outbox: Any) -> None:
     """Peer loop: rebuild each handle received (once), report what this process sees, write when asked."""
-    views: dict[int, list[torch.Tensor]] = {}
+    views: dict[tuple[str, int], list[torch.Tensor]] = {}  # by (guard path, serial): serials restart per Exporter
     while (msg := inbox.get()) is not None:
         op, handle, *rest = msg
         try:
+            key = (handle.guard.path, handle.guard.serial)
             if op == "drop":
-                dropped = views.pop(handle.guard.serial, None)
+                dropped = views.pop(key, None)
                 if dropped:
                     synchronize(dropped[0].device)  # writes through the views have landed
                 outbox.put({"dropped": True})
                 continue
             device = device_of(handle)
             before = memory_probe(device)
-            ts = views.get(handle.guard.serial)
+            ts = views.get(key)
             if ts is None:
                 ts = [v for _, v in rebuild_bucket(handle)] if isinstance(handle, BucketHandle) else [rebuild(handle)]
-                views[handle.guard.serial] = ts
+                views[key] = ts
             if op == "fill":
                 for t in ts:
                     t.fill_(rest[0])

@@ -65,7 +65,7 @@ class GuardFile:
 
 
 _GUARDS: dict[str, tuple[int, mmap.mmap]] = {}  # receiver side: guard path -> (fd, read-only mapping)
-_GUARDS_LOCK = threading.Lock()
+_GUARDS_LOCK = threading.Lock()  # held while a cached fd is used: no other thread closes it meanwhile
 
 
 def guard_serial(path: str, slot: int) -> int:
@@ -73,18 +73,36 @@ def guard_serial(path: str, slot: int) -> int:
     the guard is gone (exporter closed, or another /dev/shm); ProcessLookupError: its exporter died."""
     with _GUARDS_LOCK:
         if path not in _GUARDS:
+            for gone in [p for p, (fd, _) in _GUARDS.items() if _unlocked(fd)]:
+                _forget(gone)  # else a receiver fed a new Exporter per update keeps one guard (2 fds) per exporter
             fd = os.open(path, os.O_RDONLY)
-            _GUARDS[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
+            try:
+                _GUARDS[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
+            except BaseException:
+                os.close(fd)
+                raise
         fd, mm = _GUARDS[path]
-    try:  # the exporter holds an exclusive flock; if we can take a shared one, it is dead
+        if not _unlocked(fd):
+            return struct.unpack_from("q", mm, 8 * slot)[0]
+        _forget(path)
+    raise ProcessLookupError(f"the exporter of guard {path} has exited")
+
+
+def _unlocked(fd: int) -> bool:
+    """Whether the guard's exporter has let go of its exclusive lock (it exited or closed): we get a shared one."""
+    try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return struct.unpack_from("q", mm, 8 * slot)[0]
+        return False
     fcntl.flock(fd, fcntl.LOCK_UN)
-    with _GUARDS_LOCK:
-        _GUARDS.pop(path, (None, None))[1].close()
-        os.close(fd)
-    raise ProcessLookupError(f"the exporter of guard {path} has exited")
+    return True
+
+
+def _forget(path: str) -> None:
+    """Close a cached guard (call with _GUARDS_LOCK held)."""
+    fd, mm = _GUARDS.pop(path)
+    mm.close()
+    os.close(fd)
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:

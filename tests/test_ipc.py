@@ -78,6 +78,13 @@ def _child_exporter(inbox, outbox):
     time.sleep(600)
 
 
+def _child_count_fds(inbox, outbox):
+    """A receiver fed a new exporter per update: rebuild, read, let go; report this process's open fds."""
+    while (handle := inbox.get()) is not None:
+        total = float(ipc.rebuild(handle).sum())
+        outbox.put((total, len(os.listdir("/proc/self/fd"))))
+
+
 def _child_sleep(inbox, outbox):
     time.sleep(600)
 
@@ -241,6 +248,32 @@ def test_crashed_exporter_is_detected_not_a_crash():
     assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard.path, handle.payload[0]))
     with pytest.raises(IpcError, match="closed or exited"):
         ipc.rebuild(handle)
+
+
+@pytest.mark.timeout(120)
+def test_receiver_fds_do_not_grow_with_the_number_of_exporters():
+    """A guard cached per exporter must not outlive its exporter in the receiver (one fd leaked per update)."""
+    fds = []
+    with Peer(_child_count_fds) as peer:
+        for i in range(12):
+            with ipc.Exporter() as ex:
+                total, n = peer.call(ex.export_tensor(torch.full((256,), float(i))))
+            assert total == 256.0 * i
+            fds.append(n)
+    assert fds[2:] == [fds[2]] * 10, f"open fds in the receiver after each update: {fds}"
+
+
+@pytest.mark.timeout(120)
+def test_probe_peer_tells_apart_exporters_whose_serials_match():
+    """Serials restart in each Exporter: a receiver keyed by serial alone would hand back the first one's views."""
+    with ipc.Exporter() as ex1, ipc.Exporter() as ex2, Peer(_probe_peer) as peer:
+        h1, h2 = ex1.export_tensor(torch.full((64,), 1.0)), ex2.export_tensor(torch.full((64,), 2.0))
+        assert h1.guard.serial == h2.guard.serial
+        assert peer.call(("read", h1))["sum"] == 64.0
+        assert peer.call(("read", h2))["sum"] == 128.0
+        assert peer.call(("fill", h2, 3.0))["sum"] == 192.0
+        assert peer.call(("read", h1))["sum"] == 64.0  # h1's view is untouched, and still its own
+        peer.call(("drop", h1)), peer.call(("drop", h2))
 
 
 @pytest.mark.timeout(60)
