@@ -7,13 +7,15 @@ handles name the physical GPU by UUID, so a receiver that sees it under another 
 ``CUDA_VISIBLE_DEVICES``, as Ray sets for fractional-GPU actors) still maps the right device. A CPU tensor
 goes through a POSIX shared-memory file in ``/dev/shm``: the stand-in that runs the labs without a GPU.
 
-Lifetimes (Lab 5 runs them): an :class:`Exporter` keeps each buffer alive until ``release()``, which waits
-for every declared receiver's ack; afterwards rebuilding the handle raises :class:`IpcError` instead of
-mapping memory that may hold something else. Every rebuild checks a tiny "guard" file per exporter (a
-serial per export, and a lock that the kernel drops if the exporter dies; :mod:`labsupport.shm`).
-Limits: the check is not atomic with the mapping; views rebuilt *before* a release are not invalidated, so
-a receiver drops its views before it acks; a child forked by the exporter inherits its lock, hiding the
-exporter's death; all processes must share one host and one ``/dev/shm``.
+Lifetimes (Lab 5 runs them): an :class:`Exporter` keeps each buffer alive until ``release()``, which refuses
+until each declared receiver *process* has acked: the receiver calls :func:`ack` (or ``Receiver.drop()``) after
+its last read, and that leaves a file beside the guard that the exporter counts (:mod:`labsupport.shm`).
+After release, rebuilding the handle raises :class:`IpcError` instead of mapping memory that may hold something
+else. Every rebuild checks a tiny "guard" file per exporter (a serial per export, and a lock that the kernel
+drops if the exporter dies). Limits: the check is not atomic with the mapping; views rebuilt *before* a
+release are not invalidated, so a receiver drops its views before it acks (a forced release skips the acks);
+a child forked by the exporter inherits its lock, hiding the exporter's death; all processes must share one
+host and one ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -146,14 +148,13 @@ class _Export:
     keep: torch.Tensor  # keeps the memory alive (a bucket: its whole aligned buffer)
     receivers: int
     shm_path: str | None  # shm segment behind this export (CPU backend)
-    acks: int = 0
 
 
 _EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()  # guard path -> owner
 
 
 class Exporter:
-    """Owns exported buffers: keeps each alive until its receivers acked and ``release()`` is called."""
+    """Owns exported buffers: keeps each alive until ``release()``, which waits for its receivers' acks."""
 
     def __init__(self) -> None:
         shm.sweep_stale()  # files of exporters that crashed earlier
@@ -166,8 +167,9 @@ class Exporter:
         _EXPORTERS[self._guard.path] = self
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1) -> IpcHandle:
-        """Share ``t`` itself. On CPU ``t`` first moves into shared memory, once, like ``Tensor.share_memory_()``:
-        other views of its old storage keep the old memory, so export a model's parameters, not slices of them."""
+        """Share ``t`` itself; ``receivers``: the processes that must ack before ``release()``. On CPU ``t`` first
+        moves into shared memory, once, like ``Tensor.share_memory_()``: other views of its old storage keep the
+        old memory, so export a model's parameters, not slices of them."""
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
         if not self._guard.free:
@@ -217,21 +219,22 @@ class Exporter:
         if exp.keep.is_cuda:
             torch.cuda.current_stream(exp.keep.device).synchronize()
 
-    def ack(self, handle: IpcHandle | BucketHandle) -> int:
-        """Record that one receiver has finished with ``handle`` (dropped its views); returns acks left."""
-        exp = self._get(handle)
-        if exp.acks >= exp.receivers:
-            raise IpcError(f"export #{handle.guard.serial}: already acked by all {exp.receivers} receiver(s)")
-        exp.acks += 1
-        return exp.receivers - exp.acks
+    def acks(self, handle: IpcHandle | BucketHandle) -> int:
+        """How many receiver processes have acked ``handle`` (called :func:`ack` after their last read)."""
+        self._get(handle)
+        return len(shm.acks(self._guard.path, handle.guard.serial))
 
     def release(self, handle: IpcHandle | BucketHandle, force: bool = False) -> int:
-        """Kill ``handle`` and free its buffer (once receivers dropped theirs); returns bytes released."""
+        """Kill ``handle`` and free its buffer once every receiver acked (or ``force``); returns bytes released."""
         exp = self._get(handle)
-        if exp.acks < exp.receivers and not force:
-            raise IpcError(f"export #{handle.guard.serial}: {exp.acks} of {exp.receivers} receiver(s) acked; one may "
-                           "still read this memory. Ack each when it is done, or release(handle, force=True).")
+        acked = self.acks(handle)
+        if acked < exp.receivers and not force:
+            raise IpcError(f"export #{handle.guard.serial}: {acked} of {exp.receivers} receiver process(es) acked; "
+                           "one may still read this memory. Each receiver calls ipc.ack(handle) (or Receiver.drop()) "
+                           "after its last read; or release(handle, force=True).")
         self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
+        for path in shm.acks(self._guard.path, handle.guard.serial):
+            shm.unlink(path)
         del self._live[handle.guard.serial]
         if exp.shm_path and all(e.shm_path != exp.shm_path for e in self._live.values()):
             # the last export of its segment: remove the file's name (pages go with the last mapping)
@@ -294,7 +297,7 @@ class Exporter:
     @staticmethod
     def _cleanup(guard: shm.GuardFile, segments: dict[int, str]) -> None:
         guard.close()
-        for path in segments.values():
+        for path in [*segments.values(), *shm.acks(guard.path)]:  # acks of forced releases, or late ones
             shm.unlink(path)
 
 
@@ -346,10 +349,11 @@ def rebuild_bucket(handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
 
 
 class Receiver:
-    """Engine side: maps each bucket once and reuses the mapping, re-checking liveness; drop() before acking."""
+    """Engine side: maps each bucket once and reuses the mapping, re-checking liveness; drop() lets go and acks."""
 
     def __init__(self) -> None:
         self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
+        self._handles: dict[tuple[str, int], BucketHandle] = {}
 
     def bucket(self, handle: BucketHandle) -> list[tuple[str, torch.Tensor]]:
         """Views of the bucket's tensors (zero-copy), rebuilt on first use."""
@@ -358,6 +362,7 @@ class Receiver:
             check_handle(handle)
         else:
             self._views[key] = rebuild_bucket(handle)
+            self._handles[key] = handle
         return self._views[key]
 
     def copy_into(self, handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
@@ -374,10 +379,13 @@ class Receiver:
         return handle.nbytes
 
     def drop(self) -> None:
-        """Forget every view, after pending copies finished."""
+        """Forget every view, after pending copies finished, then ack each bucket: its exporter may release it."""
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self._views.clear()
+        for handle in self._handles.values():
+            ack(handle)
+        self._handles.clear()
 
 
 # ---- Module-level API: a default Exporter per process ---------------------------------------------
@@ -403,9 +411,21 @@ def export_bucket(named: Iterable[tuple[str, torch.Tensor]], receivers: int = 1)
     return default_exporter().export_bucket(named, receivers)
 
 
-def ack(handle: IpcHandle | BucketHandle) -> int:
-    """:meth:`Exporter.ack` on the default Exporter."""
-    return default_exporter().ack(handle)
+def ack(handle: IpcHandle | BucketHandle) -> bool:
+    """Receiver side: tell the exporter that this process has finished reading ``handle`` (drop its views first).
+    Waits for this process's queued work on the handle's GPU, then leaves the ack ``Exporter.release`` counts: one
+    per process, so acking twice changes nothing. False when the export is already released (nothing to ack)."""
+    h = handle.buffer if isinstance(handle, BucketHandle) else handle
+    try:
+        live = shm.guard_serial(h.guard.path, h.guard.slot) == h.guard.serial
+    except (FileNotFoundError, ProcessLookupError):  # the exporter closed or died: nothing left to guard
+        live = False
+    if not live:
+        return False
+    if h.kind == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device_of(h))  # reads queued on that GPU have finished before we say so
+    shm.write_ack(h.guard.path, h.guard.serial)
+    return True
 
 
 def release(handle: IpcHandle | BucketHandle, force: bool = False) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from labsupport.hardware import gpu_uuid, synchronize
-from labsupport.ipc import BucketHandle, IpcError, device_of, rebuild, rebuild_bucket
+from labsupport.ipc import BucketHandle, IpcError, ack, device_of, rebuild, rebuild_bucket
 
 
 def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
@@ -97,7 +97,8 @@ class Peer:
 
 
 def _probe_peer(inbox: Any, outbox: Any) -> None:
-    """Peer loop: rebuild each handle received (once), report what this process sees, write when asked."""
+    """Peer loop: rebuild each handle received (once), report what this process sees, write when asked;
+    "drop" lets go of a handle's views and acks it."""
     views: dict[tuple[str, int], list[torch.Tensor]] = {}  # by (guard path, serial): serials restart per Exporter
     while (msg := inbox.get()) is not None:
         op, handle, *rest = msg
@@ -107,6 +108,8 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
                 dropped = views.pop(key, None)
                 if dropped:
                     synchronize(dropped[0].device)  # writes through the views have landed
+                    dropped = None
+                    ack(handle)  # views gone: now the exporter may release it
                 outbox.put({"dropped": True})
                 continue
             device = device_of(handle)
@@ -131,7 +134,8 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
 def probe_in_peer(handle: Any, *, fill: float | None = None,
                   env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> dict:
     """Rebuild ``handle`` in a fresh process (with ``env``, e.g. CUDA_VISIBLE_DEVICES="1,0"), writing ``fill``
-    through it if given; returns what it saw (device, UUID, sum, head, memory before/after) or ``{"error": ...}``."""
+    through it if given, then drop and ack it; returns what it saw (device, UUID, sum, head, memory before/after)
+    or ``{"error": ...}``."""
     with Peer(_probe_peer, env=env) as peer:
         out = peer.call(("fill" if fill is not None else "read", handle, fill), timeout_s)
         peer.call(("drop", handle), timeout_s)

@@ -4,7 +4,9 @@ An exporter makes two kinds of file, both named ``labsupport-ipc-<pid>-<random>.
 (``...-<n>.shm``), tensor bytes that every process maps with ``MAP_SHARED`` (the CPU stand-in for GPU memory
 shared over CUDA IPC), and one *guard* (``....guard``): an int64 serial per export slot (0 = released) and an
 exclusive advisory lock that the exporter holds and the kernel drops when it dies. Reading a slot and probing
-the lock tell a receiver, in microseconds, whether an export is still live.
+the lock tell a receiver, in microseconds, whether an export is still live. A receiver that has finished with
+an export leaves an empty *ack* file (``...-<serial>-<receiver pid>.ack``), which the exporter counts before
+it releases (CUDA handles too: their guard lives here as well).
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ def _forget(path: str) -> None:
     os.close(fd)
 
 
+def write_ack(guard_path: str, serial: int) -> None:
+    """Receiver side: say that this process has finished with export ``serial`` (one file per process, so a
+    second ack from the same process changes nothing, and no lock is needed)."""
+    path = f"{guard_path.removesuffix('.guard')}-{serial}-{os.getpid()}.ack"
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+def acks(guard_path: str, serial: int | str = "*") -> list[str]:
+    """The ack files of export ``serial`` of this guard's exporter (all of its exports with ``"*"``)."""
+    return glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-{serial}-*.ack")
+
+
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
     """Remove the files of exporters that died without cleaning up (their lock is free); returns their names.
     Guards younger than ``min_age_s`` are spared (an exporter locks its guard just after creating it)."""
@@ -122,7 +136,7 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
             continue  # its exporter is alive
         finally:
             os.close(fd)
-        for stale in [path, *glob.glob(glob.escape(path.removesuffix(".guard")) + "-*.shm")]:
+        for stale in [path, *glob.glob(glob.escape(path.removesuffix(".guard")) + "-*.shm"), *acks(path)]:
             unlink(stale)
             removed.append(os.path.basename(stale))
     return removed

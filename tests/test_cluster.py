@@ -115,17 +115,17 @@ def _write_through(w, handle) -> str:
 
     t = ipc.rebuild(handle)
     t.fill_(7.0)
-    if t.is_cuda:
-        torch.cuda.synchronize()
-    return str(t.device)
+    device = str(t.device)
+    del t
+    assert ipc.ack(handle)  # in the receiver, after its write (ack waits for the GPU)
+    return device
 
 
 def _owner_sees(w, handle) -> float:
     from labsupport import ipc
 
     seen = float(w.owned.sum())
-    ipc.ack(handle)
-    ipc.release(handle)
+    ipc.release(handle)  # refused unless the peer acked
     return seen
 
 

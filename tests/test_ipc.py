@@ -85,6 +85,12 @@ def _child_count_fds(inbox, outbox):
         outbox.put((total, len(os.listdir("/proc/self/fd"))))
 
 
+def _child_ack(inbox, outbox):
+    """A receiver that acks each handle it is sent (having read nothing)."""
+    while (handle := inbox.get()) is not None:
+        outbox.put(ipc.ack(handle))
+
+
 def _child_sleep(inbox, outbox):
     time.sleep(600)
 
@@ -153,12 +159,9 @@ def test_use_after_release_raises_ipc_error_and_frees(exporter):
     handle = exporter.export_bucket([("w", torch.ones(4096))])
     seg = handle.buffer.payload[0]
     assert os.path.exists(seg) and exporter.live_bytes >= 4096 * 4
-    assert probe_in_peer(handle)["sum"] == 4096.0  # live: another process maps it fine
-    with pytest.raises(IpcError, match="acked"):
-        exporter.release(handle)  # the receiver has not acked yet
-    assert exporter.ack(handle) == 0
-    with pytest.raises(IpcError, match="already acked"):
-        exporter.ack(handle)
+    with pytest.raises(IpcError, match="0 of 1 receiver process"):
+        exporter.release(handle)  # no receiver has acked yet
+    assert probe_in_peer(handle)["sum"] == 4096.0  # live: another process maps it, reads, drops and acks
     freed = exporter.release(handle)
     assert freed >= 4096 * 4 and exporter.live_bytes == 0
     assert not os.path.exists(seg)  # the shared segment's name is gone; pages go with the last mapping
@@ -167,6 +170,23 @@ def test_use_after_release_raises_ipc_error_and_frees(exporter):
     assert "released" in probe_in_peer(handle)["error"]  # same in another process
     with pytest.raises(IpcError, match="not live"):
         exporter.release(handle)
+
+
+@pytest.mark.timeout(120)
+def test_release_waits_for_an_ack_from_each_receiver_process(exporter):
+    """The ack comes from the receiver's process, after its reads; the exporter only counts them."""
+    handle = exporter.export_bucket([("w", torch.ones(1024))], receivers=2)
+    with Peer(_child_ack) as first:
+        assert first.call(handle) is True and first.call(handle) is True  # twice from one process: one ack
+    assert exporter.acks(handle) == 1
+    with pytest.raises(IpcError, match="1 of 2 receiver process"):
+        exporter.release(handle)
+    assert probe_in_peer(handle)["sum"] == 1024.0  # a second receiver reads, drops its views, acks
+    assert exporter.acks(handle) == 2 and exporter.release(handle) >= 4096
+    assert shm.acks(handle.guard.path) == []  # release removed the ack files
+    with Peer(_child_ack) as late:
+        assert late.call(handle) is False  # released: nothing to acknowledge, no file left behind
+    assert shm.acks(handle.guard.path) == []
 
 
 @pytest.mark.timeout(120)
@@ -201,8 +221,9 @@ def test_update_bucket_and_copy_into_check_before_writing(exporter):
     assert torch.equal(dest["b"], torch.full((2, 2), 2.0))
     dest["a"].fill_(9)
     assert torch.equal(views["a"], torch.ones(3))  # the inference copy is separate memory
-    receiver.drop()
-    exporter.ack(handle)
+    assert exporter.acks(handle) == 0
+    receiver.drop()  # forgets the views and acks
+    assert exporter.acks(handle) == 1
     exporter.release(handle)
     with pytest.raises(IpcError, match="released"):
         receiver.bucket(handle)
@@ -295,9 +316,8 @@ def test_module_level_api_uses_a_default_exporter():
     h = ipc.export_tensor(t)
     assert torch.equal(ipc.rebuild(h), t)
     b = ipc.export_bucket([("t", t)])
-    assert ipc.ack(b) == 0 and ipc.release(b) > 0
-    ipc.ack(h)
-    ipc.release(h)
+    assert ipc.ack(b) is True and ipc.release(b) > 0  # this process is the receiver here
+    assert ipc.ack(h) is True and ipc.release(h) == t.nbytes
     with pytest.raises(IpcError):
         ipc.rebuild(h)
 
@@ -333,7 +353,7 @@ def test_cuda_zero_copy_both_ways():
             torch.cuda.synchronize()
             assert bool((owner == 7).all())
             peer.call(("drop", handle))
-        ex.ack(handle)
+        assert ex.acks(handle) == 1  # the peer acked after its last read
 
 
 @needs_gpus(1)
@@ -353,7 +373,6 @@ def test_cuda_bucket_exact_and_receiver_memory_does_not_grow():
         assert seen["after"]["allocated"] == seen["before"]["allocated"]  # no allocation in the receiver
         drop = seen["before"]["device_free"] - seen["after"]["device_free"]
         assert drop < size // 8, f"device free memory dropped {drop >> 20} MiB while mapping a 1 GiB bucket"
-        ex.ack(handle)
 
 
 @needs_gpus(1)
@@ -365,8 +384,7 @@ def test_cuda_release_frees_memory_and_kills_the_handle():
         handle = ex.export_bucket([("w", torch.zeros(256 << 20, dtype=torch.uint8, device="cuda:0"))])
         a1 = torch.cuda.memory_allocated(0)
         assert a1 - a0 >= 256 << 20  # the packed bucket
-        assert probe_in_peer(handle)["sum"] == 0.0  # receiver maps, reads, drops its views
-        ex.ack(handle)
+        assert probe_in_peer(handle)["sum"] == 0.0  # receiver maps, reads, drops its views, acks
         freed = ex.release(handle)
         torch.cuda.synchronize()
         a2 = torch.cuda.memory_allocated(0)
@@ -392,8 +410,7 @@ def test_cuda_remap_reordered_visible_devices():
         assert bool((t == 5).all())  # and it wrote our memory, not a copy
         hidden = probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": ids[0]})
         assert "cannot see" in hidden["error"]
-        ex.ack(handle)
-        ex.ack(handle)
+        assert ex.acks(handle) == 1  # only the receiver that could map it acked; close() forces the release
 
 
 def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):

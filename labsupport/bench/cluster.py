@@ -45,24 +45,22 @@ def _bench_export(w: RayWorker, nbytes: int, device: str) -> Any:
 
 
 def _bench_rebuild_and_write(w: RayWorker, handle: Any) -> dict[str, Any]:
-    import torch
-
     from labsupport import ipc
 
     t0 = time.perf_counter()
     t = ipc.rebuild(handle)
     rebuild_s = time.perf_counter() - t0
     t.fill_(7.0)
-    if t.is_cuda:
-        torch.cuda.synchronize()
-    return {"rebuild_s": rebuild_s, "device": str(t.device)}
+    device = str(t.device)
+    del t
+    ipc.ack(handle)  # the write is done (ack waits for the GPU) and the view gone: the owner may release
+    return {"rebuild_s": rebuild_s, "device": device}
 
 
 def _bench_owner_sees(w: RayWorker, handle: Any) -> bool:
     from labsupport import ipc
 
     ok = bool((w.owned == 7.0).all())
-    ipc.ack(handle)
     ipc.release(handle)
     return ok
 

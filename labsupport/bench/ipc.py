@@ -151,7 +151,7 @@ def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, t
         flat_s += got["flat_s"]
         ok = ok and all(torch.equal(weights[n], v) for h in handles for n, v in receiver.bucket(h))
         outbox.put("done")
-    receiver.drop()  # views gone: now the trainer may release
+    receiver.drop()  # views gone, every bucket acked: now the trainer may release
     outbox.put({"ipc_s": ipc_s, "d2d_s": d2d_s, "flat_s": flat_s, "equal": ok})
     inbox.get()  # "released"
     try:
@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             pack_s.append(_timed(lambda: [exporter.update_bucket(h, g) for h, g in zip(handles, groups)], device))
             peer.call("go", 180)
-        steady = peer.recv(180)
-        for h in handles:
-            exporter.ack(h)
+        steady = peer.recv(180)  # sent after the engine's receiver.drop(), which acked every bucket
         before_release = memory_probe(device)
         freed = sum(exporter.release(h) for h in handles)
         after_release = memory_probe(device)
