@@ -39,9 +39,8 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
     device = torch.device(device if device is not None else "cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
+    if device.type == "cuda":  # (never torch.cuda.set_device: the caller's current device stays as it was)
         device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
     address = f"{master_address}:{master_port}"
     try:
         store = TCPStore(master_address, master_port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
@@ -77,8 +76,9 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     pg._set_sequence_number_for_group()  # as torch does for its own groups (debug/flight-recorder bookkeeping)
     group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
     # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
-    group.all_reduce(torch.full((1,), rank, dtype=torch.int32, device=device), "sum")
-    group.synchronize("group warm-up")
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        group.all_reduce(torch.full((1,), rank, dtype=torch.int32, device=device), "sum")
+        group.synchronize("group warm-up")
     return group
 
 
@@ -89,7 +89,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-_PEER_GONE = re.compile(r"abort|NCCL|Broken pipe|Connection (reset|closed|refused)|closed by peer|timed? ?out", re.I)
+# What a backend says when a peer died or stopped answering (or it was torn down because of one). Anything else
+# (a tensor on another device, an unknown op, NCCL's "invalid argument/usage") is a programming error: raised as is.
+_PEER_GONE = re.compile(r"abort|remote process exited|network error|system error|Broken pipe|"
+                        r"Connection (reset|closed|refused)|closed by peer|timed? ?out|timeout", re.I)
 
 
 class StatelessGroup:
@@ -116,6 +119,7 @@ class StatelessGroup:
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
         """Start one launch (an NCCL group) broadcasting tensors from ``src``; returns what ``wait_work`` takes."""
         self._check_open()
+        self._check_args(tensors, "broadcast", src)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         if self.backend != "nccl" or len(tensors) == 1:  # gloo cannot group: one broadcast per tensor
@@ -134,6 +138,8 @@ class StatelessGroup:
         group: no pair waits for another; gloo matches each send to the recv with the same peer and tag).
         Returns what ``wait_work`` takes. Tensors must be contiguous and stay alive until it is waited on."""
         self._check_open()
+        for kind, t, peer, _ in ops:
+            self._check_args([t], kind, peer)
 
         def issue() -> Any:
             if self.backend == "nccl" and len(ops) > 1:
@@ -146,16 +152,23 @@ class StatelessGroup:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In-place all-reduce (``op`` = "sum" | "max" | "min") of a tensor on this group's device."""
         self._check_open()
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"all_reduce op must be one of {list(ops)}, got {op!r}")
+        self._check_args([tensor], "all_reduce")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        opts.reduceOp = ops[op]
         self.wait_work(self._issue(lambda: self.pg.allreduce([tensor], opts), f"all_reduce({op})"), f"all_reduce({op})")
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
         """Wait for a Work (or a list): on NCCL the current stream waits, on gloo the host (with a timeout)."""
         try:
-            for w in work if isinstance(work, list) else [work]:
-                w.wait()
+            with torch.cuda.device(self.device) if self.backend == "nccl" else contextlib.nullcontext():
+                for w in work if isinstance(work, list) else [work]:
+                    w.wait()  # on NCCL: the group's device's current stream waits
         except Exception as exc:  # gloo timeout, a peer that closed its connection, an aborted communicator
+            if not _peer_gone(exc):
+                raise  # (not a lost peer: the group is left as it is)
             raise self._lost(what, exc) from exc
 
     def synchronize(self, what: str = "work") -> None:
@@ -164,7 +177,7 @@ class StatelessGroup:
         if self.backend != "nccl":
             return
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # this group's device, whatever the current one is
         start = time.monotonic()
         while not event.query():
             now = time.monotonic()
@@ -173,16 +186,33 @@ class StatelessGroup:
             if now - start > self.timeout_s:
                 raise self._lost(what, waited_s=self.timeout_s)
 
+    @property
+    def closed(self) -> bool:
+        """True once destroyed, or aborted after a lost peer: every later collective raises ``GroupError``."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
 
+    def _check_args(self, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:
+        """Programming errors, raised at once (``ValueError``) and leaving the group usable: a rank out of range, a
+        tensor on another device than the group's (NCCL would fail or, worse, use the wrong GPU)."""
+        if peer is not None and not 0 <= peer < self.world_size:
+            raise ValueError(f"{what}: rank {peer} is not in this group of {self.world_size} ranks (0..{self.world_size - 1})")
+        for t in tensors:
+            if t.device.type != self.device.type or (self.device.type == "cuda" and t.device != self.device):
+                raise ValueError(f"{what}: expected a tensor on this group's device {self.device}, found one on "
+                                 f"{t.device} (shape {tuple(t.shape)}, {t.dtype}); move it with .to({str(self.device)!r})")
+
     def _issue(self, fn: Callable[[], Any], what: str) -> Any:
-        """Start a collective; a backend already torn down by a dead peer becomes ``GroupTimeout``."""
+        """Start a collective (on the group's device); a backend torn down by a dead peer becomes ``GroupTimeout``,
+        any other error (a programming error) is raised as it is and leaves the group usable."""
         try:
-            return fn()
+            with torch.cuda.device(self.device) if self.backend == "nccl" else contextlib.nullcontext():
+                return fn()
         except RuntimeError as exc:  # DistBackendError "NCCL communicator was aborted", broken store pipe, ...
-            if isinstance(exc, dist.DistError) or _PEER_GONE.search(str(exc)):
+            if _peer_gone(exc):
                 raise self._lost(what, exc) from exc
             raise
 
@@ -286,6 +316,11 @@ class StatelessGroup:
         for way in ways:
             with contextlib.suppress(Exception):  # (a backend a dead peer already broke may raise here)
                 return getattr(self.pg, way)()
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """Whether a backend error means a peer died or stopped answering (see ``_PEER_GONE``)."""
+    return isinstance(exc, dist.DistNetworkError) or bool(_PEER_GONE.search(str(exc)))
 
 
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:

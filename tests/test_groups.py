@@ -164,3 +164,68 @@ def test_nccl_missing_peer_times_out():
     with pytest.raises(GroupTimeout, match=r"rank\(s\) \[1\] never joined"):
         create_group("127.0.0.1", free_port(), 0, 2, device="cuda:0", timeout_s=3)
     assert time.monotonic() - t0 < 20
+
+
+# ---------------------------------------------------------------------------- programming errors vs lost peers
+
+def _programming_errors(rank: int, world_size: int, port: int) -> dict:
+    g = create_group("127.0.0.1", port, rank, world_size, timeout_s=30)
+    out = {}
+    for what, fn in {"device": lambda: g.broadcast(torch.zeros(4, device="meta"), src=0),
+                     "src": lambda: g.broadcast(torch.zeros(4), src=world_size),
+                     "op": lambda: g.all_reduce(torch.zeros(4), "avg")}.items():
+        t0 = time.monotonic()
+        try:
+            fn()
+            out[what] = ("no error", 0.0)
+        except Exception as exc:
+            out[what] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+    t = torch.full((2,), float(rank + 1))
+    g.all_reduce(t, "sum")  # the group was not aborted: it still works
+    out["after"] = t.tolist()
+    g.destroy()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_programming_error_raises_at_once_and_keeps_the_group():
+    """A tensor on another device, a rank outside the group, an unknown op: ValueError naming it, at once, not
+    a GroupTimeout after a liveness check; the group stays usable."""
+    res = run_ranks(_programming_errors, 2, (free_port(),), timeout_s=40)
+    for ok, out in res:
+        assert ok, out
+        assert out["device"][0].startswith("ValueError: broadcast: expected a tensor on this group's device cpu, "
+                                           "found one on meta"), out
+        assert out["src"][0].startswith("ValueError: broadcast: rank 2 is not in this group of 2 ranks"), out
+        assert out["op"][0].startswith("ValueError: all_reduce op must be one of ['sum', 'max', 'min']"), out
+        assert all(seconds < 1.0 for _, seconds in (out["device"], out["src"], out["op"])), out
+        assert out["after"] == [3.0, 3.0]
+
+
+def test_group_device_is_not_the_current_device():
+    """create_group leaves the caller's current device alone (no torch.cuda.set_device) and synchronize waits on
+    the group's device. On CPU only the API can be checked: gloo has no device work to wait for."""
+    g = create_group("127.0.0.1", free_port(), 0, 1, timeout_s=10)
+    assert g.device == torch.device("cpu") and not g.closed
+    g.synchronize("nothing queued")  # returns at once on gloo
+    g.destroy()
+    assert g.closed
+
+
+def _other_current_device(rank: int, world_size: int, port: int) -> dict:
+    torch.cuda.set_device(0)  # every rank's current device is GPU 0; rank r's group lives on GPU r
+    g = create_group("127.0.0.1", port, rank, world_size, device=f"cuda:{rank}", timeout_s=30)
+    current_after_create = torch.cuda.current_device()
+    t = torch.full((1 << 20,), float(rank == 0), device=f"cuda:{rank}")
+    g.broadcast(t, src=0)
+    g.synchronize("broadcast")  # the event is recorded on GPU r's stream: the broadcast has finished
+    done = bool(t.eq(1).all())  # (a plain read would wait anyway; the check is that synchronize did)
+    g.destroy()
+    return {"current": current_after_create, "done": done}
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(120)
+def test_nccl_group_on_another_device_than_the_current_one():
+    res = run_ranks(_other_current_device, 2, (free_port(),), timeout_s=100)
+    assert res == [(True, {"current": 0, "done": True})] * 2
