@@ -13,8 +13,7 @@ import os
 import pytest
 import torch
 
-from labsupport import checksums, hardware, lora, reshard
-from labsupport.bench.vllm_update import shape_config
+from labsupport import checksums, hardware, lora, models, reshard
 
 GPU = hardware.gpu_count() >= 1
 DEVICE, DTYPE = ("cuda:0", torch.bfloat16) if GPU else ("cpu", torch.float32)
@@ -26,7 +25,7 @@ def _model(seed: int):
 
     torch.manual_seed(seed)
     with torch.device(DEVICE):
-        return AutoModelForCausalLM.from_config(shape_config("tiny"), dtype=DTYPE).eval()
+        return AutoModelForCausalLM.from_config(models.build_config(), dtype=DTYPE).eval()
 
 
 def _named(model) -> dict[str, torch.Tensor]:
@@ -39,7 +38,7 @@ def test_layout_checksums_are_the_fused_tensors_bytes():
     """qkv_proj on the engine is [q; k; v] stacked; its checksum is that of the stacked bytes, and a single
     changed element (or q and k swapped) gives another one."""
     named = _named(_model(0))
-    layout = reshard.qwen2_layout(shape_config("tiny"), 1)
+    layout = reshard.qwen2_layout(models.build_config(), 1)
     sums = checksums.layout_checksums(named, layout, 0)
     a = "model.layers.0.self_attn"
     qkv = torch.cat([named[f"{a}.{p}_proj.weight"] for p in "qkv"])
@@ -66,14 +65,14 @@ def test_one_flipped_bit_changes_the_checksum():
 def engine(tmp_path_factory):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the check runs a function in the workers
     folder = tmp_path_factory.mktemp("tiny")
-    shape_config("tiny").save_pretrained(folder)
+    models.build_config().save_pretrained(folder)
     llm = lora.start_engine(folder, gpu=GPU, load_format="dummy", skip_tokenizer_init=True)
     yield llm
     lora.stop_engine(llm)
 
 
 def test_right_update_is_exact_and_wrong_ones_are_named(engine):
-    layout = reshard.qwen2_layout(shape_config("tiny"), 1)
+    layout = reshard.qwen2_layout(models.build_config(), 1)
     trainer = _named(_model(1))
     lora.push_merged(engine, list(trainer.items()))
     assert checksums.check_engine(engine, trainer, layout) == {"exact": True, "n_differences": 0, "differences": []}

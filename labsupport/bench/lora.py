@@ -87,13 +87,12 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
     try:
         layout = reshard.qwen2_layout(cfg, 1)
         lora.push_merged(llm, [(n, p.detach()) for n, p in model.named_parameters()])  # the base, once
-        base = checksums.check_engine(llm, model.named_parameters(), layout)
-        if not base["exact"]:
-            raise RuntimeError(f"the base weights did not arrive byte for byte: {base['differences']}")
+        base = checksums.check_engine(llm, model.named_parameters(), layout)  # the base arrived byte for byte
         base_sums = checksums.layout_checksums(model.named_parameters(), layout, 0)
         pm = lora.add_adapter(model, rank)
         out: dict[str, Any] = {"rank": rank, "device": device, "dtype": str(dtype).removeprefix("torch."),
-                               "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+                               "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                               "base_exact": base["exact"], "base_differences": base["differences"]}
         for version in (1, 2):  # adapters first: a merged update changes the engine's base for good
             _randomize_adapter(pm, version)
             row = lora.send_adapter(llm, pm, tmp / f"adapter{version}", version, dtype=dtype)
@@ -142,4 +141,4 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_save:
         path = results.save_result("bench_lora", data, command="python -m labsupport bench lora " + " ".join(argv or []))
         print(f"wrote {path}")
-    return 0 if all(d[k]["ok"] for d in data["shapes"].values() for k in ("lora", "full_merged")) else 1
+    return 0 if all(d["base_exact"] and d[k]["ok"] for d in data["shapes"].values() for k in ("lora", "full_merged")) else 1
