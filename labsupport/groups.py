@@ -222,7 +222,7 @@ class StatelessGroup:
         cause = f"did not finish within {waited_s:.0f} s" if waited_s is not None else (
             f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else "failed")
         gone = self.unresponsive_peers()
-        if gone == [0] and self.rank != 0:
+        if 0 in gone and self.rank != 0 and not self._store_answers():
             who = "rank 0 vanished (it hosts the group's store, and its store no longer answers)"
         elif gone:
             who = f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)"
@@ -245,6 +245,14 @@ class StatelessGroup:
                 time.sleep(0.05)
         except Exception:  # the store's host (rank 0) is gone: now (it had answered), or from the start
             return gone if gone is not None and 0 not in gone else ([0] if self.rank != 0 else [])
+
+    def _store_answers(self) -> bool:
+        """Whether rank 0's store still answers (rank 0 alive, if perhaps hung)."""
+        try:
+            self.store.check(["alive/0"])
+            return True
+        except Exception:
+            return False
 
     # ------------------------------------------------------------------ object collectives (store)
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

@@ -6,8 +6,10 @@ factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``.
 
 Two differences from vLLM's NCCL engine, on purpose: its ``start_weight_update`` moves the model to the meta
 device *before* the transfer, so a failed transfer leaves it unusable, while here the update is checked and
-staged first (``labsupport.vllm_weights``) and loaded in ``finish_weight_update``; and a refused update does
-not raise on the workers (every rank votes; the trainer's ``send_weights`` raises the reason and loads nothing).
+staged first (``labsupport.vllm_weights``) and loaded in ``finish_weight_update``; and a failed update does
+not raise on the workers (vLLM discards the workers' replies and 0.32 mis-orders them after an error, see
+``vllm_ext.WorkerFailed``): the trainer's ``send_weights`` raises the reason (every rank votes) and nothing loads.
+After a timeout the group is aborted on every rank: the next ``send_weights`` says to create a new trainer.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from vllm.distributed.weight_transfer import base as vllm_wt
 
 from labsupport import broadcast, groups
-from labsupport.broadcast import WeightSyncError
+from labsupport.broadcast import SyncTimeout, WeightSyncError
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, _worker_rank
 
 BUCKET_BYTES = 64 << 20
@@ -40,6 +42,7 @@ class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
+    timeout_s: float = TIMEOUT_S  # any wait for the trainer; then SyncTimeout and the group is aborted
 
 
 @dataclass
@@ -72,7 +75,7 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         self.weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
         rank = _worker_rank(self.vllm_config, init_info.rank_offset)
         self.group = groups.create_group(init_info.master_address, init_info.master_port, rank,
-                                         init_info.world_size, device="cpu", timeout_s=TIMEOUT_S)
+                                         init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         if self.group is None:
@@ -88,12 +91,17 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         if not self.open:
             raise RuntimeError("update_weights called outside start_weight_update/finish_weight_update")
         ew = self.weights
+        if self.group.closed:  # aborted by a timeout: the trainer's send_weights raises, nothing to receive
+            logger.error("weight update skipped: the group was aborted after a timeout; re-create it "
+                         "(init_weight_transfer_engine, i.e. a new trainer engine)")
+            return
         load = ew.loader(update_info.names, update_info.dtype_names, update_info.shapes)  # refuses in the vote
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
-        except WeightSyncError as exc:
-            # Not raised: every rank failed alike, the trainer's send raises it (vllm_ext._raise_on_last_rank: why)
-            logger.warning("weight update refused, model unchanged: %s", exc)
+        except WeightSyncError as exc:  # not raised (module docstring): the trainer's send raises it
+            lost = isinstance(exc, SyncTimeout)  # a peer stopped answering: the group is aborted for good
+            logger.log(logging.ERROR if lost else logging.WARNING, "weight update %s, model unchanged: %s",
+                       "timed out (group aborted)" if lost else "refused", exc)
             ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:
@@ -123,6 +131,7 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     master_address: str
     master_port: int
     world_size: int
+    timeout_s: float = TIMEOUT_S  # (both ends of the group)
 
 
 class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # unsubscripted: 0.26's takes 2 types
@@ -141,12 +150,12 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
         if not engine.is_sender:
             return engine
         worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
-                                                 init_info.world_size)
+                                                 init_info.world_size, init_info.timeout_s)
         with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait for rank 0 (us) in their init
             joining = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
             try:
                 engine.group = groups.create_group(init_info.master_address, init_info.master_port, 0,
-                                                   init_info.world_size, device="cpu", timeout_s=TIMEOUT_S)
+                                                   init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
             finally:
                 joining.result()
         return engine
@@ -155,6 +164,10 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
         pairs = list(self.source)  # materialises FSDP shards on every rank (a collective)
         if not self.is_sender:
             return
+        if self.group is None or self.group.closed:  # a timeout aborted it (on the engine's workers too)
+            raise groups.GroupError(f"the weight-transfer group is gone (aborted after a timeout in update "
+                                    f"v{self.version}, or shut down); nothing was sent. Create a new trainer engine "
+                                    "(vllm_ext.native_trainer / trainer_init): the engine joins a new group.")
         pairs = [(n, t.detach().to("cpu")) for n, t in pairs]
         meta = broadcast.metadata_of(pairs)
         update_info = GlooWeightTransferUpdateInfo([m.name for m in meta], [m.dtype for m in meta],
@@ -167,7 +180,7 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
                 broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
                                version=self.version)
             finally:  # a refusal (WeightSyncError) too: every rank voted, so the workers have returned
-                receiving.result(timeout=TIMEOUT_S + 30)  # surface a worker-side error
+                receiving.result(timeout=self.group.timeout_s + 30)  # surface a worker-side error
                 self.client.finish_weight_update()  # close their session (a refused one loads nothing)
 
     shutdown = GlooWeightTransferEngine.shutdown  # leave the group
