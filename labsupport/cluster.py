@@ -270,8 +270,9 @@ class EngineActor(RayWorker):
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
-        """Call ``method`` on every vLLM worker (a worker-extension method name, or a function)."""
-        return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        """Call ``method`` on every vLLM worker (a worker-extension method name, or a function); a worker that
+        failed raises ``WeightUpdateError`` naming it (``vllm_ext.call``)."""
+        return vllm_ext.call(self.llm, method, *args, kwargs=kwargs, timeout=timeout)
 
     # vLLM's native weight-transfer API, so vLLM's own RayVLLMWeightSyncClient(actor) drives this actor.
     def init_weight_transfer_engine(self, request: Any) -> None:

@@ -185,10 +185,10 @@ def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]]) -> int:
     bucket; returns the tensors loaded per worker."""
     from labsupport import ipc, vllm_ext
 
-    dev = llm.collective_rpc("report_device_id")[0]
+    dev = vllm_ext.call(llm, "report_device_id")[0]
     with ipc.Exporter() as ex:
         bucket = ex.export_bucket(named)
-        loaded = llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({dev: bucket}),))
+        loaded = vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles({dev: bucket}))
         ex.release(bucket, force=True)
     return loaded[0]
 

@@ -446,6 +446,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
     """``WorkerExtension`` plus the engine side of shard-to-shard resharding (mode c), over a second group
     that every trainer rank joins (trainer ranks 0..N-1, this worker N + its TP rank)."""
 
+    @vllm_ext._never_raise
     def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int, world_size: int) -> int:
         old = getattr(self, "_lsx_rgroup", None)
         if old is not None:
@@ -455,11 +456,12 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                                                device=self.device)  # type: ignore[attr-defined]
         return rank
 
+    @vllm_ext._never_raise
     def reshard_shapes(self) -> dict[str, list[int]]:
         """This TP rank's parameters and their loader-format shapes (what the layout must predict)."""
         return {n: list(s) for n, s in _engine_shapes(self.model_runner.get_model()).items()}  # type: ignore[attr-defined]
 
-    @vllm_ext._raise_on_last_rank
+    @vllm_ext._never_raise
     def receive_shards(self, plan_bytes: bytes, dtype_name: str, bucket_bytes: int = 256 << 20,
                        digest: bool = False) -> dict[str, Any]:
         """Receive this TP rank's boxes of a pickled :class:`Plan` into the engine's parameters.
@@ -518,6 +520,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         group.synchronize("shard receive")
         return {"rank": me, "seconds": time.perf_counter() - t0, "n_params": len(targets), "digests": sums}
 
+    @vllm_ext._never_raise
     def destroy_reshard_group(self) -> None:
         g = getattr(self, "_lsx_rgroup", None)
         if g is not None:

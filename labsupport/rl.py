@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, models
+from labsupport import hardware, models, vllm_ext
 
 ARCHS = ("colocated", "disaggregated", "async")
 LETTERS = string.ascii_lowercase
@@ -340,7 +340,7 @@ class VllmEngine:
         self.llm = LLM(model=str(model_dir), dtype=engine_dtype(gpu), enforce_eager=True, max_model_len=64,
                        seed=seed, max_num_seqs=max_num_seqs,
                        worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
-        self.device_ids = self.llm.collective_rpc("report_device_id")
+        self.device_ids = vllm_ext.call(self.llm, "report_device_id")
         self.asleep = False
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -373,7 +373,7 @@ class VllmEngine:
         Asleep on a GPU: wake the weights first and the KV cache only after the load (vLLM's RLHF order)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        n = sum(self.llm.collective_rpc("update_weights_from_ipc", args=({d: handle for d in self.device_ids},)))
+        n = sum(vllm_ext.call(self.llm, "update_weights_from_ipc", {d: handle for d in self.device_ids}))
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -381,11 +381,11 @@ class VllmEngine:
 
     def join(self, address: str, port: int, timeout_s: float) -> None:
         """Join the trainer's weight-sync group as rank 1 (vllm_ext.WorkerExtension, inside vLLM's worker)."""
-        self.llm.collective_rpc("init_weight_update_group", args=(address, port, 1, 2))
+        vllm_ext.call(self.llm, "init_weight_update_group", address, port, 1, 2, timeout_s)
 
     def receive(self) -> dict[str, Any]:
         """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded)."""
-        return self.llm.collective_rpc("update_weights_bucketed")[0]
+        return vllm_ext.call(self.llm, "update_weights_bucketed")[0]
 
     def sleep(self) -> None:
         """GPU: ``llm.sleep(level=2)``, weights and KV cache discarded (new weights come with the next wake).
@@ -399,7 +399,7 @@ class VllmEngine:
 
         if hasattr(self.llm, "collective_rpc"):
             try:
-                self.llm.collective_rpc("destroy_weight_update_group")
+                vllm_ext.call(self.llm, "destroy_weight_update_group")
             except Exception:  # an engine without a group has nothing to leave
                 pass
         del self.llm

