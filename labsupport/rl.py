@@ -32,7 +32,7 @@ import string
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,15 +130,73 @@ def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 
     return losses
 
 
-def warmstart_dir(seed: int = 0, steps: int = 150) -> Path:
-    """A saved warm-started model (HF folder that transformers and vLLM load), cached under ``.cache/models``."""
+# Model sizes: the same Qwen2 architecture and tokenizer (models.build_config), the same warm start.
+# "0.5b" keeps Qwen2-0.5B's layer shape (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864) with 32 layers
+# instead of 24: our 64-token vocabulary has no 136M-parameter embedding to make up the rest. A larger
+# model needs a smaller learning rate (pre-training and RL alike); CPU runs use "tiny" only.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"config": {}, "warmstart_lr": 5e-3, "lr": 1e-3, "engine_bytes": 2e9},
+    "0.5b": {"config": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=32, num_attention_heads=14,
+                            num_key_value_heads=2),
+             "warmstart_lr": 3e-4, "lr": 3e-5, "engine_bytes": 12e9},
+}
+
+
+def _check_size(size: str) -> dict[str, Any]:
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
+    return SIZES[size]
+
+
+def model_params(size: str) -> int:
+    """Parameter count of the capstone's model at ``size`` (built on the meta device: no memory, no time)."""
+    with torch.device("meta"):
+        m = models.build_model(0, **_check_size(size)["config"])
+    return sum(p.numel() for p in m.parameters())
+
+
+def memory_needed(size: str, sequences: int = 512, seq_len: int = 8) -> dict[str, float]:
+    """Bytes the co-located loop needs on one GPU at ``size``: the fp32 trainer (weights, gradients, Adam's two
+    moments: planner.bytes_per_param("fp32"), plus the frozen reference), activations of one batch of
+    ``sequences`` (planner.activation_bytes, doubled for fp32) and the vLLM engine's budget."""
+    from labsupport import planner
+
+    n, c = model_params(size), models.build_config(**_check_size(size)["config"])
+    act = 2 * planner.activation_bytes(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, seq_len, sequences)
+    return {"trainer": n * (planner.bytes_per_param("fp32").total + 4), "activations": act,
+            "engine": SIZES[size]["engine_bytes"]}
+
+
+class InsufficientMemory(RuntimeError):
+    """The GPU has too little free memory for the chosen model size (raised before anything is built)."""
+
+
+def check_fits(size: str, free_bytes: float, sequences: int = 512) -> float:
+    """Raise InsufficientMemory, naming the need, the free bytes and the largest size that fits, unless the
+    co-located loop at ``size`` fits in ``free_bytes``; returns the bytes needed."""
+    need = sum(memory_needed(size, sequences).values())
+    if need > free_bytes:
+        fits = [s for s in SIZES if sum(memory_needed(s, sequences).values()) <= free_bytes]
+        hint = f"size {fits[-1]!r} fits" if fits else "no size fits: free the GPU (other processes?)"
+        raise InsufficientMemory(f"size {size!r} needs about {need / 1e9:.1f} GB of GPU memory (trainer, "
+                                 f"activations, engine), but only {free_bytes / 1e9:.1f} GB is free; {hint}")
+    return need
+
+
+def warmstart_dir(seed: int = 0, steps: int = 150, size: str = "tiny") -> Path:
+    """A saved warm-started model (HF folder that transformers and vLLM load), cached under ``.cache/models``.
+    Sizes other than "tiny" pre-train on the GPU when there is one."""
+    spec = _check_size(size)
+
     def build():
         torch.manual_seed(seed)
-        tok, model = models.build_tokenizer(), models.build_model(seed)
-        warmstart(model, tok, steps=steps, seed=seed)
-        return model, tok
+        tok, model = models.build_tokenizer(), models.build_model(seed, **spec["config"])
+        device = "cuda" if size != "tiny" and torch.cuda.is_available() else "cpu"
+        warmstart(model, tok, steps=steps, lr=spec["warmstart_lr"], seed=seed, device=device)
+        return model.cpu(), tok
 
-    return models.cached_model_dir(f"capstone-v4-seed{seed}-s{steps}", build)
+    name = f"capstone-v4-seed{seed}-s{steps}" if size == "tiny" else f"capstone-v4-{size}-seed{seed}-s{steps}"
+    return models.cached_model_dir(name, build)
 
 
 def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -322,7 +380,7 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, model_dir: str | os.PathLike, device: str | torch.device = "cpu", seed: int = 0,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, gpu_bytes: float | None = None) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles travel pickled
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -336,7 +394,8 @@ class VllmEngine:
 
         self.dtype = getattr(torch, engine_dtype(gpu))
         self.tokenizer = models.build_tokenizer()
-        extra = dict(enable_sleep_mode=True, gpu_memory_utilization=0.3) if gpu else {}
+        util = 0.3 if gpu_bytes is None or not gpu else gpu_bytes / torch.cuda.get_device_properties(self.device).total_memory
+        extra = dict(enable_sleep_mode=True, gpu_memory_utilization=util) if gpu else {}
         self.llm = LLM(model=str(model_dir), dtype=engine_dtype(gpu), enforce_eager=True, max_model_len=64,
                        seed=seed, max_num_seqs=max_num_seqs,
                        worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
@@ -507,6 +566,7 @@ class Timeline:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.events: list[dict[str, Any]] = []
+        self.device_used: list[dict[str, Any]] = []  # GPU bytes in use (all processes) after phases and engine ops
 
     def add(self, lane: str, phase: str, step: int, start: float, end: float, detail: str = "") -> None:
         """Record a span given in absolute ``perf_counter`` seconds."""
@@ -583,6 +643,8 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dic
             raise ValueError(f"unknown engine op {kind!r}")
         if eng.device.type == "cuda":
             torch.cuda.synchronize(eng.device)
+            free, total = torch.cuda.mem_get_info(eng.device)  # the whole GPU: every process on it
+            reply.setdefault("device_used", []).append({"after": kind, "step": op.get("step", -1), "bytes": total - free})
         reply["events"].append((phase, op.get("step", -1), t0, time.perf_counter(), kind))
     return reply
 
@@ -613,6 +675,7 @@ class _EngineClient:
     def _filed(self, reply: dict[str, Any]) -> dict[str, Any]:
         for phase, step, t0, t1, detail in reply["events"]:
             self.timeline.add("engine", phase, step, t0, t1, detail)
+        self.timeline.device_used += [{"lane": "engine", **u} for u in reply.get("device_used", [])]
         return reply
 
     def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
@@ -672,6 +735,50 @@ class LocalEngine(_EngineClient):
             self.engine.close()
 
 
+# ----------------------------------------------------------------------------- one GPU, two NCCL ranks
+
+
+def _nccl_rank(rank: int, port: int, out) -> None:
+    """One rank of :func:`nccl_on_one_gpu` (a spawned process): join the group on cuda:0, all-reduce, report."""
+    from labsupport import groups
+
+    try:
+        g = groups.create_group("127.0.0.1", port, rank, 2, device="cuda:0", timeout_s=60.0)
+        t = torch.ones(1, device="cuda:0")
+        g.all_reduce(t)  # NCCL builds its communicator at the first collective
+        g.destroy()
+        out.put((rank, f"ok: all_reduce gave {t.item()}"))
+    except Exception as exc:  # what NCCL says is the lesson
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def nccl_on_one_gpu(timeout_s: float = 120.0) -> list[str]:
+    """Two processes try to form an NCCL group on the same GPU, as disaggregated/async would on one GPU;
+    returns each rank's outcome. NCCL refuses two ranks on one device ("Duplicate GPU detected")."""
+    import multiprocessing as mp
+    import queue
+
+    from labsupport import groups
+
+    ctx, port = mp.get_context("spawn"), groups.free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
+    for pr in procs:
+        pr.start()
+    got: dict[int, str] = {}
+    try:
+        for _ in procs:
+            rank, msg = out.get(timeout=timeout_s)
+            got[rank] = msg
+    except queue.Empty:
+        pass
+    for pr in procs:  # never leave a rank behind
+        pr.join(10)
+        if pr.is_alive():
+            pr.kill()
+    return [got.get(r, f"no answer within {timeout_s:.0f} s") for r in (0, 1)]
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -707,12 +814,15 @@ def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
 
 
 def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
-        devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True) -> dict[str, Any]:
+        devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True,
+        size: str = "tiny", sleep: bool = True) -> dict[str, Any]:
     """Run the GRPO loop in one orchestration; returns curves, per-step timings and the timeline (JSON-able).
 
     ``engine="transformers"`` runs :class:`HFEngine`, ``engine="vllm"`` runs :class:`VllmEngine`: in this
     process when co-located (weights through IPC handles), in its own process otherwise (weights over the
     group). A bfloat16 engine (vLLM on GPU) gets the trainer's float32 weights cast as they are sent.
+    ``size`` picks the model (:data:`SIZES`; on a GPU, checked against free memory before anything is built);
+    ``sleep=False`` keeps the co-located engine awake between generations (to compare memory with and without).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -720,7 +830,11 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
     cfg = cfg or RLConfig()
     tdev, edev = devices or pick_devices(arch)
-    model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps)  # built once, with all cores, then cached
+    if tdev.startswith("cuda"):  # a clear error now, not an out-of-memory traceback halfway through a phase
+        check_fits(size, torch.cuda.mem_get_info(torch.device(tdev))[0], cfg.prompts_per_step * cfg.group_size)
+    else:
+        _check_size(size)
+    model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps, size)  # built once, with all cores, then cached
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -737,8 +851,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         return [(n, t.to(wdtype)) for n, t in trainer.named_weights()]  # float32: the tensors themselves
 
     if engine == "vllm" and arch == "colocated":
-        engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed,
-                                        max_num_seqs=cfg.prompts_per_step * cfg.group_size), tl)
+        engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed, max_num_seqs=cfg.prompts_per_step * cfg.group_size,
+                                        gpu_bytes=None if size == "tiny" else SIZES[size]["engine_bytes"]), tl)
     else:
         engine = EngineProcess(model_dir, edev, tl, seed=cfg.seed, threads=cfg.threads, engine=engine)
     mem = None
@@ -771,6 +885,10 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
             def __exit__(self, *exc):
                 hardware.synchronize(tdev)
                 span.__exit__(*exc)
+                if m is not None and tdev.startswith("cuda"):
+                    free, total = torch.cuda.mem_get_info(torch.device(tdev))
+                    tl.device_used.append({"lane": "trainer", "after": detail or name, "step": step,
+                                           "bytes": total - free})
                 return m.__exit__(*exc) if m is not None else None
 
         return _Phase()
@@ -827,7 +945,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
 
             exporter = ipc.Exporter()
             handle = exporter.export_bucket(weights())
-            engine.call({"op": "sleep", "step": -1})
+            if sleep:
+                engine.call({"op": "sleep", "step": -1})
         else:
             from labsupport import groups
 
@@ -850,8 +969,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
                     with phase("sync", k, "offload optimizer"):
                         move_optimizer_state(trainer.opt, "cpu")
                 with phase("idle", k, "engine generating"):
-                    reply = engine.call({"op": "wake_ipc", "handle": handle, "step": k}, gen_op(k),
-                                        {"op": "sleep", "step": k})
+                    ops = [{"op": "wake_ipc", "handle": handle, "step": k}, gen_op(k)]
+                    reply = engine.call(*ops, *([{"op": "sleep", "step": k}] if sleep else []))
                 if offload:
                     with phase("sync", k, "reload optimizer"):
                         move_optimizer_state(trainer.opt, tdev)
@@ -908,6 +1027,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     steady = walls[1:] or walls
     data = {
         "arch": arch, "engine": engine_name, "devices": {"trainer": tdev, "engine": edev},
+        "size": size, "model_params": sum(p.numel() for p in trainer.model.parameters()), "engine_sleeps": sleep,
         "config": asdict(cfg), "setup_s": setup_s, "loop_s": loop_s,
         "s_per_step": sum(steady) / len(steady), "steps_done": len(steps),
         "initial_acc": curve[0]["eval_acc"], "final_acc": curve[-1]["eval_acc"], "engine_final_acc": engine_acc,
@@ -917,6 +1037,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
                                   for p in PHASES} for lane in ("trainer", "engine")},
         "curve": curve, "steps": steps, "events": tl.events,
         "memory": mem.to_dict() if mem is not None else None,
+        "device_memory": [u for u in tl.device_used if u["step"] < cfg.memory_steps],
     }
     return data
 
@@ -1025,6 +1146,21 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
             **{f"trainer_{p}_s": b["trainer"][p] for p in PHASES}, **{f"engine_{p}_s": b["engine"][p] for p in PHASES}}
 
 
+def peak_memory(data: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Peak bytes per phase of a GPU run's first ``memory_steps`` steps: ``device_used`` (the whole GPU, vLLM's
+    engine process included, sampled after each trainer phase and engine op) and ``trainer_allocated``
+    (torch.cuda.max_memory_allocated of the trainer's process inside each phase)."""
+    used: dict[str, int] = {}
+    for u in data.get("device_memory") or []:
+        key = f"{u['lane']}: {u['after']}"
+        used[key] = max(used.get(key, 0), u["bytes"])
+    alloc: dict[str, int] = {}
+    for ph in (data.get("memory") or {}).get("phases", []):
+        if ph.get("peak_allocated") is not None:
+            alloc[ph["name"]] = max(alloc.get(ph["name"], 0), ph["peak_allocated"])
+    return {"device_used": used, "trainer_allocated": alloc}
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """One line per architecture: time per step, where it goes, and the accuracy reached."""
     head = (f"{'arch':14s} {'engine':12s} {'ms/step':>8s} {'gen':>6s} {'train':>6s} {'sync':>6s} {'t.idle':>6s} "
@@ -1048,23 +1184,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=None, help="samples per prompt (default 8 on CPU, 16 on GPU)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
                    help="vllm: vLLM as the engine (needs vllm or vllm-cpu installed)")
-    p.add_argument("--lr", type=float, default=RLConfig.lr)
+    p.add_argument("--size", default="tiny", choices=list(SIZES),
+                   help="model size: tiny (0.35M parameters, CPU and CI) or 0.5b (Qwen2-shaped, one GPU)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the size's, see rl.SIZES)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-save", action="store_true", help="print the table only")
     args = p.parse_args(argv)
     from labsupport import hardware, results
 
     gpu = hardware.gpu_count() > 0
-    cfg = RLConfig(steps=args.steps or (60 if gpu else 30), prompts_per_step=args.prompts or (64 if gpu else 16),
-                   group_size=args.group or (16 if gpu else 8), lr=args.lr, seed=args.seed)
+    big = args.size != "tiny"  # 0.5b: half the prompts (activations), same group size
+    cfg = RLConfig(steps=args.steps or (60 if gpu else 30),
+                   prompts_per_step=args.prompts or (32 if big else 64 if gpu else 16),
+                   group_size=args.group or (16 if gpu else 8), lr=args.lr or SIZES[args.size]["lr"], seed=args.seed)
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
     if gpu and hardware.gpu_count() < 2 and set(archs) - {"colocated"}:
         print("note: only 1 GPU: disaggregated/async will share it (the lab's GPU path needs 2)")
     out: dict[str, dict[str, Any]] = {}
-    suffix = "_vllm" if args.engine == "vllm" else ""
+    suffix = ("_vllm" if args.engine == "vllm" else "") + ("" if args.size == "tiny" else f"_{args.size}")
     for arch in archs:
-        print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples", flush=True)
-        out[arch] = run(arch, cfg, engine=args.engine)
+        print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
+              f"size {args.size}", flush=True)
+        out[arch] = run(arch, cfg, engine=args.engine, size=args.size)
+        if arch == "colocated" and gpu and big:  # memory with the engine awake: a second, short run
+            awake = run(arch, replace(cfg, steps=cfg.memory_steps), engine=args.engine, size=args.size,
+                        sleep=False, verbose=False)
+            out[arch]["no_sleep"] = {"s_per_step": awake["s_per_step"], "mean_breakdown": awake["mean_breakdown"],
+                                     "peak_memory": peak_memory(awake)}
+            out[arch]["peak_memory"] = peak_memory(out[arch])
+            for name, pm in (("sleep", out[arch]["peak_memory"]), ("no sleep", out[arch]["no_sleep"]["peak_memory"])):
+                print(f"peak GPU memory in use per phase ({name}):",
+                      {k: f"{v / 1e9:.1f} GB" for k, v in pm["device_used"].items()})
     print(format_table(out))
     if {"async", "disaggregated"} <= set(out):
         a, d = out["async"], out["disaggregated"]

@@ -207,6 +207,27 @@ def test_bad_arguments_are_rejected():
         rl.run("hybrid")
     with pytest.raises(ValueError, match="engine must be"):
         rl.run("async", engine="sglang")
+    with pytest.raises(ValueError, match="size must be one of"):
+        rl.run("colocated", size="7b", devices=("cpu", "cpu"))
+
+
+def test_sizes_are_qwen2_shapes_of_the_stated_parameter_count():
+    assert rl.model_params("tiny") == sum(p.numel() for p in models.build_model(0).parameters()) == 345472
+    assert 0.45e9 < rl.model_params("0.5b") < 0.55e9
+    assert rl.SIZES["0.5b"]["lr"] < rl.SIZES["tiny"]["lr"]  # a larger model takes smaller steps
+
+
+def test_too_little_gpu_memory_says_what_is_needed_and_which_size_fits():
+    """The check run() makes before building anything on a GPU, fed with made-up free memory."""
+    need = sum(rl.memory_needed("0.5b").values())
+    # fp32 weights + gradients + Adam (16 B) + the reference (4 B) per parameter, activations, engine budget
+    assert need == pytest.approx(20 * rl.model_params("0.5b") + rl.memory_needed("0.5b")["activations"] + 12e9)
+    assert rl.check_fits("0.5b", 80e9) == need  # one H100
+    with pytest.raises(rl.InsufficientMemory, match=r"'0.5b' needs about 29.7 GB .* only 16.0 GB is free; "
+                                                    r"size 'tiny' fits"):
+        rl.check_fits("0.5b", 16e9)
+    with pytest.raises(rl.InsufficientMemory, match="only 1.0 GB is free; no size fits"):
+        rl.check_fits("tiny", 1e9)
 
 
 # ----------------------------------------------------------------------------- GPU path
