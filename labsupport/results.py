@@ -124,10 +124,12 @@ def load_result(name: str, prefer: str = "gpu", results_dir: str | os.PathLike |
 
 
 def list_results(name: str, results_dir: str | os.PathLike | None = None) -> list[dict]:
-    """Every result file called ``name`` (any machine), parsed."""
-    folder = Path(results_dir or RESULTS_DIR)
+    """Every result file called ``name`` (any machine), parsed. Without ``results_dir``, the committed
+    ``results/`` is read too when ``LABSUPPORT_RESULTS_DIR`` points elsewhere (a reference run reads the
+    course's earlier runs while it writes its own)."""
+    folders = [Path(results_dir)] if results_dir else list(dict.fromkeys([RESULTS_DIR, REPO_ROOT / "results"]))
     out = []
-    for path in sorted(folder.glob(f"{name}.*.json")):
+    for path in sorted(p for folder in folders for p in folder.glob(f"{name}.*.json")):
         try:
             rec = json.loads(path.read_text())
         except json.JSONDecodeError:
