@@ -57,7 +57,8 @@ for step in $STEPS; do
     labs1) run labs1 420 python3 -m pytest -v -p no:cacheprovider --timeout=300 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_05_cuda_ipc.md labs/lab_09_lora_updates.md --junitxml="$OUT/logs/gpu_labs1.xml" ;;
     vllm_rl1) run vllm_rl1_test 270 python3 -m pytest tests/test_rl.py -k "vllm_engine_logprobs" -v -rA --tb=short -p no:cacheprovider --timeout=260 --junitxml="$OUT/logs/gpu_tests_vllm_rl1.xml"
               run vllm_rl1 300 python3 -m labsupport rl --arch colocated --engine vllm ;;
-    # one GPU, vLLM kit: the capstone at 0.5B (results/capstone_colocated_vllm_0.5b.<machine>.json) and lab 7's 1-GPU path
+    # one GPU, vLLM kit: lab 6's one-GPU path, the capstone at 0.5B (results/capstone_colocated_vllm_0.5b.<machine>.json) and lab 7's 1-GPU path
+    lab6gpu) run lab6gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_lab06.xml" ;;
     rl05) run rl05 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b ;;
     lab7gpu) run lab7gpu 590 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_07_capstone.md --junitxml="$OUT/logs/gpu_lab07.xml" ;;
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
