@@ -6,6 +6,10 @@ each lab is read through jupytext by a small subclass of nbval's collector. A la
 path; the collected notebook's items are labelled with the path so the summary says which ran.
 It lives at the repository root because pytest applies a conftest only to the folder below it,
 and the labs sit beside ``tests/``. Run labs with ``pytest labs/`` (``make test`` does).
+
+With ``LABSUPPORT_RECORD_DIR`` set (the GPU reference run sets it), each lab that ran is also written there,
+executed, as ``<lab>.<machine tag>.ipynb``: its cells with the outputs this run produced, and in its metadata
+(``labsupport_recording``) the commit, date, machine, versions and which cells failed.
 """
 
 from __future__ import annotations
@@ -80,6 +84,68 @@ class LabNotebook(IPyNbFile):
             yield from super().collect()
         finally:
             nbval.plugin.nbformat.read = read
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    # nbval keeps what a cell printed in item.test_outputs; item.cell is the cell of the collected notebook
+    if os.environ.get("LABSUPPORT_RECORD_DIR") and getattr(item, "test_outputs", None) is not None:
+        item.cell.outputs = [_trim(out) for out in item.test_outputs]
+
+
+def _trim(out, limit: int = 20_000):
+    """Keep a recorded notebook small: a long stream keeps its first and last lines."""
+    if out.get("output_type") == "stream" and len(out.get("text", "")) > limit:
+        text = out["text"]
+        out["text"] = text[: limit // 2] + "\n[... output trimmed in the recording ...]\n" + text[-limit // 2:]
+    return out
+
+
+def _commit() -> str | None:
+    if os.environ.get("LABSUPPORT_COMMIT"):
+        return os.environ["LABSUPPORT_COMMIT"]
+    if (ROOT / "COMMIT").exists():  # a snapshot (git archive) made for a GPU machine carries its commit
+        return (ROOT / "COMMIT").read_text().strip()
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    out_dir = os.environ.get("LABSUPPORT_RECORD_DIR")
+    if not out_dir:
+        return
+    import datetime
+
+    import nbformat
+
+    from labsupport import results
+
+    info = results.machine_info()
+    labs = {item.parent for item in session.items if isinstance(item.parent, LabNotebook)}
+    for lab in labs:
+        cells = [item for item in session.items if item.parent is lab]
+        ran = [item for item in cells if item.test_outputs is not None]
+        if not ran:
+            continue
+        failed = [item.cell_num for item in cells if getattr(item, "lab_failed", False)]
+        lab.nb.metadata["labsupport_recording"] = {
+            "lab": Path(str(lab.path)).name, "path": lab.lab_path, "commit": _commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": info, "machine_tag": results.machine_tag(info), "versions": results.versions(),
+            "code_cells": len(cells), "cells_run": len(ran), "failed_cells": failed,
+        }
+        path = Path(out_dir) / f"{Path(str(lab.path)).stem}.{results.machine_tag(info)}.ipynb"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(lab.nb, path)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if call.when == "call" and report.failed:
+        item.lab_failed = True
+    return report
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

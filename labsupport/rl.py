@@ -6,7 +6,7 @@ three generated characters are exactly right, else 0. 64 of the 676 prompts are 
 used to evaluate (every letter still appears in RL prompts, beside other first letters: the held-out set
 tests that the policy learned the rule rather than memorised prompts, not that it generalises to new letters).
 
-Warm start (honest note): in our trials, RL from a random 0.3M-parameter model learned none of the toy tasks
+Warm start (honest note): in our trials, RL from a random model of the "tiny" size (0.3M parameters) learned none of the toy tasks
 we tried (maximum of digits, one-digit addition, copying) in minutes: the policy collapses onto one constant
 answer first. So the model is first *pre-trained* on alphabet runs after a separator ("qk>lmno..." always
 forwards, "qk<jihg..." always backwards, "qk|..." backwards only 10% of the time): plain next-token text,

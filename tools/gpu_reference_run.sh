@@ -19,6 +19,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LABSUPPORT_RESULTS_DIR=$OUT/results LABSUPPORT_CACHE=/tmp/labsupport_cache
+export LABSUPPORT_RECORD_DIR=$OUT/results/notebooks  # each lab run is also saved, executed (conftest.py)
 STEPS=${*:-doctor links sync ipc memory cluster tests labs rl}
 run() {  # run NAME TIMEOUT CMD...: log to $OUT/logs/NAME.log, never stop the whole run
   local name=$1 limit=$2; shift 2
