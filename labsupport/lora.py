@@ -180,17 +180,38 @@ def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> 
     return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)]
 
 
-def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Send full weights to an engine with ``ColocateWorkerExtension`` (same host or GPU) through one IPC
-    bucket; returns the tensors loaded per worker."""
+def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Buckets of at most ``bucket_bytes`` (one decoder layer may exceed it) that never split a decoder layer:
+    the engine fuses q/k/v and gate/up into one parameter, and refuses an update that would half-update it."""
+    layers: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        layers.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for group in layers.values():
+        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1] += group
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30) -> int:
+    """Send full weights to an engine with ``ColocateWorkerExtension`` (same host or GPU) through IPC buckets
+    of about ``bucket_bytes``, one at a time: each is released before the next is packed, so the sender needs
+    one bucket of spare memory, not a second copy of the model. Returns the tensors loaded per worker."""
     from labsupport import ipc, vllm_ext
 
     dev = vllm_ext.call(llm, "report_device_id")[0]
+    loaded = 0
     with ipc.Exporter() as ex:
-        bucket = ex.export_bucket(named)
-        loaded = vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles({dev: bucket}))
-        ex.release(bucket, force=True)
-    return loaded[0]
+        for group in layer_buckets(named, bucket_bytes):
+            bucket = ex.export_bucket(group)
+            loaded += vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles({dev: bucket}))[0]
+            ex.release(bucket)  # the worker acked after loading
+    return loaded
 
 
 def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *, dtype: torch.dtype | None = None,

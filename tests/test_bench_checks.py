@@ -94,6 +94,10 @@ def test_right_update_is_exact_and_wrong_ones_are_named(engine):
                                   checksums.layout_checksums(newer, layout, 0))
     assert got["exact"] is False and got["n_differences"] == len(moved) == 10  # 2 layers x 4 matrices + 2 vocab
 
-    # and an update that is right again passes again (the check reads the engine, not a cached verdict)
-    lora.push_merged(engine, list(newer.items()))
+    # and an update that is right again passes again (the check reads the engine, not a cached verdict),
+    # also when it comes in many small buckets, one after another (as a 7B model does, 1 GiB at a time);
+    # each holds whole decoder layers (the engine refuses a half-updated fused q/k/v or gate/up)
+    buckets = lora.layer_buckets(list(newer.items()), 64 << 10)
+    assert len(buckets) > 2 and [n for b in buckets for n, _ in b] == list(newer)
+    assert lora.push_merged(engine, list(newer.items()), bucket_bytes=64 << 10) == len(newer)
     assert checksums.check_engine(engine, newer, layout)["exact"] is True
