@@ -3,7 +3,7 @@
 #   make test       unit tests + every lab under nbval (CPU path without GPUs); what CI runs
 #   make book       build the HTML book into _build/html (labs executed, cached), zero warnings
 #   make test-gpu   GPU-marked tests + labs' GPU paths (on a machine with GPUs)
-#   make lab        JupyterLab on the labs (.md files open as notebooks through jupytext)
+#   make lab        JupyterLab on the labs (a double-click opens a lab .md as a notebook, via jupytext)
 #   make student    the student edition (solutions removed) into _student/html
 #   make doctor     what this machine has and which labs take their GPU path
 # On a machine without a venv (e.g. a GPU box with the stack preinstalled): make test-gpu PY=python3 SETUP=
@@ -27,9 +27,15 @@ endif
 STAMP := $(VENV)/.installed
 SETUP ?= $(STAMP)
 PYTEST_OPTS ?=
+# make lab: the folder JupyterLab opens, and options for it (the browser test adds --no-browser, a port, a token)
+LAB_DIR ?= labs/
+LAB_OPTS ?=
+IS_ROOT := $(filter 0,$(shell id -u))
+# Debian's Chromium, which the browser tests drive (tests/browser.py)
+CHROMIUM ?= /usr/bin/chromium
 BOOK_FLAGS := -n -W --keep-going
 
-.PHONY: help setup test test-unit test-labs test-gpu book student lab doctor clean
+.PHONY: help setup browser test test-unit test-labs test-gpu book student lab doctor clean
 
 help:
 	@sed -n '2,11p' Makefile | sed 's/^# \{0,1\}//'
@@ -46,12 +52,25 @@ $(STAMP): requirements.txt pyproject.toml
 	@if [ "$(HAS_GPU)" != "1" ]; then $(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, transformers, ray, vllm, labsupport; print('environment ok: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
+	$(PY) tools/jupyterlab/install_settings.py -v
 	touch $@
 
-test: $(SETUP)
+# The browser tests need Debian's Chromium: installed here when missing and we are root (CI, containers);
+# otherwise one line says what to install, and those tests skip (outside CI) with the same advice.
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ -n "$(IS_ROOT)" ] && command -v apt-get >/dev/null; then \
+	  echo "== installing Debian's chromium for the browser tests (apt-get install chromium)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	    || echo "== apt-get could not install chromium: the browser tests will say so"; \
+	else \
+	  echo "== no $(CHROMIUM): the browser tests will skip. To run them: sudo apt-get install chromium"; \
+	fi
+
+test: $(SETUP) browser
 	$(PY) -m pytest tests labs --timeout=1800 $(PYTEST_OPTS)
 
-test-unit: $(SETUP)
+test-unit: $(SETUP) browser
 	$(PY) -m pytest tests --timeout=900 $(PYTEST_OPTS)
 
 test-labs: $(SETUP)
@@ -70,9 +89,11 @@ student: $(SETUP)
 	$(PY) tools/student_edition.py --out _student
 	@echo "Open $(CURDIR)/_student/html/index.html"
 
+# JupyterLab comes with the set-up (requirements.txt); its settings from tools/jupyterlab/overrides.json5
 lab: $(SETUP)
-	$(VENV)/bin/pip install -q "jupyterlab==4.6.6"
-	$(PY) -m jupyter lab labs/
+	@$(PY) tools/jupyterlab/install_settings.py
+	@$(if $(IS_ROOT),echo "== running as root (as in many containers): starting JupyterLab with --allow-root")
+	$(PY) -m jupyter lab $(LAB_DIR) $(if $(IS_ROOT),--allow-root) $(LAB_OPTS)
 
 doctor: $(SETUP)
 	$(PY) -m labsupport doctor
