@@ -92,7 +92,7 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
 
     c, dev, model, opt = state.config, state.device, state.model, state.optimizer
     phase = tl.phase if tl is not None else (lambda name: contextlib.nullcontext())
-    acts = tl.track_activations if tl is not None else contextlib.nullcontext
+    acts = getattr(tl, "track_activations", contextlib.nullcontext)  # (labsupport.core.timeline has none)
     g = torch.Generator(device=dev).manual_seed(c.seed + state.steps)
     t0 = time.perf_counter()
 

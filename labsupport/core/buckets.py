@@ -1,0 +1,57 @@
+"""Named tensors in one flat byte buffer: the layout that both a broadcast bucket and an IPC handle carry.
+
+A *meta* is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into tensors. Each
+tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ALIGN = 16  # bytes; a multiple of every dtype's item size
+
+Meta = tuple[str, str, tuple[int, ...]]  # (name, dtype name such as "bfloat16", shape)
+Entry = tuple[str, str, tuple[int, ...], int, int]  # meta + (byte offset, nbytes)
+
+
+def meta(name: str, t: torch.Tensor) -> Meta:
+    return name, str(t.dtype).removeprefix("torch."), tuple(t.shape)
+
+
+def nbytes(m: Meta) -> int:
+    return math.prod(m[2]) * getattr(torch, m[1]).itemsize
+
+
+def split(metas: list[Meta], bucket_bytes: int) -> list[list[Meta]]:
+    """Consecutive buckets of at most ``bucket_bytes`` each (a tensor larger than that gets a bucket alone)."""
+    out, used = [[]], 0
+    for m in metas:
+        if out[-1] and used + nbytes(m) > bucket_bytes:
+            out, used = out + [[]], 0
+        out[-1].append(m)
+        used += -(-nbytes(m) // ALIGN) * ALIGN
+    return [b for b in out if b]
+
+
+def layout(metas: list[Meta]) -> tuple[list[Entry], int]:
+    """Where each tensor sits in the buffer, and the buffer's size."""
+    entries, off = [], 0
+    for m in metas:
+        entries.append((*m, off, nbytes(m)))
+        off += -(-nbytes(m) // ALIGN) * ALIGN
+    return entries, max(off, ALIGN)
+
+
+@torch.no_grad()
+def pack(buf: torch.Tensor, entries: list[Entry], tensors: list[torch.Tensor]) -> None:
+    """Copy each tensor's bytes into its place in the uint8 buffer ``buf``."""
+    for (_, _, _, off, n), t in zip(entries, tensors):
+        buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, view)]``: each tensor as a view into ``buf`` (nothing is copied)."""
+    return [(name, buf[off:off + n].view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, off, n in entries]

@@ -1,0 +1,98 @@
+"""A CUDA IPC weight handoff in straight lines: export, rebuild with device remap, load, release.
+
+The owner (a trainer) packs named tensors into one flat buffer and *exports* it as a small picklable
+``Handle``; another process on the same machine (an inference engine) *rebuilds* the buffer from it, which
+maps the owner's memory (nothing is copied), *loads* the views into its own weights, and lets go of the views;
+then the owner *releases* the buffer. A GPU buffer goes through CUDA IPC (``torch.multiprocessing``'s
+``reduce_tensor``, as in vLLM's co-location example); the handle names the GPU by UUID, and the receiver looks
+up its own index for it (``CUDA_VISIBLE_DEVICES`` may number the GPUs differently there). A CPU buffer is a
+file in ``/dev/shm`` that both processes map: the stand-in with the same semantics (one code path).
+
+``labsupport.ipc`` is this plus what production needs; Lab 5 lists each addition and what it guards against.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from labsupport.core import buckets
+from labsupport.hardware import gpu_uuid
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What travels to the other process (a few hundred bytes): where the buffer is, and its layout."""
+    gpu: str | None  # the GPU's UUID; None: a shared-memory file on the CPU
+    where: tuple  # CUDA: reduce_tensor's arguments; CPU: (file path, size)
+    entries: list[buckets.Entry]
+
+
+def export(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Handle]:
+    """Owner side: pack ``named`` tensors into a new shared buffer on their device; returns the buffer (keep it
+    alive until ``release``) and its handle (send it to the receiver)."""
+    entries, size = buckets.layout([buckets.meta(name, t) for name, t in named])
+    device = named[0][1].device
+    if device.type == "cuda":
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        buckets.pack(buf, entries, [t for _, t in named])
+        torch.cuda.synchronize(device)  # the bytes are there before anyone maps them
+        return buf, Handle(gpu_uuid(device.index), tuple(reduce_tensor(buf)[1]), entries)
+    path = os.path.join(SHM_DIR, f"labsupport-core-{uuidlib.uuid4().hex}.shm")
+    with open(path, "wb") as f:
+        f.truncate(size)
+    buf = _mapped(path, size)
+    buckets.pack(buf, entries, [t for _, t in named])
+    return buf, Handle(None, (path, size), entries)
+
+
+def _mapped(path: str, size: int) -> torch.Tensor:
+    """The file ``path`` mapped shared into this process, as ``size`` bytes."""
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+
+
+def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
+    """Receiver side: map the owner's buffer into this process and slice it into ``[(name, view)]``."""
+    if handle.gpu is None:
+        buf = _mapped(*handle.where)
+    else:
+        args = list(handle.where)
+        slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+        args[slot] = local_index(handle.gpu)  # device remap: the owner's index for this GPU -> ours
+        buf = rebuild_cuda_tensor(*args)
+    return buckets.unpack(buf, handle.entries)
+
+
+def local_index(gpu: str) -> int:
+    """This process's CUDA index of the GPU with UUID ``gpu``."""
+    here = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    if gpu not in here:
+        raise RuntimeError(f"GPU {gpu} is not visible in this process (it sees {here}); CUDA IPC needs the same GPU")
+    return here.index(gpu)
+
+
+@torch.no_grad()
+def load(params: Mapping[str, torch.Tensor], views: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy each view into ``params[name]`` (the engine's own weights); returns the bytes copied."""
+    for name, view in views:
+        params[name].copy_(view)
+    if views and views[0][1].is_cuda:
+        torch.cuda.synchronize(views[0][1].device)  # done reading the owner's memory
+    return sum(v.nbytes for _, v in views)
+
+
+def release(handle: Handle) -> None:
+    """Owner side, once every receiver has dropped its views and the owner its buffer: free the memory."""
+    if handle.gpu is None:
+        os.unlink(handle.where[0])  # the file's pages go when the last process unmaps them
+    else:
+        torch.cuda.ipc_collect()  # the block returns to the allocator once no other process holds it
