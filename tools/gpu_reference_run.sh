@@ -65,6 +65,9 @@ for step in $STEPS; do
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
     vllm_reshard) run vllm_reshard 560 python3 -m labsupport bench reshard ;;
     vllm_lab8) run vllm_lab8 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_08_resharding.md --junitxml="$OUT/logs/gpu_labs_vllm8.xml" ;;
+    # one GPU, vLLM kit: lab 10's one-GPU path, and the FP8 engine's update (results/bench_fp8_update.<machine>.json, read by lab 10 and ch07b)
+    lab10gpu) run lab10gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_10_after_the_update.md --junitxml="$OUT/logs/gpu_lab10.xml" ;;
+    fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
     *) echo "unknown step $step" ;;
   esac
 done
