@@ -24,7 +24,7 @@ import student_edition as se  # noqa: E402
 CHAPTERS = sorted(BOOK.glob("ch0*_*.md"))
 LABS = ["lab_01_environment", "lab_02_memory_timeline", "lab_03_nccl_weight_sync", "lab_04_disaggregated_vllm",
         "lab_05_cuda_ipc", "lab_06_colocated_vllm", "lab_07_capstone", "lab_08_resharding",
-        "lab_09_lora_updates"]
+        "lab_09_lora_updates", "lab_10_after_the_update"]
 ROLE = re.compile(r"\{(?P<role>[\w:-]+)\}`(?P<target>[^`]+)`")
 
 
@@ -44,7 +44,7 @@ def test_chapter_structure(chapter: Path) -> None:
     assert re.search(r"```\{admonition\} Learning objectives", text), "no learning objectives"
     assert re.search(r"^## Key takeaways$", text, re.M), "no key takeaways"
     run_it = re.search(r"```\{admonition\} Run it\n(.*?)\n```", text, re.S)
-    assert run_it and re.search(r"\{doc\}`\.\./labs/lab_0\d_\w+`", run_it.group(1)), "no Run-it link to a lab"
+    assert run_it and re.search(r"\{doc\}`\.\./labs/lab_\d\d_\w+`", run_it.group(1)), "no Run-it link to a lab"
     exercises = se.directives(text, "exercise")
     labels = [re.search(r"^:label: (\S+)$", body, re.M) for _, body in exercises]
     assert len(exercises) >= 3, f"only {len(exercises)} exercises"
