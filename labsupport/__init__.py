@@ -1,16 +1,23 @@
 """labsupport: the code that the RLHF systems course's labs call.
 
-The modules, in the order the chapters use them (read them in this order; the API page has each one):
+The modules, in the order the chapters use them (read them in this order; the API page has each one). Each
+mechanism comes twice: first its straight-line core in ``labsupport.core`` (about 300 lines for all three, the
+part a lab runs first), then the hardened module, which adds what production needs (each lab lists the
+additions and the failures they guard against):
 
 - ``hardware``: what this machine has (GPUs, links, CUDA IPC), and the one place that picks GPU or CPU stand-in
 - ``results``: reference results under results/, each with its machine, versions, command and date
 - ``models``: the tiny language model and tokenizer, built and trained offline, whose output a sync visibly changes
+- ``core.timeline``: the short path of a memory timeline: bytes by role at phase edges, and a plot (Lab 2)
 - ``memory``: a memory timeline of an RLHF step, with bytes by role (weights, grads, optimizer, KV cache)
 - ``strategies``: the same step under three memory strategies (keep, offload, drop and rebuild)
 - ``planner``: memory and transfer-time arithmetic for designs at scale (ZeRO, KV cache, links)
 - ``groups``: a process group that joins a trainer and inference workers without global state
+- ``core.buckets``: named tensors in one flat byte buffer (what a bucket and an IPC handle carry)
+- ``core.sync``: the short path of a weight sync: metadata, one broadcast per bucket, load (Lab 3)
 - ``broadcast``: weight sync over that group: metadata first, then per-tensor or bucketed broadcasts
 - ``checksums``: the optional end-to-end check of a broadcast
+- ``core.handoff``: the short path of a CUDA IPC handoff: export, rebuild with device remap, load, release (Lab 5)
 - ``ipc``: CUDA IPC handles (shared memory on CPU): export, rebuild in another process, lifetimes
 - ``shm``: the /dev/shm files behind the CPU stand-in for CUDA IPC
 - ``peer``: a helper process that rebuilds handles, for the labs' two-process experiments
@@ -20,7 +27,6 @@ The modules, in the order the chapters use them (read them in this order; the AP
 - ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: name/layout mapping, plan, three ways
 - ``lora``: LoRA-only updates: a trained adapter into vLLM, against a full update of the merged weights
-- ``after_update``: what goes wrong once new weights are in: stale prefix cache, requests in flight, logprob mismatch
 - ``rl``: the capstone: a small GRPO loop in three orchestrations, side by side
 
 Benchmarks live apart, in ``labsupport.bench``, one module per ``python -m labsupport bench`` command; mechanisms

@@ -17,10 +17,12 @@ Entry = tuple[str, str, tuple[int, ...], int, int]  # meta + (byte offset, nbyte
 
 
 def meta(name: str, t: torch.Tensor) -> Meta:
+    """``(name, dtype name, shape)`` of a tensor."""
     return name, str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
 def nbytes(m: Meta) -> int:
+    """The bytes of the tensor that ``m`` describes."""
     return math.prod(m[2]) * getattr(torch, m[1]).itemsize
 
 

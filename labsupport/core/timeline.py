@@ -34,7 +34,7 @@ class Timeline:
         """Count, at every sample, the bytes of the tensors that ``tensors()`` returns then, under ``role``."""
         self.roles[role] = tensors
 
-    def sample(self, phase: str, event: str) -> dict[str, Any]:
+    def _sample(self, phase: str, event: str) -> dict[str, Any]:
         """Record the bytes of every role now (and the allocator's count on a GPU)."""
         if self.gpu:
             torch.cuda.synchronize(self.device)  # what has been allocated by the work queued so far
@@ -48,27 +48,29 @@ class Timeline:
     def phase(self, name: str) -> Iterator[None]:
         """Mark a phase of the step: one sample as it begins, one as it ends."""
         self.phases.append(name)
-        self.sample(name, "begin")
+        self._sample(name, "begin")
         yield
-        self.sample(name, "end")
+        self._sample(name, "end")
 
 
 def plot(tl: Timeline, unit: float = 1e6, ax: Any = None) -> Any:
-    """Stacked bytes by role over the samples, phases shaded and named, the allocator's line on a GPU."""
+    """One stacked bar of bytes by role per sample (each phase's begin and end, phases shaded and named), and
+    on a GPU the allocator's count as a black tick."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3))
-    t = [s["t"] for s in tl.samples]
-    ax.stackplot(t, [[s["roles"][r] / unit for s in tl.samples] for r in tl.roles], labels=list(tl.roles), step="post")
+    x, bottom = range(len(tl.samples)), [0.0] * len(tl.samples)
+    for role in tl.roles:
+        height = [s["roles"][role] / unit for s in tl.samples]
+        ax.bar(x, height, 0.8, bottom=bottom, label=role)
+        bottom = [b + h for b, h in zip(bottom, height)]
     if tl.gpu:
-        ax.step(t, [s["allocated"] / unit for s in tl.samples], "k--", where="post", label="allocated")
-    edges = [[s for s in tl.samples if s["event"] == e] for e in ("begin", "end")]
-    for k, (begin, end) in enumerate(zip(*edges)):
-        ax.axvspan(begin["t"], end["t"], color="0.9" if k % 2 else "0.97", zorder=0)
-        ax.text((begin["t"] + end["t"]) / 2, 1.01, begin["phase"], transform=ax.get_xaxis_transform(),
-                ha="center", va="bottom", fontsize=7)
-    ax.set_xlabel("seconds")
+        ax.plot(x, [s["allocated"] / unit for s in tl.samples], "k_", markersize=14, label="allocated")
+    for k, name in enumerate(tl.phases):  # samples 2k and 2k + 1 are phase k's begin and end
+        ax.axvspan(2 * k - 0.5, 2 * k + 1.5, color="0.93" if k % 2 else "0.98", zorder=0)
+        ax.text(2 * k + 0.5, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), [s["event"] for s in tl.samples], fontsize=6)
     ax.set_ylabel(f"bytes / {unit:g}")
     ax.legend(loc="upper left", fontsize=7)
     return ax
