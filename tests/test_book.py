@@ -227,6 +227,28 @@ def test_internal_links_resolve(editions: dict) -> None:
     assert not broken, "broken links:\n" + "\n".join(broken[:20])
 
 
+def test_gpu_run_pages(editions: dict) -> None:
+    """Both editions show lab 6's recorded GPU run, labelled with machine, date and stale/current as the lab's code
+    now says, and link to it from the lab; a lab without a recording says so (tools/gpu_runs.py)."""
+    import gpu_runs
+    import nbformat
+
+    recording = nbformat.read(ROOT / "results/notebooks/lab_06_colocated_vllm.1xH100.ipynb", as_version=4)
+    info = recording.metadata["labsupport_recording"]
+    lab_text = editions["texts"][ROOT / "labs/lab_06_colocated_vllm.md"]
+    status = "stale" if gpu_runs.recording_freshness(recording, lab_text).stale else "current"
+    for edition in ("instructor", "student"):
+        site = editions[edition]
+        page = se._normalise((site / "results/notebooks/lab_06_colocated_vllm.1xH100.html").read_text())
+        for text in (f"Recorded GPU run ({status})", info["machine"]["gpus"][0]["name"], info["date"][:10]):
+            assert text in page, f"{edition}: the GPU run page does not say {text!r}"
+        assert ("code cell" in page and "What changed in the lab's code since" in page) == (status == "stale")
+        lab = (site / "labs/lab_06_colocated_vllm.html").read_text()
+        assert 'href="../results/notebooks/lab_06_colocated_vllm.1xH100.html"' in lab, f"{edition}: no link"
+        assert f"Recorded GPU run ({status})" in se._normalise(lab)
+        assert "No recorded GPU run" in (site / "labs/lab_03_nccl_weight_sync.html").read_text()
+
+
 def test_intro_hardware_matrix_lists_every_lab() -> None:
     text = (BOOK / "intro.md").read_text()
     for lab in LABS:

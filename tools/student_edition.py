@@ -42,6 +42,9 @@ def edition_config(student: bool = True, execute: bool = True, cache_dir: Path |
     if student:
         config = _merge(config, yaml.safe_load(STUDENT_OVERRIDES.read_text()))
     config.setdefault("execute", {})
+    # jupyter-book finds local extensions relative to the config file, which the builds write elsewhere
+    local = config.get("sphinx", {}).get("local_extensions") or {}
+    config["sphinx"]["local_extensions"] = {name: str(ROOT / path) for name, path in local.items()}
     if not execute:
         config["execute"]["execute_notebooks"] = "off"
     elif cache_dir is not None:
