@@ -188,7 +188,7 @@ class StatelessGroup:
 
     @property
     def closed(self) -> bool:
-        """True once destroyed, or aborted after a lost peer: every later collective raises ``GroupError``."""
+        """True once destroyed, or aborted after a lost peer; every later collective then raises ``GroupError``."""
         return self._closed
 
     def _check_open(self) -> None:

@@ -821,7 +821,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     ``engine="transformers"`` runs :class:`HFEngine`, ``engine="vllm"`` runs :class:`VllmEngine`: in this
     process when co-located (weights through IPC handles), in its own process otherwise (weights over the
     group). A bfloat16 engine (vLLM on GPU) gets the trainer's float32 weights cast as they are sent.
-    ``size`` picks the model (:data:`SIZES`; on a GPU, checked against free memory before anything is built);
+    ``size`` picks the model (``SIZES``; on a GPU, checked against free memory before anything is built);
     ``sleep=False`` keeps the co-located engine awake between generations (to compare memory with and without).
     """
     if arch not in ARCHS:

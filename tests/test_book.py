@@ -155,18 +155,7 @@ def test_chapter_notebooks_execute() -> None:
 
 # ----------------------------------------------------------------------------- the two HTML builds
 
-@pytest.fixture(scope="module")
-def editions(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Instructor and student HTML, built from the same sources with notebook execution off.
-
-    The sources are snapshotted first, so that checks compare against what was built even if someone
-    edits a page meanwhile (the working tree is shared while the course is being written).
-    """
-    out = tmp_path_factory.mktemp("editions")
-    snapshot = {p: p.read_text() for p in se.toc_sources()}
-    sites = {name: se.build_site(out / name, student=(name == "student"), execute=False, warnings_as_errors=False)
-             for name in ("instructor", "student")}
-    return {**sites, "texts": snapshot}
+# The `editions` fixture (instructor and student HTML, built once per run) is in tests/conftest.py.
 
 
 def test_student_edition_has_no_solutions(editions: dict) -> None:

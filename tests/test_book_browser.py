@@ -1,0 +1,248 @@
+"""The built book in a real browser, with the network closed: what a reader offline (or behind a firewall) sees.
+
+The instructor edition that ``tests/conftest.py`` builds for ``tests/test_book.py`` (notebook execution off; no
+second build) is served on localhost and every page of the table of contents is opened in Debian's headless
+Chromium (``tests/browser.py``). Every request to another host is refused, as with no network. On each page:
+no console error, no failed or refused request, every math element typeset by MathJax (an ``mjx-container``)
+and no raw TeX left in the text, every image loaded, every same-site link answering (anchors included), and
+every solution dropdown closed until its title is clicked, open after. A control page (a chapter whose MathJax
+comes from a CDN, as Sphinx's default does) must fail the same checks. About 30 s.
+
+The two screenshots it saves, ``results/book_chapter.png`` and ``results/book_lab.png``, are the README's.
+To check another build instead, e.g. ``make book``'s executed site: ``BOOK_HTML=_build/html pytest tests/test_book_browser.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urldefrag, urlparse
+
+import pytest
+import student_edition as se  # on sys.path through tests/conftest.py
+from browser import browser, page, save_screenshot  # noqa: F401  (pytest fixtures and a helper)
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [p.relative_to(ROOT).with_suffix(".html").as_posix() for p in se.toc_sources()]
+# a chapter shown at its first display equation, a lab at its top
+SCREENSHOTS = {"book/ch02_memory.html": "book_chapter.png", "labs/lab_02_memory_timeline.html": "book_lab.png"}
+CDN_MATHJAX = "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js"  # Sphinx 7's default mathjax_path
+WAIT_MS = 30_000
+
+# Runs in the page once it has loaded: waits for MathJax's first typesetting, then reports what a reader sees.
+_INSPECT = r"""async () => {
+  const out = {mathjax: null, math: 0, untypeset: [], raw: [], badImages: [], images: 0, links: [], ids: []};
+  out.math = document.querySelectorAll(".math").length;
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    try { await MathJax.startup.promise; out.mathjax = MathJax.version; } catch (e) { out.mathjax = "failed: " + e; }
+  }
+  for (const el of document.querySelectorAll(".math")) {
+    if (!el.querySelector("mjx-container")) out.untypeset.push(el.textContent.trim().slice(0, 60));
+  }
+  // typeset, but with a TeX command shown as text (e.g. \_ in \text{} without MathJax's textmacros)
+  for (const el of document.querySelectorAll("mjx-assistive-mml mtext")) {
+    if (el.textContent.includes("\\")) out.raw.push("in typeset math: " + el.textContent.trim().slice(0, 60));
+  }
+  // raw TeX in the text a reader sees (code, and MathJax's own output, are not prose)
+  const skip = "pre, code, script, style, textarea, mjx-container, .highlight, .MathJax";
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const tex = /\\\(|\\\[|\$\$|\\begin\{|\$[^$\s][^$\n]*?\\[A-Za-z]+[^$\n]*?\$/;
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    if (!n.parentElement || n.parentElement.closest(skip)) continue;
+    const m = n.textContent.match(tex);
+    if (m) out.raw.push(n.textContent.slice(Math.max(0, m.index - 20), m.index + 40).trim());
+  }
+  for (const img of document.images) {
+    out.images += 1;
+    img.loading = "eager";
+    try { await img.decode(); } catch (e) { out.badImages.push(img.getAttribute("src")); continue; }
+    if (!img.naturalWidth) out.badImages.push(img.getAttribute("src"));
+  }
+  out.links = Array.from(document.querySelectorAll("a[href]"), a => a.href).filter(h => h.startsWith(location.origin));
+  out.ids = Array.from(document.querySelectorAll("[id]"), e => e.id);
+  return out;
+}"""
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (the base class's name)
+        pass
+
+
+@pytest.fixture(scope="module")
+def site_dir(request: pytest.FixtureRequest) -> Path:
+    """The HTML checked: ``$BOOK_HTML`` if set, else the instructor edition that tests/conftest.py builds."""
+    if os.environ.get("BOOK_HTML"):
+        return Path(os.environ["BOOK_HTML"]).resolve()
+    return request.getfixturevalue("editions")["instructor"]
+
+
+@pytest.fixture(scope="module")
+def site(site_dir: Path) -> Iterator[str]:
+    """That HTML served over HTTP on localhost (a free port); yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site_dir)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _close_network(tab, origin: str) -> list[str]:
+    """Refuse every request that leaves ``origin`` (as with the network off); returns the list of refused URLs."""
+    refused: list[str] = []
+
+    def handle(route) -> None:
+        url = route.request.url
+        if url.startswith(origin + "/") or url == origin:
+            route.fallback()
+        else:
+            refused.append(url)
+            route.abort("internetdisconnected")
+
+    tab.context.route("**/*", handle)
+    return refused
+
+
+def _ids_of(html: str) -> set[str]:
+    class Ids(HTMLParser):
+        ids: set[str] = set()
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            self.ids.update(v for k, v in attrs if k == "id" and v)
+
+    parser = Ids()
+    parser.ids = set()
+    parser.feed(html)
+    return parser.ids
+
+
+_targets: dict[str, set[str] | None] = {}  # same-site URL -> its ids (None: it does not answer), for all pages
+
+
+def _broken_links(links: list[str], here: str, here_ids: set[str]) -> list[str]:
+    broken = []
+    for link in sorted(set(links)):
+        url, fragment = urldefrag(link)
+        if url == here:
+            ids = here_ids
+        else:
+            if url not in _targets:
+                try:
+                    with urllib.request.urlopen(url, timeout=10) as resp:
+                        body = resp.read().decode(errors="replace")
+                    _targets[url] = _ids_of(body) if urlparse(url).path.endswith((".html", "/")) else set()
+                except OSError:
+                    _targets[url] = None
+            ids = _targets[url]
+            if ids is None:
+                broken.append(f"{link} (does not answer)")
+                continue
+        if fragment and urlparse(url).path.endswith((".html", "/")) and unquote(fragment) not in ids:
+            broken.append(f"{link} (no such anchor)")
+    return broken
+
+
+def _open(tab, url: str) -> tuple[dict, list[str], list[str]]:
+    """Open ``url`` with the network closed; returns what the page shows, refused requests, failed ones."""
+    origin = "{0.scheme}://{0.netloc}".format(urlparse(url))
+    refused = _close_network(tab, origin)
+    failed: list[str] = []
+    tab.on("requestfailed", lambda r: failed.append(f"{r.url} ({r.failure})") if r.url not in refused else None)
+    tab.on("response", lambda r: failed.append(f"{r.url} (HTTP {r.status})") if r.status >= 400 else None)
+    tab.goto(url, wait_until="load", timeout=WAIT_MS)
+    shown = tab.evaluate(_INSPECT)
+    return shown, refused, failed
+
+
+def _problems(shown: dict, refused: list[str], failed: list[str], errors: list[str]) -> list[str]:
+    problems = [f"refused (the page needs the network): {u}" for u in refused]
+    problems += [f"failed request: {f}" for f in failed]
+    problems += errors
+    if shown["math"] and not (shown["mathjax"] or "").startswith("3"):
+        problems.append(f"MathJax did not run ({shown['mathjax'] or 'not loaded'}) on a page with {shown['math']} "
+                        "math elements")
+    problems += [f"math not typeset: {m!r}" for m in shown["untypeset"][:5]]
+    problems += [f"raw TeX in the text: {r!r}" for r in shown["raw"][:5]]
+    problems += [f"image not loaded: {src}" for src in shown["badImages"]]
+    return problems
+
+
+def _solution_toggles(tab) -> list[str]:
+    """Every solution dropdown is closed, and opens when its title is clicked (sphinx-togglebutton's script)."""
+    problems = []
+    solutions = tab.locator("div.solution.dropdown")
+    for i in range(solutions.count()):
+        solution = solutions.nth(i)
+        body = solution.locator(":scope > :not(.admonition-title)").first
+        name = solution.get_attribute("id")
+        if solution.locator("button.toggle-button").count() != 1:
+            problems.append(f"solution {name}: no toggle button (togglebutton.js did not run)")
+            continue
+        if body.is_visible():
+            problems.append(f"solution {name}: shown before its title is clicked")
+        solution.locator(":scope > .admonition-title").click()
+        try:
+            body.wait_for(state="visible", timeout=5_000)
+        except Exception:  # noqa: BLE001  (Playwright's TimeoutError; the message says what failed)
+            problems.append(f"solution {name}: still hidden after a click on its title")
+    return problems
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_renders_offline(site: str, page, path: str) -> None:  # noqa: F811  (page is a fixture)
+    """One page of the book, network closed: no errors, math typeset, images loaded, links answer, toggles work."""
+    url = f"{site}/{path}"
+    shown, refused, failed = _open(page, url)
+    problems = _problems(shown, refused, failed, page.errors)
+    problems += [f"broken link: {b}" for b in _broken_links(shown["links"], url, set(shown["ids"]))]
+    if path in SCREENSHOTS and not os.environ.get("BOOK_HTML"):  # the README's come from the test's own build
+        equation = page.locator("div.math mjx-container")
+        if path.startswith("book/") and equation.count():
+            equation.first.evaluate("e => e.scrollIntoView({block: 'center'})")
+        save_screenshot(page, SCREENSHOTS[path])
+    problems += _solution_toggles(page)
+    if path.startswith("book/ch"):
+        assert shown["math"] > 0, f"{path}: no math on a chapter page: did the math extension change?"
+    assert not problems, f"{path} with the network closed:\n  " + "\n  ".join(problems)
+
+
+def test_check_fails_with_mathjax_from_a_cdn(site: str, page) -> None:  # noqa: F811
+    """Control: the same chapter, its MathJax script pointed at a CDN (Sphinx's default), fails the check."""
+    path = "book/ch02_memory.html"
+    url = f"{site}/{path}"
+
+    def from_cdn(route) -> None:
+        html = route.fetch().text()
+        local = re.search(r'src="[./]*_static/mathjax/[^"]+"', html)
+        assert local, "the page does not load MathJax from _static/mathjax"
+        route.fulfill(status=200, content_type="text/html", body=html.replace(local.group(0), f'src="{CDN_MATHJAX}"'))
+
+    page.route(url, from_cdn)  # a page route comes before the context-wide one that closes the network
+    shown, refused, failed = _open(page, url)
+    problems = _problems(shown, refused, failed, page.errors)
+    assert CDN_MATHJAX in refused, "the CDN request was not refused: is the network really closed in the test?"
+    assert any(p.startswith("MathJax did not run") for p in problems), problems
+    assert any(p.startswith("raw TeX in the text") for p in problems), problems
+    assert any(p.startswith("math not typeset") for p in problems), problems
+
+
+def test_built_pages_load_nothing_from_other_hosts(site_dir: Path) -> None:
+    """No script, stylesheet, image or frame of any built page comes from another host (links may point out)."""
+    tag = re.compile(r'<(script|img|iframe|source|link)\b[^>]*?\b(src|href)="(https?:)?//[^"]+"[^>]*>', re.I)
+    found = []
+    for html in site_dir.rglob("*.html"):
+        for m in tag.finditer(html.read_text(errors="ignore")):
+            if m.group(1).lower() == "link" and not re.search(r'rel="(stylesheet|preload|modulepreload|icon)"', m.group(0)):
+                continue  # <link rel="canonical"> and the like are not loaded
+            found.append(f"{html.relative_to(site_dir)}: {m.group(0)[:120]}")
+    assert not found, "loaded from another host:\n  " + "\n  ".join(found[:10])
