@@ -482,17 +482,22 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = Tru
 
 
 def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, clip_eps: float = 0.2, beta: float = 0.02) -> tuple[torch.Tensor, dict[str, float]]:
+              mask: torch.Tensor, clip_eps: float = 0.2, beta: float = 0.02,
+              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's clipped surrogate with a KL penalty to the reference, averaged per sequence, then over sequences.
 
     logp/logp_old/logp_ref/mask: [N, T] per completion token (policy now, behaviour policy that sampled it,
     frozen reference); advantages: [N]. ratio = exp(logp - logp_old) corrects for samples that came from an
     older policy (asynchronous loop); KL uses the k3 estimator exp(ref - logp) - (ref - logp) - 1 >= 0.
+    ``token_weights`` ([N, T], no gradient) multiply each token's surrogate: the TIS/MIS correction of
+    :class:`GRPOTrainer` when ``logp_old`` is the trainer's own and the engine's log-probabilities differ.
     """
     mask = mask.to(logp.dtype)
     adv = advantages[:, None].to(logp.dtype)
     ratio = torch.exp(logp - logp_old)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if token_weights is not None:
+        surrogate = surrogate * token_weights.detach()
     d = logp_ref - logp
     kl = torch.exp(d) - d - 1
     per_token = -(surrogate - beta * kl)
@@ -525,7 +530,15 @@ def token_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: t
 class GRPOTrainer:
     """The learning code, identical in every orchestration: one optimizer step per batch of rollouts."""
 
-    def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2) -> None:
+    def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2,
+                 correction: str | None = None, is_cap: float = 2.0) -> None:
+        """``correction``: None uses the engine's log-probabilities as the behaviour policy (the PPO ratio then
+        corrects staleness and sampler/trainer mismatch together); "tis" or "mis" recomputes them with the
+        trainer and weights each token by the engine-to-trainer ratio, truncated at ``is_cap`` (TIS) or
+        masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (``labsupport.after_update``)."""
+        if correction not in (None, "tis", "mis"):
+            raise ValueError(f"correction must be None, 'tis' or 'mis', got {correction!r}")
+        self.correction, self.is_cap = correction, is_cap
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -543,9 +556,23 @@ class GRPOTrainer:
         self.model.train()
         with torch.no_grad():
             ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
+            old = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids) if self.correction else None
+        engine_lp = rollout.logprobs.to(device)
+        weights = None
+        if self.correction:  # the trainer's behaviour log-probabilities, and the engine's corrected by weights
+            from labsupport import after_update
+
+            weights = (after_update.tis_weights(old, engine_lp, self.is_cap) if self.correction == "tis" else
+                       torch.exp(old - engine_lp) * after_update.mis_mask(old, engine_lp, self.is_cap))
         logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
-        loss, stats = grpo_loss(logp, rollout.logprobs.to(device), ref, adv.to(device), mask,
-                                clip_eps=self.clip_eps, beta=self.beta)
+        loss, stats = grpo_loss(logp, engine_lp if old is None else old, ref, adv.to(device), mask,
+                                clip_eps=self.clip_eps, beta=self.beta, token_weights=weights)
+        if old is not None:
+            m = mask.bool()
+            ratio = torch.exp(old - engine_lp)[m]
+            affected = (ratio > self.is_cap) | ((ratio < 1 / self.is_cap) if self.correction == "mis" else False)
+            stats.update(is_ratio_max=ratio.max().item(), is_weight_mean=weights[m].mean().item(),
+                         is_affected=affected.float().mean().item())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -792,6 +819,8 @@ class RLConfig:
     lr: float = 1e-3
     beta: float = 0.02
     clip_eps: float = 0.2
+    correction: str | None = None  # None, "tis" or "mis" (GRPOTrainer)
+    is_cap: float = 2.0
     temperature: float = 1.0
     eval_every: int = 1
     seed: int = 0
@@ -843,7 +872,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         torch.cuda.set_device(torch.device(tdev))
     tl = Timeline()
     t_setup = time.perf_counter()
-    trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps)
+    trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
+                          correction=cfg.correction, is_cap=cfg.is_cap)
     engine_name = engine
     wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
 
@@ -1188,6 +1218,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="model size: tiny (0.35M parameters, CPU and CI) or 0.5b (Qwen2-shaped, one GPU)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the size's, see rl.SIZES)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--correction", default=None, choices=["tis", "mis"],
+                   help="recompute behaviour log-probabilities with the trainer and correct for the engine's (TIS/MIS)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
     args = p.parse_args(argv)
     from labsupport import hardware, results
@@ -1196,12 +1228,14 @@ def main(argv: list[str] | None = None) -> int:
     big = args.size != "tiny"  # 0.5b: half the prompts (activations), same group size
     cfg = RLConfig(steps=args.steps or (60 if gpu else 30),
                    prompts_per_step=args.prompts or (32 if big else 64 if gpu else 16),
-                   group_size=args.group or (16 if gpu else 8), lr=args.lr or SIZES[args.size]["lr"], seed=args.seed)
+                   group_size=args.group or (16 if gpu else 8), lr=args.lr or SIZES[args.size]["lr"], seed=args.seed,
+                   correction=args.correction)
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
     if gpu and hardware.gpu_count() < 2 and set(archs) - {"colocated"}:
         print("note: only 1 GPU: disaggregated/async will share it (the lab's GPU path needs 2)")
     out: dict[str, dict[str, Any]] = {}
     suffix = ("_vllm" if args.engine == "vllm" else "") + ("" if args.size == "tiny" else f"_{args.size}")
+    suffix += f"_{args.correction}" if args.correction else ""
     for arch in archs:
         print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
               f"size {args.size}", flush=True)

@@ -110,6 +110,37 @@ def test_one_grpo_step_moves_probability_towards_rewarded_samples():
     assert trainer.version == 1 and stats["staleness"] == 0
 
 
+def test_tis_and_mis_weight_the_tokens_the_engine_got_wrong():
+    """With a correction, the trainer recomputes the behaviour log-probabilities and weights each token by the
+    engine-to-trainer ratio: a token the engine gave e^-3 of the trainer's probability is capped at 2 (TIS) or
+    dropped (MIS); with the engine's values exact, every correction is the plain step."""
+    tok = models.build_tokenizer()
+    prompts = ["qk|", "ad|"]
+    pids = [tok(p)["input_ids"] for p in prompts for _ in range(2)]
+    comp = torch.tensor([[tok.convert_tokens_to_ids(c) for c in s] for s in ["jih", "lmn", "cba", "efg"]])
+    with torch.no_grad():
+        exact = rl.token_logprobs(models.build_model(0), pids, comp)
+    off = exact.clone()
+    off[0, 0] -= 3.0  # the engine's value for one token: ratio trainer/engine = e^3 = 20
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    stats, losses = {}, {}
+    for corr, engine_lp in (("tis", off), ("mis", off), ("tis-exact", exact), ("none-exact", exact)):
+        c = corr.split("-")[0]
+        trainer = rl.GRPOTrainer(models.build_model(0), lr=1e-2, beta=0.0, correction=None if c == "none" else c)
+        ro = rl.Rollout(prompts, 2, pids, comp, engine_lp.clone(), torch.ones_like(comp, dtype=torch.bool),
+                        ["jih", "lmn", "cba", "efg"])
+        stats[corr] = trainer.step(ro, rewards)
+        losses[corr] = stats[corr]["loss"]
+    assert math.isclose(stats["tis"]["is_ratio_max"], math.exp(3.0), rel_tol=1e-4)
+    assert math.isclose(stats["tis"]["is_affected"], 1 / 12, rel_tol=1e-6) and math.isclose(stats["mis"]["is_affected"], 1 / 12, rel_tol=1e-6)
+    assert math.isclose(stats["tis"]["is_weight_mean"], (11 + 2) / 12, rel_tol=1e-5)  # capped at 2
+    assert math.isclose(stats["mis"]["is_weight_mean"], 11 / 12, rel_tol=1e-5)  # dropped
+    assert math.isclose(losses["tis-exact"], losses["none-exact"], rel_tol=1e-5, abs_tol=1e-7)
+    assert not math.isclose(losses["tis"], losses["mis"], rel_tol=1e-3)
+    with pytest.raises(ValueError, match="correction must be"):
+        rl.GRPOTrainer(models.build_model(0), correction="ppo")
+
+
 # ----------------------------------------------------------------------------- engine
 
 
