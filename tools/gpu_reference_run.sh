@@ -68,6 +68,7 @@ for step in $STEPS; do
     # one GPU, vLLM kit: lab 10's one-GPU path, and the FP8 engine's update (results/bench_fp8_update.<machine>.json, read by lab 10 and ch07b)
     lab10gpu) run lab10gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_10_after_the_update.md --junitxml="$OUT/logs/gpu_lab10.xml" ;;
     fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
+    rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --correction tis ;;  # bf16 engine vs fp32 trainer
     *) echo "unknown step $step" ;;
   esac
 done
