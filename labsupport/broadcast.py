@@ -29,9 +29,9 @@ import torch
 
 from labsupport import checksums
 from labsupport.checksums import tensor_checksums  # noqa: F401 (callers use broadcast.tensor_checksums)
+from labsupport.core.buckets import ALIGN, dtype_name, round_up  # one copy, shared with ipc and the core
 from labsupport.groups import GroupError, StatelessGroup
 
-ALIGN = 256  # every packed tensor starts on a 256-byte boundary (any dtype can view it)
 MODES = {"per_tensor": 0, "bucketed": 1, "packed": 2}
 VERIFY, NEW_LAYOUT = 1, 2  # header flags: checksums follow; the metadata follows (it changed)
 SMALL = 1 << 20  # bucketed mode packs tensors under 1 MiB (norms, biases): one launch costs more than their copy
@@ -93,17 +93,13 @@ class SyncStats:
                 f"{', verified' if self.verified else ''}")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _items(named_tensors: NamedTensors) -> Batch:
     return list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
 
 
 def metadata_of(named_tensors: NamedTensors) -> list[TensorMeta]:
     """``TensorMeta`` for each (name, tensor), in order."""
-    return [TensorMeta(n, _dtype_name(t.dtype), tuple(t.shape)) for n, t in _items(named_tensors)]
+    return [TensorMeta(n, dtype_name(t), tuple(t.shape)) for n, t in _items(named_tensors)]
 
 
 def expected_from(named_tensors: NamedTensors) -> dict[str, TensorMeta]:
@@ -425,7 +421,7 @@ def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool, ram
     out: list[_Bucket] = []
     used = 0
     for i in idx:
-        off = _round_up(used)
+        off = round_up(used)
         k = len(out) - 1  # the bucket being filled
         cap = bucket_bytes // RAMP[k] if ramp and 0 <= k < len(RAMP) else bucket_bytes
         if not out or off + sizes[i] > cap:
@@ -433,14 +429,10 @@ def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool, ram
             off = 0
         out[-1].items.append((i, off, sizes[i]))
         used = off + sizes[i]
-        out[-1].nbytes = _round_up(used)
+        out[-1].nbytes = round_up(used)
     for b in out:
         b.packed = b.packed and len(b.items) > 1  # a tensor alone travels from and to its own memory
     return out
-
-
-def _round_up(x: int, a: int = ALIGN) -> int:
-    return (x + a - 1) // a * a
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import shm
-from labsupport.broadcast import ALIGN, _dtype_name, _round_up  # one bucket layout for NCCL and IPC
+from labsupport.core.buckets import ALIGN, dtype_name, round_up  # one bucket alignment for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
 
 
@@ -110,7 +110,7 @@ def split_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) 
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in named:
-        nbytes = _round_up(t.numel() * t.element_size())
+        nbytes = round_up(t.numel() * t.element_size())
         if groups[-1] and size + nbytes > bucket_bytes:
             groups.append([])
             size = 0
@@ -191,8 +191,8 @@ class Exporter:
         for name, t in named:
             if name in (e.name for e in entries):
                 raise IpcError(f"tensor name {name!r} appears twice in one bucket; names must be unique")
-            entries.append(BucketEntry(name, _dtype_name(t.dtype), tuple(t.shape), off, t.numel() * t.element_size()))
-            off = _round_up(off + entries[-1].nbytes)
+            entries.append(BucketEntry(name, dtype_name(t.dtype), tuple(t.shape), off, t.numel() * t.element_size()))
+            off = round_up(off + entries[-1].nbytes)
         total = max(off, ALIGN)
         flat = (torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda"
                 else self._new_segment(total))
@@ -212,9 +212,9 @@ class Exporter:
             raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket order, "
                            f"found {[n for n, _ in named][:4]}...")
         for e, (name, t) in zip(handle.entries, named):
-            if (_dtype_name(t.dtype), tuple(t.shape)) != (e.dtype, e.shape):
+            if (dtype_name(t.dtype), tuple(t.shape)) != (e.dtype, e.shape):
                 raise IpcError(f"update_bucket: {name} expected {e.dtype}{list(e.shape)}, "
-                               f"found {_dtype_name(t.dtype)}{list(t.shape)}; nothing was written")
+                               f"found {dtype_name(t.dtype)}{list(t.shape)}; nothing was written")
         _pack(exp.keep, handle.entries, [t for _, t in named])
         if exp.keep.is_cuda:
             torch.cuda.current_stream(exp.keep.device).synchronize()
@@ -284,7 +284,7 @@ class Exporter:
             storage = t.untyped_storage()
             path = self._segments[storage.data_ptr()]
             kind, uuid, payload = "shm", None, (path, storage.nbytes(), t.storage_offset(), tuple(t.stride()))
-        return IpcHandle(kind, _dtype_name(t.dtype), tuple(t.shape), t.nbytes, host_id(), uuid, payload, guard,
+        return IpcHandle(kind, dtype_name(t.dtype), tuple(t.shape), t.nbytes, host_id(), uuid, payload, guard,
                          os.getpid())
 
     def _new_segment(self, nbytes: int) -> torch.Tensor:
@@ -369,7 +369,7 @@ class Receiver:
         """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked first; returns bytes."""
         for e in handle.entries:
             d = dest.get(e.name)
-            found = "no tensor" if d is None else f"{_dtype_name(d.dtype)}{list(d.shape)}"
+            found = "no tensor" if d is None else f"{dtype_name(d.dtype)}{list(d.shape)}"
             if found != f"{e.dtype}{list(e.shape)}":
                 raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has {found}; "
                                "nothing was written")

@@ -26,18 +26,13 @@ from typing import Any
 import torch
 
 from labsupport.broadcast import TensorMeta, WeightSyncError
+from labsupport.core.buckets import dtype_name  # the one copy (vllm_ext imports it from here)
 
 GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
 
 
 class WeightUpdateError(WeightSyncError, ValueError):
     """An update was refused before any weight changed; the message lists what was wrong and what to do."""
-
-
-def dtype_name(t: torch.Tensor | torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: how dtypes travel in RPC arguments."""
-    dt = t if isinstance(t, torch.dtype) else t.dtype
-    return str(dt).removeprefix("torch.")
 
 
 @contextlib.contextmanager

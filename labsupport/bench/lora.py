@@ -30,6 +30,7 @@ import torch
 
 from labsupport import checksums, hardware, lora, reshard, results
 from labsupport.bench.vllm_update import shape_config
+from labsupport.core.buckets import dtype_name
 
 PROMPTS = [[11, 22, 33, 44, 5], [40, 7, 9, 12]]
 NEW_TOKENS = 4
@@ -90,7 +91,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
         base = checksums.check_engine(llm, model.named_parameters(), layout)  # the base arrived byte for byte
         base_sums = checksums.layout_checksums(model.named_parameters(), layout, 0)
         pm = lora.add_adapter(model, rank)
-        out: dict[str, Any] = {"rank": rank, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        out: dict[str, Any] = {"rank": rank, "device": device, "dtype": dtype_name(dtype),
                                "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                                "base_exact": base["exact"], "base_differences": base["differences"]}
         for version in (1, 2):  # adapters first: a merged update changes the engine's base for good

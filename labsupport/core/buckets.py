@@ -1,7 +1,8 @@
 """Named tensors in one flat byte buffer: the layout that both a broadcast bucket and an IPC handle carry.
 
 A *meta* is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into tensors. Each
-tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype.
+tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype. ``dtype_name``,
+``ALIGN`` and ``round_up`` are also the hardened modules' (``broadcast``, ``ipc``, ``vllm_weights``): one copy.
 """
 
 from __future__ import annotations
@@ -10,15 +11,25 @@ import math
 
 import torch
 
-ALIGN = 16  # bytes; a multiple of every dtype's item size
+ALIGN = 256  # bytes; a multiple of every dtype's item size (and of the GPU's widest loads)
 
 Meta = tuple[str, str, tuple[int, ...]]  # (name, dtype name such as "bfloat16", shape)
 Entry = tuple[str, str, tuple[int, ...], int, int]  # meta + (byte offset, nbytes)
 
 
+def dtype_name(t: torch.Tensor | torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how a dtype travels between processes."""
+    return str(t if isinstance(t, torch.dtype) else t.dtype).removeprefix("torch.")
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
 def meta(name: str, t: torch.Tensor) -> Meta:
     """``(name, dtype name, shape)`` of a tensor."""
-    return name, str(t.dtype).removeprefix("torch."), tuple(t.shape)
+    return name, dtype_name(t), tuple(t.shape)
 
 
 def nbytes(m: Meta) -> int:
@@ -33,7 +44,7 @@ def split(metas: list[Meta], bucket_bytes: int) -> list[list[Meta]]:
         if out[-1] and used + nbytes(m) > bucket_bytes:
             out, used = out + [[]], 0
         out[-1].append(m)
-        used += -(-nbytes(m) // ALIGN) * ALIGN
+        used += round_up(nbytes(m))
     return [b for b in out if b]
 
 
@@ -42,7 +53,7 @@ def layout(metas: list[Meta]) -> tuple[list[Entry], int]:
     entries, off = [], 0
     for m in metas:
         entries.append((*m, off, nbytes(m)))
-        off += -(-nbytes(m) // ALIGN) * ALIGN
+        off += round_up(nbytes(m))
     return entries, max(off, ALIGN)
 
 
