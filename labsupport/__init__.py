@@ -16,6 +16,7 @@ additions and the failures they guard against):
 - ``core.buckets``: named tensors in one flat byte buffer (what a bucket and an IPC handle carry)
 - ``core.sync``: the short path of a weight sync: metadata, one broadcast per bucket, load (Lab 3)
 - ``broadcast``: weight sync over that group: metadata first, then per-tensor or bucketed broadcasts
+- ``metadata``: the one check of an update's names, dtypes and shapes against what a receiver holds
 - ``checksums``: the optional end-to-end check of a broadcast
 - ``core.handoff``: the short path of a CUDA IPC handoff: export, rebuild with device remap, load, release (Lab 5)
 - ``ipc``: CUDA IPC handles (shared memory on CPU): export, rebuild in another process, lifetimes

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from labsupport import checksums
+from labsupport import checksums, metadata
 from labsupport.checksums import tensor_checksums  # noqa: F401 (callers use broadcast.tensor_checksums)
 from labsupport.core.buckets import ALIGN, dtype_name, round_up  # one copy, shared with ipc and the core
 from labsupport.groups import GroupError, StatelessGroup
@@ -312,21 +312,18 @@ def _validate(metas: list[TensorMeta], expected: Mapping[str, TensorMeta] | None
     """Problems a receiver finds in an update's metadata (empty list: accept)."""
     if expected is None:
         return []
-    problems, seen = [], set()
-    for m in metas:
-        e = expected.get(m.name)
-        if m.name in seen:
-            problems.append(f"'{m.name}': sent twice")
-        seen.add(m.name)
-        if e is None:
-            close = difflib.get_close_matches(m.name, list(expected), n=1)
+    out = []
+    for name, what, want, got in metadata.problems([(m.name, m.dtype, m.shape) for m in metas],
+                                                   {n: (e.dtype, e.shape) for n, e in expected.items()}):
+        if what == "twice":
+            out.append(f"'{name}': sent twice")
+        elif what == "unknown":
+            close = difflib.get_close_matches(name, list(expected), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            problems.append(f"'{m.name}': unknown name, expected one of this receiver's {len(expected)} tensors{hint}")
-        elif e.dtype != m.dtype:
-            problems.append(f"'{m.name}': dtype expected {e.dtype}, found {m.dtype}")
-        elif tuple(e.shape) != tuple(m.shape):
-            problems.append(f"'{m.name}': shape expected {tuple(e.shape)}, found {tuple(m.shape)}")
-    return problems
+            out.append(f"'{name}': unknown name, expected one of this receiver's {len(expected)} tensors{hint}")
+        else:  # "dtype" or "shape"
+            out.append(f"'{name}': {what} expected {want}, found {got}")
+    return out
 
 
 def _vote(group: StatelessGroup, my_problems: list[str], version: int) -> None:

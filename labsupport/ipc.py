@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from labsupport import shm
+from labsupport import metadata, shm
 from labsupport.core.buckets import ALIGN, dtype_name, round_up  # one bucket alignment for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
 
@@ -211,10 +211,13 @@ class Exporter:
         if [n for n, _ in named] != handle.names:
             raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket order, "
                            f"found {[n for n, _ in named][:4]}...")
-        for e, (name, t) in zip(handle.entries, named):
-            if (dtype_name(t.dtype), tuple(t.shape)) != (e.dtype, e.shape):
-                raise IpcError(f"update_bucket: {name} expected {e.dtype}{list(e.shape)}, "
-                               f"found {dtype_name(t.dtype)}{list(t.shape)}; nothing was written")
+        bad = metadata.problems([(n, dtype_name(t), tuple(t.shape)) for n, t in named],
+                                {e.name: (e.dtype, e.shape) for e in handle.entries})
+        if bad:
+            name = bad[0][0]
+            e, t = dict(zip(handle.names, handle.entries))[name], dict(named)[name]
+            raise IpcError(f"update_bucket: {name} expected {e.dtype}{list(e.shape)}, "
+                           f"found {dtype_name(t)}{list(t.shape)}; nothing was written")
         _pack(exp.keep, handle.entries, [t for _, t in named])
         if exp.keep.is_cuda:
             torch.cuda.current_stream(exp.keep.device).synchronize()
@@ -367,12 +370,14 @@ class Receiver:
 
     def copy_into(self, handle: BucketHandle, dest: Mapping[str, torch.Tensor]) -> int:
         """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked first; returns bytes."""
-        for e in handle.entries:
-            d = dest.get(e.name)
-            found = "no tensor" if d is None else f"{dtype_name(d.dtype)}{list(d.shape)}"
-            if found != f"{e.dtype}{list(e.shape)}":
-                raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has {found}; "
-                               "nothing was written")
+        bad = metadata.problems([(e.name, e.dtype, e.shape) for e in handle.entries],
+                                {e.name: (dtype_name(d), tuple(d.shape)) for e in handle.entries
+                                 if (d := dest.get(e.name)) is not None})
+        if bad:
+            e, d = next(e for e in handle.entries if e.name == bad[0][0]), dest.get(bad[0][0])
+            found = "no tensor" if d is None else f"{dtype_name(d)}{list(d.shape)}"
+            raise IpcError(f"{e.name}: bucket has {e.dtype}{list(e.shape)}, destination has {found}; "
+                           "nothing was written")
         with torch.no_grad():
             for name, view in self.bucket(handle):
                 dest[name].copy_(view, non_blocking=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from labsupport import metadata
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.core.buckets import dtype_name  # the one copy (vllm_ext imports it from here)
 
@@ -80,6 +81,7 @@ class EngineWeights:
             ref = AutoModelForCausalLM.from_config(self.model_config.hf_config)
         dtype = dtype_name(self.model_config.dtype)
         self.expected = {n: TensorMeta(n, dtype, tuple(p.shape)) for n, p in ref.named_parameters()}
+        self._expected = {n: (m.dtype, m.shape) for n, m in self.expected.items()}  # as metadata.problems takes it
         modules = dict(model.named_modules())
         packed = getattr(model, "packed_modules_mapping", None) or {}
         self.module_of = {n: _module_of(n, packed, modules) for n in self.expected}
@@ -92,21 +94,18 @@ class EngineWeights:
     # ---- 1. check ---------------------------------------------------------------------------------
     def check(self, metas: Sequence[TensorMeta], *, whole_layers: bool = True) -> None:
         """Raise ``WeightUpdateError`` listing every problem of an update's metadata; nothing is touched."""
-        probs, seen = [], set()
-        for m in metas:
-            e = self.expected.get(m.name)
-            if m.name in seen:
-                probs.append(f"'{m.name}': sent twice")
-            seen.add(m.name)
-            if e is None:
-                close = difflib.get_close_matches(m.name, list(self.expected), n=1)
+        probs, seen = [], {m.name for m in metas}
+        for name, what, want, got in metadata.problems([(m.name, m.dtype, m.shape) for m in metas], self._expected):
+            if what == "twice":
+                probs.append(f"'{name}': sent twice")
+            elif what == "unknown":
+                close = difflib.get_close_matches(name, list(self.expected), n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
-                probs.append(f"'{m.name}': this engine's model has no such weight{hint}")
-            elif m.dtype != e.dtype:
-                probs.append(f"'{m.name}': dtype {m.dtype}, the engine runs {e.dtype} "
-                             f"(cast on the trainer: tensor.to(torch.{e.dtype}))")
-            elif tuple(m.shape) != tuple(e.shape):
-                probs.append(f"'{m.name}': shape {tuple(m.shape)}, the engine expects {tuple(e.shape)}")
+                probs.append(f"'{name}': this engine's model has no such weight{hint}")
+            elif what == "dtype":
+                probs.append(f"'{name}': dtype {got}, the engine runs {want} (cast on the trainer: tensor.to(torch.{want}))")
+            else:
+                probs.append(f"'{name}': shape {got}, the engine expects {want}")
         if whole_layers and not probs:  # vLLM re-processes whole layers: refuse half a fused one
             for mod in sorted({self.module_of[n] for n in seen if n in self.module_of}):
                 missing = sorted(self.members[mod] - seen)

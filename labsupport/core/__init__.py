@@ -1,6 +1,6 @@
 """The short path: each of the course's three mechanisms in straight lines, read before the hardened modules.
 
-Read them in this order (about 450 lines together); each lab runs its core first, then the hardened module:
+Read them in this order (about 300 lines together); each lab runs its core first, then the hardened module:
 
 - ``buckets``: named tensors laid out in one flat byte buffer, and the buffer sliced back into them
 - ``sync``: NCCL weight sync: metadata, then one broadcast per bucket, then load (Lab 3, then ``broadcast``)

@@ -1,0 +1,32 @@
+"""The one check of an update's metadata (names, dtypes, shapes) against what a receiver holds.
+
+Every receiver of weights refuses an update whose metadata does not match before it writes anything: a
+broadcast receiver (``broadcast``), a vLLM worker (``vllm_weights``), an IPC receiver or exporter (``ipc``). They
+word their refusals for their own reader; what counts as a mismatch is decided here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape) of a tensor in the update
+
+
+def problems(found: Iterable[Found], expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str, Any, Any]]:
+    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what`` is
+    ``"twice"`` (a name sent again), ``"unknown"`` (not in ``expected``), ``"dtype"`` or ``"shape"``
+    (``expected`` maps a name to its ``(dtype name, shape)``)."""
+    out, seen = [], set()
+    for name, dtype, shape in found:
+        if name in seen:
+            out.append((name, "twice", None, None))
+        seen.add(name)
+        if name not in expected:
+            out.append((name, "unknown", None, None))
+            continue
+        e_dtype, e_shape = expected[name]
+        if dtype != e_dtype:
+            out.append((name, "dtype", e_dtype, dtype))
+        elif tuple(shape) != tuple(e_shape):
+            out.append((name, "shape", tuple(e_shape), tuple(shape)))
+    return out
