@@ -184,12 +184,16 @@ def test_measure_links_gpu_rows():
     assert rows["host->device pinned"]["gb_per_s"] > 1
 
 
-def test_lab_front_matter_matches_lab_setup():
+def test_lab_front_matter_matches_lab_setup(request):
     """Doctor, pytest (conftest reads the front matter through jupytext) and each lab's first cell must agree
     on min_gpus, or a lab would take one path in the book and another under pytest."""
     import re
+    from pathlib import Path
 
-    import conftest
+    # the repository's conftest.py, as pytest loaded it (tests/ has a conftest.py of its own)
+    root = hardware.LABS_DIR.parent / "conftest.py"
+    conftest = next(m for m in request.config.pluginmanager.get_plugins()
+                    if getattr(m, "__file__", None) and Path(m.__file__).resolve() == root.resolve())
 
     reqs = hardware.lab_requirements()
     assert "lab_01_environment" in reqs
