@@ -35,7 +35,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
-from labsupport.core.buckets import ALIGN, dtype_name, round_up  # one bucket alignment for NCCL and IPC
+from labsupport.core.buckets import ALIGN, dtype_name, groups, round_up  # one bucket layout for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
 
 
@@ -107,16 +107,9 @@ class BucketHandle:
 
 def split_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own)."""
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in named:
-        nbytes = round_up(t.numel() * t.element_size())
-        if groups[-1] and size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, t))
-        size += nbytes
-    return [g for g in groups if g]
+    named = list(named)
+    return [[named[i] for i in g] for g in groups([round_up(t.numel() * t.element_size()) for _, t in named],
+                                                   bucket_bytes)]
 
 
 @torch.no_grad()  # parameters (requires_grad=True) are packed as plain bytes

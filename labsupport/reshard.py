@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from labsupport import groups, vllm_ext
+from labsupport.core.buckets import groups as bucket_groups  # greedy bucketing, one copy
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 VOCAB_PAD = 64  # vLLM pads the vocabulary of embed_tokens and lm_head to a multiple of this
@@ -172,7 +173,7 @@ class Plan:
     def batches(self, bucket_numel: int) -> list[list[int]]:
         """Transfer indices in consecutive groups of at most ``bucket_numel`` elements; every rank computes
         the same groups and finishes one before starting the next."""
-        return _groups([tr.numel for tr in self.transfers], bucket_numel)
+        return bucket_groups([tr.numel for tr in self.transfers], bucket_numel)
 
     def bytes_between(self, elem_bytes: int) -> dict[tuple[int, int], int]:
         """Bytes each (trainer rank, engine rank) link carries."""
@@ -180,19 +181,6 @@ class Plan:
         for t in self.transfers:
             out[(t.trainer, t.engine)] += t.numel * elem_bytes
         return dict(out)
-
-
-def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
-    """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item alone)."""
-    out: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(sizes):
-        if not out or used + n > limit:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += n
-    return out
 
 
 def _volume(box: Box) -> int:
@@ -285,7 +273,7 @@ def module_buckets(layout: Layout, nbytes: Mapping[str, int], bucket_bytes: int)
         if p.name is not None and p.name not in names and p.rank == 0:  # (a name goes to one module)
             names.append(p.name)
     mods = list(modules.values())
-    return [sum((mods[i] for i in g), []) for g in _groups([sum(nbytes[n] for n in m) for m in mods], bucket_bytes)]
+    return [sum((mods[i] for i in g), []) for g in bucket_groups([sum(nbytes[n] for n in m) for m in mods], bucket_bytes)]
 
 
 # ----------------------------------------------------------------------------- 3. trainer side

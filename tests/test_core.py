@@ -47,6 +47,15 @@ def test_buckets_round_trip_and_split():
     assert {n: _sha(v) for n, v in buckets.unpack(buf, entries)} == {n: _sha(t) for n, t in state.items()}
 
 
+def test_greedy_groups_keep_order_and_limit():
+    sizes = [3, 4, 10, 1, 1, 5, 0, 2]
+    out = buckets.groups(sizes, 8)
+    assert out == [[0, 1], [2], [3, 4, 5, 6], [7]]  # 10 > 8 travels alone; 0 bytes join the open group
+    assert [i for g in out for i in g] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in g) <= 8 or len(g) == 1 for g in out)
+    assert buckets.groups([], 8) == []
+
+
 def _sync_ranks(rank: int, world_size: int, port: int, device_kind: str) -> dict[str, str]:
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     group = create_group("127.0.0.1", port, rank, world_size, device=device, timeout_s=60)

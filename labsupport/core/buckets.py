@@ -37,15 +37,23 @@ def nbytes(m: Meta) -> int:
     return math.prod(m[2]) * getattr(torch, m[1]).itemsize
 
 
+def groups(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item alone): greedy
+    bucketing, the one copy (``ipc`` and ``reshard`` use it too)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if not out or used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
+
+
 def split(metas: list[Meta], bucket_bytes: int) -> list[list[Meta]]:
     """Consecutive buckets of at most ``bucket_bytes`` each (a tensor larger than that gets a bucket alone)."""
-    out, used = [[]], 0
-    for m in metas:
-        if out[-1] and used + nbytes(m) > bucket_bytes:
-            out, used = out + [[]], 0
-        out[-1].append(m)
-        used += round_up(nbytes(m))
-    return [b for b in out if b]
+    return [[metas[i] for i in g] for g in groups([round_up(nbytes(m)) for m in metas], bucket_bytes)]
 
 
 def layout(metas: list[Meta]) -> tuple[list[Entry], int]:
