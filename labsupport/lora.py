@@ -183,19 +183,14 @@ def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> 
 def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Buckets of at most ``bucket_bytes`` (one decoder layer may exceed it) that never split a decoder layer:
     the engine fuses q/k/v and gate/up into one parameter, and refuses an update that would half-update it."""
-    layers: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    from labsupport.core.buckets import groups
+
+    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
-        layers.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for group in layers.values():
-        nbytes = sum(t.numel() * t.element_size() for _, t in group)
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1] += group
-        size += nbytes
-    return [b for b in buckets if b]
+        by_layer.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
+    layers = list(by_layer.values())
+    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
+    return [[item for i in idx for item in layers[i]] for idx in groups(sizes, bucket_bytes)]
 
 
 def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30) -> int:
