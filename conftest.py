@@ -55,8 +55,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _lab_min_gpus(md_path: Path) -> int:
-    nb = jupytext.read(md_path)
-    return int(nb.metadata.get("lab", {}).get("min_gpus", 0))
+    from labsupport.hardware import lab_min_gpus  # one reader of the front matter (labsupport.hardware's)
+
+    return lab_min_gpus(md_path)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):

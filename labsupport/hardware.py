@@ -98,13 +98,15 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
     return env
 
 
+def lab_min_gpus(path: Path) -> int:
+    """A lab's ``min_gpus`` from its front matter (0 when it names none): the one reader (the root conftest's too)."""
+    m = re.search(r"min_gpus:\s*(\d+)", Path(path).read_text().split("\n---", 1)[0])
+    return int(m.group(1)) if m else 0
+
+
 def lab_requirements(labs_dir: Path | None = None) -> dict[str, int]:
     """``{lab file stem: min_gpus}`` read from each lab's front matter (0 when it names none)."""
-    out = {}
-    for path in sorted((labs_dir or LABS_DIR).glob("lab_*.md")):
-        m = re.search(r"min_gpus:\s*(\d+)", path.read_text().split("\n---", 1)[0])
-        out[path.stem] = int(m.group(1)) if m else 0
-    return out
+    return {path.stem: lab_min_gpus(path) for path in sorted((labs_dir or LABS_DIR).glob("lab_*.md"))}
 
 
 # ---------------------------------------------------------------------------- the doctor
