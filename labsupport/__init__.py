@@ -28,6 +28,7 @@ additions and the failures they guard against):
 - ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: name/layout mapping, plan, three ways
 - ``lora``: LoRA-only updates: a trained adapter into vLLM, against a full update of the merged weights
+- ``after_update``: what goes wrong once new weights are in: stale prefix cache, requests in flight, logprob mismatch
 - ``rl``: the capstone: a small GRPO loop in three orchestrations, side by side
 
 Benchmarks live apart, in ``labsupport.bench``, one module per ``python -m labsupport bench`` command; mechanisms
