@@ -8,7 +8,8 @@ and no raw TeX left in the text, every image loaded, every same-site link answer
 every solution dropdown closed until its title is clicked, open after. A control page (a chapter whose MathJax
 comes from a CDN, as Sphinx's default does) must fail the same checks. About 30 s.
 
-The two screenshots it saves, ``results/book_chapter.png`` and ``results/book_lab.png``, are the README's.
+The screenshots it saves, ``results/book_chapter.png``, ``results/book_lab.png`` and ``results/book_gpu_run.png``
+(lab 6's recorded GPU run), are the README's.
 To check another build instead, e.g. ``make book``'s executed site: ``BOOK_HTML=_build/html pytest tests/test_book_browser.py``.
 """
 
@@ -31,8 +32,9 @@ from browser import browser, page, save_screenshot  # noqa: F401  (pytest fixtur
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [p.relative_to(ROOT).with_suffix(".html").as_posix() for p in se.toc_sources()]
-# a chapter shown at its first display equation, a lab at its top
-SCREENSHOTS = {"book/ch02_memory.html": "book_chapter.png", "labs/lab_02_memory_timeline.html": "book_lab.png"}
+# a chapter shown at its first display equation, a lab and a recorded GPU run at their top
+SCREENSHOTS = {"book/ch02_memory.html": "book_chapter.png", "labs/lab_02_memory_timeline.html": "book_lab.png",
+               "results/notebooks/lab_06_colocated_vllm.1xH100.html": "book_gpu_run.png"}
 CDN_MATHJAX = "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js"  # Sphinx 7's default mathjax_path
 WAIT_MS = 30_000
 
