@@ -48,7 +48,6 @@ class UpdateWhileGenerating(RuntimeError):
 def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
     """An in-process vLLM ``LLM`` with prefix caching on, full-vocabulary log-probabilities, and
     ``ColocateWorkerExtension`` for IPC updates. float32 on CPU (block size 32), bfloat16 on a GPU."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: step() is one forward pass
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
@@ -58,7 +57,17 @@ def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any)
               enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE, async_scheduling=False,
               worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
     kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
-    return LLM(**{**kw, **llm_kwargs})
+    # one process: step() is one forward pass. Only for this engine: later engines of this process keep their
+    # own worker process (an in-process worker adds its extension class to vLLM's worker class for good)
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return LLM(**{**kw, **llm_kwargs})
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 def stop_engine(llm: Any) -> None:
