@@ -35,7 +35,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
-from labsupport.core.buckets import ALIGN, dtype_name, groups, round_up  # one bucket layout for NCCL and IPC
+from labsupport.core import buckets
+from labsupport.core.buckets import dtype_name, groups, round_up  # one bucket layout for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
 
 
@@ -180,13 +181,13 @@ class Exporter:
             raise IpcError("export_bucket needs at least one (name, tensor) pair, all on one device; "
                            f"found tensors on {sorted(map(str, devices))}")
         (device,) = devices
-        entries, off = [], 0  # the layout: each tensor at an ALIGN-aligned byte offset
-        for name, t in named:
-            if name in (e.name for e in entries):
-                raise IpcError(f"tensor name {name!r} appears twice in one bucket; names must be unique")
-            entries.append(BucketEntry(name, dtype_name(t.dtype), tuple(t.shape), off, t.numel() * t.element_size()))
-            off = round_up(off + entries[-1].nbytes)
-        total = max(off, ALIGN)
+        names = [name for name, _ in named]
+        if len(set(names)) < len(names):
+            twice = next(name for i, name in enumerate(names) if name in names[:i])
+            raise IpcError(f"tensor name {twice!r} appears twice in one bucket; names must be unique")
+        # the layout (each tensor at an ALIGN-aligned byte offset) is the core's: one copy for NCCL and IPC
+        layout, total = buckets.layout([buckets.meta(name, t) for name, t in named])
+        entries = [BucketEntry(*e) for e in layout]
         flat = (torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda"
                 else self._new_segment(total))
         _pack(flat, entries, [t for _, t in named])
