@@ -556,15 +556,17 @@ class GRPOTrainer:
         self.model.train()
         with torch.no_grad():
             ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
-            old = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids) if self.correction else None
+        logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
+        # with a correction, the behaviour log-probabilities are the trainer's own (these weights, before the
+        # step: the forward pass just made, without its gradient), and the engine's enter through the weights
+        old = logp.detach() if self.correction else None
         engine_lp = rollout.logprobs.to(device)
         weights = None
-        if self.correction:  # the trainer's behaviour log-probabilities, and the engine's corrected by weights
+        if self.correction:
             from labsupport import after_update
 
             weights = (after_update.tis_weights(old, engine_lp, self.is_cap) if self.correction == "tis" else
                        torch.exp(old - engine_lp) * after_update.mis_mask(old, engine_lp, self.is_cap))
-        logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
         loss, stats = grpo_loss(logp, engine_lp if old is None else old, ref, adv.to(device), mask,
                                 clip_eps=self.clip_eps, beta=self.beta, token_weights=weights)
         if old is not None:
