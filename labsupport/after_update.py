@@ -285,14 +285,10 @@ def sample(llm: Any, prompts: list[str], n: int, max_tokens: int, *, temperature
 
 @torch.no_grad()
 def trainer_logprobs(model: Any, batch: dict[str, Any]) -> torch.Tensor:
-    """The trainer's log-probabilities of the same sampled tokens, one sequence at a time: [N, T]."""
-    device = next(model.parameters()).device
-    rows = []
-    for prompt, completion in zip(batch["prompt_ids"], batch["completion_ids"]):
-        ids = torch.tensor([list(prompt) + completion.tolist()], device=device)
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-        rows.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1).cpu())
-    return torch.stack(rows)
+    """The trainer's log-probabilities of the same sampled tokens: [N, T] (the capstone's ``rl.token_logprobs``)."""
+    from labsupport import rl
+
+    return rl.token_logprobs(model, batch["prompt_ids"], batch["completion_ids"]).cpu()
 
 
 def mismatch_stats(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
