@@ -3,7 +3,9 @@
 ``MemoryTimeline`` records phases (``with tl.phase("generate"): ...``), samples of PyTorch's CUDA caching
 allocator (allocated, reserved, peak) at phase edges and from a background thread, and the bytes held by each
 role (weights, gradients, optimizer, kv_cache, activations) counted from the tensors the lab registers (on CPU,
-only these). ``move_optimizer_state`` offloads Adam's moments to host memory and back. The RLHF step it
+only these). Roles are counted only on the thread that runs the step (at phase edges and ``tl.sample()``):
+reading ``p.grad`` or a tensor's storage from a second thread while autograd or ``zero_grad`` frees it
+crashes the process (a segfault, seen on CPU with torch 2.13), so the background thread reads the allocator only. ``move_optimizer_state`` offloads Adam's moments to host memory and back. The RLHF step it
 records is ``labsupport.strategies``; its tables and plots, ``labsupport.bench.memory``.
 """
 from __future__ import annotations
@@ -47,8 +49,7 @@ class MemoryTimeline:
     """Phases, allocator samples and bytes by role over time, for one device: ``tl.register("weights", model)``,
     then ``with tl.sampling(), tl.phase("generate"): ...``."""
 
-    def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01,
-                 roles_interval_s: float | None = None) -> None:
+    def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01) -> None:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -57,9 +58,7 @@ class MemoryTimeline:
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         self.device, self.gpu, self.name = dev, dev.type == "cuda", name
         self.capacity = torch.cuda.get_device_properties(dev).total_memory if self.gpu else None
-        # allocator counters cost microseconds, counting roles ~1-2 ms of GIL: on GPU roles are counted less often
-        self.interval_s = interval_s
-        self.roles_interval_s = roles_interval_s if roles_interval_s is not None else (1.0 if self.gpu else 0.02)
+        self.interval_s = interval_s  # the background thread's allocator reads (GPU only)
         self.samples: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
         self._sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter)
@@ -127,7 +126,8 @@ class MemoryTimeline:
 
     # ------------------------------------------------------------ sampling
     def sample(self, event: str = "mark", roles: bool = True) -> dict[str, Any]:
-        """Record one sample now: time, phase, allocator counters (GPU) and bytes by role."""
+        """Record one sample now: time, phase, allocator counters (GPU) and bytes by role. Call it from the thread
+        that runs the step (e.g. after a forward pass, where activations peak): counting roles reads tensors."""
         t_start = time.perf_counter()
         s: dict[str, Any] = {"t": t_start - self._t0, "event": event,
                              "phase": self._current["name"] if self._current else None}
@@ -137,34 +137,27 @@ class MemoryTimeline:
             s["reserved"] = st["reserved_bytes"]["all"]["current"]
             s["peak"] = st["allocated_bytes"]["all"]["peak"]
         if roles:
-            try:
-                r, host = self.role_bytes()
-            except Exception:  # e.g. a user callable failed, or a dict changed size under us: skip this count
-                if event != "tick":
-                    raise
-            else:
-                if self.gpu:  # what the allocator holds that no registered tensor explains
-                    r["other"] = max(0, s["allocated"] - sum(v for k, v in r.items() if k != "other"))
-                s["roles"], s["host"] = r, host
+            r, host = self.role_bytes()
+            if self.gpu:  # what the allocator holds that no registered tensor explains
+                r["other"] = max(0, s["allocated"] - sum(v for k, v in r.items() if k != "other"))
+            s["roles"], s["host"] = r, host
         with self._lock:
             self.samples.append(s)
             self._sample_s += time.perf_counter() - t_start
         return s
 
     def _run(self) -> None:
-        wait = self.interval_s if self.gpu else self.roles_interval_s  # on CPU a tick is only roles
-        last_roles = 0.0
-        while not self._stop.wait(wait):
-            now = time.perf_counter()
-            roles = not self.gpu or now - last_roles >= self.roles_interval_s
-            self.sample("tick", roles=roles)
-            last_roles = now if roles else last_roles
+        while not self._stop.wait(self.interval_s):
+            self.sample("tick", roles=False)  # the allocator's counters only: never touch the step's tensors here
             self._ticks += 1
 
     def start(self) -> None:
-        """Start the background sampler (every interval_s seconds)."""
+        """Start the background sampler: the allocator's counters every interval_s seconds. On CPU there is no
+        allocator to read, so no thread starts: the timeline has its phase edges and marks."""
         if self._thread is not None:
             raise RuntimeError("the sampler is already running; call stop() first")
+        if not self.gpu:
+            return
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="memory-timeline", daemon=True)
         self._thread.start()
@@ -243,7 +236,7 @@ class MemoryTimeline:
             samples = [dict(s) for s in self.samples]
         return {"name": self.name, "device": str(self.device), "gpu": self.gpu, "capacity_bytes": self.capacity,
                 "roles": list(ROLES), "sources": [{"role": r, "name": n} for r, n, _ in self._sources],
-                "interval_s": self.interval_s, "roles_interval_s": self.roles_interval_s,
+                "interval_s": self.interval_s,
                 "phases": [dict(p) for p in self.phases], "samples": samples,
                 "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
                             "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)), 4)}}

@@ -93,6 +93,7 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
     c, dev, model, opt = state.config, state.device, state.model, state.optimizer
     phase = tl.phase if tl is not None else (lambda name: contextlib.nullcontext())
     acts = getattr(tl, "track_activations", contextlib.nullcontext)  # (labsupport.core.timeline has none)
+    mark = getattr(tl, "sample", lambda event: None)  # a sample between the edges (core.timeline has none)
     g = torch.Generator(device=dev).manual_seed(c.seed + state.steps)
     t0 = time.perf_counter()
 
@@ -137,6 +138,7 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
                 logits = model(seq[sl, :-1], use_cache=False).logits[:, c.prompt_len - 1:]
                 logp = torch.log_softmax(logits.float(), -1).gather(-1, gen[sl, :, None]).squeeze(-1)
                 loss = -(adv[sl, None] * logp).mean() / n_micro
+            mark("forward")  # activations peak here, between the phase's edges
             loss.backward()
             total_loss += loss.item()
             del logits, logp, loss
@@ -162,7 +164,6 @@ def release_state(state: RLHFState) -> None:
 
 
 def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, *, interval_s: float = 0.01,
-                 roles_interval_s: float | None = None,
                  snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
     """Warm up one step (creates Adam state), then record one step of strategy on a fresh timeline.
     With snapshot= (GPU only) the recorded step's allocator history is saved for memory_viz."""
@@ -171,7 +172,7 @@ def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, 
         rlhf_step(state)  # warm-up: Adam state exists from here on, and lazy CUDA init is done
         _sync(state.device)
         gc.collect()
-        tl = MemoryTimeline(state.device, name=strategy, interval_s=interval_s, roles_interval_s=roles_interval_s)
+        tl = MemoryTimeline(state.device, name=strategy, interval_s=interval_s)
         register_roles(tl, state)
         if snapshot:
             tl.start_history()

@@ -130,18 +130,33 @@ def test_phases_recorded_in_order_without_overlap():
     json.dumps(tl.to_dict())  # JSON-able as is
 
 
-def test_background_sampler_stops_cleanly():
-    t = torch.zeros(1000)
-    tl = M.MemoryTimeline("cpu", roles_interval_s=0.005)
-    tl.register("other", [t])
+def _check_sampler(device):
+    """The thread ticks (GPU) or never starts (CPU), stops cleanly, and never reads the registered tensors:
+    only the step's own thread counts roles, at phase edges and marks."""
+    import threading
+    t = torch.zeros(1000, device=device)
+    readers = set()
+
+    def tensors():
+        readers.add(threading.get_ident())
+        return [t]
+
+    tl = M.MemoryTimeline(device, interval_s=0.005)
+    tl.register("other", tensors)
     with tl.sampling():
-        assert tl.sampling_active
-        with pytest.raises(RuntimeError, match="already running"):
-            tl.start()
-        time.sleep(0.15)
+        assert tl.sampling_active == tl.gpu
+        if tl.gpu:
+            with pytest.raises(RuntimeError, match="already running"):
+                tl.start()
+        with tl.phase("p"):
+            time.sleep(0.15)
+            tl.sample("forward")
     assert not tl.sampling_active
+    assert readers == {threading.get_ident()}  # never the sampler thread
     ticks = [s for s in tl.samples if s["event"] == "tick"]
-    assert len(ticks) >= 5 and all(s["roles"]["other"] == 4000 for s in ticks)
+    assert all("roles" not in s for s in ticks) and (len(ticks) >= 5 if tl.gpu else not ticks)
+    assert [s["event"] for s in tl.samples if "roles" in s] == ["begin", "forward", "end"]
+    assert all(s["roles"]["other"] == 4000 for s in tl.samples if "roles" in s and not tl.gpu)
     n = len(tl.samples)
     time.sleep(0.05)
     assert len(tl.samples) == n  # nothing after stop
@@ -150,6 +165,47 @@ def test_background_sampler_stops_cleanly():
             1 / 0
     assert not tl.sampling_active
     tl.stop()  # stopping a stopped sampler is harmless
+
+
+def test_background_sampler_never_reads_the_steps_tensors():
+    _check_sampler("cpu")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(hardware.gpu_count() < 1, reason="needs 1 CUDA GPU")
+def test_gpu_background_sampler_ticks_and_stops():
+    _check_sampler("cuda")
+
+
+STRESS = """
+import sys, time, torch
+from labsupport import memory, models
+model = models.build_model(seed=0).to(sys.argv[1])
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+tl = memory.MemoryTimeline(sys.argv[1], interval_s=0.0001)
+tl.register("weights", model); tl.register("gradients", model); tl.register("optimizer", opt)
+x = torch.randint(3, model.config.vocab_size, (4, 16), device=sys.argv[1])
+t0, n = time.time(), 0
+with tl.sampling():
+    while time.time() - t0 < 8:
+        with tl.track_activations():
+            model(x).logits.float().mean().backward()
+        opt.step(); opt.zero_grad(set_to_none=True); n += 1
+print("steps", n)
+"""
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(hardware.gpu_count() < 1, reason="needs 1 CUDA GPU")
+def test_gpu_allocator_ticks_through_backward_and_zero_grad():
+    """The sampler thread used to count roles by reading p.grad and storages while autograd and
+    zero_grad(set_to_none=True) freed them; on CPU that segfaulted within seconds (lab 2 in CI: a dead kernel).
+    Now it reads only the allocator: run it at 10 kHz through training steps, in a process of its own."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", STRESS, "cuda"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("steps"), r.stderr[-2000:]
 
 
 def test_memory_history_needs_gpu_on_cpu():

@@ -27,7 +27,7 @@ ROLE_COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer": "#c44e
 
 
 def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
-                     interval_s: float = 0.01, roles_interval_s: float | None = None) -> dict[str, float]:
+                     interval_s: float = 0.01) -> dict[str, float]:
     """Step time with the background sampler vs without any timeline (alternating, medians)."""
     state = make_state("kv_freed", config, device)
     try:
@@ -35,7 +35,7 @@ def measure_overhead(config: StepConfig | None = None, device: str | torch.devic
         off, on, busy = [], [], []
         for _ in range(repeats):
             off.append(rlhf_step(state)["step_s"])
-            tl = MemoryTimeline(state.device, interval_s=interval_s, roles_interval_s=roles_interval_s)
+            tl = MemoryTimeline(state.device, interval_s=interval_s)
             register_roles(tl, state)
             with tl.sampling():
                 on.append(rlhf_step(state, tl)["step_s"])
@@ -43,7 +43,7 @@ def measure_overhead(config: StepConfig | None = None, device: str | torch.devic
         m_off, m_on = statistics.median(off), statistics.median(on)
         return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
                 "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
-                "roles_interval_s": tl.roles_interval_s, "repeats": repeats,
+                "repeats": repeats,
                 "steps_without": off, "steps_with": on}
     finally:
         release_state(state)
@@ -128,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m labsupport bench memory`: record the three strategies, print peaks, save JSON + PNG."""
     p = argparse.ArgumentParser(prog="python -m labsupport bench memory", description=main.__doc__)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--interval", type=float, default=0.02, help="allocator sampling interval (s); roles every 1 s on GPU")
-    p.add_argument("--roles-interval", type=float, default=None,
-                   help="seconds between role counts in the background (default 1.0 on GPU, 0.02 on CPU)")
+    p.add_argument("--interval", type=float, default=0.02, help="allocator sampling interval (s), GPU only; roles are counted at phase edges and marks")
     p.add_argument("--repeats", type=int, default=5, help="step pairs for the overhead measurement (0: skip)")
     p.add_argument("--no-snapshot", action="store_true", help="do not write the memory_viz snapshot (GPU)")
     p.add_argument("--no-save", action="store_true", help="print only; write no result files")
@@ -148,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         snap = results.RESULTS_DIR / f"memory_timeline.{results.machine_tag()}.offloaded.snapshot.pickle"
     tls, infos = {}, {}
     for s in STRATEGIES:
-        tls[s], infos[s] = run_strategy(s, cfg, device, interval_s=a.interval, roles_interval_s=a.roles_interval,
+        tls[s], infos[s] = run_strategy(s, cfg, device, interval_s=a.interval,
                                         snapshot=snap if s == "offloaded" else None)
         print(f"\n== {s}: {STRATEGY_TEXT[s]}  (step {infos[s]['step_s']:.2f} s)")
         print(format_peak_table(tls[s], unit))
-    over = (measure_overhead(cfg, device, repeats=a.repeats, interval_s=a.interval, roles_interval_s=a.roles_interval)
+    over = (measure_overhead(cfg, device, repeats=a.repeats, interval_s=a.interval)
             if a.repeats > 0 else None)
 
     peaks = {s: peak_bytes(tl) for s, tl in tls.items()}
@@ -162,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if over:
         print(f"sampler overhead: {100 * over['overhead']:+.2f}% of a step (median of {a.repeats}: "
               f"{over['step_s_without']:.3f} s without a timeline, {over['step_s_with']:.3f} s with; "
-              + (f"allocator every {a.interval * 1e3:.0f} ms, " if device == "cuda" else "")
-              + f"roles every {over['roles_interval_s'] * 1e3:.0f} ms; "
-              f"sampler thread busy {100 * over['sampler_busy_fraction']:.2f}% of the step)")
+              + (f"allocator every {a.interval * 1e3:.0f} ms; " if device == "cuda" else "no sampler thread on CPU; ")
+              + f"sampler thread busy {100 * over['sampler_busy_fraction']:.2f}% of the step)")
     if a.no_save:
         return 0
     fig = plot_timelines({f"{s} (peak {peaks[s] / unit:.2f} {u})": tls[s] for s in STRATEGIES}, unit=unit)
