@@ -15,7 +15,9 @@ executed, as ``<lab>.<machine tag>.ipynb``: its cells with the outputs this run 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from queue import Empty
 
 import jupytext
 import nbval.plugin
@@ -85,6 +87,27 @@ class LabNotebook(IPyNbFile):
             yield from super().collect()
         finally:
             nbval.plugin.nbformat.read = read
+
+    def setup(self):
+        super().setup()
+        kernel, get = self.kernel, self.kernel.get_message
+
+        def get_message(stream, timeout=None):
+            """nbval waits the whole cell timeout (30 min) for a kernel that has died: look every 5 s instead."""
+            end = None if timeout is None else time.monotonic() + timeout
+            while True:
+                try:
+                    return get(stream, timeout=5.0 if end is None else max(0.0, min(5.0, end - time.monotonic())))
+                except Empty:
+                    if not kernel.is_alive():
+                        proc = getattr(getattr(kernel.km, "provisioner", None), "process", None)
+                        code = proc.poll() if proc is not None else None
+                        raise RuntimeError(f"the lab's kernel died while this cell ran (exit code {code}; "
+                                           "-11 is a segmentation fault): its stderr is printed above") from None
+                    if end is not None and time.monotonic() >= end:
+                        raise
+
+        kernel.get_message = get_message
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
