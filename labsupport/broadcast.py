@@ -178,10 +178,35 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
                      handshake_s=t_hand, verified=verify)
 
 
+@dataclass
+class SyncState:
+    """What this module keeps on a group between syncs (``group.sync``), so that a repeated layout costs no
+    second handshake, plan or allocation. Each field is one rank's own memory of the last sync."""
+    sent: tuple | None = None  # sender: (signature, metas, key) of the layout announced last
+    announced: list[TensorMeta] | None = None  # receiver: the layout announced last
+    accepted: tuple | None = None  # receiver: (key, expected, len) of the layout it voted for last
+    landing: tuple | None = None  # receiver: (plan, into, len, land, stage) of the last landing
+    header: tuple | None = None  # the handshake's (pinned host slot, device slot)
+    plans: dict = field(default_factory=dict)  # (key, bucket_bytes, mode) -> _Plan, the last 16
+    buffers: list[torch.Tensor] | None = None  # two staging buffers, grown to the largest bucket seen
+    streams: list | None = None  # two side streams (NCCL)
+
+
+def _state(group: StatelessGroup) -> SyncState:
+    if group.sync is None:
+        group.sync = SyncState()
+    return group.sync
+
+
+def staging_bytes(group: StatelessGroup | None) -> int:
+    """Bytes of the staging buffers this group keeps between syncs (0 for none)."""
+    return sum(b.numel() for b in (group.sync.buffers or [])) if group is not None and group.sync else 0
+
+
 def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMeta], tuple[int, int], bool]:
     """``(metas, key, changed)``: the metadata and its hash, recomputed only when the layout changed."""
     sig = [(n, t.dtype, t.shape) for n, t in items]
-    last = group.cache.get("send_sig")
+    last = _state(group).sent
     if last is not None and last[0] == sig:
         return last[1], last[2], False
     dev = group.device
@@ -192,7 +217,7 @@ def _sender_metadata(group: StatelessGroup, items: Batch) -> tuple[list[TensorMe
     metas = metadata_of(items)
     h = hashlib.sha256(repr([(m.name, m.dtype, m.shape) for m in metas]).encode()).digest()
     key = int.from_bytes(h[:8], "little", signed=True), int.from_bytes(h[8:16], "little", signed=True)
-    group.cache["send_sig"] = (sig, metas, key)
+    group.sync.sent = (sig, metas, key)
     return metas, key, True
 
 
@@ -208,18 +233,19 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
         raise WeightSyncError(f"receive() runs on receivers; rank {src} is the source (call send()).")
     t0 = time.perf_counter()
     dev = torch.device(device) if device is not None else group.device
-    accepted = group.cache.get("accepted")  # (key, expected, len) of the last layout this rank voted for
+    st = _state(group)
+    accepted = st.accepted
     stale = accepted is None or accepted[1] is not expected or accepted[2] != len(expected or ())
     version, h0, h1, n_tensors, mode_code, bucket_bytes, flags, n_stale = _header(group, None, stale)
     mode, key = list(MODES)[mode_code], (h0, h1)
     if flags & NEW_LAYOUT:  # (otherwise it is the layout announced last, which this rank keeps)
         raw = _guard(group, lambda: group.broadcast_object(None, src), "the handshake")
-        group.cache["recv_meta"] = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
-    metas = group.cache["recv_meta"]
+        st.announced = [TensorMeta(n, d, tuple(s)) for n, d, s in raw]
+    metas = st.announced
     if flags & NEW_LAYOUT or n_stale:
-        group.cache.pop("accepted", None)
+        st.accepted = None
         _vote(group, _validate(metas, expected), version)
-        group.cache["accepted"] = (key, expected, len(expected or ()))
+        st.accepted = (key, expected, len(expected or ()))
     t_hand = time.perf_counter() - t0
 
     plan = _plan(group, key, metas, bucket_bytes, mode)
@@ -281,7 +307,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Tenso
 def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor] | None,
              dev: torch.device) -> tuple[list[torch.Tensor | None], bool]:
     """Per tensor, the matching tensor of ``into`` it lands in (or None); and whether staging is needed."""
-    hit = group.cache.get("landing")
+    hit = _state(group).landing
     if hit is not None and hit[0] is plan and hit[1] is into and hit[2] == len(into or ()):
         return hit[3], hit[4]
     land = []
@@ -291,17 +317,18 @@ def _landing(group: StatelessGroup, plan: _Plan, into: Mapping[str, torch.Tensor
               and tuple(t.shape) == m.shape)
         land.append(t if ok else None)
     stage = any(b.packed or (len(b.items) > 1 and any(land[i] is None for i, _, _ in b.items)) for b in plan.buckets)
-    group.cache["landing"] = (plan, into, len(into or ()), land, stage)
+    group.sync.landing = (plan, into, len(into or ()), land, stage)
     return land, stage
 
 
 # ---------------------------------------------------------------------------- handshake and votes
 def _header(group: StatelessGroup, fields: list[int] | None, stale: bool) -> list[int]:
     """The handshake: an all-reduce (sum) of the sender's header and the count of receivers that must vote."""
-    if "header" not in group.cache:  # a pinned host slot and a device slot, reused (each sync ends synchronized)
+    st = _state(group)
+    if st.header is None:  # a pinned host slot and a device slot, reused (each sync ends synchronized)
         host = torch.zeros(8, dtype=torch.int64, pin_memory=group.backend == "nccl")
-        group.cache["header"] = (host, torch.zeros(8, dtype=torch.int64, device=group.device))
-    host, vals = group.cache["header"]
+        st.header = (host, torch.zeros(8, dtype=torch.int64, device=group.device))
+    host, vals = st.header
     host.numpy()[:] = (fields or [0] * 7) + [int(stale)]
     vals.copy_(host, non_blocking=True)  # from pinned memory: never waits for a stream (it may be stuck)
     _all_reduce_now(group, vals, "sum", "the handshake")
@@ -335,7 +362,7 @@ def _vote(group: StatelessGroup, my_problems: list[str], version: int) -> None:
     if int(flag.item()) == 0:
         return
     everyone = _guard(group, lambda: group.all_gather_object(list(my_problems)), "the metadata vote")
-    group.cache.pop("send_sig", None)  # (the sender announces the layout again next time)
+    _state(group).sent = None  # (the sender announces the layout again next time)
     raise WeightSyncError(_reject_message(version, everyone, "rejected before any weight changed",
                                           "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
                                           "(or the receiver's expected metadata) and send again."))
@@ -459,7 +486,7 @@ class _Plan:
 
 def _plan(group: StatelessGroup, key: tuple[int, int], metas: list[TensorMeta], bucket_bytes: int, mode: str) -> _Plan:
     """The plan for this layout, bucket size and mode, from the group's cache (the last 16 kept)."""
-    plans = group.cache.setdefault("plans", {})
+    plans = _state(group).plans
     pk = (key, bucket_bytes, mode)
     if pk not in plans:
         if len(plans) > 16:
@@ -477,23 +504,24 @@ def _prepare(group: StatelessGroup, plan: _Plan, stage: bool, verify: bool, dev:
     the checksum multipliers made here). On gloo the streams are ``[None, None], None`` (all inline)."""
     bufs = views = None
     if stage:  # two byte buffers kept in the group, grown when a larger bucket comes (no allocation per sync)
-        if "buffers" not in group.cache or group.cache["buffers"][0].numel() < plan.staging:
+        st = _state(group)
+        if st.buffers is None or st.buffers[0].numel() < plan.staging:
             _guard(group, lambda: release_buffers(group), "buffer allocation")
-            group.cache["buffers"] = [torch.zeros(plan.staging, dtype=torch.uint8, device=group.device)
-                                      for _ in range(2)]
-        bufs = group.cache["buffers"]
+            st.buffers = [torch.zeros(plan.staging, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        bufs = st.buffers
         views = plan.views_in(bufs)
     sums = torch.zeros(max(len(plan.buckets), 1), dtype=torch.int64, device=dev) if verify else None
     if verify:
         checksums.reserve(dev, max((b.nbytes for b in plan.buckets), default=0))
     if group.backend != "nccl":
         return bufs, views, sums, [None, None], None
-    if "streams" not in group.cache:
-        group.cache["streams"] = [torch.cuda.Stream(device=group.device) for _ in range(2)]
+    st = _state(group)
+    if st.streams is None:
+        st.streams = [torch.cuda.Stream(device=group.device) for _ in range(2)]
     cur = torch.cuda.current_stream(group.device)
-    for s in group.cache["streams"]:
+    for s in st.streams:
         s.wait_stream(cur)
-    return bufs, views, sums, group.cache["streams"], cur
+    return bufs, views, sums, st.streams, cur
 
 
 def _on(stream: Any):
@@ -509,7 +537,9 @@ def _join(streams: list[Any], cur: Any) -> None:
 
 def release_buffers(group: StatelessGroup) -> None:
     """Drop the two bucket buffers this group keeps between syncs (back to PyTorch's cache, not the driver)."""
-    for plan in group.cache.get("plans", {}).values():
+    st = _state(group)
+    for plan in st.plans.values():
         plan.views = None  # (views into the buffers would keep them alive)
-    if group.cache.pop("buffers", None) is not None:
+    if st.buffers is not None:
+        st.buffers = None
         group.synchronize("releasing buffers")

@@ -104,7 +104,7 @@ class StatelessGroup:
         self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address  # "host:port"
         self._obj = PrefixStore("obj", store)  # object collectives' keys; _my_keys: this rank's, not yet freed
         self._seq, self._my_keys, self._closed = 0, [], False
-        self.cache: dict[Any, Any] = {}  # per-group state for users (broadcast.py keeps metadata here)
+        self.sync: Any = None  # labsupport.broadcast's SyncState: what it remembers between syncs
 
     def __repr__(self) -> str:
         return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "

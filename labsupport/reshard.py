@@ -31,15 +31,16 @@ from typing import Any
 
 import torch
 
-from labsupport import groups, vllm_ext
+from labsupport import broadcast, groups, vllm_ext
 from labsupport.core.buckets import groups as bucket_groups  # greedy bucketing, one copy
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 VOCAB_PAD = 64  # vLLM pads the vocabulary of embed_tokens and lm_head to a multiple of this
 
 
-class PlanError(vllm_ext.WeightUpdateError):
-    """A layout or plan that would leave engine elements unwritten, write some twice, or not fit; nothing moved."""
+class PlanError(ValueError):
+    """A layout or plan that would leave engine elements unwritten, write some twice, or not fit; nothing moved.
+    Plain layout arithmetic, raised before anything talks to vLLM or a process group."""
 
 
 # ----------------------------------------------------------------------------- 1. the layout
@@ -346,15 +347,12 @@ def send_gathered(model: torch.nn.Module, layout: Layout, *, rank: int, group: g
                 peak.hold(-nbytes[n])
         return got
 
-    def staging() -> int:  # the buffers push_weights packs small tensors into (kept in the group between syncs)
-        return sum(b.numel() for b in group.cache.get("buffers", [])) if group is not None else 0
-
-    kept = staging()  # (held before this update: not extra, as on GPUs)
+    kept = broadcast.staging_bytes(group)  # push_weights' staging buffers, held before this update
 
     def push(items: list[tuple[str, torch.Tensor]]) -> None:
         vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes)
-        peak.hold(staging() - kept)
-        peak.hold(kept - staging() - sum(nbytes[n] for n, _ in items))
+        peak.hold(broadcast.staging_bytes(group) - kept)
+        peak.hold(kept - broadcast.staging_bytes(group) - sum(nbytes[n] for n, _ in items))
 
     buckets = module_buckets(layout, nbytes, bucket_bytes // 2) if overlap else [list(params)]
     with torch.no_grad(), ThreadPoolExecutor(max_workers=1) as pool:

@@ -161,6 +161,9 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
         out.append({"sha": {k: _sha(v) for k, v in model.items()}, "mode": stats.mode, "loads": len(calls),
                     "n": stats.n_collectives, "bytes": stats.bytes, "version": stats.version,
                     "verified": stats.verified, "backend": g.backend})
+    staged = B.staging_bytes(g)  # the group's SyncState keeps the staging buffers between syncs ...
+    B.release_buffers(g)  # ... until they are released (on every rank: it ends with a barrier)
+    out.append({"staged": staged, "released": B.staging_bytes(g)})
     g.destroy()
     return out
 
@@ -168,6 +171,10 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
 def _check_identical(res: list) -> None:
     for ok, out in res:
         assert ok, out
+    for rank, (_, out) in enumerate(res):
+        buffers = out.pop()
+        assert buffers["released"] == 0, rank
+        assert buffers["staged"] > 0, rank  # every rank packed (or unpacked) small tensors in them
     sender = res[0][1]
     for rank, (_, got) in enumerate(res[1:], start=1):
         for case, (s, r) in enumerate(zip(sender, got)):
