@@ -6,6 +6,7 @@
 #   make lab        JupyterLab on the labs (a double-click opens a lab .md as a notebook, via jupytext)
 #   make student    the student edition (solutions removed) into _student/html
 #   make doctor     what this machine has and which labs take their GPU path
+#   make graphviz   Graphviz's `dot`, which draws the book's figures (apt, as root); test/book/student run it
 # On a machine without a venv (e.g. a GPU box with the stack preinstalled): make test-gpu PY=python3 SETUP=
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -35,10 +36,10 @@ IS_ROOT := $(filter 0,$(shell id -u))
 CHROMIUM ?= /usr/bin/chromium
 BOOK_FLAGS := -n -W --keep-going
 
-.PHONY: help setup browser test test-unit test-labs test-gpu book student lab doctor clean
+.PHONY: help setup browser graphviz test test-unit test-labs test-gpu book student lab doctor clean
 
 help:
-	@sed -n '2,11p' Makefile | sed 's/^# \{0,1\}//'
+	@awk '!/^#/ {exit} {sub(/^# ?/, ""); print}' Makefile
 
 setup: $(STAMP)
 
@@ -67,10 +68,23 @@ browser:
 	  echo "== no $(CHROMIUM): the browser tests will skip. To run them: sudo apt-get install chromium"; \
 	fi
 
-test: $(SETUP) browser
+# The book's figures are Graphviz sources in the chapters, drawn as SVG at build time by `dot` (_config.yml):
+# installed here when missing and we are root; otherwise one line says what to install, and the build fails
+# with Sphinx's warning that `dot` cannot be run (tests/test_figures.py skips outside CI with the same advice).
+graphviz:
+	@if command -v dot >/dev/null; then :; \
+	elif [ -n "$(IS_ROOT)" ] && command -v apt-get >/dev/null; then \
+	  echo "== installing Graphviz for the book's figures (apt-get install graphviz)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; } \
+	    || echo "== apt-get could not install graphviz: no dot: sudo apt-get install graphviz"; \
+	else \
+	  echo "== no dot: sudo apt-get install graphviz"; \
+	fi
+
+test: $(SETUP) browser graphviz
 	$(PY) -m pytest tests labs --timeout=1800 $(PYTEST_OPTS)
 
-test-unit: $(SETUP) browser
+test-unit: $(SETUP) browser graphviz
 	$(PY) -m pytest tests --timeout=900 $(PYTEST_OPTS)
 
 test-labs: $(SETUP)
@@ -81,11 +95,11 @@ test-gpu: $(SETUP)
 	$(PY) -m pytest tests -m gpu --timeout=900 $(PYTEST_OPTS)
 	$(PY) -m pytest labs --timeout=1800 $(PYTEST_OPTS)
 
-book: $(SETUP)
+book: $(SETUP) graphviz
 	$(BIN)jupyter-book build . $(BOOK_FLAGS)
 	@echo "Open $(CURDIR)/_build/html/index.html"
 
-student: $(SETUP)
+student: $(SETUP) graphviz
 	$(PY) tools/student_edition.py --out _student
 	@echo "Open $(CURDIR)/_student/html/index.html"
 

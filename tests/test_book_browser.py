@@ -4,12 +4,13 @@ The instructor edition that ``tests/conftest.py`` builds for ``tests/test_book.p
 second build) is served on localhost and every page of the table of contents is opened in Debian's headless
 Chromium (``tests/browser.py``). Every request to another host is refused, as with no network. On each page:
 no console error, no failed or refused request, every math element typeset by MathJax (an ``mjx-container``)
-and no raw TeX left in the text, every image loaded, every same-site link answering (anchors included), and
-every solution dropdown closed until its title is clicked, open after. A control page (a chapter whose MathJax
+and no raw TeX left in the text, every image loaded, every figure's SVG (Graphviz, ``tests/test_figures.py``)
+loaded and within the page column, every same-site link answering (anchors included), and every solution
+dropdown closed until its title is clicked, open after. A control page (a chapter whose MathJax
 comes from a CDN, as Sphinx's default does) must fail the same checks. About 30 s.
 
-The screenshots it saves, ``results/book_chapter.png``, ``results/book_lab.png`` and ``results/book_gpu_run.png``
-(lab 6's recorded GPU run), are the README's.
+The screenshots it saves, ``results/book_chapter.png``, ``results/book_lab.png``, ``results/book_gpu_run.png``
+(lab 6's recorded GPU run) and ``results/book_figure.png`` (Chapter 6's figure), are the README's.
 To check another build instead, e.g. ``make book``'s executed site: ``BOOK_HTML=_build/html pytest tests/test_book_browser.py``.
 """
 
@@ -32,15 +33,19 @@ from browser import browser, page, save_screenshot  # noqa: F401  (pytest fixtur
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [p.relative_to(ROOT).with_suffix(".html").as_posix() for p in se.toc_sources()]
-# a chapter shown at its first display equation, a lab and a recorded GPU run at their top
-SCREENSHOTS = {"book/ch02_memory.html": "book_chapter.png", "labs/lab_02_memory_timeline.html": "book_lab.png",
-               "results/notebooks/lab_06_colocated_vllm.1xH100.html": "book_gpu_run.png"}
+# page -> (screenshot, what to centre in it): a chapter at its first display equation, a lab and a recorded GPU
+# run at their top, and a chapter at its first figure
+SCREENSHOTS = {"book/ch02_memory.html": ("book_chapter.png", "div.math mjx-container"),
+               "labs/lab_02_memory_timeline.html": ("book_lab.png", None),
+               "results/notebooks/lab_06_colocated_vllm.1xH100.html": ("book_gpu_run.png", None),
+               "book/ch06_weight_updates.html": ("book_figure.png", "figure:has(object.graphviz)")}
 CDN_MATHJAX = "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js"  # Sphinx 7's default mathjax_path
 WAIT_MS = 30_000
 
 # Runs in the page once it has loaded: waits for MathJax's first typesetting, then reports what a reader sees.
 _INSPECT = r"""async () => {
-  const out = {mathjax: null, math: 0, untypeset: [], raw: [], badImages: [], images: 0, links: [], ids: []};
+  const out = {mathjax: null, math: 0, untypeset: [], raw: [], badImages: [], images: 0, figures: 0, badFigures: [],
+               links: [], ids: []};
   out.math = document.querySelectorAll(".math").length;
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
     try { await MathJax.startup.promise; out.mathjax = MathJax.version; } catch (e) { out.mathjax = "failed: " + e; }
@@ -66,6 +71,17 @@ _INSPECT = r"""async () => {
     img.loading = "eager";
     try { await img.decode(); } catch (e) { out.badImages.push(img.getAttribute("src")); continue; }
     if (!img.naturalWidth) out.badImages.push(img.getAttribute("src"));
+  }
+  // Graphviz figures (sphinx.ext.graphviz): an <object> per SVG file, scaled down to the column by max-width
+  for (const obj of document.querySelectorAll("object.graphviz")) {
+    out.figures += 1;
+    const svg = () => obj.contentDocument && obj.contentDocument.querySelector("svg");
+    if (!svg()) {
+      await new Promise(done => { obj.addEventListener("load", done, {once: true}); setTimeout(done, 5000); });
+    }
+    const box = obj.getBoundingClientRect(), column = (obj.closest("article") || document.body).getBoundingClientRect();
+    if (!svg() || !box.width || !box.height) out.badFigures.push(obj.getAttribute("data") + " (its SVG did not load)");
+    else if (box.right > column.right + 1) out.badFigures.push(obj.getAttribute("data") + " (wider than the column)");
   }
   out.links = Array.from(document.querySelectorAll("a[href]"), a => a.href).filter(h => h.startsWith(location.origin));
   out.ids = Array.from(document.querySelectorAll("[id]"), e => e.id);
@@ -176,6 +192,7 @@ def _problems(shown: dict, refused: list[str], failed: list[str], errors: list[s
     problems += [f"math not typeset: {m!r}" for m in shown["untypeset"][:5]]
     problems += [f"raw TeX in the text: {r!r}" for r in shown["raw"][:5]]
     problems += [f"image not loaded: {src}" for src in shown["badImages"]]
+    problems += [f"figure not shown: {f}" for f in shown["badFigures"]]
     return problems
 
 
@@ -208,10 +225,10 @@ def test_page_renders_offline(site: str, page, path: str) -> None:  # noqa: F811
     problems = _problems(shown, refused, failed, page.errors)
     problems += [f"broken link: {b}" for b in _broken_links(shown["links"], url, set(shown["ids"]))]
     if path in SCREENSHOTS and not os.environ.get("BOOK_HTML"):  # the README's come from the test's own build
-        equation = page.locator("div.math mjx-container")
-        if path.startswith("book/") and equation.count():
-            equation.first.evaluate("e => e.scrollIntoView({block: 'center'})")
-        save_screenshot(page, SCREENSHOTS[path])
+        name, centre = SCREENSHOTS[path]
+        if centre and page.locator(centre).count():
+            page.locator(centre).first.evaluate("e => e.scrollIntoView({block: 'center'})")
+        save_screenshot(page, name)
     problems += _solution_toggles(page)
     if path.startswith("book/ch"):
         assert shown["math"] > 0, f"{path}: no math on a chapter page: did the math extension change?"
