@@ -30,6 +30,7 @@ import torch
 from labsupport import checksums, metadata
 from labsupport.checksums import tensor_checksums  # noqa: F401 (callers use broadcast.tensor_checksums)
 from labsupport.core.buckets import ALIGN, dtype_name, round_up  # one copy, shared with ipc and the core
+from labsupport.core.buckets import groups as bucket_groups  # greedy bucketing, one copy
 from labsupport.groups import GroupError, StatelessGroup
 
 MODES = {"per_tensor": 0, "bucketed": 1, "packed": 2}
@@ -442,20 +443,15 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, mode: str = "bucket
 
 def _fill(sizes: list[int], idx: list[int], bucket_bytes: int, packed: bool, ramp: bool = False) -> list[_Bucket]:
     """Consecutive buckets of at most ``bucket_bytes``; with ``ramp`` the first two are smaller (``RAMP``)."""
-    out: list[_Bucket] = []
-    used = 0
-    for i in idx:
-        off = round_up(used)
-        k = len(out) - 1  # the bucket being filled
-        cap = bucket_bytes // RAMP[k] if ramp and 0 <= k < len(RAMP) else bucket_bytes
-        if not out or off + sizes[i] > cap:
-            out.append(_Bucket(packed=packed))
-            off = 0
-        out[-1].items.append((i, off, sizes[i]))
-        used = off + sizes[i]
-        out[-1].nbytes = round_up(used)
-    for b in out:
-        b.packed = b.packed and len(b.items) > 1  # a tensor alone travels from and to its own memory
+    cap = (lambda k: bucket_bytes // RAMP[k] if k < len(RAMP) else bucket_bytes) if ramp else bucket_bytes
+    out = []
+    for group in bucket_groups([round_up(sizes[i]) for i in idx], cap):
+        b, off = _Bucket(packed=packed and len(group) > 1), 0  # a tensor alone travels from its own memory
+        for j in group:
+            b.items.append((idx[j], off, sizes[idx[j]]))
+            off += round_up(sizes[idx[j]])
+        b.nbytes = off
+        out.append(b)
     return out
 
 

@@ -8,6 +8,7 @@ tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -37,13 +38,15 @@ def nbytes(m: Meta) -> int:
     return math.prod(m[2]) * getattr(torch, m[1]).itemsize
 
 
-def groups(sizes: list[int], limit: int) -> list[list[int]]:
+def groups(sizes: list[int], limit: int | Callable[[int], int]) -> list[list[int]]:
     """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item alone): greedy
-    bucketing, the one copy (``ipc`` and ``reshard`` use it too)."""
+    bucketing, the one copy (``broadcast``, ``ipc`` and ``reshard`` use it too). ``limit`` may be a function
+    of the group's index (``broadcast`` keeps its first groups small)."""
+    cap = limit if callable(limit) else (lambda k: limit)
     out: list[list[int]] = []
     used = 0
     for i, n in enumerate(sizes):
-        if not out or used + n > limit:
+        if not out or used + n > cap(len(out) - 1):
             out.append([])
             used = 0
         out[-1].append(i)
