@@ -5,8 +5,11 @@ mechanism comes twice: first its straight-line core in ``labsupport.core`` (abou
 part a lab runs first), then the hardened module, which adds what production needs (each lab lists the
 additions and the failures they guard against):
 
-- ``hardware``: what this machine has (GPUs, links, CUDA IPC), and the one place that picks GPU or CPU stand-in
+- ``hardware``: what this machine has (GPUs, links, CUDA IPC), and the one place that picks GPU or CPU stand-in;
+  ``require`` stops with one line naming a package that is not installed
 - ``results``: reference results under results/, each with its machine, versions, command and date
+- ``progress``: progress on long work (tqdm bars, what an engine's start waits for, a live plot), the same in a
+  terminal and in a notebook; ``LABSUPPORT_PROGRESS=0`` turns it off
 - ``models``: the tiny language model and tokenizer, built and trained offline, whose output a sync visibly changes
 - ``core.timeline``: the short path of a memory timeline: bytes by role at phase edges, and a plot (Lab 2)
 - ``memory``: a memory timeline of an RLHF step, with bytes by role (weights, grads, optimizer, KV cache)

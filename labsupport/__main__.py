@@ -124,8 +124,15 @@ def plan_cli(argv: list[str]) -> int:
 
 
 def _call(target: str, argv: list[str]) -> int:
+    """Run a command; a missing package (``hardware.require``) ends it with its one line, not a traceback."""
+    from labsupport.hardware import MissingDependency
+
     module, func = target.split(":")
-    return int(getattr(importlib.import_module(module), func)(argv) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(argv) or 0)
+    except MissingDependency as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any)
     ``ColocateWorkerExtension`` for IPC updates. float32 on CPU (block size 32), bfloat16 on a GPU."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
+    from labsupport import vllm_ext
 
     kw = dict(model=str(model_dir), dtype="bfloat16" if gpu else "float32", enforce_eager=True,
               max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"], max_num_seqs=16,
@@ -62,7 +62,7 @@ def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any)
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        return LLM(**{**kw, **llm_kwargs})
+        return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)
     finally:
         if before is None:
             del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]

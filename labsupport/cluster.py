@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import ray
 import torch
-from ray.util import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from labsupport import hardware, models, vllm_ext
+from labsupport import hardware, models, progress, vllm_ext
 from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
+
+hardware.require("ray", what="labsupport.cluster")  # one line naming what to install, not a traceback
+import ray  # noqa: E402
+from ray.util import placement_group, placement_group_table, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 # Every actor's environment (and its vLLM processes'): labsupport importable, vLLM quiet, pickles in collective_rpc.
 ACTOR_ENV = {
@@ -273,11 +275,10 @@ class EngineActor(RayWorker):
         if not in_process:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         os.environ.update(env)  # before vLLM is imported: it reads these at import/start-up
-        from vllm import LLM
-
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env or (in_process and hardware.gpu_count() > 0)
         self.model_dir = llm_kwargs.get("model")
-        self.llm = LLM(**llm_kwargs)
+        # in this process the start says what it waits for; a Ray actor's output goes to Ray's logs, not to the lab
+        self.llm = vllm_ext.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""
@@ -396,6 +397,9 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
     llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype=engine_dtype(placement.gpu),
                max_model_len=128, max_num_seqs=8, **kwargs)
     llm.update(llm_kwargs)
+    hardware.require("vllm", what="cluster.start_engine")
+    progress.note(f"engine actor: vLLM starts in the background ({vllm_ext.start_stages(placement.gpu, llm, env)}); "
+                  "the first call on the actor waits for it")
     return ray.remote(**opts)(EngineActor).remote(env, **llm)
 
 

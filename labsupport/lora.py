@@ -63,6 +63,9 @@ def base_model_dir(seed: int = 0) -> Path:
 
 def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tuple[str, ...] = TARGETS, seed: int = 0):
     """Wrap a transformers model with a fresh LoRA adapter (``B = 0``: it starts as the base model)."""
+    from labsupport import hardware
+
+    hardware.require("peft", what="lora.add_adapter")
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -233,13 +236,13 @@ def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = F
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
-    from vllm import LLM
+    from labsupport import vllm_ext
 
     kw = dict(model=str(model_dir), dtype="bfloat16" if gpu else "float32", enforce_eager=True, max_model_len=128,
               max_num_seqs=8, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
               worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension",
               **({"gpu_memory_utilization": 0.3} if gpu else {}))
-    return LLM(**{**kw, **llm_kwargs})
+    return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)
 
 
 def stop_engine(llm: Any) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from labsupport import progress
 from labsupport.results import REPO_ROOT
 
 VOCAB = ["<pad>", "<bos>", "<eos>", *string.digits, *string.ascii_lowercase, " ", *"+-*=:,.?!()<>|"]
@@ -87,7 +88,8 @@ def train_pattern(model, tokenizer, steps: int = 120, device: str | torch.device
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    for _ in range(steps):
+    bar = progress.bar(range(steps), desc="training", unit="step", leave=False)  # (seconds: gone when done)
+    for _ in bar:
         texts = [_succession(rng.randrange(26), 16, stride) for _ in range(batch_size)]
         ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
         loss = model(input_ids=ids, labels=ids).loss
@@ -95,6 +97,7 @@ def train_pattern(model, tokenizer, steps: int = 120, device: str | torch.device
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
 

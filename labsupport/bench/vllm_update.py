@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, groups, hardware, ipc, reshard, results, vllm_ext
+from labsupport import checksums, groups, hardware, ipc, progress, reshard, results, vllm_ext
 
 SHAPES = {  # Qwen2.5 shapes (untied LM head in both, so every version changes a separate tensor)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -98,15 +98,14 @@ def engine_tokens(llm: Any) -> list[list[int]]:
 
 def start_llm(folder: Path, gpus: str, tp: int, **kwargs: Any) -> Any:
     """An in-process ``LLM`` whose workers see only ``gpus`` (its engine-core process is spawned now)."""
-    from vllm import LLM
-
     torch.cuda.init()  # this process keeps every GPU; only the spawned engine sees CUDA_VISIBLE_DEVICES
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     try:
-        return LLM(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                   tensor_parallel_size=tp, enforce_eager=True, max_model_len=256, max_num_seqs=4,
-                   worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
+        kw = dict(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  tensor_parallel_size=tp, enforce_eager=True, max_model_len=256, max_num_seqs=4,
+                  worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
+        return vllm_ext.start_llm(kw, gpu=True)  # (it says what the start waits for)
     finally:
         if old is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES")
@@ -174,8 +173,8 @@ def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int, tp: int
         row.pop("tokens")  # (random weights: the text proves nothing, see the module docstring)
         row.update(check(llm, model, tp))
         out[name] = row
-        print(f"  {name:<12} {row['seconds'] * 1e3:8.1f} ms  engine's bytes == trainer's: {row['exact']}"
-              + "".join(f"\n      {d}" for d in row["differences"]), flush=True)
+        progress.write(f"  {name:<12} {row['seconds'] * 1e3:8.1f} ms  engine's bytes == trainer's: {row['exact']}"
+                       + "".join(f"\n      {d}" for d in row["differences"]))
     return out, version
 
 
@@ -354,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     tp = 2 if n_gpus >= 3 else 1
     data: dict[str, Any] = {"vllm_version": vllm.__version__, "tp": tp if n_gpus >= 2 else None, "shapes": {}}
     version = 0
-    for shape in a.shapes.split(","):
-        print(f"{shape}: building the trainer's model", flush=True)
+    for shape in progress.bar(a.shapes.split(","), desc="bench vllm-update", unit="shape"):
+        progress.write(f"{shape}: building the trainer's model")
         model, folder = build(shape, Path(a.dir) / shape)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         modes, raw_gbps = {}, None
