@@ -253,3 +253,36 @@ def test_student_config_removes_solutions_and_sources() -> None:
     assert cfg["execute"]["execute_notebooks"] == "off"
     base = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert cfg["bibtex_bibfiles"] == base["bibtex_bibfiles"]  # everything else is the instructor config
+
+
+CODE_WIDTH = 100  # characters: at the book's code font, what the page column shows without a scroll bar
+
+
+def _shown_code(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every code line a page shows: code cells (unless their input is removed) and
+    code blocks, also those nested in directives such as solutions. Parsed with markdown-it, as MyST does."""
+    from markdown_it import MarkdownIt
+
+    out = []
+
+    def walk(src: str, offset: int) -> None:
+        for tok in MarkdownIt("commonmark").parse(src):
+            if tok.type != "fence" or tok.map is None:
+                continue
+            info, first = tok.info.strip(), offset + tok.map[0] + 1
+            if info.startswith("{") and not info.startswith("{code-cell}"):
+                walk(tok.content, first)  # a directive: its body is MyST again
+            elif not any("remove-input" in line for line in tok.content.split("\n")[:3]):  # cell options
+                out.extend((first + 1 + i, line) for i, line in enumerate(tok.content.splitlines()))
+
+    walk(text, 0)
+    return out
+
+
+@pytest.mark.parametrize("page", sorted(BOOK.glob("*.md")) + sorted((ROOT / "labs").glob("lab_*.md")),
+                         ids=lambda p: p.name)
+def test_code_on_the_page_fits_the_column(page: Path) -> None:
+    """Lines wider than the page column hide behind a scroll bar (the browser check: test_book_browser)."""
+    wide = [f"{page.name}:{n}: {len(line)} chars" for n, line in _shown_code(page.read_text())
+            if len(line) > CODE_WIDTH]
+    assert not wide, f"code lines over {CODE_WIDTH} characters (wrap or rewrite them):\n" + "\n".join(wide)

@@ -265,3 +265,28 @@ def test_built_pages_load_nothing_from_other_hosts(site_dir: Path) -> None:
                 continue  # <link rel="canonical"> and the like are not loaded
             found.append(f"{html.relative_to(site_dir)}: {m.group(0)[:120]}")
     assert not found, "loaded from another host:\n  " + "\n  ".join(found[:10])
+
+
+# Each code cell's widest line, measured with wrapping switched off: how far it overflows its box (pixels)
+_CODE_OVERFLOW = """() => [...document.querySelectorAll('article div.cell_input div.highlight pre')].map(pre => {
+    const wrap = pre.style.whiteSpace; pre.style.whiteSpace = 'pre';
+    const over = pre.scrollWidth - pre.clientWidth; pre.style.whiteSpace = wrap;
+    const widest = pre.textContent.split('\\n').reduce((a, l) => l.length > a.length ? l : a, '');
+    return {over, widest, scrolls: pre.scrollWidth - pre.clientWidth};
+})"""
+LAB_PAGES = [p for p in PAGES if p.startswith("labs/")]
+
+
+@pytest.mark.parametrize("path", LAB_PAGES)
+def test_lab_code_fits_the_column(site: str, page, path: str) -> None:  # noqa: F811
+    """In the test's 1400-pixel window every code line (at most 100 characters: test_book checks the sources)
+    fits its cell unwrapped, at the code size _static/course.css sets; in a 900-pixel window the cells wrap
+    their lines instead of hiding their ends behind a scroll bar."""
+    page.goto(f"{site}/{path}", wait_until="load", timeout=WAIT_MS)
+    cells = page.evaluate(_CODE_OVERFLOW)
+    assert cells, f"{path}: no code cells found (did the theme's markup change?)"
+    wide = [f"{c['over']} px over: {c['widest'][:80]}..." for c in cells if c["over"] > 1]
+    assert not wide, f"{path}: lines wider than the column at 1400 px:\n  " + "\n  ".join(wide)
+    page.set_viewport_size({"width": 900, "height": 900})
+    scrolling = [c["widest"][:80] for c in page.evaluate(_CODE_OVERFLOW) if c["scrolls"] > 1]
+    assert not scrolling, f"{path}: code cells with a scroll bar at 900 px: {scrolling}"
