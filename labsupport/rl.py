@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, models, progress, vllm_ext
+from labsupport import hardware, metadata, models, progress, vllm_ext
+from labsupport.core.buckets import dtype_name
 
 ARCHS = ("colocated", "disaggregated", "async")
 LETTERS = string.ascii_lowercase
@@ -313,13 +314,14 @@ class HFEngine:
         """Copy new weights in; every name, dtype and shape is checked before anything is written."""
         items = list(named_tensors)
         params = self.params()
-        for name, t in items:
-            if name not in params:
+        expected = {n: (dtype_name(d), tuple(s)) for n, (s, d) in self.shapes.items()}
+        bad = metadata.problems([(n, dtype_name(t), tuple(t.shape)) for n, t in items], expected)  # the one check
+        for name, what, want, got in bad:
+            if what == "unknown":
                 raise KeyError(f"engine has no parameter {name!r}; expected names like {next(iter(params))!r}")
-            shape, dtype = self.shapes[name]
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"{name}: engine expects {dtype}{list(shape)}, update has {t.dtype}{list(t.shape)}; "
-                                 "nothing was written")
+        if bad:
+            raise ValueError("; ".join(f"{n}: {w} {e} expected, update has {g}" if e else f"{n}: sent {w}"
+                                       for n, w, e, g in bad) + "; nothing was written")
         for name, t in items:
             params[name].copy_(t)
         return len(items)
