@@ -16,6 +16,7 @@ additions and the failures they guard against):
 - ``strategies``: the same step under three memory strategies (keep, offload, drop and rebuild)
 - ``planner``: memory and transfer-time arithmetic for designs at scale (ZeRO, KV cache, links)
 - ``groups``: a process group that joins a trainer and inference workers without global state
+- ``ranks``: run a function on N ranks in fresh processes with a deadline (the tests' and benchmarks' launcher)
 - ``core.buckets``: named tensors in one flat byte buffer (what a bucket and an IPC handle carry)
 - ``core.sync``: the short path of a weight sync: metadata, one broadcast per bucket, load (Lab 3)
 - ``broadcast``: weight sync over that group: metadata first, then per-tensor or bucketed broadcasts

@@ -16,7 +16,7 @@ import torch
 
 from labsupport import broadcast as B
 from labsupport.bench import sync as bench_sync
-from labsupport.bench.ranks import run_ranks
+from labsupport.ranks import run_ranks
 from labsupport.groups import create_group, free_port
 
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from labsupport.bench.ranks import run_ranks
+from labsupport.ranks import run_ranks
 from labsupport.core import buckets, handoff, sync, timeline
 from labsupport.groups import create_group, free_port
 from labsupport.peer import Peer

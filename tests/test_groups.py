@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from labsupport.bench.ranks import run_ranks
+from labsupport.ranks import run_ranks
 from labsupport.groups import GroupError, GroupTimeout, create_group, free_port
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from labsupport import groups, hardware, ipc, models, vllm_ext, vllm_weights
-from labsupport.bench.ranks import run_ranks
+from labsupport.ranks import run_ranks
 from labsupport.broadcast import SyncTimeout, WeightSyncError
 from labsupport.vllm_weights import WeightUpdateError
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from labsupport import groups, hardware, models, reshard, vllm_ext
-from labsupport.bench.ranks import run_ranks
+from labsupport.ranks import run_ranks
 from labsupport.vllm_weights import WeightUpdateError
 
 TP = 2

@@ -21,7 +21,7 @@ import torch
 
 from labsupport import hardware, progress, results
 from labsupport.broadcast import ALIGN, SyncStats, copy_into, expected_from, receive, release_buffers, send
-from labsupport.bench.ranks import run_ranks
+from labsupport.ranks import run_ranks
 from labsupport.groups import StatelessGroup, create_group, free_port
 
 

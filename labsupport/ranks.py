@@ -1,4 +1,4 @@
-"""Run a function on N ranks, each in a fresh process, with a deadline: the launcher of the benchmarks and tests.
+"""Run a function on N ranks, each in a fresh process, with a deadline: the launcher of the tests and benchmarks.
 
 Not a mechanism the book teaches (trainers use torchrun, Ray or vLLM's own launchers), but what lets a
 benchmark or a test start a trainer and its receivers on one machine and never hang: a rank that dies
