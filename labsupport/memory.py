@@ -5,8 +5,8 @@ allocator (allocated, reserved, peak) at phase edges and from a background threa
 role (weights, gradients, optimizer, kv_cache, activations) counted from the tensors the lab registers (on CPU,
 only these). Roles are counted only on the thread that runs the step (at phase edges and ``tl.sample()``):
 reading ``p.grad`` or a tensor's storage from a second thread while autograd or ``zero_grad`` frees it
-crashes the process (a segfault, seen on CPU with torch 2.13), so the background thread reads the allocator only. ``move_optimizer_state`` offloads Adam's moments to host memory and back. The RLHF step it
-records is ``labsupport.strategies``; its tables and plots, ``labsupport.bench.memory``.
+crashes the process (a segfault, seen on CPU with torch 2.13), so the background thread reads the allocator only. ``move_optimizer_state`` offloads Adam's moments to host memory and back; ``format_peak_table`` and
+``plot_timelines`` show a timeline. The RLHF step it records is ``labsupport.strategies``.
 """
 from __future__ import annotations
 
@@ -295,3 +295,84 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device)
 def _on(t: torch.Tensor, dev: torch.device) -> bool:
     """Whether t is already on dev ("cuda" without an index: any GPU)."""
     return t.device.type == dev.type and (dev.index is None or t.device.index == dev.index)
+
+
+# ---------------------------------------------------------------- tables and plots
+GB = 1e9
+ROLE_COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer": "#c44e52", "kv_cache": "#55a868",
+               "activations": "#8172b3", "other": "#b0b0b0"}
+
+
+def format_peak_table(tl: MemoryTimeline | dict[str, Any], unit: float = GB) -> str:
+    """The peak-by-phase table as text (GB = 1e9 bytes; pass unit=1e6 for MB)."""
+    u = "GB" if unit == GB else ("MB" if unit == 1e6 else f"x{unit:g} B")
+    head = ["phase", "s", f"alloc peak {u}", f"reserved {u}", f"registered {u}"] + [r[:8] for r in ROLES]
+    rows = []
+    for r in peak_by_phase(tl):
+        f = lambda v: "n/a (CPU)" if v is None else f"{v / unit:.3f}"
+        rows.append([r["phase"], f"{r['seconds']:.3f}", f(r["peak_allocated"]), f(r["peak_reserved"]),
+                     f"{r['peak_roles'] / unit:.3f}"] + [f"{r['roles_at_peak'].get(k, 0) / unit:.3f}" for k in ROLES])
+    cells = [head] + rows
+    w = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(row))
+                     for row in cells)
+
+
+def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any, title: str, unit: float = GB) -> None:
+    """Stacked area of bytes by role over time, with phase bands, allocator lines (GPU), capacity, peak."""
+    d = tl.to_dict() if isinstance(tl, MemoryTimeline) else tl
+    u = "GB" if unit == GB else ("MB" if unit == 1e6 else "bytes")
+    rs = [s for s in d["samples"] if s.get("roles")]
+    t = [s["t"] for s in rs]
+    ax.stackplot(t, *[[s["roles"].get(r, 0) / unit for s in rs] for r in ROLES], labels=ROLES,
+                 colors=[ROLE_COLORS[r] for r in ROLES], alpha=0.85, step="post")  # a value holds until the next sample
+    top = max([role_total(s) for s in rs] + [0])
+    if d["gpu"]:
+        al = [s for s in d["samples"] if "allocated" in s]
+        ax.plot([s["t"] for s in al], [s["allocated"] / unit for s in al], color="black", lw=1.2, label="allocated")
+        ax.plot([s["t"] for s in al], [s["reserved"] / unit for s in al], color="black", lw=1, ls="--",
+                label="reserved")
+        top = max([top] + [s["reserved"] for s in al])
+    else:
+        ax.text(0.99, 0.97, "CPU: allocator lines n/a\n(registered tensor bytes only)", transform=ax.transAxes,
+                ha="right", va="top", fontsize=7, color="dimgray")
+    if d["gpu"] and any(s.get("host") for s in rs):
+        ax.plot(t, [s.get("host", 0) / unit for s in rs], color=ROLE_COLORS["optimizer"], lw=1, ls=":",
+                label="in host memory")
+    span = (d["phases"][-1]["end"] - d["phases"][0]["start"]) if d["phases"] else 1.0
+    level = 0
+    for i, ph in enumerate(d["phases"]):
+        ax.axvspan(ph["start"], ph["end"], color="0.85" if i % 2 else "0.93", zorder=0)
+        narrow = (ph["end"] - ph["start"]) < 0.04 * span  # stagger labels of short neighbouring phases
+        level = (level + 1) % 3 if narrow else 0
+        ax.text((ph["start"] + ph["end"]) / 2, 0.02 + 0.3 * level, ph["name"], transform=ax.get_xaxis_transform(),
+                rotation=90, ha="center", va="bottom", fontsize=7,
+                bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.7))
+    peak = peak_bytes(d)
+    ax.axhline(peak / unit, color="crimson", lw=0.8, ls=":")
+    ax.annotate(f"peak {peak / unit:.3g} {u}", xy=(0.01, peak / unit), xycoords=("axes fraction", "data"),
+                va="bottom", fontsize=8, color="crimson")
+    cap = d.get("capacity_bytes")
+    if cap and cap <= 1.5 * max(top, 1):  # a capacity far above the data would flatten it
+        ax.axhline(cap / unit, color="red", lw=1.5, label="GPU capacity")
+    elif cap:
+        ax.text(0.99, 0.97, f"GPU capacity {cap / unit:.1f} {u} (above this axis)", transform=ax.transAxes,
+                ha="right", va="top", fontsize=7, color="red")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"{u} on {d['device']}")
+    ax.set_title(title, fontsize=10)
+
+
+def plot_timelines(timelines: dict[str, MemoryTimeline | dict[str, Any]], *, unit: float = GB) -> Any:
+    """Timelines side by side under their titles, with a shared y axis, so the peaks compare at a glance."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(timelines), figsize=(4.6 * len(timelines), 4), sharey=True, squeeze=False)
+    for i, (ax, (title, tl)) in enumerate(zip(axes[0], timelines.items())):
+        plot_timeline(tl, ax, title, unit)
+        if i:
+            ax.set_ylabel("")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig

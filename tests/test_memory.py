@@ -252,7 +252,7 @@ def test_plots_side_by_side_share_y(tmp_path):
     tl.register("kv_cache", [torch.zeros(1000)])
     with tl.phase("generate"):
         pass
-    fig = memory_bench.plot_timelines({"a": tl, "b": tl.to_dict()}, unit=1e3)
+    fig = M.plot_timelines({"a": tl, "b": tl.to_dict()}, unit=1e3)
     a, b = fig.axes[:2]
     assert a.get_shared_y_axes().joined(a, b)
     texts = [t.get_text() for t in a.texts]
