@@ -45,7 +45,7 @@ class UpdateWhileGenerating(RuntimeError):
 # ----------------------------------------------------------------------------- the engine
 
 
-def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
+def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
     """An in-process vLLM ``LLM`` with prefix caching on, full-vocabulary log-probabilities, and
     ``ColocateWorkerExtension`` for IPC updates. float32 on CPU (block size 32), bfloat16 on a GPU."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -67,13 +67,6 @@ def start_engine(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any)
             del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
-
-
-def stop_engine(llm: Any) -> None:
-    """Stop the engine now (``vllm_ext.stop_engine``); in this process, that frees its KV cache and weights."""
-    from labsupport import vllm_ext
-
-    vllm_ext.stop_engine(llm)
 
 
 def block_size(llm: Any) -> int:

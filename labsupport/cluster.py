@@ -338,7 +338,7 @@ class EngineActor(RayWorker):
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
-        vllm_ext.stop_engine(self.llm)
+        vllm_ext.stop_llm(self.llm)
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""

@@ -230,7 +230,7 @@ def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> di
     return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds, "tensors": n}
 
 
-def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
+def start_llm(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
     """An in-process vLLM ``LLM`` that takes both kinds of update: adapters (``enable_lora``) and full weights
     through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (``vllm_ext.engine_args``)."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
@@ -242,10 +242,3 @@ def start_engine(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = F
                               worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension",
                               **({"gpu_memory_utilization": 0.3} if gpu else {}))
     return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)
-
-
-def stop_engine(llm: Any) -> None:
-    """Stop the engine's processes now (``vllm_ext.stop_engine``)."""
-    from labsupport import vllm_ext
-
-    vllm_ext.stop_engine(llm)

@@ -475,7 +475,7 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, quiet: bool = False) 
     return llm
 
 
-def stop_engine(llm: Any) -> None:
+def stop_llm(llm: Any) -> None:
     """Stop an in-process ``LLM``'s engine-core and worker processes now. vLLM 0.32 waits for them to exit
     cleanly (else their shared-memory queues stay in /dev/shm); vLLM 0.26 takes no timeout."""
     try:

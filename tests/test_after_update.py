@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labsupport import after_update as au
-from labsupport import hardware, lora, models
+from labsupport import hardware, lora, models, vllm_ext
 
 GPU = hardware.gpu_count() >= 1
 pytestmark = [pytest.mark.timeout(900)]
@@ -72,9 +72,9 @@ def setup():
     dirs = {"A": models.tiny_model_dir("trained"), "B": lora.base_model_dir()}
     trainer = {k: AutoModelForCausalLM.from_pretrained(d).to(device).eval() for k, d in dirs.items()}
     weights = {k: [(n, t.to(dtype)) for n, t in au.weights_of(d)] for k, d in dirs.items()}
-    llm = au.start_engine(dirs["A"], gpu=GPU)
+    llm = au.start_llm(dirs["A"], gpu=GPU)
     yield {"llm": llm, "trainer": trainer, "weights": weights, "tok": models.build_tokenizer()}
-    au.stop_engine(llm)
+    vllm_ext.stop_llm(llm)
 
 
 def test_stale_prefix_cache_then_salt_and_reset_fix_it(setup):

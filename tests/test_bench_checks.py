@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from labsupport import checksums, hardware, lora, models, reshard
+from labsupport import checksums, hardware, lora, models, reshard, vllm_ext
 
 GPU = hardware.gpu_count() >= 1
 DEVICE, DTYPE = ("cuda:0", torch.bfloat16) if GPU else ("cpu", torch.float32)
@@ -66,9 +66,9 @@ def engine(tmp_path_factory):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the check runs a function in the workers
     folder = tmp_path_factory.mktemp("tiny")
     models.build_config().save_pretrained(folder)
-    llm = lora.start_engine(folder, gpu=GPU, load_format="dummy", skip_tokenizer_init=True)
+    llm = lora.start_llm(folder, gpu=GPU, load_format="dummy", skip_tokenizer_init=True)
     yield llm
-    lora.stop_engine(llm)
+    vllm_ext.stop_llm(llm)
 
 
 def test_right_update_is_exact_and_wrong_ones_are_named(engine):

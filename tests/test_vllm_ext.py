@@ -121,7 +121,7 @@ def llm():
         if GPU:  # the engine's processes have started: this process gets its own GPU view back
             _restore({"CUDA_VISIBLE_DEVICES": old["CUDA_VISIBLE_DEVICES"]})
     yield engine
-    vllm_ext.stop_engine(engine)  # stop the engine-core and worker processes now, not at exit
+    vllm_ext.stop_llm(engine)  # stop the engine-core and worker processes now, not at exit
     del engine
     _restore(old)
 

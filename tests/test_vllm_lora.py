@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from labsupport import hardware, lora, models
+from labsupport import hardware, lora, models, vllm_ext
 
 GPU = hardware.gpu_count() >= 1
 DEVICE = "cuda:0" if GPU else "cpu"
@@ -45,9 +45,9 @@ def trained(tok):
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = lora.start_engine(lora.base_model_dir(), max_lora_rank=8, gpu=GPU)
+    engine = lora.start_llm(lora.base_model_dir(), max_lora_rank=8, gpu=GPU)
     yield engine
-    lora.stop_engine(engine)
+    vllm_ext.stop_llm(engine)
 
 
 def _bad_rank(tmp_path, rank=16):

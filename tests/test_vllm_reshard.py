@@ -105,7 +105,7 @@ def llm():
                  max_model_len=64, max_num_seqs=4, tensor_parallel_size=TP,
                  worker_extension_cls="labsupport.reshard.ReshardExtension")
     yield engine
-    vllm_ext.stop_engine(engine)
+    vllm_ext.stop_llm(engine)
     del engine
     for k, v in old.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -54,7 +54,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
     pattern = models.pattern_prompts()
     expected = [models.greedy_generate(trainer_b, tok, [p], 6)[0] for p in pattern]
 
-    llm = au.start_engine(dir_a, gpu=True, **({"quantization": quantization} if quantization else {}))
+    llm = au.start_llm(dir_a, gpu=True, **({"quantization": quantization} if quantization else {}))
     out: dict[str, Any] = {"quantization": quantization or "none (bfloat16)"}
     try:
         before = vllm_ext.call(llm, _scales)[0]
@@ -82,7 +82,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
                                    "max_abs_logprob_gap": au.distance(lp_stale, ref),
                                    "greedy": lora.generate(llm, pattern, 6)}
     finally:
-        au.stop_engine(llm)
+        vllm_ext.stop_llm(llm)
     return out
 
 

@@ -3,7 +3,7 @@
 For a model shape (the course's tiny model, or the 1.5B / 7B Qwen2.5 shapes of ``bench.vllm_update``, random
 weights from a config: nothing is downloaded) the trainer wraps its model with a rank-``r`` adapter on every
 decoder linear layer and gives ``B`` random values, so that the adapter changes the output. One vLLM engine on
-the trainer's device (``lora.start_engine``: LoRA enabled, plus the IPC extension) first receives the base
+the trainer's device (``lora.start_llm``: LoRA enabled, plus the IPC extension) first receives the base
 weights (not timed). Then, each timed from the trainer's first byte to the engine having it loaded:
 
 * ``lora``: save the adapter and ``add_lora`` it under a new id (``lora.send_adapter``);
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, hardware, lora, progress, reshard, results
+from labsupport import checksums, hardware, lora, progress, reshard, results, vllm_ext
 from labsupport.bench.vllm_update import shape_config
 from labsupport.core.buckets import dtype_name
 
@@ -83,7 +83,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 1.0)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the byte check runs a function in the workers
-    llm = lora.start_engine(tmp / "model", max_lora_rank=rank, gpu=gpu, load_format="dummy",
+    llm = lora.start_llm(tmp / "model", max_lora_rank=rank, gpu=gpu, load_format="dummy",
                             skip_tokenizer_init=True, max_model_len=256)
     try:
         layout = reshard.qwen2_layout(cfg, 1)
@@ -119,7 +119,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
         out["bytes_ratio"] = out["lora"]["bytes"] / row["bytes"]
         return out
     finally:
-        lora.stop_engine(llm)
+        vllm_ext.stop_llm(llm)
 
 
 def main(argv: list[str] | None = None) -> int:

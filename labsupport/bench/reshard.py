@@ -160,7 +160,7 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
             llm.collective_rpc("destroy_weight_update_group")
             llm.collective_rpc("destroy_reshard_group")
             bcast.destroy()
-            vllm_ext.stop_engine(llm)
+            vllm_ext.stop_llm(llm)
             del llm
         p2p.destroy()
         del model

@@ -204,7 +204,7 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
     native.shutdown()
     llm.collective_rpc("destroy_weight_update_group")
     group.destroy()
-    vllm_ext.stop_engine(llm)
+    vllm_ext.stop_llm(llm)
     return out, nbytes / raw_s / 1e9, version
 
 
@@ -309,7 +309,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
         print(f"  sleep {level}: {d['sleep_s']:.2f} s, freed {d['freed_bytes'] / 2**30:.1f} GiB; wake_up {d['wake_s']:.2f} s")
     print(f"  level 1 again {sleep['level1']['sleep_again_s']:.2f} s; bytes restored after level 1: "
           f"{sleep['level1']['restored_exact']}; trainer's bytes after level 2 + reload: {reload['exact']}")
-    vllm_ext.stop_engine(llm)
+    vllm_ext.stop_llm(llm)
     sleep["host_copy"] = host_copy(model)  # (after the engine has stopped: its pinned memory is gone)
     hc = sleep["host_copy"]
     print(f"  fresh pinned host memory {hc['pin_alloc_gbps']:.1f} GB/s, copy into pinned {hc['copy_gbps']:.1f} GB/s")
