@@ -27,7 +27,8 @@ additions and the failures they guard against):
 - ``shm``: the /dev/shm files behind the CPU stand-in for CUDA IPC
 - ``peer``: a helper process that rebuilds handles, for the labs' two-process experiments
 - ``vllm_weights``: what a vLLM worker does with received weights (checked, whole layers, then loaded)
-- ``vllm_ext``: vLLM worker extensions and the trainer's side of a weight update (and the vLLM version layer)
+- ``vllm_ext``: vLLM worker extensions and the trainer's side of a weight update
+- ``versions``: every difference between the vLLM and torch versions the course runs (0.26 on GPUs, 0.32 in CI)
 - ``vllm_plugin``: vLLM's native weight-transfer API over gloo, registered as a vLLM plugin
 - ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: name/layout mapping, plan, three ways

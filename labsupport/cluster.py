@@ -309,7 +309,7 @@ class EngineActor(RayWorker):
         self.llm.finish_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from labsupport.vllm_ext import shutdown_transfer  # vLLM 0.26 has no shutdown_weight_transfer_engine
+        from labsupport.versions import shutdown_transfer  # vLLM 0.26 has no shutdown_weight_transfer_engine
 
         shutdown_transfer(self.llm)
 

@@ -21,7 +21,6 @@ host and one ``/dev/shm``.
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import math
 import os
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from labsupport import metadata, shm
+from labsupport import metadata, shm, versions
 from labsupport.core import buckets
 from labsupport.core.buckets import dtype_name, groups, round_up  # one bucket layout for NCCL and IPC
 from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
@@ -315,8 +314,7 @@ def _rebuild_cuda(handle: IpcHandle) -> torch.Tensor:
         if owner is not None and handle.guard.serial in owner._live:
             return owner._live[handle.guard.serial].keep
     args = list(handle.payload)
-    slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
-    args[slot] = local_index(handle.device_uuid or "")  # remap: the exporter's index -> ours
+    args[versions.storage_device_slot()] = local_index(handle.device_uuid or "")  # remap: the exporter's index -> ours
     try:
         return rebuild_cuda_tensor(*args)
     except RuntimeError as err:

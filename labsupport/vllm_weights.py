@@ -16,7 +16,6 @@ Both receivers, ``labsupport.vllm_ext`` and ``labsupport.vllm_plugin``, use it; 
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import math
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from labsupport import metadata
+from labsupport import metadata, versions
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.core.buckets import dtype_name  # the one copy (vllm_ext imports it from here)
 
@@ -34,26 +33,6 @@ GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): 
 
 class WeightUpdateError(WeightSyncError, ValueError):
     """An update was refused before any weight changed; the message lists what was wrong and what to do."""
-
-
-@contextlib.contextmanager
-def _lora_unwrapped(model: torch.nn.Module):
-    """With LoRA enabled, vLLM wraps layers and keeps their weights under ``.base_layer``, which vLLM 0.26's
-    loader does not see through. Put the wrapped layers in their wrappers' places while loading (the wrappers
-    read the same tensors), then put the wrappers back."""
-    swapped = []
-    for name, module in list(model.named_modules()):
-        base = getattr(module, "base_layer", None)
-        if name and isinstance(base, torch.nn.Module):
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            swapped.append((owner, child, module))
-            setattr(owner, child, base)
-    try:
-        yield
-    finally:
-        for owner, child, module in reversed(swapped):
-            setattr(owner, child, module)
 
 
 def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[str, Any]) -> str:
@@ -156,7 +135,7 @@ class EngineWeights:
             by_module.setdefault(self.module_of[n], []).append((n, t))
         if self.reference is None:
             self.reference = self.fingerprint()
-        with set_current_vllm_config(self.vllm_config), _lora_unwrapped(self.model):
+        with set_current_vllm_config(self.vllm_config), versions.lora_unwrapped(self.model):
             for mod, items in by_module.items():
                 self._load_layer(self.model.get_submodule(mod) if mod else self.model, items)
         return len(named)

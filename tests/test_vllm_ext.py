@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsupport import groups, hardware, ipc, models, vllm_ext, vllm_weights
+from labsupport import groups, hardware, ipc, models, versions, vllm_ext, vllm_weights
 from labsupport.ranks import run_ranks
 from labsupport.broadcast import SyncTimeout, WeightSyncError
 from labsupport.vllm_weights import WeightUpdateError
@@ -468,11 +468,11 @@ def test_native_trainer_026_never_waits_forever_for_the_engine():
     never = threading.Event()
     t0 = _time.perf_counter()
     with pytest.raises(RuntimeError, match="trainer failed"):
-        vllm_ext._alongside(never.wait, lambda: (_ for _ in ()).throw(RuntimeError("trainer failed")))
+        versions.alongside(never.wait, lambda: (_ for _ in ()).throw(RuntimeError("trainer failed")))
     assert _time.perf_counter() - t0 < 5
     with pytest.raises(TimeoutError, match="engine's side"):
-        vllm_ext._alongside(never.wait, lambda: "sent", timeout_s=0.5)
-    assert vllm_ext._alongside(lambda: None, lambda: "sent") == "sent"
+        versions.alongside(never.wait, lambda: "sent", timeout_s=0.5)
+    assert versions.alongside(lambda: None, lambda: "sent") == "sent"
     never.set()
 
 
@@ -481,9 +481,9 @@ def test_engine_args_are_the_one_set_of_defaults():
     cpu, gpu = vllm_ext.engine_args("m", gpu=False), vllm_ext.engine_args("m", gpu=True, max_model_len=64)
     assert cpu == {"model": "m", "dtype": "float32", "enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8}
     assert gpu["dtype"] == "bfloat16" and gpu["max_model_len"] == 64  # an override wins
-    import inspect
-    from labsupport import after_update, cluster, lora, rl
-    from labsupport.bench import reshard as bench_reshard, vllm_update
-    for module in (after_update, cluster, lora, rl, bench_reshard, vllm_update):
-        src = inspect.getsource(module)
-        assert "engine_args(" in src and "enforce_eager=True" not in src, module.__name__
+    root = Path(vllm_ext.__file__).parent
+    sources = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*.py")}
+    assert [f for f, src in sources.items() if "enforce_eager=True" in src] == []  # only engine_args sets it
+    callers = {f.split("/")[0].removesuffix(".py") if f.startswith("rl") else f
+               for f, src in sources.items() if "engine_args(" in src}  # (rl.py, or the rl/ package)
+    assert {"after_update.py", "cluster.py", "lora.py", "rl", "bench/reshard.py", "bench/vllm_update.py"} <= callers
