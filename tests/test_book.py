@@ -132,7 +132,7 @@ def test_solution_code_runs(chapter: str, label: str, code: str, monkeypatch: py
 
 
 def test_chapter_notebooks_execute() -> None:
-    """Every chapter's code cells run on CPU, with or without reference results.
+    """Every chapter's (and appendix's) code cells run on CPU, with or without reference results.
 
     All pages run in one kernel (imports are paid once) with the namespace reset between pages, so a page
     cannot lean on another page's variables.
@@ -142,7 +142,7 @@ def test_chapter_notebooks_execute() -> None:
     from nbclient import NotebookClient
 
     combined = nbformat.v4.new_notebook()
-    for page in [BOOK / "intro.md", *CHAPTERS]:
+    for page in [BOOK / "intro.md", *CHAPTERS, *sorted(BOOK.glob("appendix_*.md"))]:
         combined.cells.append(nbformat.v4.new_code_cell(f"%reset -f\n# page: {page.name}"))
         for cell in jupytext.read(page).cells:
             if cell.cell_type == "code":
