@@ -14,7 +14,7 @@ import sys
 COMMANDS = {
     "doctor": "labsupport.__main__:doctor_cli",
     "plan": "labsupport.__main__:plan_cli",
-    "rl": "labsupport.rl:main",
+    "rl": "labsupport.rl.cli:main",
 }
 BENCHES = {
     "links": "labsupport.bench.links:main",

@@ -1,0 +1,62 @@
+"""The capstone: a small, real GRPO loop, run in three orchestrations with the same learning code.
+
+Task ("count backwards"): the prompt is two letters and a bar; the answer is the three letters before the
+second one, nearest first ("qk|" -> "jih", wrapping "xb|" -> "azy"). The reward is a rule: 1 if the first
+three generated characters are exactly right, else 0. 64 of the 676 prompts are held out from RL and only
+used to evaluate (every letter still appears in RL prompts, beside other first letters: the held-out set
+tests that the policy learned the rule rather than memorised prompts, not that it generalises to new letters).
+
+Warm start (honest note): in our trials, RL from a random model of the "tiny" size (0.3M parameters) learned none of the toy tasks
+we tried (maximum of digits, one-digit addition, copying) in minutes: the policy collapses onto one constant
+answer first. So the model is first *pre-trained* on alphabet runs after a separator ("qk>lmno..." always
+forwards, "qk<jihg..." always backwards, "qk|..." backwards only 10% of the time): plain next-token text,
+with no question, answer or reward. It has seen backward runs after the bar, yet greedy decoding after the
+bar always goes forward: held-out accuracy starts at 0. GRPO must turn the rare behaviour into the default.
+This mirrors a common view of RLHF: it mostly changes which of a model's behaviours comes out, not what the
+model knows.
+
+Orchestrations (:func:`~labsupport.rl.loop.run`): ``colocated`` (engine and trainer on one device; the engine frees its weights
+while the trainer runs, and gets new ones through an IPC / shared-memory bucket), ``disaggregated`` (engine
+on its own device and process; bucketed broadcast after each step) and ``async`` (the engine generates the
+batch of step k+1 while the trainer trains on step k; samples are one policy version stale and GRPO's
+ratio against the engine's own log-probabilities corrects for it). ``python -m labsupport rl -h``.
+
+Reading order, one job per module:
+
+1. :mod:`~labsupport.rl.task`: the prompts, the rule (``answer_of``), the reward, the held-out prompts.
+2. :mod:`~labsupport.rl.policy`: model sizes and the memory they need, the warm start, loading the policy.
+3. :mod:`~labsupport.rl.rollout`: what an engine returns (``Rollout``) and the KV-cached sampler.
+4. :mod:`~labsupport.rl.engines`: the two inference engines, transformers (``HFEngine``) and vLLM (``VllmEngine``).
+5. :mod:`~labsupport.rl.grpo`: advantages, the loss (with TIS/MIS weights), ``token_logprobs``, ``GRPOTrainer``.
+6. :mod:`~labsupport.rl.timeline`: spans per lane and phase, and the per-step breakdown.
+7. :mod:`~labsupport.rl.engine_process`: an engine driven by messages, in its own process or in the caller's.
+8. :mod:`~labsupport.rl.devices`: which devices trainer and engine use; why two NCCL ranks cannot share a GPU.
+9. :mod:`~labsupport.rl.loop`: ``RLConfig`` and ``run``, the loop in its three orchestrations.
+10. :mod:`~labsupport.rl.report`: plots, summary, peak memory and the table.
+11. :mod:`~labsupport.rl.cli`: ``python -m labsupport rl``.
+
+Every public name is re-exported here, so ``from labsupport import rl`` then ``rl.run(...)``, ``rl.reward(...)``
+or ``rl.HFEngine(...)`` work as before the split.
+"""
+
+from __future__ import annotations
+
+from labsupport import models  # noqa: F401  (rl.models: the book builds configs through it)
+from labsupport.rl.task import (  # noqa: F401
+    ALL_PROMPTS, ANSWER_LEN, HELD_OUT, LETTERS, PROMPT_SEP, SEPARATORS, TRAIN_PROMPTS, answer_of, eval_prompts,
+    pretraining_text, prompt_of, reward, train_prompts,
+)
+from labsupport.rl.policy import (  # noqa: F401
+    SIZES, InsufficientMemory, check_fits, load_policy, memory_needed, model_params, warmstart, warmstart_dir,
+)
+from labsupport.rl.rollout import Rollout, sample  # noqa: F401
+from labsupport.rl.engines import HFEngine, VllmEngine  # noqa: F401
+from labsupport.rl.grpo import GRPOTrainer, group_advantages, grpo_loss, token_logprobs  # noqa: F401
+from labsupport.rl.timeline import PHASES, Timeline, breakdown  # noqa: F401
+from labsupport.rl.engine_process import EngineProcess, LocalEngine  # noqa: F401
+from labsupport.rl.devices import nccl_on_one_gpu, pick_devices  # noqa: F401
+from labsupport.rl.report import (  # noqa: F401
+    COLORS, draw_live, format_table, peak_memory, plot_breakdown, plot_curves, plot_timeline, plot_timelines, summary,
+)
+from labsupport.rl.loop import ARCHS, RLConfig, run  # noqa: F401
+from labsupport.rl.cli import main  # noqa: F401

@@ -1,0 +1,151 @@
+"""The engine process and its protocol: a message is a list of ops (generate, wake_ipc, sleep, join, receive,
+checksums, eval) carried out by :func:`_apply_ops`; :class:`EngineProcess` runs an engine in its own (spawned)
+process, :class:`LocalEngine` in the caller's, both with send/recv/call and the engine's spans filed in the
+timeline."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from labsupport import progress, vllm_ext
+from labsupport.rl.engines import HFEngine, VllmEngine
+from labsupport.rl.timeline import Timeline
+
+
+def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+    """Carry out one message's ops on an engine; the reply holds results and the spans they took."""
+    from labsupport import broadcast
+
+    reply: dict[str, Any] = {"events": []}
+    for op in ops:
+        kind, t0 = op["op"], time.perf_counter()
+        phase = "sync"
+        if kind == "generate":
+            r = eng.generate(op["prompts"], op["n"], op["max_new_tokens"], op["temperature"])
+            r.version = op["version"]
+            reply["rollout"], phase = r, "generate"
+        elif kind == "wake_ipc":  # co-located: map the trainer's bucket (zero-copy) and load it
+            eng.load_ipc(op["handle"])
+        elif kind == "sleep":
+            eng.sleep()
+        elif kind == "join":  # disaggregated/async: join the trainer's weight-sync group as rank 1
+            eng.join(op["address"], op["port"], op["timeout_s"])
+        elif kind == "receive":
+            try:
+                reply["sync"] = eng.receive()
+            except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
+                reply["sync_error"] = str(err)
+        elif kind == "checksums":
+            reply["checksums"] = broadcast.tensor_checksums(eng.params()) if hasattr(eng, "params") else None
+        elif kind == "eval":
+            reply["texts"] = eng.generate(op["prompts"], 1, op["max_new_tokens"], 0.0).texts
+            phase = "eval"
+        else:
+            raise ValueError(f"unknown engine op {kind!r}")
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)
+            free, total = torch.cuda.mem_get_info(eng.device)  # the whole GPU: every process on it
+            reply.setdefault("device_used", []).append({"after": kind, "step": op.get("step", -1), "bytes": total - free})
+        reply["events"].append((phase, op.get("step", -1), t0, time.perf_counter(), kind))
+    return reply
+
+
+def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int, engine: str) -> None:
+    """Runs in its own process: an engine that carries out the ops of each message (see :class:`EngineProcess`)."""
+    torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    eng = HFEngine(model_dir, device, seed) if engine == "transformers" else VllmEngine(model_dir, device, seed)
+    state: dict[str, Any] = {}
+    outbox.put({"ready": os.getpid()})
+    try:
+        while True:
+            msg = inbox.get()
+            if msg is None:
+                break
+            outbox.put(_apply_ops(eng, msg["ops"], state))
+    finally:
+        eng.close()
+
+
+class _EngineClient:
+    """What both engine front-ends share: ``call`` = send + recv, and filing the engine's spans."""
+
+    timeline: Timeline
+
+    def _filed(self, reply: dict[str, Any]) -> dict[str, Any]:
+        for phase, step, t0, t1, detail in reply["events"]:
+            self.timeline.add("engine", phase, step, t0, t1, detail)
+        self.timeline.device_used += [{"lane": "engine", **u} for u in reply.get("device_used", [])]
+        return reply
+
+    def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
+        self.send(*ops)
+        return self.recv()
+
+
+class EngineProcess(_EngineClient):
+    """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
+
+    ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
+    reply and files the engine's spans into the timeline.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, device: str, timeline: Timeline, seed: int = 0,
+                 threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
+        from labsupport.peer import Peer
+
+        self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
+        env = {}
+        stages = ""
+        if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env[progress.ENV] = "0"  # this process says what the engine's start waits for
+            stages = vllm_ext.start_stages(device.startswith("cuda"), VllmEngine.llm_kwargs(model_dir, device))
+            if device.startswith("cuda"):  # vLLM's worker uses cuda:0, so show it only the engine's GPU
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                index = torch.device(device).index or 0
+                env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
+                device = "cuda:0"
+        self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
+        if engine == "transformers":
+            self.peer.recv(timeout_s)  # "ready"
+            return
+        progress.note(f"vLLM engine process ({self.device}) starting: {stages}")
+        t0 = time.perf_counter()
+        with progress.waiting("vLLM engine process starting"):
+            self.peer.recv(max(timeout_s, 600))  # "ready" after vLLM's start-up
+        progress.note(f"vLLM engine process ready in {time.perf_counter() - t0:.0f} s")
+
+    def send(self, *ops: dict[str, Any]) -> None:
+        self.peer.send({"ops": list(ops)})
+
+    def recv(self) -> dict[str, Any]:
+        return self._filed(self.peer.recv(self.timeout_s))
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+class LocalEngine(_EngineClient):
+    """An engine in the caller's process (vLLM, which runs its own engine-core process), with
+    EngineProcess's send/recv/call; ``send`` works right away, so nothing overlaps with training."""
+
+    def __init__(self, engine, timeline: Timeline) -> None:
+        self.engine, self.timeline, self.state, self.reply = engine, timeline, {}, None
+
+    def send(self, *ops: dict[str, Any]) -> None:
+        self.reply = _apply_ops(self.engine, ops, self.state)
+
+    def recv(self) -> dict[str, Any]:
+        reply, self.reply = self.reply, None
+        return self._filed(reply)
+
+    def close(self) -> None:
+        if hasattr(self.engine, "close"):
+            self.engine.close()

@@ -1,0 +1,128 @@
+"""GRPO, the learning code shared by every orchestration: group advantages, the clipped surrogate with a KL
+penalty (and the TIS/MIS token weights), per-token log-probabilities under a model, and the trainer's step."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+
+from labsupport.rl.rollout import Rollout, _left_pad
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO's baseline: each reward minus its group's mean, divided by the group's std (rewards: [B, G]).
+
+    A group whose members all got the same reward has zero advantage: it teaches nothing.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [prompts, group], found shape {list(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale:
+        return centred
+    return centred / (rewards.std(dim=1, keepdim=True, unbiased=True).nan_to_num(0.0) + eps)
+
+
+def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip_eps: float = 0.2, beta: float = 0.02,
+              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's clipped surrogate with a KL penalty to the reference, averaged per sequence, then over sequences.
+
+    logp/logp_old/logp_ref/mask: [N, T] per completion token (policy now, behaviour policy that sampled it,
+    frozen reference); advantages: [N]. ratio = exp(logp - logp_old) corrects for samples that came from an
+    older policy (asynchronous loop); KL uses the k3 estimator exp(ref - logp) - (ref - logp) - 1 >= 0.
+    ``token_weights`` ([N, T], no gradient) multiply each token's surrogate: the TIS/MIS correction of
+    :class:`GRPOTrainer` when ``logp_old`` is the trainer's own and the engine's log-probabilities differ.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages[:, None].to(logp.dtype)
+    ratio = torch.exp(logp - logp_old)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if token_weights is not None:
+        surrogate = surrogate * token_weights.detach()
+    d = logp_ref - logp
+    kl = torch.exp(d) - d - 1
+    per_token = -(surrogate - beta * kl)
+    per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+    loss = per_seq.mean()
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        clipped = ((ratio - 1).abs() > clip_eps).to(mask.dtype)
+        stats = {"loss": loss.item(), "kl": ((kl * mask).sum() / n).item(),
+                 "ratio_mean": ((ratio * mask).sum() / n).item(),
+                 "ratio_max": ratio[mask.bool()].max().item() if mask.any() else 1.0,
+                 "clip_frac": ((clipped * mask).sum() / n).item()}
+    return loss, stats
+
+
+def token_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability under ``model`` of each completion token given its prompt: [N, T]."""
+    device = next(model.parameters()).device
+    ids, att = _left_pad(prompt_ids, device)
+    comp = completion_ids.to(device)
+    width = ids.shape[1]
+    full = torch.cat([ids, comp], 1)
+    att = torch.cat([att, torch.ones_like(comp)], 1)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=full, attention_mask=att, position_ids=pos).logits
+    logits = logits[:, width - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, comp[..., None]).squeeze(-1)
+
+
+class GRPOTrainer:
+    """The learning code, identical in every orchestration: one optimizer step per batch of rollouts."""
+
+    def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2,
+                 correction: str | None = None, is_cap: float = 2.0) -> None:
+        """``correction``: None uses the engine's log-probabilities as the behaviour policy (the PPO ratio then
+        corrects staleness and sampler/trainer mismatch together); "tis" or "mis" recomputes them with the
+        trainer and weights each token by the engine-to-trainer ratio, truncated at ``is_cap`` (TIS) or
+        masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (``labsupport.after_update``)."""
+        if correction not in (None, "tis", "mis"):
+            raise ValueError(f"correction must be None, 'tis' or 'mis', got {correction!r}")
+        self.correction, self.is_cap = correction, is_cap
+        self.model = model
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.beta, self.clip_eps = beta, clip_eps
+        self.version = 0  # bumped by each optimizer step
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def step(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+        """One GRPO update from ``rollout`` scored with ``rewards`` ([N]); returns loss and staleness stats."""
+        adv = group_advantages(rewards.view(-1, rollout.n)).view(-1)
+        device = next(self.model.parameters()).device
+        mask = rollout.mask.to(device)
+        self.model.train()
+        with torch.no_grad():
+            ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
+        logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
+        # with a correction, the behaviour log-probabilities are the trainer's own (these weights, before the
+        # step: the forward pass just made, without its gradient), and the engine's enter through the weights
+        old = logp.detach() if self.correction else None
+        engine_lp = rollout.logprobs.to(device)
+        weights = None
+        if self.correction:
+            from labsupport import after_update
+
+            weights = (after_update.tis_weights(old, engine_lp, self.is_cap) if self.correction == "tis" else
+                       torch.exp(old - engine_lp) * after_update.mis_mask(old, engine_lp, self.is_cap))
+        loss, stats = grpo_loss(logp, engine_lp if old is None else old, ref, adv.to(device), mask,
+                                clip_eps=self.clip_eps, beta=self.beta, token_weights=weights)
+        if old is not None:
+            m = mask.bool()
+            ratio = torch.exp(old - engine_lp)[m]
+            affected = (ratio > self.is_cap) | ((ratio < 1 / self.is_cap) if self.correction == "mis" else False)
+            stats.update(is_ratio_max=ratio.max().item(), is_weight_mean=weights[m].mean().item(),
+                         is_affected=affected.float().mean().item())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.model.eval()
+        stats["staleness"] = self.version - rollout.version
+        self.version += 1
+        return stats

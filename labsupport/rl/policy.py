@@ -1,0 +1,121 @@
+"""The policy model: its sizes (``SIZES``), the memory a size needs on one GPU (checked before a run), the warm
+start (plain next-token pre-training on :mod:`~labsupport.rl.task`'s alphabet runs), the cached warm-started
+folder and loading it."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labsupport import models, progress
+from labsupport.rl.task import pretraining_text
+
+
+def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 0,
+              batch_size: int = 32, device: str | torch.device = "cpu") -> list[float]:
+    """Pre-train on separator-marked alphabet runs (see :func:`~labsupport.rl.task.pretraining_text`); returns
+    the losses.
+
+    Plain next-token prediction, no prompt/answer split, no reward: it gives the policy something to
+    sample from, as pre-training does for a real LLM.
+    """
+    rng = random.Random(seed)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / steps)  # decay: settle the 10% rate
+    losses = []
+    bar = progress.bar(range(steps), desc="warm start: pre-training", unit="step")
+    for _ in bar:
+        texts = [pretraining_text(rng) for _ in range(batch_size)]
+        ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    model.eval()
+    return losses
+
+
+# Model sizes: the same Qwen2 architecture and tokenizer (models.build_config), the same warm start.
+# "0.5b" keeps Qwen2-0.5B's layer shape (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864) with 32 layers
+# instead of 24: our 64-token vocabulary has no 136M-parameter embedding to make up the rest. A larger
+# model needs a smaller learning rate (pre-training and RL alike); CPU runs use "tiny" only.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"config": {}, "warmstart_lr": 5e-3, "lr": 1e-3, "engine_bytes": 2e9},
+    "0.5b": {"config": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=32, num_attention_heads=14,
+                            num_key_value_heads=2),
+             "warmstart_lr": 3e-4, "lr": 5e-5, "engine_bytes": 12e9},
+}
+
+
+def _check_size(size: str) -> dict[str, Any]:
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
+    return SIZES[size]
+
+
+def model_params(size: str) -> int:
+    """Parameter count of the capstone's model at ``size`` (built on the meta device: no memory, no time)."""
+    with torch.device("meta"):
+        m = models.build_model(0, **_check_size(size)["config"])
+    return sum(p.numel() for p in m.parameters())
+
+
+def memory_needed(size: str, sequences: int = 512, seq_len: int = 8) -> dict[str, float]:
+    """Bytes the co-located loop needs on one GPU at ``size``: the fp32 trainer (weights, gradients, Adam's two
+    moments: planner.bytes_per_param("fp32"), plus the frozen reference), activations of one batch of
+    ``sequences`` (planner.activation_bytes, doubled for fp32) and the vLLM engine's budget."""
+    from labsupport import planner
+
+    n, c = model_params(size), models.build_config(**_check_size(size)["config"])
+    act = 2 * planner.activation_bytes(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, seq_len, sequences)
+    return {"trainer": n * (planner.bytes_per_param("fp32").total + 4), "activations": act,
+            "engine": SIZES[size]["engine_bytes"]}
+
+
+class InsufficientMemory(RuntimeError):
+    """The GPU has too little free memory for the chosen model size (raised before anything is built)."""
+
+
+def check_fits(size: str, free_bytes: float, sequences: int = 512) -> float:
+    """Raise InsufficientMemory, naming the need, the free bytes and the largest size that fits, unless the
+    co-located loop at ``size`` fits in ``free_bytes``; returns the bytes needed."""
+    need = sum(memory_needed(size, sequences).values())
+    if need > free_bytes:
+        fits = [s for s in SIZES if sum(memory_needed(s, sequences).values()) <= free_bytes]
+        hint = f"size {fits[-1]!r} fits" if fits else "no size fits: free the GPU (other processes?)"
+        raise InsufficientMemory(f"size {size!r} needs about {need / 1e9:.1f} GB of GPU memory (trainer, "
+                                 f"activations, engine), but only {free_bytes / 1e9:.1f} GB is free; {hint}")
+    return need
+
+
+def warmstart_dir(seed: int = 0, steps: int = 150, size: str = "tiny") -> Path:
+    """A saved warm-started model (HF folder that transformers and vLLM load), cached under ``.cache/models``.
+    Sizes other than "tiny" pre-train on the GPU when there is one."""
+    spec = _check_size(size)
+
+    def build():
+        torch.manual_seed(seed)
+        tok, model = models.build_tokenizer(), models.build_model(seed, **spec["config"])
+        device = "cuda" if size != "tiny" and torch.cuda.is_available() else "cpu"
+        warmstart(model, tok, steps=steps, lr=spec["warmstart_lr"], seed=seed, device=device)
+        return model.cpu(), tok
+
+    name = f"capstone-v4-seed{seed}-s{steps}" if size == "tiny" else f"capstone-v4-{size}-seed{seed}-s{steps}"
+    return models.cached_model_dir(name, build)
+
+
+def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """Load a saved tiny model (fp32) onto ``device``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load clutters notebooks
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()

@@ -1,0 +1,59 @@
+"""Where the time goes: :class:`Timeline` records spans of work per lane (trainer, engine) and phase, and
+:func:`breakdown` turns them into seconds per phase inside each step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+PHASES = ("generate", "score", "train", "sync", "idle", "eval")
+
+
+class Timeline:
+    """Spans of work per lane ("trainer", "engine"), in seconds since the run started (one clock for all
+    processes: ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by every process)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events: list[dict[str, Any]] = []
+        self.device_used: list[dict[str, Any]] = []  # GPU bytes in use (all processes) after phases and engine ops
+
+    def add(self, lane: str, phase: str, step: int, start: float, end: float, detail: str = "") -> None:
+        """Record a span given in absolute ``perf_counter`` seconds."""
+        self.events.append({"lane": lane, "phase": phase, "step": step, "start": start - self.t0,
+                            "end": end - self.t0, "detail": detail})
+
+    def span(self, lane: str, phase: str, step: int, detail: str = ""):
+        """Context manager timing one span of work."""
+        tl = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.perf_counter()
+                return self
+
+            def __exit__(self, *exc):
+                tl.add(lane, phase, step, self.start, time.perf_counter(), detail)
+
+        return _Span()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def breakdown(events: Sequence[dict[str, Any]], windows: Sequence[tuple[float, float]],
+              lanes: Sequence[str] = ("trainer", "engine")) -> list[dict[str, dict[str, float]]]:
+    """Seconds per phase and lane inside each step window; ``idle`` is what no span of that lane covers."""
+    rows = []
+    for w0, w1 in windows:
+        row: dict[str, dict[str, float]] = {}
+        for lane in lanes:
+            per = dict.fromkeys(PHASES, 0.0)
+            for e in events:
+                if e["lane"] == lane:
+                    per[e["phase"]] += max(0.0, min(e["end"], w1) - max(e["start"], w0))
+            per["idle"] = max(0.0, (w1 - w0) - sum(v for k, v in per.items() if k != "idle"))
+            row[lane] = per
+        rows.append(row)
+    return rows
