@@ -140,8 +140,8 @@ def test_measure_links_cpu_positive(monkeypatch):
     assert rows[0]["gb_per_s"] == pytest.approx(rows[0]["bytes"] / rows[0]["seconds"] / 1e9)
 
 
-def test_format_table_aligns():
-    text = links.format_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
+def test_links_table_aligns():
+    text = links.links_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
     assert [ln.rstrip() for ln in text.splitlines()] == ["a     b", "----  -----", "1     2.5", "long  0.001"]
     assert len({len(ln) for ln in text.splitlines()}) == 1  # every line padded to the same width
 

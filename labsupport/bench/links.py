@@ -66,7 +66,7 @@ def measure_links(size_mib: int = 256, iters: int = 5) -> list[dict[str, Any]]:
     return rows
 
 
-def format_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+def links_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     """A plain fixed-width table (benchmarks print these)."""
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     rows = measure_links(args.size_mib, args.iters)
-    print(format_table(rows, ["link", "gb_per_s", "seconds", "note"]))
+    print(links_table(rows, ["link", "gb_per_s", "seconds", "note"]))
     if not args.no_save:
         fig = plot_links(rows, f"Link bandwidths ({results.machine_tag()})")
         path = results.save_result("links", {"size_mib": args.size_mib, "iters": args.iters, "rows": rows},

@@ -52,11 +52,11 @@ from labsupport.rl.policy import (  # noqa: F401
 from labsupport.rl.rollout import Rollout, sample  # noqa: F401
 from labsupport.rl.engines import HFEngine, VllmEngine  # noqa: F401
 from labsupport.rl.grpo import GRPOTrainer, group_advantages, grpo_loss, token_logprobs  # noqa: F401
-from labsupport.rl.timeline import PHASES, Timeline, breakdown  # noqa: F401
+from labsupport.rl.timeline import PHASES, PhaseLog, breakdown  # noqa: F401
 from labsupport.rl.engine_process import EngineProcess, LocalEngine  # noqa: F401
 from labsupport.rl.devices import nccl_on_one_gpu, pick_devices  # noqa: F401
 from labsupport.rl.report import (  # noqa: F401
-    COLORS, draw_live, format_table, peak_memory, plot_breakdown, plot_curves, plot_timeline, plot_timelines, summary,
+    COLORS, draw_live, runs_table, peak_memory, plot_breakdown, plot_curves, plot_timeline, plot_timelines, summary,
 )
 from labsupport.rl.loop import ARCHS, RLConfig, run  # noqa: F401
 from labsupport.rl.cli import main  # noqa: F401

@@ -11,7 +11,7 @@ import torch
 
 from labsupport.rl.loop import ARCHS, RLConfig, run
 from labsupport.rl.policy import SIZES
-from labsupport.rl.report import format_table, peak_memory, plot_curves, plot_timelines, summary
+from labsupport.rl.report import runs_table, peak_memory, plot_curves, plot_timelines, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, pm in (("sleep", out[arch]["peak_memory"]), ("no sleep", out[arch]["no_sleep"]["peak_memory"])):
                 print(f"peak GPU memory in use per phase ({name}):",
                       {k: f"{v / 1e9:.1f} GB" for k, v in pm["device_used"].items()})
-    print(format_table(out))
+    print(runs_table(out))
     if {"async", "disaggregated"} <= set(out):
         a, d = out["async"], out["disaggregated"]
         print(f"async: {a['steps_done']} steps in {a['loop_s']:.2f} s; disaggregated: {d['steps_done']} steps in "

@@ -14,7 +14,7 @@ import torch
 
 from labsupport import progress, vllm_ext
 from labsupport.rl.engines import HFEngine, VllmEngine
-from labsupport.rl.timeline import Timeline
+from labsupport.rl.timeline import PhaseLog
 
 
 def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, thread
 class _EngineClient:
     """What both engine front-ends share: ``call`` = send + recv, and filing the engine's spans."""
 
-    timeline: Timeline
+    timeline: PhaseLog
 
     def _filed(self, reply: dict[str, Any]) -> dict[str, Any]:
         for phase, step, t0, t1, detail in reply["events"]:
@@ -96,7 +96,7 @@ class EngineProcess(_EngineClient):
     reply and files the engine's spans into the timeline.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, device: str, timeline: Timeline, seed: int = 0,
+    def __init__(self, model_dir: str | os.PathLike, device: str, timeline: PhaseLog, seed: int = 0,
                  threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
         from labsupport.peer import Peer
 
@@ -136,7 +136,7 @@ class LocalEngine(_EngineClient):
     """An engine in the caller's process (vLLM, which runs its own engine-core process), with
     EngineProcess's send/recv/call; ``send`` works right away, so nothing overlaps with training."""
 
-    def __init__(self, engine, timeline: Timeline) -> None:
+    def __init__(self, engine, timeline: PhaseLog) -> None:
         self.engine, self.timeline, self.state, self.reply = engine, timeline, {}, None
 
     def send(self, *ops: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from labsupport.rl.policy import SIZES, _check_size, check_fits, load_policy, wa
 from labsupport.rl.report import draw_live
 from labsupport.rl.rollout import Rollout, sample
 from labsupport.rl.task import ANSWER_LEN, eval_prompts, reward, train_prompts
-from labsupport.rl.timeline import PHASES, Timeline, breakdown
+from labsupport.rl.timeline import PHASES, PhaseLog, breakdown
 
 ARCHS = ("colocated", "disaggregated", "async")
 
@@ -76,7 +76,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     rng = random.Random(cfg.seed)
     if tdev.startswith("cuda"):
         torch.cuda.set_device(torch.device(tdev))
-    tl = Timeline()
+    tl = PhaseLog()
     t_setup = time.perf_counter()
     trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
                           correction=cfg.correction, is_cap=cfg.is_cap)

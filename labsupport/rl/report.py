@@ -132,7 +132,7 @@ def peak_memory(data: dict[str, Any]) -> dict[str, dict[str, int]]:
     return {"device_used": used, "trainer_allocated": alloc}
 
 
-def format_table(results: dict[str, dict[str, Any]]) -> str:
+def runs_table(results: dict[str, dict[str, Any]]) -> str:
     """One line per architecture: time per step, where it goes, and the accuracy reached."""
     head = (f"{'arch':14s} {'engine':12s} {'ms/step':>8s} {'gen':>6s} {'train':>6s} {'sync':>6s} {'t.idle':>6s} "
             f"{'e.idle':>6s} {'stale':>5s} {'acc0':>5s} {'acc':>5s}")

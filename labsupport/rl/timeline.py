@@ -1,4 +1,4 @@
-"""Where the time goes: :class:`Timeline` records spans of work per lane (trainer, engine) and phase, and
+"""Where the time goes: :class:`PhaseLog` records spans of work per lane (trainer, engine) and phase, and
 :func:`breakdown` turns them into seconds per phase inside each step."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 PHASES = ("generate", "score", "train", "sync", "idle", "eval")
 
 
-class Timeline:
+class PhaseLog:
     """Spans of work per lane ("trainer", "engine"), in seconds since the run started (one clock for all
     processes: ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by every process)."""
 
