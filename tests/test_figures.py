@@ -33,7 +33,7 @@ PAGES = sorted((ROOT / "book").glob("*.md")) + sorted((ROOT / "labs").glob("*.md
 # The pages that drew their processes, GPUs and data flows in ASCII, and the weight-transfer path of Chapter 6:
 # at least this many figures each (a positive control for the checks below)
 EXPECTED = {"ch01_rlhf_systems.md": 2, "ch03_colocated.md": 1, "ch04_disaggregated.md": 1,
-            "ch05_hybrid_engine.md": 1, "ch06_weight_updates.md": 1, "ch07_async.md": 1, "ch09_capstone.md": 1}
+            "ch05_hybrid_engine.md": 1, "ch06_weight_updates.md": 1, "ch08_async.md": 1, "ch11_capstone.md": 1}
 MAX_WIDTH_PT = 600  # 800 px, about the page column on a desktop screen: a wider SVG is scaled down, its text too
 INSTALL = "`make test` as root installs it (make graphviz), or run `sudo apt-get install graphviz`"
 

@@ -2,7 +2,7 @@
 
 vLLM's online FP8 (``quantization="fp8"``) quantizes each linear weight to ``float8_e4m3fn`` with a per-layer
 scale as it loads. An update must take the same path, so every update re-quantizes. For each engine, starting
-with model A (Lab 10's alphabet model): the time of an IPC update to model B (bfloat16 from the trainer), the
+with model A (Lab 9's alphabet model): the time of an IPC update to model B (bfloat16 from the trainer), the
 gap between the engine's next-token log-probabilities and the float32 trainer's (B) on long prompts, and
 greedy accuracy on B's task. For FP8 only: whether every layer's ``weight_scale`` changed in the update, and
 what stale scales do (A's scales put back beside B's weights: the scale check flags every layer, and the gap

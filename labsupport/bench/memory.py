@@ -3,7 +3,7 @@
 Records ``labsupport.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
 measures what the background sampler costs a step (``measure_overhead``, which Lab 2 also calls) and
 writes ``results/memory_timeline.<machine>.json`` with its plot (Chapter 2 and Lab 2 read them). The table
-and plots are ``labsupport.memory``'s (``format_peak_table``, ``plot_timelines``), which Labs 2 and 7 use too.
+and plots are ``labsupport.memory``'s (``format_peak_table``, ``plot_timelines``), which Labs 2 and 10 use too.
 """
 
 from __future__ import annotations

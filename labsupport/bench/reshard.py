@@ -5,7 +5,7 @@ or 7B shape in bfloat16 (random weights from a config: nothing is downloaded). E
 GPUs 2-3, dummy weights, ``labsupport.vllm_reshard.ReshardExtension``; trainer rank 0 owns it (an in-process
 ``LLM``). Modes (``labsupport.reshard``): ``a_gather_all`` (gather everything on rank 0, then one bucketed
 broadcast), ``b_bucket_overlap`` (gather bucket k+1 while bucket k is on the wire), ``c_shard_to_shard``
-(point to point, straight into the engine's fused TP parameters), and ``lora`` (Lab 9's LoRA-only update
+(point to point, straight into the engine's fused TP parameters), and ``lora`` (Lab 8's LoRA-only update
 against a full merged update, ``labsupport.bench.lora.measure``).
 
 Reported per mode: seconds from "start sending" to "engine updated", and the peak extra memory of each
@@ -171,7 +171,7 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
 
 
 def _lora(shape: str, folder: Path) -> dict[str, Any]:
-    """Lab 9's LoRA-only update against a full merged update, at the same shape (``bench.lora.measure``)."""
+    """Lab 8's LoRA-only update against a full merged update, at the same shape (``bench.lora.measure``)."""
     from labsupport.bench import lora
 
     return dict(lora.measure(shape, folder=folder))
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             r = d["modes"][m]
             print(f"{m:<20}{r['seconds']:>9.3f}{max(r['peak_extra_bytes_per_rank']) / 2**20:>20.2f} MiB  {r['ok']}")
         lo = d["modes"]["lora"]
-        for m in ("lora", "full_merged"):  # Lab 9's comparison at this shape (co-located, one GPU)
+        for m in ("lora", "full_merged"):  # Lab 8's comparison at this shape (co-located, one GPU)
             print(f"{m:<20}{lo[m]['seconds']:>9.3f}{lo[m]['bytes'] / 2**20:>20.2f} MiB sent  {lo[m]['ok']}")
     print(f"\nbar (largest shape): {data['bar']}")
     if not a.no_save:
