@@ -58,15 +58,7 @@ def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) ->
     kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
     # one process: step() is one forward pass. Only for this engine: later engines of this process keep their
     # own worker process (an in-process worker adds its extension class to vLLM's worker class for good)
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)
-    finally:
-        if before is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def block_size(llm: Any) -> int:

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 
 from labsupport import hardware, models, progress, vllm_ext
-from labsupport.vllm_ext import engine_dtype  # noqa: F401  (labs call cluster.engine_dtype)
 from labsupport.groups import free_port
 from labsupport.results import REPO_ROOT
 

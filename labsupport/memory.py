@@ -5,7 +5,8 @@ allocator (allocated, reserved, peak) at phase edges and from a background threa
 role (weights, gradients, optimizer, kv_cache, activations) counted from the tensors the lab registers (on CPU,
 only these). Roles are counted only on the thread that runs the step (at phase edges and ``tl.sample()``):
 reading ``p.grad`` or a tensor's storage from a second thread while autograd or ``zero_grad`` frees it
-crashes the process (a segfault, seen on CPU with torch 2.13), so the background thread reads the allocator only. ``move_optimizer_state`` offloads Adam's moments to host memory and back; ``format_peak_table`` and
+crashes the process (a segfault, seen on CPU with torch 2.13), so the background thread reads the allocator
+only. ``move_optimizer_state`` offloads Adam's moments to host memory and back; ``format_peak_table`` and
 ``plot_timelines`` show a timeline. The RLHF step it records is ``labsupport.strategies``.
 """
 from __future__ import annotations

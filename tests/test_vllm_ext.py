@@ -342,7 +342,7 @@ def test_native_weight_transfer_api(llm, group, hf):
         assert generate(llm) == reference(hf, "random")
     finally:
         engine.shutdown()
-        vllm_ext.shutdown_transfer(llm)
+        versions.shutdown_transfer(llm)
 
 
 def export_for_workers(exporter, named, ids):
@@ -456,7 +456,7 @@ def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
         assert generate(llm) == before  # nothing was loaded
     finally:
         engine.shutdown()
-        vllm_ext.shutdown_transfer(llm)
+        versions.shutdown_transfer(llm)
 
 
 def test_native_trainer_026_never_waits_forever_for_the_engine():

@@ -53,12 +53,7 @@ def _engine(folder: Path, gpu: bool) -> Any:
         os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
         return vllm_ext.start_llm(kw, gpu=False)
     torch.cuda.init()
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = "2,3"
-    try:
-        return vllm_ext.start_llm({**kw, "gpu_memory_utilization": 0.5}, gpu=True)
-    finally:
-        os.environ.pop("CUDA_VISIBLE_DEVICES") if old is None else os.environ.__setitem__("CUDA_VISIBLE_DEVICES", old)
+    return vllm_ext.start_llm({**kw, "gpu_memory_utilization": 0.5}, gpu=True, env={"CUDA_VISIBLE_DEVICES": "2,3"})
 
 
 @torch.no_grad()

@@ -99,18 +99,10 @@ def engine_tokens(llm: Any) -> list[list[int]]:
 def start_llm(folder: Path, gpus: str, tp: int, **kwargs: Any) -> Any:
     """An in-process ``LLM`` whose workers see only ``gpus`` (its engine-core process is spawned now)."""
     torch.cuda.init()  # this process keeps every GPU; only the spawned engine sees CUDA_VISIBLE_DEVICES
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-    try:
-        kw = vllm_ext.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
-                                  tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
-                                  worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
-        return vllm_ext.start_llm(kw, gpu=True)  # (it says what the start waits for)
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES")
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    kw = vllm_ext.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
+                              tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
+                              worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
+    return vllm_ext.start_llm(kw, gpu=True, env={"CUDA_VISIBLE_DEVICES": gpus})
 
 
 def _raw_receive(worker: Any, nbytes: int, iters: int) -> bool:
