@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,20 +83,34 @@ def train_pattern(model, tokenizer, steps: int = 120, device: str | torch.device
     on random 16-letter runs; only parameters with ``requires_grad`` move (with a peft model, the adapter).
     ``device=None`` keeps the model where it is. Returns the loss per step."""
     rng = random.Random(seed)
+    return train_next_token(model, tokenizer, lambda: [_succession(rng.randrange(26), 16, stride)
+                                                       for _ in range(batch_size)],
+                            steps=steps, lr=lr, device=device, desc="training", leave=False)  # (seconds)
+
+
+def train_next_token(model, tokenizer, batch: Callable[[], list[str]], *, steps: int, lr: float,
+                     device: str | torch.device | None = "cpu", decay: bool = False, desc: str = "training",
+                     leave: bool = True) -> list[float]:
+    """The course's one language-model training loop: ``steps`` AdamW steps of next-token loss on the texts
+    ``batch()`` returns, moving only parameters with ``requires_grad``; ``decay``: the learning rate falls
+    linearly to 0. ``device=None`` keeps the model where it is. Returns the loss per step; leaves the model in
+    eval mode."""
     if device is not None:
         model.to(device)
     device = next(model.parameters()).device
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / steps) if decay else None
     losses = []
-    bar = progress.bar(range(steps), desc="training", unit="step", leave=False)  # (seconds: gone when done)
+    bar = progress.bar(range(steps), desc=desc, unit="step", leave=leave)
     for _ in bar:
-        texts = [_succession(rng.randrange(26), 16, stride) for _ in range(batch_size)]
-        ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
+        ids = tokenizer(batch(), return_tensors="pt")["input_ids"].to(device)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()

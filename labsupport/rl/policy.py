@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from labsupport import models, progress
+from labsupport import models
 from labsupport.rl.task import pretraining_text
 
 
@@ -24,23 +24,9 @@ def warmstart(model, tokenizer, steps: int = 150, lr: float = 5e-3, seed: int = 
     sample from, as pre-training does for a real LLM.
     """
     rng = random.Random(seed)
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - i / steps)  # decay: settle the 10% rate
-    losses = []
-    bar = progress.bar(range(steps), desc="warm start: pre-training", unit="step")
-    for _ in bar:
-        texts = [pretraining_text(rng) for _ in range(batch_size)]
-        ids = tokenizer(texts, return_tensors="pt")["input_ids"].to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    model.eval()
-    return losses
+    return models.train_next_token(model, tokenizer, lambda: [pretraining_text(rng) for _ in range(batch_size)],
+                                   steps=steps, lr=lr, device=device, decay=True,  # decay: settle the 10% rate
+                                   desc="warm start: pre-training")
 
 
 # Model sizes: the same Qwen2 architecture and tokenizer (models.build_config), the same warm start.
