@@ -56,30 +56,28 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) tools/jupyterlab/install_settings.py -v
 	touch $@
 
-# The browser tests need Debian's Chromium: installed here when missing and we are root (CI, containers);
-# otherwise one line says what to install, and those tests skip (outside CI) with the same advice.
-browser:
-	@if [ -x "$(CHROMIUM)" ]; then :; \
+# A Debian package the tests or the book need: $(call debian_package,TEST FOR IT,PACKAGE,WHAT FOR,IF MISSING).
+# Installed when missing and we are root (CI, containers); otherwise one line says what to install.
+define debian_package
+	@if $(1); then :; \
 	elif [ -n "$(IS_ROOT)" ] && command -v apt-get >/dev/null; then \
-	  echo "== installing Debian's chromium for the browser tests (apt-get install chromium)"; \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-	    || echo "== apt-get could not install chromium: the browser tests will say so"; \
+	  echo "== installing $(2) $(3) (apt-get install $(2))"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; } \
+	    || echo "== apt-get could not install $(2): $(4)"; \
 	else \
-	  echo "== no $(CHROMIUM): the browser tests will skip. To run them: sudo apt-get install chromium"; \
+	  echo "== $(4)"; \
 	fi
+endef
 
-# The book's figures are Graphviz sources in the chapters, drawn as SVG at build time by `dot` (_config.yml):
-# installed here when missing and we are root; otherwise one line says what to install, and the build fails
-# with Sphinx's warning that `dot` cannot be run (tests/test_figures.py skips outside CI with the same advice).
+# Debian's Chromium, which the browser tests drive; without it those tests skip (outside CI) with the same advice.
+browser:
+	$(call debian_package,[ -x "$(CHROMIUM)" ],chromium,for the browser tests,no $(CHROMIUM): the browser tests will skip. To run them: sudo apt-get install chromium)
+
+# The book's figures are Graphviz sources in the chapters, drawn as SVG at build time by `dot` (_config.yml).
+# Without it the build fails with Sphinx's warning that `dot` cannot be run (tests/test_figures.py skips
+# outside CI with the same advice).
 graphviz:
-	@if command -v dot >/dev/null; then :; \
-	elif [ -n "$(IS_ROOT)" ] && command -v apt-get >/dev/null; then \
-	  echo "== installing Graphviz for the book's figures (apt-get install graphviz)"; \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; } \
-	    || echo "== apt-get could not install graphviz: no dot: sudo apt-get install graphviz"; \
-	else \
-	  echo "== no dot: sudo apt-get install graphviz"; \
-	fi
+	$(call debian_package,command -v dot >/dev/null,graphviz,for the book's figures,no dot: sudo apt-get install graphviz)
 
 test: $(SETUP) browser graphviz
 	$(PY) -m pytest tests labs --timeout=1800 $(PYTEST_OPTS)
