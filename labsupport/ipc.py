@@ -215,6 +215,10 @@ class Exporter:
         if exp.keep.is_cuda:
             torch.cuda.current_stream(exp.keep.device).synchronize()
 
+    def buffer(self, handle: IpcHandle | BucketHandle) -> torch.Tensor:
+        """The exported tensor itself, in this process (a bucket: its flat uint8 buffer)."""
+        return self._get(handle).keep
+
     def acks(self, handle: IpcHandle | BucketHandle) -> int:
         """How many receiver processes have acked ``handle`` (called :func:`ack` after their last read)."""
         self._get(handle)

