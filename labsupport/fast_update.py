@@ -56,27 +56,28 @@ class SharedWeights:
                 p.data = view  # the parameter now lives in the exported buffer (the old storage is freed)
         self.device = named[0][1].device
 
-    def packed(self, device_id: str) -> bytes:
-        """The handle, keyed by the engine worker's device (``report_device_id``), for ``map_trainer_weights``."""
-        return vllm_ext.pack_ipc_handles({device_id: self.handle})
+    def packed(self) -> bytes:
+        """The handle for ``map_trainer_weights``, keyed by the device it lives on: only engine workers on that
+        device (``report_device_id``) find it."""
+        return vllm_ext.pack_ipc_handles({vllm_ext.device_id(self.device): self.handle})
 
     def close(self) -> None:
         """Release the export (engines that still map it get an error on their next sync)."""
         self.exporter.close()
 
 
-def map_engine(llm: Any, shared: SharedWeights) -> dict[str, Any]:
-    """Have the co-located engine (TP=1, on the trainer's GPU) map ``shared`` and plan its updates; returns the
-    worker's report (``planned``, ``fallback`` with reasons, timings). Raises ``WeightUpdateError`` if refused."""
-    (device_id,) = vllm_ext.call(llm, "report_device_id")
-    return vllm_ext.call(llm, "map_trainer_weights", shared.packed(device_id))[0]
+def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
+    """Have every worker of a co-located engine (on the trainer's GPU: TP=1; on CPU any TP) map ``shared`` and
+    plan its updates; returns each worker's report (``planned_params``, ``fallback`` with reasons, timings).
+    Raises ``WeightUpdateError`` if a worker refuses (wrong names, dtypes or shapes; another device)."""
+    return vllm_ext.call(llm, "map_trainer_weights", shared.packed())
 
 
-def sync(llm: Any, shared: SharedWeights) -> dict[str, Any]:
+def sync(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
     """Push the trainer's current weights into the engine: wait for the trainer's queued writes, then one RPC.
-    Returns the worker's report (``version``, ``copy_s``, ``fallback_s``, ``copied_bytes``)."""
+    Returns each worker's report (``version``, ``copy_s``, ``fallback_s``, ``copied_bytes``)."""
     hardware.synchronize(shared.device)
-    return vllm_ext.call(llm, "sync_mapped_weights")[0]
+    return vllm_ext.call(llm, "sync_mapped_weights")
 
 
 # ---- The plan ----------------------------------------------------------------------------------------

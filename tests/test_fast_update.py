@@ -74,7 +74,7 @@ def test_mapped_updates_reach_the_engine_byte_for_byte(llm):
     try:
         flat = shared.exporter.buffer(shared.handle)
         assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in model.parameters())
-        report = fast_update.map_engine(llm, shared)
+        (report,) = fast_update.map_engine(llm, shared)
         layers = models.build_config().num_hidden_layers
         if GPU:
             assert report["fallback"] == {}, report["fallback"]
@@ -88,7 +88,7 @@ def test_mapped_updates_reach_the_engine_byte_for_byte(llm):
         with torch.no_grad():
             for p, q in zip(model.parameters(), random.parameters()):
                 p.copy_(q)
-        got = fast_update.sync(llm, shared)
+        (got,) = fast_update.sync(llm, shared)
         assert got["version"] >= 1 and got["copied_bytes"] > 0
         assert exact(llm, model)["exact"] and generate(llm) != TRAINED
 

@@ -282,13 +282,13 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
         llm.finish_weight_update()
 
     def via_mapped() -> dict[str, float]:
-        got = fast_update.sync(llm, shared)
+        (got,) = fast_update.sync(llm, shared)
         return {"copy_s": got["copy_s"], "fallback_load_s": got["fallback_s"]}
 
     modes, version = run_modes({"ipc_extension": via_extension, "native_ipc": via_native}, model, llm, version, 1,
                                details={"ipc_extension": lambda: vllm_ext.call(llm, "last_update_timing")[0]})
     shared = fast_update.SharedWeights(model)  # from here on the trainer's parameters live in the exported buffer
-    mapping = fast_update.map_engine(llm, shared)
+    (mapping,) = fast_update.map_engine(llm, shared)
     progress.write(f"  mapped once: open {mapping['open_s'] * 1e3:.1f} ms, first load {mapping['first_load_s'] * 1e3:.1f}"
                    f" ms, plan {mapping['plan_s'] * 1e3:.1f} ms; {mapping['copies']} copies, fallback: "
                    f"{mapping['fallback'] or 'none'}")
