@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -84,8 +85,10 @@ def page(browser):
 
 
 def save_screenshot(tab, name: str) -> Path:
-    """Save what the page shows as ``results/<name>``, the copy the README shows; returns its path."""
-    path = RESULTS / name
+    """Save what the page shows as ``<name>`` in a temporary folder, or, with ``LABSUPPORT_SCREENSHOTS=results``,
+    as ``results/<name>``, the copy the README shows (so that a test run leaves a checkout unchanged)."""
+    keep = os.environ.get("LABSUPPORT_SCREENSHOTS") == "results"
+    path = (RESULTS if keep else Path(tempfile.gettempdir()) / "labsupport_screenshots") / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tab.screenshot(path=str(path))
     return path
