@@ -3,11 +3,13 @@
 ``rlhf_step`` runs a small Qwen2 policy (``labsupport.models``) through generation into a KV pool allocated up
 front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block
 of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what stays on the GPU (``STRATEGY_TEXT``).
+``measure_overhead`` times the step with and without a timeline (Lab 2 and ``bench memory`` call it).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labsupport import models
+from labsupport import models, progress
 from labsupport.hardware import synchronize as _sync
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 
@@ -183,5 +185,28 @@ def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, 
             info["snapshot"] = str(tl.save_snapshot(snapshot))
         tl.forget_sources()
         return tl, info
+    finally:
+        release_state(state)
+
+
+def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
+                     interval_s: float = 0.01) -> dict[str, float]:
+    """Step time with the background sampler vs without any timeline (alternating, medians)."""
+    state = make_state("kv_freed", config, device)
+    try:
+        rlhf_step(state)
+        off, on, busy = [], [], []
+        for _ in progress.bar(range(repeats), desc="sampler overhead: step pairs", unit="pair", leave=False):
+            off.append(rlhf_step(state)["step_s"])
+            tl = MemoryTimeline(state.device, interval_s=interval_s)
+            register_roles(tl, state)
+            with tl.sampling():
+                on.append(rlhf_step(state, tl)["step_s"])
+            busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
+        m_off, m_on = statistics.median(off), statistics.median(on)
+        return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
+                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
+                "repeats": repeats,
+                "steps_without": off, "steps_with": on}
     finally:
         release_state(state)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from labsupport import broadcast as B
+from labsupport import sync_timing
 from labsupport.bench import sync as bench_sync
 from labsupport.ranks import run_ranks
 from labsupport.groups import create_group, free_port
@@ -68,7 +69,7 @@ def test_plan_buckets_covers_every_tensor_once():
 
 
 def test_plans_for_a_large_model():
-    metas = [B.TensorMeta(n, "bfloat16", s) for n, s in bench_sync.transformer_shapes(int(2.5e9))]
+    metas = [B.TensorMeta(n, "bfloat16", s) for n, s in sync_timing.transformer_shapes(int(2.5e9))]
     assert len(metas) > 250
     bucket, total = 256 << 20, sum(m.nbytes for m in metas)
     plan = B.plan_buckets(metas, bucket)  # bucketed: small tensors packed, second; the rest grouped
@@ -518,7 +519,7 @@ def test_bucketed_large_bf16_state_nccl():
 def _large_state(rank: int, world_size: int, port: int) -> dict:
     dev = f"cuda:{rank}"
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
-    shapes = bench_sync.transformer_shapes(int(0.5e9))
+    shapes = sync_timing.transformer_shapes(int(0.5e9))
     gen = torch.Generator(device=dev).manual_seed(1)
     model = {n: (torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) if rank == 0 else
                  torch.zeros(s, dtype=torch.bfloat16, device=dev)) for n, s in shapes}

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from labsupport import hardware, results
-from labsupport.bench import links
 
 
 LAB_A = """---
@@ -135,13 +134,13 @@ def test_doctor_command_prints_the_report(cpu_only, capsys):
 
 def test_measure_links_cpu_positive(monkeypatch):
     monkeypatch.setenv(hardware.FORCE_CPU_ENV, "cpu")
-    rows = links.measure_links(size_mib=8, iters=2)
+    rows = hardware.measure_links(size_mib=8, iters=2)
     assert [r["link"] for r in rows] == ["host memcpy (CPU)"]
     assert rows[0]["gb_per_s"] == pytest.approx(rows[0]["bytes"] / rows[0]["seconds"] / 1e9)
 
 
 def test_links_table_aligns():
-    text = links.links_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
+    text = hardware.links_table([{"a": 1, "b": 2.5}, {"a": "long", "b": 0.001}], ["a", "b"])
     assert [ln.rstrip() for ln in text.splitlines()] == ["a     b", "----  -----", "1     2.5", "long  0.001"]
     assert len({len(ln) for ln in text.splitlines()}) == 1  # every line padded to the same width
 
@@ -179,7 +178,7 @@ def test_cuda_ipc_works_on_gpu():
 
 @pytest.mark.gpu(1)
 def test_measure_links_gpu_rows():
-    rows = {r["link"]: r for r in links.measure_links(size_mib=64, iters=2)}
+    rows = {r["link"]: r for r in hardware.measure_links(size_mib=64, iters=2)}
     assert rows["device copy (GPU0)"]["gb_per_s"] > rows["host->device pageable"]["gb_per_s"]
     assert rows["host->device pinned"]["gb_per_s"] > 1
 

@@ -14,8 +14,7 @@ import time
 import pytest
 import torch
 
-from labsupport import ipc, shm
-from labsupport.bench import ipc as ipc_bench
+from labsupport import ipc, ipc_timing, shm
 from labsupport.ipc import IpcError
 from labsupport.peer import Peer, _probe_peer, probe_in_peer
 
@@ -323,7 +322,7 @@ def test_module_level_api_uses_a_default_exporter():
 
 
 def test_model_state_is_realistic_and_sized():
-    state = ipc_bench.model_state(20_000_000, "cpu")
+    state = ipc_timing.model_state(20_000_000, "cpu")
     total = sum(t.nbytes for _, t in state)
     assert 20e6 <= total < 26e6
     names = [n for n, _ in state]
@@ -414,11 +413,11 @@ def test_cuda_remap_reordered_visible_devices():
 
 
 def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):
-    state = ipc_bench.model_state(2_000_000, "cpu")
+    state = ipc_timing.model_state(2_000_000, "cpu")
     handles = exporter.export_buckets(state, 512 << 10)
     assert len(handles) > 1 and sum(len(h.entries) for h in handles) == len(state)
     dest = {n: torch.zeros_like(t) for n, t in state}
-    out = ipc_bench.time_update_vs_copy(handles, dest, rounds=2)
+    out = ipc_timing.time_update_vs_copy(handles, dest, rounds=2)
     assert out["bytes"] == sum(t.nbytes for _, t in state)
     assert all(len(out[k]) == 2 and min(out[k]) > 0 for k in ("ipc_s", "d2d_s", "flat_s"))
     assert all(torch.equal(dest[n], t) for n, t in state)
@@ -427,7 +426,7 @@ def test_time_update_vs_copy_leaves_the_exported_bytes(exporter):
 @pytest.mark.timeout(180)
 def test_bench_runs_end_to_end_on_the_stand_in(capsys):
     """The benchmark's two-process protocol (the GPU run uses the same code) at a tiny size."""
-    assert ipc_bench.main(["--device", "cpu", "--gb", "0.01", "--bucket-mb", "4", "--rounds", "1", "--no-save"]) == 0
+    assert ipc_timing.main(["--device", "cpu", "--gb", "0.01", "--bucket-mb", "4", "--rounds", "1", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "bytes equal after update: True" in out
     assert "rebuild after release: IpcError" in out

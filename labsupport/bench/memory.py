@@ -1,7 +1,7 @@
 """``python -m labsupport bench memory``: one RLHF step under each memory strategy, and the sampler's cost.
 
 Records ``labsupport.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
-measures what the background sampler costs a step (``measure_overhead``, which Lab 2 also calls) and
+measures what the background sampler costs a step (``strategies.measure_overhead``, which Lab 2 also calls) and
 writes ``results/memory_timeline.<machine>.json`` with its plot (Chapter 2 and Lab 2 read them). The table
 and plots are ``labsupport.memory``'s (``format_peak_table``, ``plot_timelines``), which Labs 2 and 10 use too.
 """
@@ -9,38 +9,12 @@ and plots are ``labsupport.memory``'s (``format_peak_table``, ``plot_timelines``
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import asdict
 
-import torch
-
 from labsupport import hardware, progress, results
-from labsupport.memory import GB, MemoryTimeline, format_peak_table, peak_bytes, plot_timelines
-from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, StepConfig, make_state,
-                                   register_roles, release_state, rlhf_step, run_strategy)
-
-
-def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
-                     interval_s: float = 0.01) -> dict[str, float]:
-    """Step time with the background sampler vs without any timeline (alternating, medians)."""
-    state = make_state("kv_freed", config, device)
-    try:
-        rlhf_step(state)
-        off, on, busy = [], [], []
-        for _ in progress.bar(range(repeats), desc="sampler overhead: step pairs", unit="pair", leave=False):
-            off.append(rlhf_step(state)["step_s"])
-            tl = MemoryTimeline(state.device, interval_s=interval_s)
-            register_roles(tl, state)
-            with tl.sampling():
-                on.append(rlhf_step(state, tl)["step_s"])
-            busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
-        m_off, m_on = statistics.median(off), statistics.median(on)
-        return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
-                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
-                "repeats": repeats,
-                "steps_without": off, "steps_with": on}
-    finally:
-        release_state(state)
+from labsupport.memory import GB, format_peak_table, peak_bytes, plot_timelines
+from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, measure_overhead,
+                                   run_strategy)
 
 
 def main(argv: list[str] | None = None) -> int:
