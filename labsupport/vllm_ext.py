@@ -370,7 +370,10 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
     else:
-        from labsupport.vllm_plugin import GlooTrainerInitInfo as InitInfo  # importing it registers the backend
+        from labsupport import vllm_plugin
+
+        vllm_plugin.register_plugin()  # the trainer's factory must know the backend (the engine's: the entry point)
+        InitInfo = vllm_plugin.GlooTrainerInitInfo
     info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
@@ -458,7 +461,3 @@ def stop_llm(llm: Any) -> None:
     """Stop an in-process ``LLM``'s engine-core and worker processes now (``versions.shutdown_engine_core``)."""
     versions.shutdown_engine_core(llm)
 
-
-# A worker importing this module gets the gloo backend even without the package's entry point (if vLLM is loaded).
-if "vllm" in sys.modules:
-    from labsupport import vllm_plugin  # noqa: E402, F401  (registers the backend on import)

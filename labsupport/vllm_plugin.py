@@ -1,8 +1,10 @@
 """A gloo backend for vLLM's native weight-transfer API, so ``WeightTransferConfig`` code runs without CUDA.
 
-That API's four phases are in Lab 4; vLLM's backends for them need a GPU. ``register_plugin`` (the package's
-``vllm.general_plugins`` entry point, run in every vLLM process) adds ``"labsupport_gloo"`` to both of vLLM's
-factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``.
+That API's four phases are in Lab 4; vLLM's backends for them need a GPU. ``register_plugin`` adds
+``"labsupport_gloo"`` to both of vLLM's factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``.
+Importing this module registers nothing: vLLM calls ``register_plugin`` in each of its processes through the
+package's ``vllm.general_plugins`` entry point (``pip install -e .``), and ``vllm_ext.native_trainer`` calls it
+on the trainer.
 
 Two differences from vLLM's NCCL engine, on purpose: its ``start_weight_update`` moves the model to the meta
 device *before* the transfer, so a failed transfer leaves it unusable, while here the update is checked and
@@ -189,8 +191,8 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
 # ---- Registration --------------------------------------------------------------------------------------
 
 def register_plugin() -> None:
-    """vLLM general plugin (entry point ``vllm.general_plugins: labsupport``): register ``labsupport_gloo``
-    with both factories (which record the module path only). vLLM may call it more than once per process."""
+    """Register ``labsupport_gloo`` with both of vLLM's factories (which record the module path only); the
+    ``vllm.general_plugins`` entry point. Idempotent: vLLM may call it more than once per process, and so may we."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
@@ -198,5 +200,3 @@ def register_plugin() -> None:
         with contextlib.suppress(ValueError):  # already registered in this process
             factory.register_engine(GLOO_BACKEND, __name__, cls)
 
-
-register_plugin()  # importing this module (a trainer, or a worker through vllm_ext) registers the backend

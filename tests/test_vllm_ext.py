@@ -82,6 +82,26 @@ def test_plugin_registers_gloo_backend_through_vllms_loader():
     vllm_plugin.register_plugin()  # vLLM may load plugins more than once per process: must not raise
 
 
+def test_importing_registers_nothing_register_plugin_does():
+    """No registration on import: in a fresh process, importing vllm_ext and vllm_plugin leaves vLLM's
+    factories without the gloo backend; register_plugin adds it to both, and a second call changes nothing."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as E, "
+        "WeightTransferTrainerFactory as T\n"
+        "from labsupport import vllm_ext, vllm_plugin\n"
+        "before = [vllm_ext.GLOO_BACKEND in f._registry for f in (E, T)]\n"
+        "vllm_plugin.register_plugin(); vllm_plugin.register_plugin()\n"
+        "print(before, [f._registry[vllm_ext.GLOO_BACKEND]().__name__ for f in (E, T)])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == (
+        "[False, False] ['GlooWeightTransferEngine', 'GlooTrainerWeightTransferEngine']")
+
+
 @pytest.fixture(scope="module")
 def hf():
     """The trainer's models (transformers): the random start and the trained one, plus the tokenizer."""
