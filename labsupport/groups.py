@@ -340,6 +340,7 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     # "2" cleans up the communicator without killing the process (torch's default, 3, kills it).
     opts._timeout = timedelta(seconds=timeout_s * 2 + 30)
     opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
+    # Set for the constructor only, which reads it from the environment alone (Options has no field for it):
     old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
     try:
