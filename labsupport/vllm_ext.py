@@ -429,17 +429,28 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str
     from labsupport import progress
 
     if quiet or not progress.enabled():
-        with _environ(env or {}):
+        with _environ(env or {}), _stdout_with_fd():
             return LLM(**llm_kwargs)
     name = Path(str(llm_kwargs.get("model", "model"))).name
     progress.note(f"vLLM engine ({name}, {llm_kwargs.get('dtype', 'auto')}) starting: {start_stages(gpu, llm_kwargs)}")
     t0 = time.perf_counter()
-    with _environ(env or {}), progress.waiting("vLLM engine starting"):
+    with _environ(env or {}), progress.waiting("vLLM engine starting"), _stdout_with_fd():
         llm = LLM(**llm_kwargs)
     kv = kv_cache_tokens(llm)
     progress.note(f"vLLM engine ready in {time.perf_counter() - t0:.0f} s"
                   + (f"; KV cache: {kv:,} tokens" if kv else ""))
     return llm
+
+
+def _stdout_with_fd() -> contextlib.AbstractContextManager:
+    """An engine started in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) sets up its process groups behind
+    ``sys.stdout.fileno()``, which a Jupyter kernel's stream does not have (vLLM 0.26 on a GPU): lend it the
+    process's own stdout for the start."""
+    try:
+        sys.stdout.fileno()
+        return contextlib.nullcontext()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is an OSError)
+        return contextlib.redirect_stdout(sys.__stdout__)
 
 
 @contextlib.contextmanager
