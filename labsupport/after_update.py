@@ -152,11 +152,14 @@ def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: A
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from labsupport import hardware, progress
+    from labsupport import hardware, progress, vllm_ext
 
     hardware.require("vllm", what="a vLLM engine")
     t0 = time.perf_counter()
-    with progress.waiting("vLLM AsyncLLM starting"):
+    # the engine core is a child process: on a GPU this process (the trainer) has touched CUDA, which a forked
+    # child cannot use ("Cannot re-initialize CUDA in forked subprocess", seen on vLLM 0.26): spawn it
+    spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if gpu else {}
+    with progress.waiting("vLLM AsyncLLM starting"), vllm_ext._environ(spawn):
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(model_dir, gpu, llm_kwargs)))
     progress.note(f"AsyncLLM ready in {time.perf_counter() - t0:.0f} s")
     return engine
