@@ -31,6 +31,7 @@ additions and the failures they guard against):
 - ``ipc_timing``: an IPC update timed against plain copies of the same bytes, on a realistic state (Lab 5)
 - ``vllm_weights``: what a vLLM worker does with received weights (checked, whole layers, then loaded)
 - ``vllm_ext``: vLLM worker extensions and the trainer's side of a weight update
+- ``fast_update``: a co-located update at the copy floor: the trainer's weights mapped once, then a copy plan
 - ``versions``: every difference between the vLLM and torch versions the course runs (0.26 on GPUs, 0.32 in CI)
 - ``vllm_plugin``: vLLM's native weight-transfer API over gloo, registered as a vLLM plugin
 - ``cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
