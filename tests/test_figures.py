@@ -30,9 +30,9 @@ import student_edition as se  # on sys.path through tests/conftest.py
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "book").glob("*.md")) + sorted((ROOT / "labs").glob("*.md"))
-# The pages that drew their processes, GPUs and data flows in ASCII, and the weight-transfer path of Chapter 6:
+# The pages that drew their processes, GPUs and data flows in ASCII, the weight-transfer paths of Chapters 4 and 6:
 # at least this many figures each (a positive control for the checks below)
-EXPECTED = {"ch01_rlhf_systems.md": 2, "ch03_colocated.md": 1, "ch04_disaggregated.md": 1,
+EXPECTED = {"ch01_rlhf_systems.md": 2, "ch03_colocated.md": 1, "ch04_disaggregated.md": 2,
             "ch05_hybrid_engine.md": 1, "ch06_weight_updates.md": 1, "ch08_async.md": 1, "ch11_capstone.md": 1}
 MAX_WIDTH_PT = 600  # 800 px, about the page column on a desktop screen: a wider SVG is scaled down, its text too
 INSTALL = "`make test` as root installs it (make graphviz), or run `sudo apt-get install graphviz`"
