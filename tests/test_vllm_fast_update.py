@@ -9,6 +9,8 @@ Each check is byte for byte (``checksums.check_engine``) and by behaviour (the t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -35,8 +37,6 @@ def llm():
     kw = vllm_ext.engine_args(models.tiny_model_dir("random"), gpu=GPU, load_format="dummy", max_model_len=64,
                               worker_extension_cls="labsupport.fast_update.FastColocateExtension",
                               **({"gpu_memory_utilization": 0.2} if GPU else {}))
-    import os
-
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # (the workers read them when called too, not only at start)
     engine = vllm_ext.start_llm(kw, gpu=GPU, quiet=True)

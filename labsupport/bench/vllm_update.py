@@ -426,11 +426,10 @@ def bar_mapped(shape: dict[str, Any]) -> dict[str, Any]:
     """Issue 22's bar on one shape's results: the mapped update takes at most 0.2x ``native_ipc``'s update time, at
     least 25 % of the device copy's speed (one copy of the bytes / ``update_s`` >= 0.25), and is byte-exact."""
     mapped, native = shape["modes"]["mapped"], shape["modes"]["native_ipc"]
-    of_copy = 2 * shape["model_bytes"] / (shape["device_copy_gbps"] * 1e9) / mapped["update_s"]
     bar = {"update_s": mapped["update_s"], "native_ipc_update_s": native["update_s"],
-           "of_native": mapped["update_s"] / native["update_s"], "update_fraction_of_copy": of_copy,
-           "exact": mapped["exact"]}
-    return {**bar, "met": bar["of_native"] <= 0.2 and of_copy >= 0.25 and bar["exact"]}
+           "of_native": mapped["update_s"] / native["update_s"],
+           "update_fraction_of_copy": mapped["update_fraction_of_copy"], "exact": mapped["exact"]}
+    return {**bar, "met": bar["of_native"] <= 0.2 and bar["update_fraction_of_copy"] >= 0.25 and bar["exact"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -485,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'mode':<14}{'to generate':>12}{'update':>10}{'GB/s':>8}{'of raw':>8}{'of copy':>8}  bytes exact")
         for n, r in d["modes"].items():
             print(f"{n:<14}{r['seconds'] * 1e3:>10.1f}ms{r['update_s'] * 1e3:>8.1f}ms{r['gbps']:>8.1f}"
-                  f"{(r['fraction_of_raw'] or 0) * 100:>7.1f}%{(r.get('fraction_of_copy') or 0) * 100:>7.1f}%"
+                  f"{(r['fraction_of_raw'] or 0) * 100:>7.1f}%{(r.get('update_fraction_of_copy') or 0) * 100:>7.1f}%"
                   f"  {r['exact']}")
     print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
     print(f"bar (mapped <= 0.2x native_ipc and >= 25 % of one device copy, exact; largest shape): {data['bar_mapped']}")
