@@ -159,7 +159,7 @@ def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: A
     # the engine core is a child process: on a GPU this process (the trainer) has touched CUDA, which a forked
     # child cannot use ("Cannot re-initialize CUDA in forked subprocess", seen on vLLM 0.26): spawn it
     spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if gpu else {}
-    with progress.waiting("vLLM AsyncLLM starting"), vllm_ext._environ(spawn):
+    with progress.waiting("vLLM AsyncLLM starting"), vllm_ext.temporary_env(spawn):
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(model_dir, gpu, llm_kwargs)))
     progress.note(f"AsyncLLM ready in {time.perf_counter() - t0:.0f} s")
     return engine

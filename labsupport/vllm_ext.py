@@ -429,12 +429,12 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str
     from labsupport import progress
 
     if quiet or not progress.enabled():
-        with _environ(env or {}), _stdout_with_fd():
+        with temporary_env(env or {}), _stdout_with_fd():
             return LLM(**llm_kwargs)
     name = Path(str(llm_kwargs.get("model", "model"))).name
     progress.note(f"vLLM engine ({name}, {llm_kwargs.get('dtype', 'auto')}) starting: {start_stages(gpu, llm_kwargs)}")
     t0 = time.perf_counter()
-    with _environ(env or {}), progress.waiting("vLLM engine starting"), _stdout_with_fd():
+    with temporary_env(env or {}), progress.waiting("vLLM engine starting"), _stdout_with_fd():
         llm = LLM(**llm_kwargs)
     kv = kv_cache_tokens(llm)
     progress.note(f"vLLM engine ready in {time.perf_counter() - t0:.0f} s"
@@ -454,9 +454,15 @@ def _stdout_with_fd() -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def _environ(values: Mapping[str, str]):
-    """Set ``values`` in ``os.environ`` for the block, then put back what was there (or nothing)."""
+def temporary_env(values: Mapping[str, str]):
+    """Set ``values`` in ``os.environ`` for the block, then put back what was there (or nothing).
+
+    vLLM reads its settings through ``vllm.envs`` and, once an engine core has started in this process, caches
+    all of them (``envs.enable_envs_cache``): a later ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` would be ignored and
+    the next engine's process forked from a process that uses CUDA (seen with vLLM 0.26 on one GPU). So the cache
+    is cleared on entry, for the new values to count, and on exit, for the restored ones to."""
     old = {k: os.environ.get(k) for k in values}
+    _clear_vllm_env_cache()
     os.environ.update(values)
     try:
         yield
@@ -466,6 +472,13 @@ def _environ(values: Mapping[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _clear_vllm_env_cache()
+
+
+def _clear_vllm_env_cache() -> None:
+    envs = sys.modules.get("vllm.envs")  # not imported yet: nothing is cached
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
 
 
 def stop_llm(llm: Any) -> None:

@@ -507,3 +507,20 @@ def test_engine_args_are_the_one_set_of_defaults():
     callers = {f.split("/")[0].removesuffix(".py") if f.startswith("rl") else f
                for f, src in sources.items() if "engine_args(" in src}  # (rl.py, or the rl/ package)
     assert {"after_update.py", "cluster.py", "lora.py", "rl", "bench/reshard.py", "bench/vllm_update.py"} <= callers
+
+
+def test_temporary_env_reaches_vllm_after_an_engine_cached_its_settings(monkeypatch):
+    """After an engine core starts, vLLM caches its environment variables; an engine started later with
+    ``temporary_env`` must still see the new values (spawn, not fork: seen on a GPU), and code after the block
+    the restored ones."""
+    envs = pytest.importorskip("vllm.envs")
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    envs.enable_envs_cache()  # what EngineCore.__init__ does
+    try:
+        assert envs.VLLM_WORKER_MULTIPROC_METHOD == "fork"
+        with vllm_ext.temporary_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}):
+            assert envs.VLLM_WORKER_MULTIPROC_METHOD == "spawn"
+            envs.enable_envs_cache()  # the new engine caches again
+        assert envs.VLLM_WORKER_MULTIPROC_METHOD == "fork" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    finally:
+        envs.disable_envs_cache()
