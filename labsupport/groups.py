@@ -312,8 +312,16 @@ class StatelessGroup:
         self._close("abort", "shutdown")
 
     def destroy(self) -> None:
-        """Release the backend (NCCL communicators, gloo sockets). Safe to call twice."""
-        self._close("shutdown")
+        """Release the backend (NCCL communicators, gloo sockets) without waiting for the peers. Safe to call twice.
+
+        NCCL's graceful ``shutdown`` (``ncclCommFinalize`` + ``ncclCommDestroy``) returns only once every rank has
+        called it. A trainer and an engine tear down one after the other (the engine's RPC returns, then the
+        trainer leaves), so it hung (Lab 4 on 2x H100). Every operation of this group has been waited for by then
+        (each sync ends with a synchronize), so NCCL's abort, which is local, loses nothing."""
+        if self.backend == "nccl":
+            self._close("abort", "shutdown")
+        else:
+            self._close("shutdown")
         self.pg = None
 
     def _close(self, *ways: str) -> None:

@@ -5,8 +5,10 @@ Multi-process tests run real processes over gloo (CPU) or NCCL (gpu-marked); not
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +166,31 @@ def test_nccl_missing_peer_times_out():
     with pytest.raises(GroupTimeout, match=r"rank\(s\) \[1\] never joined"):
         create_group("127.0.0.1", free_port(), 0, 2, device="cuda:0", timeout_s=3)
     assert time.monotonic() - t0 < 20
+
+
+def _destroy_in_turn(rank: int, world_size: int, port: int, flag: str) -> float:
+    """Rank 0 leaves first; rank 1 leaves only once rank 0's destroy has returned (as a trainer and an engine do)."""
+    g = create_group("127.0.0.1", port, rank, world_size, device=f"cuda:{rank}", timeout_s=30)
+    t = torch.ones(4, device=f"cuda:{rank}")
+    g.all_reduce(t, "sum")
+    torch.cuda.synchronize(rank)
+    if rank == 1:
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+    t0 = time.monotonic()
+    g.destroy()
+    if rank == 0:
+        Path(flag).touch()
+    return time.monotonic() - t0
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(120)
+def test_nccl_destroy_does_not_wait_for_the_peer(tmp_path):
+    """NCCL's graceful shutdown waits for every rank; destroy must not (a sequential teardown hung in Lab 4)."""
+    out = run_ranks(_destroy_in_turn, 2, (free_port(), str(tmp_path / "rank0_left")), timeout_s=90)
+    assert [ok for ok, _ in out] == [True, True], out
+    assert all(seconds < 30 for _, seconds in out), out
 
 
 # ---------------------------------------------------------------------------- programming errors vs lost peers
