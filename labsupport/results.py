@@ -149,3 +149,27 @@ def describe(record: dict | None) -> str:
     where = f"{len(gpus)}x {gpus[0]['name']}" if gpus else "CPU"
     extra = f", NCCL {v['nccl']}" if v.get("nccl") else ""
     return f"measured on {where}, {record.get('date', '?')[:10]}, torch {v.get('torch')}{extra}"
+
+
+_LOG_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?(WARNING|INFO|DEBUG|\d{4}-\d\d-\d\d |\[W\d)|^Loading safetensors")
+
+
+def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None = None) -> tuple[str, str] | None:
+    """What a lab printed in its newest GPU recording (``results/notebooks/<lab>.<machine>.ipynb``, written by the
+    GPU reference run): the standard output of the first code cell whose source contains ``marker``, without
+    vLLM's log lines, and a caption saying where and when it ran. ``None`` if the lab has no recording."""
+    folder = Path(results_dir) if results_dir else REPO_ROOT / "results"
+    recs = [json.loads(p.read_text()) | {"path": p} for p in (folder / "notebooks").glob(f"{lab}.*.ipynb")]
+    if not recs:
+        return None
+    rec = max(recs, key=lambda r: r["metadata"]["labsupport_recording"]["date"])
+    for cell in rec["cells"]:
+        if cell["cell_type"] == "code" and marker in "".join(cell["source"]):
+            text = "".join("".join(o["text"]) for o in cell.get("outputs", []) if o.get("name") == "stdout")
+            lines = [ln for ln in text.splitlines() if ln.strip() and not _LOG_LINE.match(ln)]
+            info = rec["metadata"]["labsupport_recording"]
+            gpus = info["machine"]["gpus"]
+            caption = (f"recorded on {len(gpus)}x {gpus[0]['name']}, {info['date'][:10]}, commit {info['commit']}, "
+                       f"vLLM {info['versions'].get('vllm')} ({rec['path'].relative_to(folder.parent)})")
+            return caption, "\n".join(lines)
+    raise KeyError(f"no code cell of {rec['path'].name} contains {marker!r}")

@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import gpu_runs  # noqa: E402
 import student_edition as se  # noqa: E402
 
+from labsupport import results  # noqa: E402
+
 RECORDING = ROOT / "results" / "notebooks" / "lab_06_colocated_vllm.1xH100.ipynb"
 
 
@@ -94,3 +96,14 @@ def test_every_recording_is_in_the_toc_and_small() -> None:
     for path in (ROOT / "results" / "notebooks").glob("*.ipynb"):
         assert path in toc, f"{path.name} is not in _toc.yml (a section of its lab)"
         assert path.stat().st_size < 300_000, f"{path.name}: {path.stat().st_size} bytes, too big to commit"
+
+
+def test_a_chapter_reads_what_a_recorded_lab_printed(tmp_path) -> None:
+    """results.recorded_output: the newest recording's printed lines of the cell with the marker, minus vLLM's
+    log lines, with a caption naming machine, date and commit; None without a recording; a missing cell raises."""
+    caption, text = results.recorded_output("lab_09_after_the_update", "in_flight_update(mode")
+    assert caption.startswith("recorded on 1x NVIDIA H100") and "lab_09_after_the_update.1xH100.ipynb" in caption
+    assert text.splitlines()[0].split()[:2] == ["mode", "lost"] and "WARNING" not in text
+    with pytest.raises(KeyError, match="no code cell"):
+        results.recorded_output("lab_09_after_the_update", "a marker no cell has")
+    assert results.recorded_output("lab_09_after_the_update", "x", results_dir=tmp_path) is None

@@ -5,15 +5,19 @@
 #   bash tools/gpu_bg.sh start STEP ...   # starts the steps in a new process session (outlives the call)
 #   bash tools/gpu_bg.sh wait SECONDS     # waits until the run ends or SECONDS pass; copies its archives to $OUT
 #
-# The machine must not go idle for 30 s between calls, or it is given back with the run.
+# The machine must not go idle for 30 s between calls, or it is given back with the run. The run works in a copy
+# of the tree (/tmp/gpu_bg/tree): each call re-sends the carried tree, which would pull a running lab's current
+# folder from under it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BG=/tmp/gpu_bg
 case ${1:-} in
   start)
     shift
-    rm -rf "$BG" && mkdir -p "$BG/out"
-    setsid nohup bash -c "OUT=$BG/out bash tools/gpu_reference_run.sh $* > $BG/run.log 2>&1; touch $BG/DONE" \
+    rm -rf "$BG" && mkdir -p "$BG/out" "$BG/tree"
+    tar --exclude=./.git --exclude=./.venv --exclude="./.vk*" -cf - . | tar -xf - -C "$BG/tree"
+    export PYTHONPATH=$BG/tree${PYTHONPATH:+:$PYTHONPATH}
+    setsid nohup bash -c "cd $BG/tree && OUT=$BG/out bash tools/gpu_reference_run.sh $* > $BG/run.log 2>&1; touch $BG/DONE" \
       > /dev/null 2>&1 < /dev/null &
     echo "started: $*" ;;
   wait)
