@@ -30,9 +30,10 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/logs/NAME.log, never stop the wh
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/logs/$name.log"
   pack
 }
-pack() {  # keep $OUT small and complete even if a later step is killed: two archives, refreshed per step
-  tar czf "$OUT/results.tgz.tmp" -C "$OUT" results && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"  # whole
-  tar czf "$OUT/logs.tgz.tmp" -C "$OUT" logs && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"  # archives only
+pack() {  # keep $OUT small and complete even if a later step is killed: two archives, refreshed per step,
+  # each written under a temporary name and then moved, so that tools/gpu_bg.sh never copies half of one
+  tar czf "$OUT/results.tgz.tmp" -C "$OUT" results && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
+  tar czf "$OUT/logs.tgz.tmp" -C "$OUT" logs && mv "$OUT/logs.tgz.tmp" "$OUT/logs.tgz"
 }
 TESTS=${TESTS:-tests}
 LABS=${LABS:-labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_03_nccl_weight_sync.md labs/lab_05_cuda_ipc.md labs/lab_10_capstone.md}
@@ -44,13 +45,11 @@ for step in $STEPS; do
     ipc)     run ipc 180 python3 -m labsupport bench ipc ;;
     memory)  run memory 180 python3 -m labsupport bench memory ;;
     cluster) run cluster 180 python3 -m labsupport bench cluster ;;
-    tests)   run tests 330 python3 -m pytest $TESTS -m gpu -v -rA --tb=short -p no:cacheprovider --timeout=90 --junitxml="$OUT/logs/gpu_tests.xml" ;;
+    tests)   run tests 600 python3 -m pytest $TESTS -m gpu -v -rA --tb=short -p no:cacheprovider --timeout=90 --junitxml="$OUT/logs/gpu_tests.xml" ;;
     labs)    run labs 480 python3 -m pytest -v -p no:cacheprovider --timeout=300 $LABS --junitxml="$OUT/logs/gpu_labs.xml" ;;
     rl)      run rl 200 python3 -m labsupport rl --arch all ;;
     # with the CUDA vLLM kit (../shared/device/vllm-gpu.sh) installed and its env sourced:
     vllm_tests) run vllm_tests 600 python3 -m pytest tests/test_vllm_ext.py tests/test_rl.py -k "vllm or drop_in" -v -rA --tb=short -p no:cacheprovider --timeout=280 --junitxml="$OUT/logs/gpu_tests_vllm.xml" ;;
-    vllm_labs46) run vllm_labs46 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_04_disaggregated_vllm.md labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_labs_vllm46.xml" ;;
-    vllm_lab10) run vllm_lab10 280 python3 -m pytest -v -p no:cacheprovider --timeout=270 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_labs_vllm10.xml" ;;
     vllm_bench) run vllm_bench 1200 python3 -m labsupport bench vllm-update ;;
     # one GPU: the co-located half of the bench, the GPU-capable vLLM test of the capstone, its co-located loop
     vllm_bench1) run vllm_bench1 540 python3 -m labsupport bench vllm-update ;;
@@ -65,11 +64,10 @@ for step in $STEPS; do
     lab10gpu) run lab10gpu 590 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone.xml" ;;
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
     vllm_reshard) run vllm_reshard 900 python3 -m labsupport bench reshard ;;
-    # 4 GPUs, vLLM kit: the labs that need 2-4 GPUs, one junit and one recording each
+    # 2-4 GPUs, vLLM kit: the labs that need several GPUs (3: 3 GPUs, 4: 2, 7: 4), one junit and recording each
     lab3gpu) run lab3gpu 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_03_nccl_weight_sync.md --junitxml="$OUT/logs/gpu_lab03_nccl.xml" ;;
     lab4gpu) run lab4gpu 560 python3 -m pytest -v -p no:cacheprovider --timeout=550 labs/lab_04_disaggregated_vllm.md --junitxml="$OUT/logs/gpu_lab04_disaggregated.xml" ;;
     lab7gpu) run lab7gpu 560 python3 -m pytest -v -p no:cacheprovider --timeout=550 labs/lab_07_resharding.md --junitxml="$OUT/logs/gpu_lab07_resharding.xml" ;;
-    vllm_lab7) run vllm_lab7 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_07_resharding.md --junitxml="$OUT/logs/gpu_labs_vllm7.xml" ;;
     # one GPU, vLLM kit: lab 9's one-GPU path, and the FP8 engine's update (results/bench_fp8_update.<machine>.json, read by lab 9 and ch09)
     lab9gpu) run lab9gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_09_after_the_update.md --junitxml="$OUT/logs/gpu_lab09_after_update.xml" ;;
     fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
