@@ -170,6 +170,6 @@ def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None
             info = rec["metadata"]["labsupport_recording"]
             gpus = info["machine"]["gpus"]
             caption = (f"recorded on {len(gpus)}x {gpus[0]['name']}, {info['date'][:10]}, commit {info['commit']}, "
-                       f"vLLM {info['versions'].get('vllm')} ({rec['path'].relative_to(folder.parent)})")
+                       f"vLLM {info['versions'].get('vllm')}\n({rec['path'].relative_to(folder.parent)})")  # two short lines
             return caption, "\n".join(lines)
     raise KeyError(f"no code cell of {rec['path'].name} contains {marker!r}")
