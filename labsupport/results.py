@@ -167,9 +167,8 @@ def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None
         if cell["cell_type"] == "code" and marker in "".join(cell["source"]):
             text = "".join("".join(o["text"]) for o in cell.get("outputs", []) if o.get("name") == "stdout")
             lines = [ln for ln in text.splitlines() if ln.strip() and not _LOG_LINE.match(ln)]
-            info = rec["metadata"]["labsupport_recording"]
-            gpus = info["machine"]["gpus"]
-            caption = (f"recorded on {len(gpus)}x {gpus[0]['name']}, {info['date'][:10]}, commit {info['commit']}, "
-                       f"vLLM {info['versions'].get('vllm')}\n({rec['path'].relative_to(folder.parent)})")  # two short lines
+            info = rec["metadata"]["labsupport_recording"]  # machine, date and versions, as a result records them
+            caption = (f"{describe(info)}, vLLM {info['versions'].get('vllm')}, commit {info['commit']}\n"
+                       f"({rec['path'].relative_to(folder.parent)})")
             return caption, "\n".join(lines)
     raise KeyError(f"no code cell of {rec['path'].name} contains {marker!r}")
