@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def _gpu_count() -> int:
-    from labsupport.hardware import gpu_count
+    from labsupport.course.hardware import gpu_count
 
     return gpu_count()
 
@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _lab_min_gpus(md_path: Path) -> int:
-    from labsupport.hardware import lab_min_gpus  # one reader of the front matter (labsupport.hardware's)
+    from labsupport.course.hardware import lab_min_gpus  # one reader of the front matter (labsupport.course.hardware's)
 
     return lab_min_gpus(md_path)
 
@@ -159,7 +159,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     import nbformat
 
-    from labsupport import results
+    from labsupport.course import results
 
     info = results.machine_info()
     labs = {item.parent for item in session.items if isinstance(item.parent, LabNotebook)}

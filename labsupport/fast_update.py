@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, ipc, reshard, vllm_ext
+from labsupport.course import hardware
+from labsupport import ipc, reshard, vllm_ext
 from labsupport.broadcast import TensorMeta
 from labsupport.vllm_ext import _never_raise
 from labsupport.vllm_weights import WeightUpdateError

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from labsupport import metadata, shm, versions
+from labsupport import metadata, shm
+from labsupport.course import versions
 from labsupport.core import buckets
 from labsupport.core.buckets import dtype_name, groups, round_up  # one bucket layout for NCCL and IPC
-from labsupport.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
+from labsupport.course.hardware import gpu_uuid as device_uuid  # the physical GPU, whatever CUDA_VISIBLE_DEVICES says
 
 
 class IpcError(RuntimeError):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from labsupport import models
+from labsupport.course import models
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every decoder linear
 BASE_STEP = 2  # the base model continues the alphabet by twos; the adapter teaches steps of one
@@ -63,7 +63,7 @@ def base_model_dir(seed: int = 0) -> Path:
 
 def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tuple[str, ...] = TARGETS, seed: int = 0):
     """Wrap a transformers model with a fresh LoRA adapter (``B = 0``: it starts as the base model)."""
-    from labsupport import hardware
+    from labsupport.course import hardware
 
     hardware.require("peft", what="lora.add_adapter")
     from peft import LoraConfig, get_peft_model

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from labsupport.hardware import synchronize as _sync
+from labsupport.course.hardware import synchronize as _sync
 
 ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other")
 

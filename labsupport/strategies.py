@@ -1,6 +1,6 @@
 """One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by phase.
 
-``rlhf_step`` runs a small Qwen2 policy (``labsupport.models``) through generation into a KV pool allocated up
+``rlhf_step`` runs a small Qwen2 policy (``labsupport.course.models``) through generation into a KV pool allocated up
 front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block
 of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what stays on the GPU (``STRATEGY_TEXT``).
 ``measure_overhead`` times the step with and without a timeline (Lab 2 and ``bench memory`` call it).
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from labsupport import models, progress
-from labsupport.hardware import synchronize as _sync
+from labsupport.course import models, progress
+from labsupport.course.hardware import synchronize as _sync
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 
 STRATEGIES = ("resident", "kv_freed", "offloaded")
@@ -70,7 +70,7 @@ class RLHFState:
 
 
 def make_state(strategy: str, config: StepConfig | None = None, device: str | torch.device = "cpu") -> RLHFState:
-    """Build the policy (a Qwen2 from labsupport.models, random init) and Adam on device."""
+    """Build the policy (a Qwen2 from labsupport.course.models, random init) and Adam on device."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {STRATEGIES}")
     cfg = config or CPU_CONFIG

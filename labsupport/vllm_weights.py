@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from labsupport import metadata, versions
+from labsupport import metadata
+from labsupport.course import versions
 from labsupport.broadcast import TensorMeta, WeightSyncError
 from labsupport.core.buckets import dtype_name  # the one copy (vllm_ext imports it from here)
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from labsupport import after_update as au
-from labsupport import hardware, lora, models, vllm_ext
+from labsupport.course import hardware, models
+from labsupport import lora, vllm_ext
 
 GPU = hardware.gpu_count() >= 1
 pytestmark = [pytest.mark.timeout(900)]

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from labsupport import checksums, hardware, lora, models, reshard, vllm_ext
+from labsupport import checksums, lora, reshard, vllm_ext
+from labsupport.course import hardware, models
 
 GPU = hardware.gpu_count() >= 1
 DEVICE, DTYPE = ("cuda:0", torch.bfloat16) if GPU else ("cpu", torch.float32)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from labsupport import broadcast as B
-from labsupport import sync_timing
+from labsupport.course import sync_timing
 from labsupport.bench import sync as bench_sync
-from labsupport.ranks import run_ranks
+from labsupport.course.ranks import run_ranks
 from labsupport.groups import create_group, free_port
 
 

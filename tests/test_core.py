@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from labsupport.ranks import run_ranks
+from labsupport.course.ranks import run_ranks
 from labsupport.core import buckets, handoff, sync, timeline
 from labsupport.groups import create_group, free_port
-from labsupport.peer import Peer
+from labsupport.course.peer import Peer
 
 
 def _sha(t: torch.Tensor) -> str:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import gpu_runs  # noqa: E402
 import student_edition as se  # noqa: E402
 
-from labsupport import results  # noqa: E402
+from labsupport.course import results  # noqa: E402
 
 RECORDING = ROOT / "results" / "notebooks" / "lab_06_colocated_vllm.1xH100.ipynb"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsupport.ranks import run_ranks
+from labsupport.course.ranks import run_ranks
 from labsupport.groups import GroupError, GroupTimeout, create_group, free_port
 
 

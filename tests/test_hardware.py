@@ -1,11 +1,11 @@
-"""labsupport.hardware and labsupport.results: the doctor agrees with torch, labs pick their path."""
+"""labsupport.course.hardware and labsupport.course.results: the doctor agrees with torch, labs pick their path."""
 
 import json
 
 import pytest
 import torch
 
-from labsupport import hardware, results
+from labsupport.course import hardware, results
 
 
 LAB_A = """---

@@ -1,6 +1,6 @@
 """labsupport.ipc: zero-copy handoff semantics, over shared memory (CPU) and CUDA IPC (gpu-marked).
 
-Every cross-process test talks to a real spawned process through labsupport.peer.Peer; nothing is mocked.
+Every cross-process test talks to a real spawned process through labsupport.course.peer.Peer; nothing is mocked.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import time
 import pytest
 import torch
 
-from labsupport import ipc, ipc_timing, shm
+from labsupport import ipc, shm
+from labsupport.course import ipc_timing
 from labsupport.ipc import IpcError
-from labsupport.peer import Peer, _probe_peer, probe_in_peer
+from labsupport.course.peer import Peer, _probe_peer, probe_in_peer
 
 
 def _gpus() -> int:
     try:
-        from labsupport import hardware
+        from labsupport.course import hardware
 
         return hardware.gpu_count()
     except ImportError:

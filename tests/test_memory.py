@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from labsupport import hardware, memory as M, planner, strategies as S
+from labsupport.course import hardware, planner
+from labsupport import memory as M, strategies as S
 from labsupport.bench import memory as memory_bench
 
 
@@ -179,7 +180,8 @@ def test_gpu_background_sampler_ticks_and_stops():
 
 STRESS = """
 import sys, time, torch
-from labsupport import memory, models
+from labsupport import memory
+from labsupport.course import models
 model = models.build_model(seed=0).to(sys.argv[1])
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 tl = memory.MemoryTimeline(sys.argv[1], interval_s=0.0001)
@@ -263,7 +265,7 @@ def test_plots_side_by_side_share_y(tmp_path):
 
 def test_bench_cpu_writes_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
-    from labsupport import results
+    from labsupport.course import results
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
     assert memory_bench.main(["--device", "cpu", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

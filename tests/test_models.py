@@ -1,9 +1,9 @@
-"""labsupport.models: offline tokenizer and tiny LM, trained to a checkable behaviour."""
+"""labsupport.course.models: offline tokenizer and tiny LM, trained to a checkable behaviour."""
 
 import pytest
 import torch
 
-from labsupport import models
+from labsupport.course import models
 
 
 def test_tokenizer_roundtrip_and_bos():

@@ -1,7 +1,7 @@
 """The planner against published figures (ZeRO paper, vLLM paper) and hand-computed values."""
 import pytest
 
-from labsupport import planner as P
+from labsupport.course import planner as P
 
 GB = 1e9
 

@@ -1,4 +1,4 @@
-"""Progress on long work (labsupport.progress) and one line for a missing package (hardware.require), as a user
+"""Progress on long work (labsupport.course.progress) and one line for a missing package (hardware.require), as a user
 sees them: the capstone's command line, a notebook kernel's recorded outputs, and a lab opened without a package."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from labsupport import hardware, progress
+from labsupport.course import hardware, progress
 
 ROOT = Path(__file__).resolve().parent.parent
 MISSING = "labsupport_test_no_such_package"  # a module that does not exist

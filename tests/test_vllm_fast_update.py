@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from labsupport import checksums, fast_update, hardware, ipc, models, reshard, vllm_ext
+from labsupport import checksums, fast_update, ipc, reshard, vllm_ext
+from labsupport.course import hardware, models
 from labsupport.vllm_weights import WeightUpdateError
 
 GPU = hardware.gpu_count() >= 1

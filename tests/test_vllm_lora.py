@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from labsupport import hardware, lora, models, vllm_ext
+from labsupport.course import hardware, models
+from labsupport import lora, vllm_ext
 
 GPU = hardware.gpu_count() >= 1
 DEVICE = "cuda:0" if GPU else "cpu"

@@ -15,8 +15,9 @@ import pickle
 import pytest
 import torch
 
-from labsupport import groups, hardware, models, reshard, vllm_ext
-from labsupport.ranks import run_ranks
+from labsupport import groups, reshard, vllm_ext
+from labsupport.course import hardware, models
+from labsupport.course.ranks import run_ranks
 from labsupport.vllm_weights import WeightUpdateError
 
 TP = 2

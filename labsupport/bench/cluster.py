@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from labsupport import hardware
+from labsupport.course import hardware
 from labsupport.cluster import RayWorker, actor_resources, init_ray, place
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     """``python -m labsupport bench cluster``: GPU placement, fractional sharing, NCCL and IPC between Ray actors."""
     import ray
 
-    from labsupport import results
+    from labsupport.course import results
 
     p = argparse.ArgumentParser(prog="python -m labsupport bench cluster", description=main.__doc__)
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at least 2)")

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from labsupport import after_update as au
-from labsupport import hardware, lora, models, progress, results, vllm_ext
+from labsupport.course import hardware, models, progress, results
+from labsupport import lora, vllm_ext
 
 
 def _scales(worker: Any) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """``python -m labsupport bench links``: the bandwidth of each link a weight update can take.
 
 On a GPU machine: a copy inside GPU 0, pinned and pageable host<->device copies, and GPU 0 to every other
-GPU; on a CPU machine, a host memcpy. The measurement is ``labsupport.hardware.measure_links`` (Lab 1 calls
+GPU; on a CPU machine, a host memcpy. The measurement is ``labsupport.course.hardware.measure_links`` (Lab 1 calls
 it too); this command prints its table and writes ``results/links.<machine>.json`` and a bar chart (Lab 1
 plots the reference run's next to this machine's; the planner's link presets quote them).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from labsupport import results
-from labsupport.hardware import links_table, measure_links
+from labsupport.course import results
+from labsupport.course.hardware import links_table, measure_links
 
 
 def plot_links(rows: list[dict[str, Any]], title: str = ""):

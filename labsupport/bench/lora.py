@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, hardware, lora, progress, reshard, results, vllm_ext
+from labsupport import checksums, lora, reshard, vllm_ext
+from labsupport.course import hardware, progress, results
 from labsupport.bench.vllm_update import shape_config
 from labsupport.core.buckets import dtype_name
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from labsupport import hardware, progress, results
+from labsupport.course import hardware, progress, results
 from labsupport.memory import GB, format_peak_table, peak_bytes, plot_timelines
 from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, measure_overhead,
                                    run_strategy)

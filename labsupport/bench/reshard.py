@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from labsupport import groups, hardware, models, progress, reshard, results, vllm_ext
+from labsupport import groups, reshard, vllm_ext
+from labsupport.course import hardware, models, progress, results
 from labsupport.bench.vllm_update import PROMPTS, SHAPES, shape_config
 
 NEW_TOKENS = 4

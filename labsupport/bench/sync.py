@@ -2,7 +2,7 @@
 
 For each model size (a Qwen2-shaped bf16 state) every rank of one group measures a raw single-buffer
 broadcast of the same bytes (the ceiling), per-tensor broadcast, and each bucket size the four ways
-``send``/``receive`` can move it: ``labsupport.sync_timing.bench_on_group``, which Lab 3 calls on a group it
+``send``/``receive`` can move it: ``labsupport.course.sync_timing.bench_on_group``, which Lab 3 calls on a group it
 already has. ``main`` starts fresh processes, prints the table and writes ``results/bench_sync.<machine>.json``
 and its plot (Chapter 4 and Lab 3 read them).
 """
@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from labsupport import hardware, progress, results
+from labsupport.course import hardware, progress, results
 from labsupport.broadcast import ALIGN
 from labsupport.groups import create_group, free_port
-from labsupport.ranks import run_ranks
-from labsupport.sync_timing import BUCKET_MODES, bench_on_group, format_rows, plot_bench
+from labsupport.course.ranks import run_ranks
+from labsupport.course.sync_timing import BUCKET_MODES, bench_on_group, format_rows, plot_bench
 
 
 @dataclass

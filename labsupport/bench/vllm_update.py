@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, fast_update, groups, hardware, ipc, progress, reshard, results, vllm_ext
+from labsupport import checksums, fast_update, groups, ipc, reshard, vllm_ext
+from labsupport.course import hardware, progress, results
 
 SHAPES = {  # Qwen2.5 shapes (untied LM head in both, so every version changes a separate tensor)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -55,7 +56,7 @@ def shape_config(shape: str | dict[str, Any], **extra: Any) -> Any:
     The benches of vLLM updates, resharding and LoRA all build their models from it."""
     from transformers import Qwen2Config
 
-    from labsupport import models
+    from labsupport.course import models
 
     if shape == "tiny":
         return models.build_config(**extra)

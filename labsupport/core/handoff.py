@@ -23,7 +23,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport.core import buckets
-from labsupport.hardware import gpu_uuid
+from labsupport.course.hardware import gpu_uuid
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 

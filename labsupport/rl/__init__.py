@@ -41,7 +41,7 @@ or ``rl.HFEngine(...)`` work as before the split.
 
 from __future__ import annotations
 
-from labsupport import models  # noqa: F401  (rl.models: the book builds configs through it)
+from labsupport.course import models  # noqa: F401  (rl.models: the book builds configs through it)
 from labsupport.rl.task import (  # noqa: F401
     ALL_PROMPTS, ANSWER_LEN, HELD_OUT, LETTERS, PROMPT_SEP, SEPARATORS, TRAIN_PROMPTS, answer_of, eval_prompts,
     pretraining_text, prompt_of, reward, train_prompts,

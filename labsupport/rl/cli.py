@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="recompute behaviour log-probabilities with the trainer and correct for the engine's (TIS/MIS)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
     args = p.parse_args(argv)
-    from labsupport import hardware, results
+    from labsupport.course import hardware, results
 
     if not args.no_save:  # before a run of minutes, not after it
         hardware.require("matplotlib", what="saving the capstone's plots (or pass --no-save)")

@@ -8,7 +8,7 @@ import torch
 
 def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
     """(trainer device, engine device): one shared device when co-located, two GPUs otherwise (if present)."""
-    from labsupport import hardware
+    from labsupport.course import hardware
 
     n = hardware.gpu_count() if n_gpus is None else n_gpus
     if n == 0:

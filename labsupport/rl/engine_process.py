@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from labsupport import progress, vllm_ext
+from labsupport.course import progress
+from labsupport import vllm_ext
 from labsupport.rl.engines import HFEngine, VllmEngine
 from labsupport.rl.timeline import PhaseLog
 
@@ -98,7 +99,7 @@ class EngineProcess(_EngineClient):
 
     def __init__(self, model_dir: str | os.PathLike, device: str, timeline: PhaseLog, seed: int = 0,
                  threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
-        from labsupport.peer import Peer
+        from labsupport.course.peer import Peer
 
         self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
         env = {}

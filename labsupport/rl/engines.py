@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from labsupport import metadata, models, vllm_ext
+from labsupport import metadata, vllm_ext
+from labsupport.course import models
 from labsupport.core.buckets import dtype_name
 from labsupport.rl.policy import load_policy
 from labsupport.rl.rollout import Rollout, sample

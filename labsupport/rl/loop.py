@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from labsupport import hardware, models, progress
+from labsupport.course import hardware, models, progress
 from labsupport.rl.devices import pick_devices
 from labsupport.rl.engine_process import EngineProcess, LocalEngine
 from labsupport.rl.engines import VllmEngine

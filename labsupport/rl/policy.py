@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from labsupport import models
+from labsupport.course import models
 from labsupport.rl.task import pretraining_text
 
 
@@ -58,7 +58,7 @@ def memory_needed(size: str, sequences: int = 512, seq_len: int = 8) -> dict[str
     """Bytes the co-located loop needs on one GPU at ``size``: the fp32 trainer (weights, gradients, Adam's two
     moments: planner.bytes_per_param("fp32"), plus the frozen reference), activations of one batch of
     ``sequences`` (planner.activation_bytes, doubled for fp32) and the vLLM engine's budget."""
-    from labsupport import planner
+    from labsupport.course import planner
 
     n, c = model_params(size), models.build_config(**_check_size(size)["config"])
     act = 2 * planner.activation_bytes(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, seq_len, sequences)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labsupport import models
+from labsupport.course import models
 
 
 @dataclass

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(os.environ.get("LABSUPPORT_RESULTS_DIR", REPO_ROOT / "results"))
 
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from labsupport import results
+from labsupport.course import results
 
 FORCE_CPU_ENV = "LABSUPPORT_DEVICE"  # set to "cpu" to take the CPU path on a GPU machine
 LABS_DIR = results.REPO_ROOT / "labs"

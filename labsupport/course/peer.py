@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labsupport.hardware import gpu_uuid, synchronize
+from labsupport.course.hardware import gpu_uuid, synchronize
 from labsupport.ipc import BucketHandle, IpcError, ack, device_of, rebuild, rebuild_bucket
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from labsupport import progress
-from labsupport.results import REPO_ROOT
+from labsupport.course import progress
+from labsupport.course.results import REPO_ROOT
 
 VOCAB = ["<pad>", "<bos>", "<eos>", *string.digits, *string.ascii_lowercase, " ", *"+-*=:,.?!()<>|"]
 VOCAB_SIZE = 64  # embedding rows: the tokenizer's 54 symbols, padded to a multiple of 32

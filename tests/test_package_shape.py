@@ -1,0 +1,162 @@
+"""The package's shape against its budgets (shared/DESIGN.md): small, no circle, each idea once, read in order.
+
+A budget may be wrong: if a change must exceed one, change the number here and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import labsupport
+
+PKG = Path(labsupport.__file__).parent
+MECHANISM_LINES = 4000  # core/ and the hardened mechanisms together (not course/, rl/, bench/)
+FILE_LINES = 350  # any .py outside bench/
+FUNCTION_LINES = 60  # any function outside bench/
+
+
+def _name(path: Path) -> str:
+    """``labsupport/core/sync.py`` -> ``core.sync``; a package's ``__init__`` -> the package."""
+    parts = path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+FILES = {_name(p): p for p in sorted(PKG.rglob("*.py"))}
+NOT_BENCH = {n: p for n, p in FILES.items() if n != "bench" and not n.startswith("bench.")}
+MECHANISMS = {n: p for n, p in NOT_BENCH.items()
+              if n and n != "__main__" and not n.startswith(("course", "rl"))}
+
+
+def _imports(path: Path) -> dict[str, set[str]]:
+    """The labsupport modules ``path`` imports (at any depth), with the names it takes from each."""
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labsupport":
+            base = node.module.removeprefix("labsupport").lstrip(".")
+            for a in node.names:
+                full = f"{base}.{a.name}".lstrip(".")
+                if full in FILES:  # ``from labsupport.core import sync``: the module core.sync
+                    out.setdefault(full, set())
+                else:  # ``from labsupport.core.sync import send``: the name send of core.sync
+                    out.setdefault(base, set()).add(a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "labsupport":
+                    out.setdefault(a.name.removeprefix("labsupport").lstrip("."), set())
+    out.pop("", None)
+    return out
+
+
+IMPORTS = {n: _imports(p) for n, p in FILES.items()}
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_mechanisms_fit_their_budget():
+    sizes = {n: _lines(p) for n, p in MECHANISMS.items()}
+    total = sum(sizes.values())
+    biggest = ", ".join(f"{n} {k}" for n, k in sorted(sizes.items(), key=lambda x: -x[1])[:6])
+    assert total <= MECHANISM_LINES, f"mechanisms hold {total} lines (> {MECHANISM_LINES}); largest: {biggest}"
+
+
+@pytest.mark.parametrize("name", sorted(NOT_BENCH))
+def test_no_file_over_its_budget(name):
+    assert _lines(NOT_BENCH[name]) <= FILE_LINES, f"{NOT_BENCH[name]}: {_lines(NOT_BENCH[name])} lines"
+
+
+def test_no_function_over_its_budget():
+    long = [f"{p.relative_to(PKG)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in NOT_BENCH.values() for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > FUNCTION_LINES]
+    assert not long, "functions over budget: " + "; ".join(long)
+
+
+def _cycle() -> list[str] | None:
+    """One import circle between modules (a package counts as its ``__init__``), or None."""
+    graph = {n: {m for m in IMPORTS[n] if m in FILES and m != n} for n in FILES}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        state[n] = 2
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    cycle = _cycle()
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_no_module_takes_another_modules_private_name():
+    bad = []
+    for n, path in FILES.items():
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> labsupport module, for ``from labsupport import x`` / ``import labsupport.x as y``
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labsupport":
+                base = node.module.removeprefix("labsupport").lstrip(".")
+                for a in node.names:
+                    full = f"{base}.{a.name}".lstrip(".")
+                    if full in FILES:
+                        aliases[a.asname or a.name] = full
+                    elif a.name.startswith("_") and base != n:
+                        bad.append(f"{n} imports {base}.{a.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and aliases[node.value.id] != n
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{n} uses {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "; ".join(sorted(set(bad)))
+
+
+def _reading_order() -> list[str]:
+    """The modules in the order the package docstring lists them (each bullet's first ``name``)."""
+    return re.findall(r"^- ``([\w.]+)``", labsupport.__doc__ or "", re.M)
+
+
+def test_reading_order_lists_every_module_once():
+    order = _reading_order()
+    modules = {n for n in NOT_BENCH if n and n not in ("__main__", "course", "core", "rl")
+               and not n.startswith("rl.")} | {"rl"}
+    assert len(order) == len(set(order)), "a module is listed twice"
+    assert set(order) == modules, (f"not listed: {sorted(modules - set(order))}; "
+                                   f"listed but no module: {sorted(set(order) - modules)}")
+
+
+def test_reading_order_is_a_dependency_order():
+    """Every module comes after each module it imports, so a reader never meets a name before its home."""
+    order = _reading_order()
+    where = {n: i for i, n in enumerate(order)}
+
+    def listed(m: str) -> str | None:  # rl.grpo is read as part of rl
+        return m if m in where else ("rl" if m.startswith("rl.") else None)
+
+    late = []
+    for n in order:
+        members = [n] if n != "rl" else [m for m in FILES if m == "rl" or m.startswith("rl.")]
+        for member in members:
+            for m in IMPORTS[member]:
+                target = listed(m)
+                if target and target != n and where[target] > where[n]:
+                    late.append(f"{member} imports {m}, listed later")
+    assert not late, "; ".join(late)
