@@ -56,12 +56,8 @@ def doctor_cli(argv: list[str]) -> int:
     return 0
 
 
-def plan_cli(argv: list[str]) -> int:
-    """``python -m labsupport plan ...``: print the planner's tables."""
-    from labsupport.course.planner import (GB, LAYOUTS, LINKS, MODELS, Workload, fmt_gb, format_table, get_model, layout_report,
-                                    model_activation_bytes, model_kv_bytes, plan_layout, required_gb_per_s,
-                                    transfer_seconds, zero_report)
-
+def _plan_parser(models: list[str], layouts: list[str]) -> argparse.ArgumentParser:
+    """The ``plan`` command's arguments: one sub-command per table."""
     p = argparse.ArgumentParser(prog="python -m labsupport plan",
                                 description="Memory and transfer-time arithmetic for RLHF designs (GB = 1e9 bytes).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -70,7 +66,7 @@ def plan_cli(argv: list[str]) -> int:
     k = sub.add_parser("kv", help="KV cache size")
     ac = sub.add_parser("act", help="activation estimate (Korthikanti et al. 2022)")
     lay = sub.add_parser("layout", help="per-GPU bytes of actor/critic/reference/reward")
-    lay.add_argument("--layout", choices=LAYOUTS, default="colocated")
+    lay.add_argument("--layout", choices=layouts, default="colocated")
     lay.add_argument("--gpus", type=int, default=8, help="GPUs (colocated, hybrid)")
     lay.add_argument("--train", type=int, default=16, help="training GPUs (disaggregated)")
     lay.add_argument("--rollout", type=int, default=8, help="rollout GPUs (disaggregated)")
@@ -84,41 +80,47 @@ def plan_cli(argv: list[str]) -> int:
     t.add_argument("--seconds", type=float, help="also print the bandwidth needed to finish in this time")
     t.add_argument("--links", type=int, default=1, help="parallel links (e.g. NICs)")
     for sp in (z, k, ac, lay, t):
-        sp.add_argument("--model", default="70b", help=f"preset: {', '.join(MODELS)}")
+        sp.add_argument("--model", default="70b", help=f"preset: {', '.join(models)}")
     for sp in (z, lay, t):
         sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. 7.5e9")
     for sp in (k, ac):
         sp.add_argument("--seq", type=int, default=4096)
         sp.add_argument("--batch", type=int, default=1)
-    a = p.parse_args(argv)
-    m = get_model(a.model)
-    params = a.params if getattr(a, "params", None) is not None else m.params
+    return p
 
+
+def plan_cli(argv: list[str]) -> int:
+    """``python -m labsupport plan ...``: print the planner's tables."""
+    from labsupport.course import planner as P
+
+    a = _plan_parser(list(P.MODELS), list(P.LAYOUTS)).parse_args(argv)
+    m = P.get_model(a.model)
+    params = a.params if getattr(a, "params", None) is not None else m.params
     if a.cmd == "zero":
-        print(zero_report(params, a.gpus))
+        print(P.zero_report(params, a.gpus))
     elif a.cmd == "kv":
-        per_tok = model_kv_bytes(m, 1, 1)
+        per_tok = P.model_kv_bytes(m, 1, 1)
         print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, bf16)")
-        print(format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, fmt_gb(model_kv_bytes(m, a.seq, a.batch))]],
-                           ["per token", "seq", "batch", "total GB"]))
+        print(P.format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, P.fmt_gb(P.model_kv_bytes(m, a.seq, a.batch))]],
+                             ["per token", "seq", "batch", "total GB"]))
     elif a.cmd == "act":
-        rows = [[r, fmt_gb(model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
+        rows = [[r, P.fmt_gb(P.model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
         print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch} (Korthikanti et al. 2022)")
-        print(format_table(rows, ["recompute", "GB/GPU"]))
+        print(P.format_table(rows, ["recompute", "GB/GPU"]))
     elif a.cmd == "layout":
-        w = Workload(params, critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * GB,
-                     act_bytes_per_gpu=a.act_gb * GB)
-        plan = plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
-        print(layout_report(plan, a.gpu_gb * GB))
+        w = P.Workload(params, critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * P.GB,
+                       act_bytes_per_gpu=a.act_gb * P.GB)
+        plan = P.plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
+        print(P.layout_report(plan, a.gpu_gb * P.GB))
     elif a.cmd == "transfer":
-        n = a.gb * GB if a.gb is not None else params * 2
-        rows = [[l.name, f"{l.gb_per_s:g}", f"{transfer_seconds(n, l, a.links):.2f}",
-                 "yes" if l.measured_here else "", l.source] for l in LINKS.values()]
-        print(f"moving {fmt_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
-        print(format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
+        n = a.gb * P.GB if a.gb is not None else params * 2
+        rows = [[l.name, f"{l.gb_per_s:g}", f"{P.transfer_seconds(n, l, a.links):.2f}",
+                 "yes" if l.measured_here else "", l.source] for l in P.LINKS.values()]
+        print(f"moving {P.fmt_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
+        print(P.format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
         if a.seconds:
-            need = required_gb_per_s(n, a.seconds) / a.links
-            ok = [l.name for l in LINKS.values() if l.gb_per_s >= need]
+            need = P.required_gb_per_s(n, a.seconds) / a.links
+            ok = [l.name for l in P.LINKS.values() if l.gb_per_s >= need]
             print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: {', '.join(ok) or 'none'}")
     return 0
 
