@@ -35,6 +35,17 @@ UNEQUAL = {
 }
 
 
+def held_out_accuracy(model) -> float:
+    """Greedy answers of ``model`` to the held-out prompts, scored by the task's reward (as the capstone's loop)."""
+    from labsupport import rl
+    from labsupport.course import models
+
+    tok, prompts = models.build_tokenizer(), rl.eval_prompts()
+    toks, _, mask = rl.sample(model, [tok(p)["input_ids"] for p in prompts], rl.ANSWER_LEN, 0.0)
+    texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
+    return sum(rl.reward(t, p) for t, p in zip(texts, prompts)) / len(prompts)
+
+
 def _trl_config(a: argparse.Namespace, out_dir: str):
     from trl import GRPOConfig
 
@@ -86,13 +97,13 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
                           "sync": got["sync_weights"], "score": got["reward"],
                           "train": wall - sum(got.values())})
             if state.global_step % a.eval_every == 0 or state.global_step == a.steps:
-                curve.append({"step": state.global_step, "eval_acc": rl.held_out_accuracy(model)})
+                curve.append({"step": state.global_step, "eval_acc": held_out_accuracy(model)})
 
     prompts = rl.train_prompts(a.steps * a.prompts, random.Random(a.seed))
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(model=path, reward_funcs=reward, args=_trl_config(a, tmp),
                               train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Clock()])
-        curve.append({"step": 0, "eval_acc": rl.held_out_accuracy(trainer.model)})
+        curve.append({"step": 0, "eval_acc": held_out_accuracy(trainer.model)})
         t0 = time.perf_counter()
         trainer.train()
         loop_s = time.perf_counter() - t0
