@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape) of a tensor in the update
+Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape): a ``core.buckets.Meta`` or a plain tuple
 
 
-def problems(found: Iterable[Found], expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str, Any, Any]]:
+def problems(found: Iterable[Found], expected: Mapping[str, tuple]) -> list[tuple[str, str, Any, Any]]:
     """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what`` is
     ``"twice"`` (a name sent again), ``"unknown"`` (not in ``expected``), ``"dtype"`` or ``"shape"``
-    (``expected`` maps a name to its ``(dtype name, shape)``)."""
+    (``expected`` maps a name to its ``(dtype name, shape)``, or to its ``Meta``: the last two fields count)."""
     out, seen = [], set()
     for name, dtype, shape in found:
         if name in seen:
@@ -24,7 +24,7 @@ def problems(found: Iterable[Found], expected: Mapping[str, tuple[str, tuple[int
         if name not in expected:
             out.append((name, "unknown", None, None))
             continue
-        e_dtype, e_shape = expected[name]
+        e_dtype, e_shape = expected[name][-2:]
         if dtype != e_dtype:
             out.append((name, "dtype", e_dtype, dtype))
         elif tuple(shape) != tuple(e_shape):
