@@ -1,7 +1,7 @@
 """Weight sync, hardened: ``labsupport.core.sync`` plus what production needs (Lab 3 lists each addition).
 
-The shape is the core's: metadata, then buckets in the core's layout (``core.buckets``), then load, then a
-timed closing wait. What it adds, each against a failure the core lets through:
+The core's shape (metadata, buckets in the ``core.buckets`` layout, load, a timed closing wait), and in addition,
+each against a failure the core lets through:
 
 - handshake and metadata vote: every receiver checks names, dtypes and shapes against its own tensors and all
   ranks vote before a byte moves (a renamed or transposed tensor loaded as garbage, or on one receiver only);
@@ -14,8 +14,8 @@ timed closing wait. What it adds, each against a failure the core lets through:
   ``load`` (corrupted bytes or a half-done load that no one notices);
 - deadlines: every wait is bounded; a dead peer becomes ``SyncTimeout`` naming it (one dead rank hanging all).
 
-What one update leaves for the next (the agreed layout, the plan, the buffers) lives in the objects the caller
-holds, a ``Sender`` and a ``Receiver``; ``send`` and ``receive`` are one-shot wrappers around them.
+What one update keeps for the next (the agreed layout, the plan, the buffers) lives in objects the caller holds,
+a ``Sender`` and a ``Receiver``; ``send`` and ``receive`` are one-shot wrappers around them.
 """
 
 from __future__ import annotations
@@ -122,33 +122,46 @@ def _bucket(metas: list[Meta], packed: bool) -> Bucket:
 
 
 class _Side:
-    """What a sender and a receiver keep between updates: the last plan and two staging buffers."""
+    """One side of a run of updates, and what it keeps from one to the next: the last plan, two staging buffers."""
 
     def __init__(self, group: StatelessGroup, src: int, timeout_s: float | None) -> None:
         self.group, self.src, self.timeout_s = group, src, timeout_s
-        self.plan: tuple[Any, list[Bucket], Any] | None = None  # (key, plan, landing)
-        self.buffers: list[torch.Tensor] = []
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of the staging buffers kept for the next update."""
-        return sum(b.numel() for b in self.buffers)
+        self.plan: tuple[tuple, list[Bucket], Any] | None = None  # ((key, mode, bucket size), plan, landing)
+        self.buffers: list[torch.Tensor] = []  # two staging buffers, grown to the largest bucket that needs one
 
     def release(self) -> None:
         """Drop the staging buffers (back to PyTorch's cache); the next update that needs them makes them again."""
         self.buffers = []
 
+    def _update(self, header: list[int] | None, key: int, metas: list[Meta] | None, payload: Any) -> SyncStats:
+        """The protocol, the same on both sides: handshake (and, for a layout some rank lacks, the metadata and
+        its vote), transfer, verification vote."""
+        t0 = time.perf_counter()
+        # One all-reduce (max) carries the trainer's header and every rank's layout key (0: none); on NCCL from
+        # pinned memory, so that the copy never waits for a stream (which may be stuck behind a dead peer).
+        vals = torch.tensor((header or [NONE] * 5) + [key, -key], dtype=torch.int64)
+        if self.group.backend == "nccl":
+            vals = vals.pin_memory().to(self.group.device, non_blocking=True)
+        version, mode, bucket_bytes, verify, _, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
+                                                                          self.timeout_s)
+        if top != -neg:  # some rank does not hold this layout: the trainer sends it, and every rank votes on it
+            key, metas = self._agree(key, metas, version)
+        t_hand = time.perf_counter() - t0
+        if self.plan is None or self.plan[0] != (key, mode, bucket_bytes):
+            plan = plan_buckets(metas, bucket_bytes, MODES[mode])
+            self.plan = ((key, mode, bucket_bytes), plan, self._landing(plan))
+        _, plan, land = self.plan
+        with torch.no_grad(), guard(self.group, "the transfer"):
+            sums, errors = self._transfer(plan, land, bool(verify), payload)
+        _vote(self.group, "the verification vote", version, errors, self.timeout_s, sums, plan, self.src)
+        launches = sum(1 if b.packed or self.group.backend == "nccl" else len(b.entries) for b in plan)
+        return SyncStats(sum(buckets.nbytes(m) for m in metas), time.perf_counter() - t0, launches, MODES[mode],
+                         bucket_bytes, len(metas), version, t_hand, bool(verify))
+
     def _staging(self, nbytes: int) -> list[torch.Tensor]:
-        """The two staging buffers, grown to ``nbytes`` each when a larger bucket comes."""
         if nbytes and (not self.buffers or self.buffers[0].numel() < nbytes):
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
         return self.buffers
-
-    def _stats(self, t0: float, t_hand: float, metas: list[Meta], plan: list[Bucket], mode: str,
-               bucket_bytes: int, version: int, verified: bool) -> SyncStats:
-        launches = sum(1 if b.packed or self.group.backend == "nccl" else len(b.entries) for b in plan)
-        return SyncStats(sum(buckets.nbytes(m) for m in metas), time.perf_counter() - t0, launches, mode,
-                         bucket_bytes, len(metas), version, t_hand, verified)
 
 
 # ---------------------------------------------------------------------------- trainer side
@@ -171,27 +184,9 @@ class Sender(_Side):
         """Broadcast named tensors to every other rank; returns once every receiver has loaded them (and matched
         the checksums). Raises ``WeightSyncError`` on rejected metadata (nothing loaded anywhere), a checksum
         mismatch or a failed ``load``; ``SyncTimeout`` if a peer stops answering within the deadline."""
-        t0 = time.perf_counter()
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        metas, key = self._metadata(items)
-        header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify), len(metas)]
-        if not _handshake(self.group, header, key, self.timeout_s)[1]:  # some rank lacks this layout: send it
-            with guard(self.group, "the handshake"):
-                self.group.broadcast_object((key, metas), self.src)
-            _vote(self.group, [], version, self.timeout_s)
-        t_hand = time.perf_counter() - t0
-        if self.plan is None or self.plan[0] != key:
-            self.plan = (key, plan_buckets(metas, self.bucket_bytes, self.mode), None)
-        plan = self.plan[1]
-        with torch.no_grad(), guard(self.group, "the transfer"):
-            sums = self._transfer(plan, dict(items))
-        _finish(self.group, version, [], sums, plan, self.src, self.timeout_s)
-        return self._stats(t0, t_hand, metas, plan, self.mode, self.bucket_bytes, version, self.verify)
-
-    def _metadata(self, items: Batch) -> tuple[list[Meta], int]:
-        """The metadata and its key, made again only when names, dtypes, shapes or devices changed."""
         sig = [(n, t.dtype, t.shape, t.device) for n, t in items]
-        if self.layout is None or self.layout[0] != sig:
+        if self.layout is None or self.layout[0] != sig:  # (the metadata and its key, made again on a change)
             dev = self.group.device
             for name, t in items:
                 if t.device.type != dev.type or (dev.type == "cuda" and t.device != dev):
@@ -200,30 +195,38 @@ class Sender(_Side):
             metas = buckets.metas(items)
             digest = hashlib.sha256(repr(metas).encode()).digest()
             self.layout = (sig, metas, int.from_bytes(digest[:8], "little") >> 2 | 1)  # (never 0: "no layout")
-        return self.layout[1], self.layout[2]
+        header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify), len(items)]
+        return self._update(header, self.layout[2], self.layout[1], dict(items))
 
-    def _transfer(self, plan: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    def _agree(self, key: int, metas: list[Meta], version: int) -> tuple[int, list[Meta]]:
+        with guard(self.group, "the handshake"):
+            self.group.broadcast_object((key, metas), self.src)
+        _vote(self.group, "the metadata vote", version, [], self.timeout_s)
+        return key, metas
+
+    def _landing(self, plan: list[Bucket]) -> None:
+        return None
+
+    def _transfer(self, plan: list[Bucket], land: None, verify: bool,
+                  tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | None, list[str]]:
         """Start every bucket's broadcast: packed ones through the two staging buffers in turn, the others from the
         tensors' own memory; then the current stream waits for all. Returns the buckets' checksums."""
         bufs = self._staging(max((b.nbytes for b in plan if b.packed), default=0))
-        works, sums, last, n_packed = [], [], [None, None], 0
-        for b in plan:
+        works, sums = [], []
+        for k, b in enumerate(plan):
             if b.packed:
-                i, n_packed = n_packed % 2, n_packed + 1
-                if last[i] is not None:  # the buffer is free once the broadcast that read it last is done
-                    self.group.wait_work(last[i], "bucket broadcast")
-                dst = [bufs[i][: b.nbytes]]
+                if k >= 2:  # buffer k % 2 is free once bucket k - 2's broadcast is done
+                    self.group.wait_work(works[k - 2], "bucket broadcast")
+                dst = [bufs[k % 2][: b.nbytes]]
                 buckets.pack(dst[0], b.entries, [tensors[e.name] for e in b.entries])
             else:
                 dst = [tensors[e.name].contiguous() for e in b.entries]
             works.append(self.group.broadcast_many(dst, self.src))
-            if b.packed:
-                last[i] = works[-1]
-            if self.verify:  # (reads the bucket beside the broadcast: both only read it)
+            if verify:  # (reads the bucket beside the broadcast: both only read it)
                 sums.append(checksums.of_bytes(checksums.cat_bytes(dst)))
         for w in works:
             self.group.wait_work(w, "bucket broadcast")
-        return torch.stack(sums) if sums else None
+        return (torch.stack(sums) if sums else None), []
 
 
 # ---------------------------------------------------------------------------- receiver side
@@ -245,34 +248,28 @@ class Receiver(_Side):
     def receive(self) -> SyncStats:
         """Receive one update: vote on its metadata if this receiver has not accepted it yet, then land every
         tensor. Raises ``WeightSyncError`` (every rank does) or ``SyncTimeout`` as ``Sender.send``."""
-        t0 = time.perf_counter()
-        (version, mode, bucket_bytes, verify, _), agreed = _handshake(
-            self.group, None, self.layout[0] if self.layout else 0, self.timeout_s)
-        if not agreed:
-            self.layout = None
-            with guard(self.group, "the handshake"):
-                key, metas = self.group.broadcast_object(None, self.src)
-            _vote(self.group, _validate(metas, self.expected), version, self.timeout_s)
-            self.layout = (key, metas)
-        key, metas = self.layout
-        t_hand = time.perf_counter() - t0
-        if self.plan is None or self.plan[0] != (key, mode, bucket_bytes):
-            plan = plan_buckets(metas, bucket_bytes, MODES[mode])
-            self.plan = ((key, mode, bucket_bytes), plan, [[self._home(e) for e in b.entries] for b in plan])
-        _, plan, land = self.plan
-        with torch.no_grad(), guard(self.group, "the transfer"):
-            sums, errors = self._transfer(plan, land, bool(verify))
-        _finish(self.group, version, errors, sums, plan, self.src, self.timeout_s)
-        return self._stats(t0, t_hand, metas, plan, MODES[mode], bucket_bytes, version, bool(verify))
+        return self._update(None, *(self.layout or (0, None)), None)
 
-    def _home(self, e: Entry) -> torch.Tensor | None:
-        """The tensor of ``into`` that entry ``e`` lands in, if it can (else None: it goes to ``load``)."""
-        t = self.into.get(e.name)
-        ok = (t is not None and t.is_contiguous() and t.device == self.group.device
-              and buckets.dtype_name(t) == e.dtype and tuple(t.shape) == tuple(e.shape))
-        return t if ok else None
+    def _agree(self, key: int, metas: None, version: int) -> tuple[int, list[Meta]]:
+        self.layout = None
+        with guard(self.group, "the handshake"):
+            key, metas = self.group.broadcast_object(None, self.src)
+        _vote(self.group, "the metadata vote", version, _validate(metas, self.expected), self.timeout_s)
+        self.layout = (key, metas)
+        return key, metas
 
-    def _transfer(self, plan: list[Bucket], land: list[list], verify: bool) -> tuple[torch.Tensor | None, list[str]]:
+    def _landing(self, plan: list[Bucket]) -> list[list[torch.Tensor | None]]:
+        """Per bucket, the tensor of ``into`` each entry lands in where it can (None: it goes to ``load``)."""
+        def home(e: Entry) -> torch.Tensor | None:
+            t = self.into.get(e.name)
+            ok = (t is not None and t.is_contiguous() and t.device == self.group.device
+                  and buckets.dtype_name(t) == e.dtype and tuple(t.shape) == tuple(e.shape))
+            return t if ok else None
+
+        return [[home(e) for e in b.entries] for b in plan]
+
+    def _transfer(self, plan: list[Bucket], land: list[list], verify: bool,
+                  _: None) -> tuple[torch.Tensor | None, list[str]]:
         """Receive bucket after bucket, each landing while the previous one is loaded (double buffering). Returns
         the checksums and the failed ``load`` calls (receiving goes on, so that the other ranks do not hang)."""
         staged = [b.packed or (len(b.entries) > 1 and None in homes) for b, homes in zip(plan, land)]
@@ -327,17 +324,6 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Meta]
 
 
 # ---------------------------------------------------------------------------- handshake and votes
-def _handshake(group: StatelessGroup, fields: list[int] | None, key: int,
-               timeout_s: float | None) -> tuple[list[int], bool]:
-    """One all-reduce (max) carries the trainer's header ``fields`` and every rank's layout ``key`` (0: none).
-    Returns the fields, and whether every rank holds the same layout (its largest key equals its smallest)."""
-    vals = torch.tensor((fields or [NONE] * 5) + [key, -key], dtype=torch.int64)
-    if group.backend == "nccl":  # from pinned memory: the copy never waits for a stream (it may be stuck)
-        vals = vals.pin_memory().to(group.device, non_blocking=True)
-    out = _all_reduce_now(group, vals, "max", "the handshake", timeout_s)
-    return out[:5], out[5] == -out[6]
-
-
 def _validate(metas: list[Meta], expected: Mapping[str, Meta] | None) -> list[str]:
     """Problems a receiver finds in an update's metadata (empty list: accept)."""
     out = []
@@ -353,45 +339,33 @@ def _validate(metas: list[Meta], expected: Mapping[str, Meta] | None) -> list[st
     return out
 
 
-def _vote(group: StatelessGroup, my_problems: list[str], version: int, timeout_s: float | None) -> None:
-    """The metadata vote: if any rank objects, every rank raises ``WeightSyncError`` with every rank's problems."""
-    flag = torch.full((1,), int(bool(my_problems)), dtype=torch.int64, device=group.device)  # (a fill: no stream wait)
-    if not _all_reduce_now(group, flag, "max", "the metadata vote", timeout_s)[0]:
-        return
-    with guard(group, "the metadata vote"):
-        everyone = group.all_gather_object(list(my_problems))
-    raise WeightSyncError(_reject_message(version, everyone, "rejected before any weight changed",
-                                          "Nothing was loaded on any receiver. Fix the names/dtypes/shapes "
-                                          "(or the receiver's expected metadata) and send again."))
+_VERDICTS = {  # what a failed vote says: its heading, and what the caller should do
+    "the metadata vote": ("rejected before any weight changed", "Nothing was loaded on any receiver. Fix the "
+                          "names/dtypes/shapes (or the receiver's expected metadata) and send again."),
+    "the verification vote": ("failed on a receiver", "Receivers may hold partly updated weights: send again."),
+}
 
 
-def _finish(group: StatelessGroup, version: int, problems: list[str], sums: torch.Tensor | None,
-            plan: list[Bucket], src: int, timeout_s: float | None) -> None:
-    """The closing vote: all-reduce (max) of [failed?, sums, -sums]; the sums agree when max == min."""
-    vec = torch.full((1,), int(bool(problems)), dtype=torch.int64, device=group.device)
+def _vote(group: StatelessGroup, what: str, version: int, problems: list[str], timeout_s: float | None,
+          sums: torch.Tensor | None = None, plan: list[Bucket] = (), src: int = 0) -> None:
+    """One all-reduce (max) of [objects?, sums, -sums]: if any rank objects, or the checksums differ (max != min),
+    every rank raises ``WeightSyncError`` listing every rank's problems, at most five each."""
+    vec = torch.full((1,), int(bool(problems)), dtype=torch.int64, device=group.device)  # (a fill: no stream wait)
     if sums is not None:
         vec = torch.cat([vec, sums, -sums])
-    vals, n = _all_reduce_now(group, vec, "max", "the verification vote", timeout_s), len(vec) // 2
+    vals, n = _all_reduce_now(group, vec, "max", what, timeout_s), len(vec) // 2
     if not vals[0] and all((vals[1 + k] + vals[1 + n + k]) % 2**64 == 0 for k in range(n)):
         return
-    with guard(group, "the verification vote"):
+    with guard(group, what):
         everyone = group.all_gather_object((list(problems), sums.tolist() if sums is not None else []))
-    per_rank = []
-    for probs, theirs in everyone:
-        bad = [k for k, (a, b) in enumerate(zip(theirs, everyone[src][1])) if a != b][:5]
-        per_rank.append(probs + [f"checksum mismatch in bucket {k} (" + ", ".join(e.name for e in plan[k].entries[:4])
-                                 + ("..." if len(plan[k].entries) > 4 else "") + ")" for k in bad])
-    raise WeightSyncError(_reject_message(version, per_rank, "failed on a receiver",
-                                          "Receivers may hold partly updated weights: send again."))
-
-
-def _reject_message(version: int, per_rank: list[list[str]], head: str, tail: str) -> str:
-    """Every rank's problems, at most five each, under one heading."""
     lines = []
-    for r, probs in enumerate(per_rank):
-        lines += [f"  rank {r}: {p}" for p in probs[:5]] + ([f"  rank {r}: ... and {len(probs) - 5} more"]
-                                                            if len(probs) > 5 else [])
-    return f"weight update v{version} {head}:\n" + "\n".join(lines) + f"\n{tail}"
+    for r, (probs, theirs) in enumerate(everyone):
+        probs += [f"checksum mismatch in bucket {k} (" + ", ".join(e.name for e in plan[k].entries[:4])
+                  + ("..." if len(plan[k].entries) > 4 else "") + ")"
+                  for k in [k for k, (a, b) in enumerate(zip(theirs, everyone[src][1])) if a != b][:5]]
+        lines += [f"  rank {r}: {p}" for p in probs[:5]] + [f"  rank {r}: ... and {len(probs) - 5} more"] * (len(probs) > 5)
+    head, tail = _VERDICTS[what]
+    raise WeightSyncError(f"weight update v{version} {head}:\n" + "\n".join(lines) + f"\n{tail}")
 
 
 def _all_reduce_now(group: StatelessGroup, t: torch.Tensor, op: str, what: str, timeout_s: float | None) -> list[int]:

@@ -165,9 +165,9 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
     side = (B.Sender(g, mode="packed", bucket_bytes=64 << 10) if rank == 0
             else B.Receiver(g, expected=None, load=sync.copy_into(model)))
     side.send(_model(1, dev)) if rank == 0 else side.receive()
-    staged = side.staging_bytes
+    staged = sum(b.numel() for b in side.buffers)
     side.release()
-    out.append({"staged": staged, "released": side.staging_bytes})
+    out.append({"staged": staged, "released": sum(b.numel() for b in side.buffers)})
     g.destroy()
     return out
 
