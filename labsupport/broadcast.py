@@ -1,7 +1,5 @@
-"""Weight sync, hardened: ``labsupport.core.sync`` plus what production needs (Lab 3 lists each addition).
-
-The core's shape (metadata, buckets in the ``core.buckets`` layout, load, a timed closing wait), and in addition,
-each against a failure the core lets through:
+"""Weight sync, hardened: ``labsupport.core.sync`` (metadata, buckets in the ``core.buckets`` layout, load, a timed
+closing wait) plus what production needs, each against a failure the core lets through (Lab 3's table):
 
 - handshake and metadata vote: every receiver checks names, dtypes and shapes against its own tensors and all
   ranks vote before a byte moves (a renamed or transposed tensor loaded as garbage, or on one receiver only);
@@ -21,7 +19,6 @@ a ``Sender`` and a ``Receiver``; ``send`` and ``receive`` are one-shot wrappers 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import math
 import time
@@ -70,7 +67,7 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gb_per_s": self.gbps}
+        return {**asdict(self), "gb_per_s": self.gbps}  # (with the bandwidth: for JSON)
 
     def __str__(self) -> str:
         extra = f", bucket {self.bucket_bytes / 2**20:g} MiB" if self.mode == "bucketed" else ""
@@ -99,8 +96,8 @@ def guard(group: StatelessGroup, what: str) -> Iterator[None]:
 class Bucket:
     """One broadcast launch: its tensors in the core's layout, and whether they travel packed in one buffer."""
     entries: list[Entry]
-    packed: bool  # copied into a buffer on the trainer and out of one on the receivers
     nbytes: int  # the layout's size
+    packed: bool  # copied into a buffer on the trainer and out of one on the receivers
 
 
 def plan_buckets(metas: list[Meta], bucket_bytes: int, mode: str = "bucketed") -> list[Bucket]:
@@ -117,8 +114,7 @@ def plan_buckets(metas: list[Meta], bucket_bytes: int, mode: str = "bucketed") -
 
 
 def _bucket(metas: list[Meta], packed: bool) -> Bucket:
-    entries, size = buckets.layout(metas)
-    return Bucket(entries, packed and len(metas) > 1, size)  # a tensor alone travels from its own memory
+    return Bucket(*buckets.layout(metas), packed and len(metas) > 1)  # a tensor alone travels from its own memory
 
 
 class _Side:
@@ -139,10 +135,10 @@ class _Side:
         t0 = time.perf_counter()
         # One all-reduce (max) carries the trainer's header and every rank's layout key (0: none); on NCCL from
         # pinned memory, so that the copy never waits for a stream (which may be stuck behind a dead peer).
-        vals = torch.tensor((header or [NONE] * 5) + [key, -key], dtype=torch.int64)
+        vals = torch.tensor((header or [NONE] * 4) + [key, -key], dtype=torch.int64)
         if self.group.backend == "nccl":
             vals = vals.pin_memory().to(self.group.device, non_blocking=True)
-        version, mode, bucket_bytes, verify, _, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
+        version, mode, bucket_bytes, verify, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
                                                                           self.timeout_s)
         if top != -neg:  # some rank does not hold this layout: the trainer sends it, and every rank votes on it
             key, metas = self._agree(key, metas, version)
@@ -158,6 +154,9 @@ class _Side:
         return SyncStats(sum(buckets.nbytes(m) for m in metas), time.perf_counter() - t0, launches, MODES[mode],
                          bucket_bytes, len(metas), version, t_hand, bool(verify))
 
+    def _landing(self, plan: list[Bucket]) -> Any:
+        return None  # (a receiver's: where each tensor lands)
+
     def _staging(self, nbytes: int) -> list[torch.Tensor]:
         if nbytes and (not self.buffers or self.buffers[0].numel() < nbytes):
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
@@ -170,12 +169,11 @@ class Sender(_Side):
 
     def __init__(self, group: StatelessGroup, *, src: int = 0, mode: str = "bucketed", bucket_bytes: int = 256 << 20,
                  verify: bool = True, timeout_s: float | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if mode not in MODES or bucket_bytes < ALIGN:
+            raise ValueError(f"mode must be one of {list(MODES)} and bucket_bytes at least {ALIGN}: got {mode!r}, "
+                             f"{bucket_bytes}")
         if group.rank != src:
-            raise WeightSyncError(f"a Sender runs on the source rank {src}; this is rank {group.rank} (use a Receiver).")
-        if bucket_bytes < ALIGN:
-            raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+            raise WeightSyncError(f"a Sender runs on the source rank {src}; this is rank {group.rank} (use a Receiver)")
         super().__init__(group, src, timeout_s)
         self.mode, self.bucket_bytes, self.verify = mode, bucket_bytes, verify
         self.layout: tuple[list, list[Meta], int] | None = None  # (signature, metas, key) of the tensors sent last
@@ -187,15 +185,14 @@ class Sender(_Side):
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         sig = [(n, t.dtype, t.shape, t.device) for n, t in items]
         if self.layout is None or self.layout[0] != sig:  # (the metadata and its key, made again on a change)
-            dev = self.group.device
-            for name, t in items:
-                if t.device.type != dev.type or (dev.type == "cuda" and t.device != dev):
-                    raise WeightSyncError(f"tensor '{name}' is on {t.device}, but this group sends from {dev}; "
-                                          f"move the model to {dev} first.")
+            dev, name = self.group.device, next((n for n, t in items if t.device != self.group.device), None)
+            if name is not None:  # (refused here: in the transfer, the receivers would wait for it in vain)
+                raise WeightSyncError(f"tensor '{name}' is on {dict(items)[name].device}, but this group sends from "
+                                      f"{dev}; move the model to {dev} first.")
             metas = buckets.metas(items)
             digest = hashlib.sha256(repr(metas).encode()).digest()
             self.layout = (sig, metas, int.from_bytes(digest[:8], "little") >> 2 | 1)  # (never 0: "no layout")
-        header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify), len(items)]
+        header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify)]
         return self._update(header, self.layout[2], self.layout[1], dict(items))
 
     def _agree(self, key: int, metas: list[Meta], version: int) -> tuple[int, list[Meta]]:
@@ -204,11 +201,7 @@ class Sender(_Side):
         _vote(self.group, "the metadata vote", version, [], self.timeout_s)
         return key, metas
 
-    def _landing(self, plan: list[Bucket]) -> None:
-        return None
-
-    def _transfer(self, plan: list[Bucket], land: None, verify: bool,
-                  tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | None, list[str]]:
+    def _transfer(self, plan: list[Bucket], _: Any, verify: bool, tensors: Mapping[str, torch.Tensor]) -> tuple:
         """Start every bucket's broadcast: packed ones through the two staging buffers in turn, the others from the
         tensors' own memory; then the current stream waits for all. Returns the buckets' checksums."""
         bufs = self._staging(max((b.nbytes for b in plan if b.packed), default=0))
@@ -254,34 +247,29 @@ class Receiver(_Side):
         self.layout = None
         with guard(self.group, "the handshake"):
             key, metas = self.group.broadcast_object(None, self.src)
-        _vote(self.group, "the metadata vote", version, _validate(metas, self.expected), self.timeout_s)
-        self.layout = (key, metas)
-        return key, metas
+        problems = metadata.describe(metas, self.expected) if self.expected is not None else []
+        _vote(self.group, "the metadata vote", version, problems, self.timeout_s)
+        self.layout = (key, metas)  # (only once every rank has accepted it)
+        return self.layout
 
     def _landing(self, plan: list[Bucket]) -> list[list[torch.Tensor | None]]:
         """Per bucket, the tensor of ``into`` each entry lands in where it can (None: it goes to ``load``)."""
-        def home(e: Entry) -> torch.Tensor | None:
-            t = self.into.get(e.name)
-            ok = (t is not None and t.is_contiguous() and t.device == self.group.device
-                  and buckets.dtype_name(t) == e.dtype and tuple(t.shape) == tuple(e.shape))
-            return t if ok else None
+        fits = {n: t for n, t in self.into.items() if t.is_contiguous() and t.device == self.group.device}
+        return [[fits[e.name] if e.name in fits and buckets.meta(e.name, fits[e.name]) == e[:3] else None
+                 for e in b.entries] for b in plan]
 
-        return [[home(e) for e in b.entries] for b in plan]
-
-    def _transfer(self, plan: list[Bucket], land: list[list], verify: bool,
-                  _: None) -> tuple[torch.Tensor | None, list[str]]:
+    def _transfer(self, plan: list[Bucket], land: list, verify: bool, _: Any) -> tuple[torch.Tensor | None, list[str]]:
         """Receive bucket after bucket, each landing while the previous one is loaded (double buffering). Returns
         the checksums and the failed ``load`` calls (receiving goes on, so that the other ranks do not hang)."""
         staged = [b.packed or (len(b.entries) > 1 and None in homes) for b, homes in zip(plan, land)]
         bufs = self._staging(max((b.nbytes for b, s in zip(plan, staged) if s), default=0))
         sums, errors, slots = [], [], {}
 
-        def issue(k: int) -> None:
-            b, homes = plan[k], land[k]
-            views = buckets.unpack(bufs[k % 2][: b.nbytes], b.entries) if staged[k] else [
-                (e.name, h if h is not None else torch.empty(e.shape, dtype=getattr(torch, e.dtype),
-                                                             device=self.group.device)) for e, h in zip(b.entries, homes)]
-            dst = [bufs[k % 2][: b.nbytes]] if b.packed else [h if h is not None else v for h, (_, v) in zip(homes, views)]
+        def issue(k: int) -> None:  # bucket k lands in its homes, else in buffer k % 2 (or a new tensor, if alone)
+            b, homes, buf = plan[k], land[k], bufs[k % 2][: plan[k].nbytes] if staged[k] else None
+            views = buckets.unpack(buf, b.entries) if staged[k] else [(e.name, h if h is not None else torch.empty(
+                e.shape, dtype=getattr(torch, e.dtype), device=self.group.device)) for e, h in zip(b.entries, homes)]
+            dst = [buf] if b.packed else [h if h is not None else v for h, (_, v) in zip(homes, views)]
             slots[k] = (self.group.broadcast_many(dst, self.src), dst, views)
 
         for k, b in enumerate(plan):
@@ -316,29 +304,13 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Meta] | None,
             load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None, timeout_s: float | None = None) -> SyncStats:
-    """One update into a one-shot ``Receiver``, which votes on the metadata every time. ``device``, if given, must
-    be the group's (where ``into`` and the staging live)."""
+    """One update into a one-shot ``Receiver`` (it votes on the metadata every time); ``device`` is the group's."""
     if device is not None and torch.device(device).type != group.device.type:
         raise ValueError(f"receive(device={str(device)!r}): this group receives on {group.device}")
     return Receiver(group, expected=expected, load=load, into=into, src=src, timeout_s=timeout_s).receive()
 
 
 # ---------------------------------------------------------------------------- handshake and votes
-def _validate(metas: list[Meta], expected: Mapping[str, Meta] | None) -> list[str]:
-    """Problems a receiver finds in an update's metadata (empty list: accept)."""
-    out = []
-    for name, what, want, got in metadata.problems(metas, expected) if expected is not None else []:
-        if what == "twice":
-            out.append(f"'{name}': sent twice")
-        elif what == "unknown":
-            close = difflib.get_close_matches(name, list(expected), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            out.append(f"'{name}': unknown name, expected one of this receiver's {len(expected)} tensors{hint}")
-        else:  # "dtype" or "shape"
-            out.append(f"'{name}': {what} expected {want}, found {got}")
-    return out
-
-
 _VERDICTS = {  # what a failed vote says: its heading, and what the caller should do
     "the metadata vote": ("rejected before any weight changed", "Nothing was loaded on any receiver. Fix the "
                           "names/dtypes/shapes (or the receiver's expected metadata) and send again."),
@@ -363,7 +335,8 @@ def _vote(group: StatelessGroup, what: str, version: int, problems: list[str], t
         probs += [f"checksum mismatch in bucket {k} (" + ", ".join(e.name for e in plan[k].entries[:4])
                   + ("..." if len(plan[k].entries) > 4 else "") + ")"
                   for k in [k for k, (a, b) in enumerate(zip(theirs, everyone[src][1])) if a != b][:5]]
-        lines += [f"  rank {r}: {p}" for p in probs[:5]] + [f"  rank {r}: ... and {len(probs) - 5} more"] * (len(probs) > 5)
+        more = [f"... and {len(probs) - 5} more"] if len(probs) > 5 else []
+        lines += [f"  rank {r}: {p}" for p in probs[:5] + more]
     head, tail = _VERDICTS[what]
     raise WeightSyncError(f"weight update v{version} {head}:\n" + "\n".join(lines) + f"\n{tail}")
 
