@@ -241,6 +241,40 @@ def _check_in_place(res: list) -> None:
     assert res[0][1]["n"] == res[1][1]["n"]
 
 
+def _caller_changes(rank: int, world_size: int, port: int, kind: str) -> dict:
+    """A receiver that changes its own tensors or its expected metadata in place, between two updates of the same
+    layout: what it holds now counts (no verdict or landing is remembered for a mapping it still owns)."""
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    model = {k: v.contiguous() for k, v in _model(0, dev).items()}
+    exp, out = B.expected_from(model), {}
+
+    def update(seed: int) -> None:
+        B.send(g, _model(seed, dev)) if rank == 0 else B.receive(g, expected=exp, load=sync.copy_into(model), into=model)
+
+    update(7)
+    model["layer.0.norm"] = torch.zeros_like(model["layer.0.norm"])  # a new tensor under the same name
+    update(8)
+    out["norm"] = _sha(model["layer.0.norm"])
+    exp["head.weight"] = buckets.Meta("head.weight", "float64", (17, 128))  # same mapping, same length
+    try:
+        update(9)
+        out["error"] = None
+    except B.WeightSyncError as exc:
+        out["error"] = str(exc)
+    g.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_changing_its_mappings_in_place_is_seen_gloo():
+    res = run_ranks(_caller_changes, 2, (free_port(), "cpu"), timeout_s=90)
+    assert all(ok for ok, _ in res), res
+    out = res[1][1]
+    assert out["norm"] == _sha(_model(8, "cpu")["layer.0.norm"])  # landed in the tensor it holds now
+    assert out["error"] is not None and "'head.weight': shape expected (17, 128)" in out["error"], out
+
+
 # ---------------------------------------------------------------------------- rejection
 
 def _bad_updates():
