@@ -102,9 +102,8 @@ class StatelessGroup:
         return self._launch([lambda t=t: self.pg.broadcast([t], opts) for t in tensors], "broadcast")
 
     def exchange(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> Any:
-        """Point-to-point: start every ``(kind, tensor, peer, tag)`` op, kind "send" or "recv", at once (one NCCL
-        group: no pair waits for another; gloo matches each send to the recv with the same peer and tag).
-        Returns what ``wait_work`` takes. Tensors must be contiguous and stay alive until it is waited on."""
+        """Start every ``(kind, tensor, peer, tag)`` op ("send" or "recv") at once, one NCCL group (gloo matches sends
+        and recvs by peer and tag); returns what ``wait_work`` takes. Keep the tensors alive until then."""
         for kind, t, peer, _ in ops:
             self._check_args([t], kind, peer)
         return self._launch([lambda k=k, t=t, p=p, g=g: (self.pg.send if k == "send" else self.pg.recv)([t], p, g)
@@ -122,12 +121,11 @@ class StatelessGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In-place all-reduce (``op`` = "sum" | "max" | "min") of a tensor on this group's device."""
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"all_reduce op must be one of {list(ops)}, got {op!r}")
+        if op not in ("sum", "max", "min"):
+            raise ValueError(f"all_reduce op must be one of ['sum', 'max', 'min'], got {op!r}")
         self._check_args([tensor], "all_reduce")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = ops[op]
+        opts.reduceOp = getattr(dist.ReduceOp, op.upper())
         with self._step(f"all_reduce({op})"):
             work = self.pg.allreduce([tensor], opts)
         self.wait_work(work, f"all_reduce({op})")
@@ -155,8 +153,7 @@ class StatelessGroup:
                 raise _lost(self, what, waited_s=limit)
 
     def _check_args(self, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:
-        """A closed group; programming errors (a rank out of range, a tensor on another device: NCCL would use the
-        wrong GPU), raised at once as ``ValueError``, leaving the group usable."""
+        """A closed group; programming errors (a rank out of range, a tensor on another device), at once."""
         if self.closed:
             raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
         if peer is not None and not 0 <= peer < self.world_size:
@@ -250,8 +247,8 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s * 2 + 30)  # the watchdog fires after our own deadlines
     opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
-    # Error handling "2" cleans up the communicator without killing the process (torch's default, 3, kills it).
-    # Only the environment sets it: for this constructor only, under a lock (threads must not leave it changed).
+    # Error handling "2" cleans up without killing the process (3, the default, kills it). Only the environment
+    # sets it: for this constructor only, under a lock, so that threads building groups cannot leave it changed.
     with _ENV_LOCK:
         old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
@@ -335,8 +332,7 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
 
 
 def _unresponsive(group: StatelessGroup) -> list[int] | None:
-    """Ranks that do not check in through the store within the group's timeout + 1 s (at most 20 s); None if
-    rank 0's store no longer answers."""
+    """Ranks that do not check in through the store within timeout + 1 s (at most 20 s); None: rank 0 is gone."""
     gone = None
     try:
         group.store.set(f"alive/{group.rank}", "1")
