@@ -122,6 +122,7 @@ class _Side:
 
     def __init__(self, group: StatelessGroup, src: int, timeout_s: float | None) -> None:
         self.group, self.src, self.timeout_s = group, src, timeout_s
+        self.agreed: tuple[int, list[Meta]] | None = None  # (key, metas) of the layout every rank accepted last
         self.plan: tuple[tuple, list[Bucket], Any] | None = None  # ((key, mode, bucket size), plan, landing)
         self.buffers: list[torch.Tensor] = []  # two staging buffers, grown to the largest bucket that needs one
 
@@ -140,9 +141,12 @@ class _Side:
             vals = vals.pin_memory().to(self.group.device, non_blocking=True)
         version, mode, bucket_bytes, verify, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
                                                                           self.timeout_s)
-        if top != -neg:  # some rank does not hold this layout: the trainer sends it, and every rank votes on it
-            key, metas = self._agree(key, metas, version)
-        t_hand = time.perf_counter() - t0
+        if top != -neg:  # some rank lacks this layout: the trainer sends it, every receiver checks it, all vote
+            self.agreed = None
+            with guard(self.group, "the handshake"):
+                key, metas = self.group.broadcast_object((key, metas) if header else None, self.src)
+            _vote(self.group, "the metadata vote", version, self._problems(metas), self.timeout_s)
+        self.agreed, t_hand = (key, metas), time.perf_counter() - t0
         if self.plan is None or self.plan[0] != (key, mode, bucket_bytes):
             plan = plan_buckets(metas, bucket_bytes, MODES[mode])
             self.plan = ((key, mode, bucket_bytes), plan, self._landing(plan))
@@ -153,6 +157,9 @@ class _Side:
         launches = sum(1 if b.packed or self.group.backend == "nccl" else len(b.entries) for b in plan)
         return SyncStats(sum(buckets.nbytes(m) for m in metas), time.perf_counter() - t0, launches, MODES[mode],
                          bucket_bytes, len(metas), version, t_hand, bool(verify))
+
+    def _problems(self, metas: list[Meta]) -> list[str]:
+        return []  # (a receiver's: what it finds wrong with the metadata)
 
     def _landing(self, plan: list[Bucket]) -> Any:
         return None  # (a receiver's: where each tensor lands)
@@ -195,12 +202,6 @@ class Sender(_Side):
         header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify)]
         return self._update(header, self.layout[2], self.layout[1], dict(items))
 
-    def _agree(self, key: int, metas: list[Meta], version: int) -> tuple[int, list[Meta]]:
-        with guard(self.group, "the handshake"):
-            self.group.broadcast_object((key, metas), self.src)
-        _vote(self.group, "the metadata vote", version, [], self.timeout_s)
-        return key, metas
-
     def _transfer(self, plan: list[Bucket], _: Any, verify: bool, tensors: Mapping[str, torch.Tensor]) -> tuple:
         """Start every bucket's broadcast: packed ones through the two staging buffers in turn, the others from the
         tensors' own memory; then the current stream waits for all. Returns the buckets' checksums."""
@@ -236,21 +237,14 @@ class Receiver(_Side):
         super().__init__(group, src, timeout_s)
         self.expected = dict(expected) if expected is not None else None
         self.into, self.load = dict(into or {}), load
-        self.layout: tuple[int, list[Meta]] | None = None  # (key, metas) of the layout this receiver voted for
 
     def receive(self) -> SyncStats:
         """Receive one update: vote on its metadata if this receiver has not accepted it yet, then land every
         tensor. Raises ``WeightSyncError`` (every rank does) or ``SyncTimeout`` as ``Sender.send``."""
-        return self._update(None, *(self.layout or (0, None)), None)
+        return self._update(None, *(self.agreed or (0, None)), None)
 
-    def _agree(self, key: int, metas: None, version: int) -> tuple[int, list[Meta]]:
-        self.layout = None
-        with guard(self.group, "the handshake"):
-            key, metas = self.group.broadcast_object(None, self.src)
-        problems = metadata.describe(metas, self.expected) if self.expected is not None else []
-        _vote(self.group, "the metadata vote", version, problems, self.timeout_s)
-        self.layout = (key, metas)  # (only once every rank has accepted it)
-        return self.layout
+    def _problems(self, metas: list[Meta]) -> list[str]:
+        return metadata.describe(metas, self.expected) if self.expected is not None else []
 
     def _landing(self, plan: list[Bucket]) -> list[list[torch.Tensor | None]]:
         """Per bucket, the tensor of ``into`` each entry lands in where it can (None: it goes to ``load``)."""
