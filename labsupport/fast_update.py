@@ -34,7 +34,7 @@ import torch
 
 from labsupport.course import hardware
 from labsupport import ipc, reshard, vllm_ext
-from labsupport.broadcast import TensorMeta
+from labsupport.core.buckets import Meta
 from labsupport.vllm_ext import _never_raise
 from labsupport.vllm_weights import WeightUpdateError
 
@@ -152,7 +152,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         t0 = time.perf_counter()
         buckets = self._lsx_my_buckets(handles)
         ew = self._lsx()
-        ew.check([TensorMeta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])
+        ew.check([Meta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])
         self._lsx_fast = None
         views = dict(v for b in buckets for v in ipc.rebuild_bucket(b))
         t1 = time.perf_counter()

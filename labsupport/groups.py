@@ -1,9 +1,10 @@
 """A stateless process group: one trainer rank plus N inference ranks, outside torch.distributed's globals.
 
-RLHF trainers already own a default process group (data parallel) and vLLM builds its own; the weight-sync
-group must coexist with both. So we never call ``init_process_group``: a TCPStore does the rendezvous and a
-``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it, as in vLLM's
-``stateless_init_torch_distributed_process_group``. Every wait has a timeout; failures name the missing rank.
+Trainers own a default process group and vLLM builds its own; the weight-sync group must coexist with both. So
+a TCPStore does the rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly
+on it, as vLLM's ``stateless_init_torch_distributed_process_group`` does. Every wait has a deadline: the store's
+waits and gloo's collectives time out themselves; on NCCL the host's deadline is ``synchronize()``. A failure
+names the rank that went missing (the diagnosis is the file's last section).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import os
 import pickle
 import re
 import socket
+import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,16 +48,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
         store = TCPStore(master_address, master_port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
     except Exception as exc:
-        if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
-            raise GroupError(
-                f"port {master_port} on {master_address} is already in use, so rank 0 cannot host the group "
-                "there. Pick a free port (labsupport.groups.free_port()) and pass it to every rank.") from None
-        if rank != 0:
-            raise GroupTimeout(
-                f"rank {rank} could not reach the group's master (rank 0) at {address} within {timeout_s:.0f} s. "
-                "Is rank 0 running, and do all ranks use the same address and port?") from None
-        raise GroupError(f"rank 0 could not start the group's store at {address}: {exc}") from exc
-
+        raise _no_store(exc, rank, address, timeout_s) from exc
     # Arrival: each rank registers once and states the world size it expects.
     if store.add(f"join/{rank}", 1) > 1:
         raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
@@ -63,22 +56,14 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     try:
         _await_arrivals(store, rank, world_size, timeout_s, address)
     except GroupError as exc:
-        with contextlib.suppress(Exception):  # (rank 0's store may be gone)
-            store.set(f"failed/{rank}", "1")
-        if rank == 0 and not isinstance(exc, GroupTimeout):  # linger: the others read our world size from our store
-            end = time.monotonic() + min(2.0, timeout_s)
-            while time.monotonic() < end and not all(
-                    store.check([f"failed/{r}"]) for r in range(1, world_size) if store.check([f"world/{r}"])):
-                time.sleep(0.05)
+        _linger(store, rank, world_size, timeout_s, exc)
         raise
-
     pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
     pg._set_sequence_number_for_group()  # as torch does for its own groups (debug/flight-recorder bookkeeping)
     group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
     # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        group.all_reduce(torch.full((1,), rank, dtype=torch.int32, device=device), "sum")
-        group.synchronize("group warm-up")
+    group.all_reduce(torch.full((1,), rank, dtype=torch.int32, device=device), "sum")
+    group.synchronize("group warm-up")
     return group
 
 
@@ -89,22 +74,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-# What a backend says when a peer died or stopped answering (or it was torn down because of one). Anything else
-# (a tensor on another device, an unknown op, NCCL's "invalid argument/usage") is a programming error: raised as is.
-_PEER_GONE = re.compile(r"abort|remote process exited|network error|system error|Broken pipe|"
-                        r"Connection (reset|closed|refused)|closed by peer|timed? ?out|timeout", re.I)
-
-
 class StatelessGroup:
     """Trainer + receivers: tensor collectives on the backend, small Python objects through rank 0's TCPStore."""
 
-    def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str,
-                 device: torch.device, timeout_s: float, address: str) -> None:
+    def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str, device: torch.device,
+                 timeout_s: float, address: str) -> None:
         self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
         self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address  # "host:port"
-        self._obj = PrefixStore("obj", store)  # object collectives' keys; _my_keys: this rank's, not yet freed
-        self._seq, self._my_keys, self._closed = 0, [], False
-        self.sync: Any = None  # labsupport.broadcast's SyncState: what it remembers between syncs
+        self._obj = PrefixStore("obj", store)  # object collectives' keys (the last reader of each deletes it)
+        self._seq, self.closed = 0, False  # closed: destroyed, or aborted after a lost peer (collectives then raise)
 
     def __repr__(self) -> str:
         return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
@@ -118,64 +96,52 @@ class StatelessGroup:
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
         """Start one launch (an NCCL group) broadcasting tensors from ``src``; returns what ``wait_work`` takes."""
-        self._check_open()
         self._check_args(tensors, "broadcast", src)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        if self.backend != "nccl" or len(tensors) == 1:  # gloo cannot group: one broadcast per tensor
-            return [self._issue(lambda t=t: self.pg.broadcast([t], opts), "broadcast") for t in tensors]
-
-        def grouped() -> Any:
-            self.pg._start_coalescing()
-            for t in tensors:
-                self.pg.broadcast([t], opts)
-            return self.pg._end_coalescing()
-
-        return self._issue(grouped, "broadcast")
+        return self._launch([lambda t=t: self.pg.broadcast([t], opts) for t in tensors], "broadcast")
 
     def exchange(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> Any:
-        """Point-to-point: start every ``(kind, tensor, peer, tag)`` op, kind "send" or "recv", at once (one NCCL
-        group: no pair waits for another; gloo matches each send to the recv with the same peer and tag).
-        Returns what ``wait_work`` takes. Tensors must be contiguous and stay alive until it is waited on."""
-        self._check_open()
+        """Start every ``(kind, tensor, peer, tag)`` op ("send" or "recv") at once, one NCCL group (gloo matches sends
+        and recvs by peer and tag); returns what ``wait_work`` takes. Keep the tensors alive until then."""
         for kind, t, peer, _ in ops:
             self._check_args([t], kind, peer)
+        return self._launch([lambda k=k, t=t, p=p, g=g: (self.pg.send if k == "send" else self.pg.recv)([t], p, g)
+                             for k, t, p, g in ops], "send/recv")
 
-        def issue() -> Any:
-            if self.backend == "nccl" and len(ops) > 1:
-                self.pg._start_coalescing()
-            works = [(self.pg.send if kind == "send" else self.pg.recv)([t], peer, tag) for kind, t, peer, tag in ops]
-            return self.pg._end_coalescing() if self.backend == "nccl" and len(ops) > 1 else works
-
-        return self._issue(issue, "send/recv") if ops else []
+    def _launch(self, calls: list[Callable[[], Any]], what: str) -> Any:
+        """Start the backend calls as one launch: an NCCL group (gloo cannot group: a Work per call)."""
+        with self._step(what):
+            if self.backend != "nccl" or len(calls) <= 1:
+                return [c() for c in calls]
+            self.pg._start_coalescing()
+            for c in calls:
+                c()
+            return self.pg._end_coalescing()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In-place all-reduce (``op`` = "sum" | "max" | "min") of a tensor on this group's device."""
-        self._check_open()
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"all_reduce op must be one of {list(ops)}, got {op!r}")
+        if op not in ("sum", "max", "min"):
+            raise ValueError(f"all_reduce op must be one of ['sum', 'max', 'min'], got {op!r}")
         self._check_args([tensor], "all_reduce")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = ops[op]
-        self.wait_work(self._issue(lambda: self.pg.allreduce([tensor], opts), f"all_reduce({op})"), f"all_reduce({op})")
+        opts.reduceOp = getattr(dist.ReduceOp, op.upper())
+        with self._step(f"all_reduce({op})"):
+            work = self.pg.allreduce([tensor], opts)
+        self.wait_work(work, f"all_reduce({op})")
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
         """Wait for a Work (or a list): on NCCL the current stream waits, on gloo the host (with a timeout)."""
-        try:
-            with torch.cuda.device(self.device) if self.backend == "nccl" else contextlib.nullcontext():
-                for w in work if isinstance(work, list) else [work]:
-                    w.wait()  # on NCCL: the group's device's current stream waits
-        except Exception as exc:  # gloo timeout, a peer that closed its connection, an aborted communicator
-            if not _peer_gone(exc):
-                raise  # (not a lost peer: the group is left as it is)
-            raise self._lost(what, exc) from exc
+        with self._step(what):
+            for w in work if isinstance(work, list) else [work]:
+                w.wait()  # on NCCL: the group's device's current stream waits
 
-    def synchronize(self, what: str = "work") -> None:
-        """Block the host until the device work queued so far is done, but never longer than the timeout: NCCL
-        kernels waiting on a dead peer spin forever, so we poll an event, then abort and raise ``GroupTimeout``."""
+    def synchronize(self, what: str = "work", timeout_s: float | None = None) -> None:
+        """Block the host until the device work queued so far is done, at most ``timeout_s`` (default: the group's):
+        NCCL kernels waiting on a dead peer spin forever, so we poll an event, then abort and raise ``GroupTimeout``."""
         if self.backend != "nccl":
-            return
+            return  # (on gloo every collective has already waited on the host)
+        limit = self.timeout_s if timeout_s is None else timeout_s
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))  # this group's device, whatever the current one is
         start = time.monotonic()
@@ -183,21 +149,13 @@ class StatelessGroup:
             now = time.monotonic()
             if now - start > 0.5:  # spin first (accurate timings), then poll gently
                 time.sleep(0.001)
-            if now - start > self.timeout_s:
-                raise self._lost(what, waited_s=self.timeout_s)
-
-    @property
-    def closed(self) -> bool:
-        """True once destroyed, or aborted after a lost peer; every later collective then raises ``GroupError``."""
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
+            if now - start > limit:
+                raise _lost(self, what, waited_s=limit)
 
     def _check_args(self, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:
-        """Programming errors, raised at once (``ValueError``) and leaving the group usable: a rank out of range, a
-        tensor on another device than the group's (NCCL would fail or, worse, use the wrong GPU)."""
+        """A closed group; programming errors (a rank out of range, a tensor on another device), at once."""
+        if self.closed:
+            raise GroupError(f"{self!r} was destroyed (or aborted after an error); create a new group.")
         if peer is not None and not 0 <= peer < self.world_size:
             raise ValueError(f"{what}: rank {peer} is not in this group of {self.world_size} ranks (0..{self.world_size - 1})")
         for t in tensors:
@@ -205,106 +163,58 @@ class StatelessGroup:
                 raise ValueError(f"{what}: expected a tensor on this group's device {self.device}, found one on "
                                  f"{t.device} (shape {tuple(t.shape)}, {t.dtype}); move it with .to({str(self.device)!r})")
 
-    def _issue(self, fn: Callable[[], Any], what: str) -> Any:
-        """Start a collective (on the group's device); a backend torn down by a dead peer becomes ``GroupTimeout``,
-        any other error (a programming error) is raised as it is and leaves the group usable."""
+    @contextlib.contextmanager
+    def _step(self, what: str, store: bool = False) -> Iterator[None]:
+        """Run backend (or ``store``) calls on the group's device. A peer that died or stopped answering (gloo's
+        timeout, a closed connection, an aborted communicator, any store error) becomes ``GroupTimeout``; any
+        other error is a programming error, raised as it is (the group stays usable)."""
         try:
             with torch.cuda.device(self.device) if self.backend == "nccl" else contextlib.nullcontext():
-                return fn()
-        except RuntimeError as exc:  # DistBackendError "NCCL communicator was aborted", broken store pipe, ...
-            if _peer_gone(exc):
-                raise self._lost(what, exc) from exc
-            raise
-
-    def _lost(self, what: str, exc: BaseException | None = None, waited_s: float | None = None) -> GroupTimeout:
-        """Abort the backend and build the error for a collective that failed: which peers stopped answering."""
-        self.abort()
-        cause = f"did not finish within {waited_s:.0f} s" if waited_s is not None else (
-            f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else "failed")
-        gone = self.unresponsive_peers()
-        if 0 in gone and self.rank != 0 and not self._store_answers():
-            who = "rank 0 vanished (it hosts the group's store, and its store no longer answers)"
-        elif gone:
-            who = f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)"
-        else:
-            who = "every peer still answers, so one of them probably called a different collective"
-        return GroupTimeout(f"rank {self.rank}: {what} on group {self.address} {cause}: {who}. "
-                            "The group was aborted; check those ranks' logs, then create a new group.")
-
-    def unresponsive_peers(self) -> list[int]:
-        """After a failure: ranks that do not check in through the store within timeout + 1 s (at most 20 s);
-        [0] if rank 0's store is gone."""
-        gone = None
-        try:
-            self.store.set(f"alive/{self.rank}", "1")
-            deadline = time.monotonic() + min(self.timeout_s + 1.0, 20.0)
-            while True:
-                gone = [r for r in range(self.world_size) if r != self.rank and not self.store.check([f"alive/{r}"])]
-                if not gone or time.monotonic() > deadline:
-                    return gone
-                time.sleep(0.05)
-        except Exception:  # the store's host (rank 0) is gone: now (it had answered), or from the start
-            return gone if gone is not None and 0 not in gone else ([0] if self.rank != 0 else [])
-
-    def _store_answers(self) -> bool:
-        """Whether rank 0's store still answers (rank 0 alive, if perhaps hung)."""
-        try:
-            self.store.check(["alive/0"])
-            return True
-        except Exception:
-            return False
+                yield
+        except Exception as exc:
+            if not (store or isinstance(exc, dist.DistNetworkError) or _PEER_GONE.search(str(exc))):
+                raise
+            raise _lost(self, what, exc) from exc
 
     # ------------------------------------------------------------------ object collectives (store)
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
-        self._check_open()
-        self._seq += 1
-        key = f"op{self._seq}"
-        if self.rank == src:
-            self._store_op(lambda: self._obj.set(key, pickle.dumps(obj)), "broadcast_object")
-            self._my_keys.append(key)
-            return obj
-        self._wait_keys({src: key}, "broadcast_object")
-        return pickle.loads(self._store_op(lambda: self._obj.get(key), "broadcast_object"))
+        self._check_args([], "broadcast_object", src)
+        return self._objects(obj, [src], "broadcast_object")[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order."""
-        self._check_open()
-        self._seq += 1
-        keys = {r: f"op{self._seq}/{r}" for r in range(self.world_size)}
-        self._store_op(lambda: self._obj.set(keys[self.rank], pickle.dumps(obj)), "all_gather_object")
-        self._wait_keys(keys, "all_gather_object")
-        out = [obj if r == self.rank else pickle.loads(self._store_op(lambda k=k: self._obj.get(k), "all_gather_object"))
-               for r, k in keys.items()]
-        # Everyone has now passed every earlier op, so keys this rank wrote before are no longer read.
-        for k in self._my_keys:
-            with contextlib.suppress(Exception):  # (a key the store already lost: nothing to free)
-                self._obj.delete_key(k)
-        self._my_keys = [keys[self.rank]]
-        return out
+        self._check_args([], "all_gather_object")
+        return self._objects(obj, list(range(self.world_size)), "all_gather_object")
 
     def barrier(self) -> None:
         """Wait until every rank gets here (through the store, with the group's timeout)."""
         self.all_gather_object(None)
 
-    def _wait_keys(self, keys: dict[int, str], what: str) -> None:
+    def _objects(self, obj: Any, writers: list[int], what: str) -> list[Any]:
+        """The objects of ``writers`` (this rank's: ``obj``) through the store: each writer sets a key and every
+        rank waits for them. The last rank to read deletes them, so the store does not grow with every call."""
+        self._seq += 1
+        op, keys = f"op{self._seq}", {r: f"op{self._seq}/{r}" for r in writers}
+        if self.rank in keys:
+            data = pickle.dumps(obj)
+            with self._step(what, store=True):
+                self._obj.set(keys[self.rank], data)
+        others = {r: k for r, k in keys.items() if r != self.rank}
         try:
-            self._obj.wait(list(keys.values()), timedelta(seconds=self.timeout_s))
+            self._obj.wait(list(others.values()), timedelta(seconds=self.timeout_s))
         except Exception as exc:
-            try:
-                missing = [r for r, k in keys.items() if not self._obj.check([k])]
-            except Exception:  # the store itself is gone (rank 0 died)
-                missing = [0]
+            with contextlib.suppress(Exception):  # (the store itself is gone if rank 0 died)
+                others = {r: k for r, k in others.items() if not self._obj.check([k])}
             raise GroupTimeout(
-                f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s; rank(s) {missing or '?'} never "
-                f"answered on group {self.address}. Did they die, or call a different sequence of collectives?"
-            ) from exc
-
-    def _store_op(self, fn: Callable[[], Any], what: str) -> Any:
-        try:
-            return fn()
-        except Exception as exc:  # the store's host died (broken pipe, connection reset)
-            raise self._lost(what, exc) from exc
+                f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s; rank(s) {list(others)} never answered on "
+                f"group {self.address}. Did they die, or call a different sequence of collectives?") from exc
+        with self._step(what, store=True):
+            got = {r: self._obj.get(k) for r, k in others.items()}
+            if self._obj.add(f"{op}/read", 1) == self.world_size:
+                for k in [*keys.values(), f"{op}/read"]:
+                    self._obj.delete_key(k)
+        return [obj if r == self.rank else pickle.loads(got[r]) for r in writers]
 
     # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
@@ -312,31 +222,22 @@ class StatelessGroup:
         self._close("abort", "shutdown")
 
     def destroy(self) -> None:
-        """Release the backend (NCCL communicators, gloo sockets) without waiting for the peers. Safe to call twice.
-
-        NCCL's graceful ``shutdown`` (``ncclCommFinalize`` + ``ncclCommDestroy``) returns only once every rank has
-        called it. A trainer and an engine tear down one after the other (the engine's RPC returns, then the
-        trainer leaves), so it hung (Lab 4 on 2x H100). Every operation of this group has been waited for by then
-        (each sync ends with a synchronize), so NCCL's abort, which is local, loses nothing."""
-        if self.backend == "nccl":
-            self._close("abort", "shutdown")
-        else:
-            self._close("shutdown")
-        self.pg = None
+        """Release the backend and the store (on rank 0, its port) without waiting for the peers; safe twice. On
+        NCCL an abort, which is local (a graceful shutdown waits for every rank, and a trainer and an engine
+        leave one after the other); nothing is lost, since every sync ends with a ``synchronize``."""
+        self._close(*(["abort"] if self.backend == "nccl" else []), "shutdown")
+        self.pg = self.store = self._obj = None
 
     def _close(self, *ways: str) -> None:
         """Mark the group closed (once) and call the first of the backend's teardown methods that works."""
-        if self._closed:
-            return
-        self._closed = True
-        for way in ways:
+        for way in ways if not self.closed else ():
             with contextlib.suppress(Exception):  # (a backend a dead peer already broke may raise here)
-                return getattr(self.pg, way)()
+                getattr(self.pg, way)()
+                break
+        self.closed = True
 
 
-def _peer_gone(exc: BaseException) -> bool:
-    """Whether a backend error means a peer died or stopped answering (see ``_PEER_GONE``)."""
-    return isinstance(exc, dist.DistNetworkError) or bool(_PEER_GONE.search(str(exc)))
+_ENV_LOCK = threading.Lock()
 
 
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
@@ -344,33 +245,30 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
     opts = dist.ProcessGroupNCCL.Options()
-    # The watchdog waits longer than our host-side waits, so our clear GroupTimeout comes first; error handling
-    # "2" cleans up the communicator without killing the process (torch's default, 3, kills it).
-    opts._timeout = timedelta(seconds=timeout_s * 2 + 30)
+    opts._timeout = timedelta(seconds=timeout_s * 2 + 30)  # the watchdog fires after our own deadlines
     opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
-    # Set for the constructor only, which reads it from the environment alone (Options has no field for it):
-    old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
-    try:
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    finally:
-        if old is None:
-            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+    # Error handling "2" cleans up without killing the process (3, the default, kills it). Only the environment
+    # sets it: for this constructor only, under a lock, so that threads building groups cannot leave it changed.
+    with _ENV_LOCK:
+        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if old is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
 
 
 def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, address: str) -> None:
     """Wait until every rank has joined and check that all expect the same world size."""
-    deadline = time.monotonic() + timeout_s
-    seen: dict[int, int] = {}
+    deadline, seen = time.monotonic() + timeout_s, {}
     while True:
         try:
-            for r in range(world_size):
-                if r not in seen and store.check([f"world/{r}"]):
-                    seen[r] = int(store.get(f"world/{r}"))
+            seen |= {r: int(store.get(f"world/{r}")) for r in range(world_size)
+                     if r not in seen and store.check([f"world/{r}"])}
         except Exception as exc:
-            raise GroupError(
-                f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank 0 "
-                f"probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
+            raise GroupError(f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank "
+                             f"0 probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
         wrong = {r: w for r, w in seen.items() if w != world_size}
         if wrong:
             raise GroupError(
@@ -380,8 +278,69 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
         if len(seen) == world_size:
             return
         if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if r not in seen]
             raise GroupTimeout(
-                f"rank {rank}: rank(s) {missing} never joined group {address} within {timeout_s:.0f} s "
-                f"(world_size={world_size}). Start them with the same address/port, or raise timeout_s.")
+                f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined group "
+                f"{address} within {timeout_s:.0f} s (world_size={world_size}). Start them with the same "
+                "address/port, or raise timeout_s.")
         time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------- failure diagnosis
+# What a backend says when a peer died or stopped answering (or it was torn down because of one). Anything else
+# (a tensor on another device, an unknown op, NCCL's "invalid argument/usage") is a programming error: raised as is.
+_PEER_GONE = re.compile(r"abort|remote process exited|network error|system error|Broken pipe|"
+                        r"Connection (reset|closed|refused)|closed by peer|timed? ?out|timeout", re.I)
+
+
+def _no_store(exc: Exception, rank: int, address: str, timeout_s: float) -> GroupError:
+    """The error for a store that could not start (rank 0) or be reached (the others)."""
+    if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
+        return GroupError(f"port {address.rpartition(':')[2]} on {address.rpartition(':')[0]} is already in use, so "
+                          "rank 0 cannot host the group there. Pick a free port (labsupport.groups.free_port()) "
+                          "and pass it to every rank.")
+    if rank != 0:
+        return GroupTimeout(f"rank {rank} could not reach the group's master (rank 0) at {address} within "
+                            f"{timeout_s:.0f} s. Is rank 0 running, and do all ranks use the same address and port?")
+    return GroupError(f"rank 0 could not start the group's store at {address}: {exc}")
+
+
+def _linger(store: Any, rank: int, world_size: int, timeout_s: float, exc: GroupError) -> None:
+    """After a failed arrival, say so; rank 0 stays a moment: the others read its world size for their error."""
+    with contextlib.suppress(Exception):  # (rank 0's store may be gone)
+        store.set(f"failed/{rank}", "1")
+    end = time.monotonic() + min(2.0, timeout_s)
+    while rank == 0 and not isinstance(exc, GroupTimeout) and time.monotonic() < end and not all(
+            store.check([f"failed/{r}"]) for r in range(1, world_size) if store.check([f"world/{r}"])):
+        time.sleep(0.05)
+
+
+def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
+          waited_s: float | None = None) -> GroupTimeout:
+    """Abort the group's backend and build the error for a step that failed: which peers stopped answering."""
+    group.abort()
+    cause = f"did not finish within {waited_s:.0f} s" if waited_s is not None else (
+        f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else "failed")
+    gone = _unresponsive(group)
+    if gone is None:
+        who = "rank 0 vanished (it hosts the group's store, and its store no longer answers)"
+    elif gone:
+        who = f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)"
+    else:
+        who = "every peer still answers, so one of them probably called a different collective"
+    return GroupTimeout(f"rank {group.rank}: {what} on group {group.address} {cause}: {who}. "
+                        "The group was aborted; check those ranks' logs, then create a new group.")
+
+
+def _unresponsive(group: StatelessGroup) -> list[int] | None:
+    """Ranks that do not check in through the store within timeout + 1 s (at most 20 s); None: rank 0 is gone."""
+    gone = None
+    try:
+        group.store.set(f"alive/{group.rank}", "1")
+        deadline = time.monotonic() + min(group.timeout_s + 1.0, 20.0)
+        while True:
+            gone = [r for r in range(group.world_size) if r != group.rank and not group.store.check([f"alive/{r}"])]
+            if not gone or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.05)
+    except Exception:  # the store's host (rank 0) is gone, now or from the start (ranks found missing before stay)
+        return gone if gone is not None and 0 not in gone else None

@@ -1,21 +1,23 @@
 """The one check of an update's metadata (names, dtypes, shapes) against what a receiver holds.
 
 Every receiver of weights refuses an update whose metadata does not match before it writes anything: a
-broadcast receiver (``broadcast``), a vLLM worker (``vllm_weights``), an IPC receiver or exporter (``ipc``). They
-word their refusals for their own reader; what counts as a mismatch is decided here, once.
+broadcast receiver (``broadcast``), a vLLM worker (``vllm_weights``), an IPC receiver or exporter (``ipc``). What
+counts as a mismatch is decided here, once (``problems``); ``describe`` words it for a reader who holds the
+tensors (a receiver may word it for its own reader instead).
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Iterable, Mapping
 
-Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape) of a tensor in the update
+Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape): a ``core.buckets.Meta`` or a plain tuple
 
 
-def problems(found: Iterable[Found], expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[tuple[str, str, Any, Any]]:
+def problems(found: Iterable[Found], expected: Mapping[str, tuple]) -> list[tuple[str, str, Any, Any]]:
     """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what`` is
     ``"twice"`` (a name sent again), ``"unknown"`` (not in ``expected``), ``"dtype"`` or ``"shape"``
-    (``expected`` maps a name to its ``(dtype name, shape)``)."""
+    (``expected`` maps a name to its ``(dtype name, shape)``, or to its ``Meta``: the last two fields count)."""
     out, seen = [], set()
     for name, dtype, shape in found:
         if name in seen:
@@ -24,9 +26,24 @@ def problems(found: Iterable[Found], expected: Mapping[str, tuple[str, tuple[int
         if name not in expected:
             out.append((name, "unknown", None, None))
             continue
-        e_dtype, e_shape = expected[name]
+        e_dtype, e_shape = expected[name][-2:]
         if dtype != e_dtype:
             out.append((name, "dtype", e_dtype, dtype))
         elif tuple(shape) != tuple(e_shape):
             out.append((name, "shape", tuple(e_shape), tuple(shape)))
+    return out
+
+
+def describe(found: Iterable[Found], expected: Mapping[str, tuple]) -> list[str]:
+    """``problems`` as one line each, for a reader who holds the ``expected`` tensors (empty list: accept)."""
+    out = []
+    for name, what, want, got in problems(found, expected):
+        if what == "twice":
+            out.append(f"'{name}': sent twice")
+        elif what == "unknown":
+            close = difflib.get_close_matches(name, list(expected), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            out.append(f"'{name}': unknown name, expected one of this receiver's {len(expected)} tensors{hint}")
+        else:  # "dtype" or "shape"
+            out.append(f"'{name}': {what} expected {want}, found {got}")
     return out

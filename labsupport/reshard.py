@@ -31,6 +31,7 @@ import torch
 
 from labsupport import broadcast, groups, vllm_ext
 from labsupport.core.buckets import groups as bucket_groups  # greedy bucketing, one copy
+from labsupport.core.buckets import metas
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 VOCAB_PAD = 64  # vLLM pads the vocabulary of embed_tokens and lm_head to a multiple of this
@@ -345,12 +346,12 @@ def send_gathered(model: torch.nn.Module, layout: Layout, *, rank: int, group: g
                 peak.hold(-nbytes[n])
         return got
 
-    kept = broadcast.staging_bytes(group)  # push_weights' staging buffers, held before this update
-
     def push(items: list[tuple[str, torch.Tensor]]) -> None:
+        plan = broadcast.plan_buckets(metas(items), bucket_bytes)
+        staging = 2 * max((b.nbytes for b in plan if b.packed), default=0)  # push_weights' buffers, during the send
         vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes)
-        peak.hold(broadcast.staging_bytes(group) - kept)
-        peak.hold(kept - broadcast.staging_bytes(group) - sum(nbytes[n] for n, _ in items))
+        peak.hold(staging)
+        peak.hold(-staging - sum(nbytes[n] for n, _ in items))
 
     buckets = module_buckets(layout, nbytes, bucket_bytes // 2) if overlap else [list(params)]
     with torch.no_grad(), ThreadPoolExecutor(max_workers=1) as pool:

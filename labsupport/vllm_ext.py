@@ -40,7 +40,8 @@ import torch
 
 from labsupport import broadcast, groups, ipc
 from labsupport.course import hardware, versions
-from labsupport.broadcast import TensorMeta, WeightSyncError
+from labsupport.broadcast import WeightSyncError
+from labsupport.core.buckets import Meta, metas
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, WeightUpdateError, _worker_rank, dtype_name
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,9 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
             wait()  # raises WeightUpdateError naming the workers that refused or failed
         group.synchronize("per-tensor sync")
     else:
-        metas = broadcast.metadata_of(items)  # announced up front, like vLLM's NCCL update_info
-        wait = call("update_weights_bucketed", ([m.name for m in metas], [m.dtype for m in metas],
-                                                [list(m.shape) for m in metas]))
+        announced = metas(items)  # announced up front, like vLLM's NCCL update_info
+        wait = call("update_weights_bucketed", ([m.name for m in announced], [m.dtype for m in announced],
+                                                [list(m.shape) for m in announced]))
         try:
             stats = broadcast.send(group, items, src=0, mode="bucketed", bucket_bytes=bucket_bytes)
         except WeightSyncError:  # every rank voted, so the workers' RPC has returned (with the same reason)
@@ -240,9 +241,10 @@ class WorkerExtension(_ExtensionBase):
         shape = tuple(int(s) for s in shape)
         buf = torch.empty(shape, dtype=dtype, device=ew.device)
         # Timed wait: on NCCL a trainer that died before sending would otherwise hang the next forward pass.
-        broadcast._guard(group, lambda: (group.broadcast(buf, src=0), group.synchronize("update_weight")),
-                         f"update_weight('{name}')")
-        ew.check([TensorMeta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False)
+        with broadcast.guard(group, f"update_weight('{name}')"):
+            group.broadcast(buf, src=0)
+            group.synchronize("update_weight")
+        ew.check([Meta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False)
         ew.pending[name] = buf
         ew.flush(only_complete=True)
 
@@ -291,7 +293,7 @@ class ColocateWorkerExtension(_ExtensionBase):
         t0 = time.perf_counter()
         buckets = self._lsx_my_buckets(handles)
         ew = self._lsx()
-        ew.check([TensorMeta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])  # before mapping
+        ew.check([Meta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])  # before mapping
         t1 = time.perf_counter()
         views = [view for b in buckets for view in ipc.rebuild_bucket(b)]
         t2 = time.perf_counter()

@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer import base as vllm_wt
 
 from labsupport import broadcast, groups
 from labsupport.broadcast import SyncTimeout, WeightSyncError
+from labsupport.core.buckets import metas
 from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, _worker_rank
 
 BUCKET_BYTES = 64 << 20
@@ -171,7 +172,7 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
                                     f"v{self.version}, or shut down); nothing was sent. Create a new trainer engine "
                                     "(vllm_ext.native_trainer / trainer_init): the engine joins a new group.")
         pairs = [(n, t.detach().to("cpu")) for n, t in pairs]
-        meta = broadcast.metadata_of(pairs)
+        meta = metas(pairs)
         update_info = GlooWeightTransferUpdateInfo([m.name for m in meta], [m.dtype for m in meta],
                                                    [list(m.shape) for m in meta])
         self.version += 1

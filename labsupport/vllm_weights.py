@@ -26,8 +26,8 @@ import torch
 
 from labsupport import metadata
 from labsupport.course import versions
-from labsupport.broadcast import TensorMeta, WeightSyncError
-from labsupport.core.buckets import dtype_name  # the one copy (vllm_ext imports it from here)
+from labsupport.broadcast import WeightSyncError
+from labsupport.core.buckets import Meta, dtype_name  # the one copy (vllm_ext imports it from here)
 
 GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
 
@@ -60,7 +60,7 @@ class EngineWeights:
         with torch.device("meta"):  # the checkpoint's names and full shapes, from its HF model (no memory)
             ref = AutoModelForCausalLM.from_config(self.model_config.hf_config)
         dtype = dtype_name(self.model_config.dtype)
-        self.expected = {n: TensorMeta(n, dtype, tuple(p.shape)) for n, p in ref.named_parameters()}
+        self.expected = {n: Meta(n, dtype, tuple(p.shape)) for n, p in ref.named_parameters()}
         self._expected = {n: (m.dtype, m.shape) for n, m in self.expected.items()}  # as metadata.problems takes it
         modules = dict(model.named_modules())
         packed = getattr(model, "packed_modules_mapping", None) or {}
@@ -72,7 +72,7 @@ class EngineWeights:
         self.reference: dict[str, float] | None = None  # fingerprint at the last ``changed``
 
     # ---- 1. check ---------------------------------------------------------------------------------
-    def check(self, metas: Sequence[TensorMeta], *, whole_layers: bool = True) -> None:
+    def check(self, metas: Sequence[Meta], *, whole_layers: bool = True) -> None:
         """Raise ``WeightUpdateError`` listing every problem of an update's metadata; nothing is touched."""
         probs, seen = [], {m.name for m in metas}
         for name, what, want, got in metadata.problems([(m.name, m.dtype, m.shape) for m in metas], self._expected):
@@ -105,7 +105,7 @@ class EngineWeights:
         """``broadcast.receive``'s ``load`` for an announced update: ``stage``, or, if the announcement is
         refused, fail the first bucket, which every rank's vote turns into the trainer's ``WeightSyncError``."""
         try:
-            self.check([TensorMeta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
+            self.check([Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
         except WeightUpdateError as exc:
             return functools.partial(_refuse, exc)
         return self.stage
@@ -121,7 +121,7 @@ class EngineWeights:
             names = [n for n in self.pending if self.members[self.module_of[n]] <= self.pending.keys()]
         else:
             names = list(self.pending)
-            self.check([TensorMeta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape)) for n in names])
+            self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape)) for n in names])
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from labsupport import broadcast as B
+from labsupport import checksums
+from labsupport.core import buckets, sync
 from labsupport.course import sync_timing
 from labsupport.bench import sync as bench_sync
 from labsupport.course.ranks import run_ranks
@@ -52,38 +54,35 @@ def _model(seed: int, device: str) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------- pure units
 
 def test_plan_buckets_covers_every_tensor_once():
-    metas = B.metadata_of(_model(0, "cpu"))
+    metas = buckets.metas(_model(0, "cpu"))
     for bucket in (256, 4096, 64 << 10, 1 << 20):
         plan = B.plan_buckets(metas, bucket)
-        seen = [i for b in plan for i, _, _ in b.items]
-        assert sorted(seen) == [i for i, m in enumerate(metas) if m.nbytes], bucket
+        seen = [e.name for b in plan for e in b.entries]
+        assert sorted(seen) == sorted(m.name for m in metas if buckets.nbytes(m)), bucket
         for b in plan:
             if b.nbytes > bucket:  # only a tensor larger than a bucket may exceed it, alone
-                assert len(b.items) == 1 and b.items[0][2] > bucket
-            for (_, off, n), nxt in zip(b.items, b.items[1:] + [None]):
-                assert off % B.ALIGN == 0
+                assert len(b.entries) == 1 and b.entries[0].nbytes > bucket
+            for e, nxt in zip(b.entries, b.entries[1:] + [None]):
+                assert e.offset % buckets.ALIGN == 0
                 if nxt:
-                    assert off + n <= nxt[1]
+                    assert e.offset + e.nbytes <= nxt.offset
     per = B.plan_buckets(metas, 1 << 20, "per_tensor")
-    assert len(per) == len(metas) and all(len(b.items) == 1 for b in per)
+    assert len(per) == len(metas) and all(len(b.entries) == 1 for b in per)
 
 
 def test_plans_for_a_large_model():
-    metas = [B.TensorMeta(n, "bfloat16", s) for n, s in sync_timing.transformer_shapes(int(2.5e9))]
+    metas = [buckets.Meta(n, "bfloat16", tuple(s)) for n, s in sync_timing.transformer_shapes(int(2.5e9))]
     assert len(metas) > 250
-    bucket, total = 256 << 20, sum(m.nbytes for m in metas)
-    plan = B.plan_buckets(metas, bucket)  # bucketed: small tensors packed, second; the rest grouped
+    bucket, total = 256 << 20, sum(buckets.nbytes(m) for m in metas)
+    plan = B.plan_buckets(metas, bucket)  # bucketed: the large tensors grouped, first; the small ones packed
     kinds = [b.packed for b in plan]
-    assert not kinds[0] and kinds[1:] == sorted(kinds[1:], reverse=True) and kinds[1]
-    grouped = [b for b in plan if not b.packed]  # the first two are short, so the wire starts early
-    for b, cap in zip(grouped, (bucket // 16, bucket // 4)):
-        assert b.nbytes <= cap or len(b.items) == 1
-    assert all(n < B.SMALL for b in plan if b.packed for _, _, n in b.items)
-    assert all(n >= B.SMALL for b in plan if not b.packed for _, _, n in b.items)
-    assert sum(len(b.items) for b in plan if b.packed) > 100  # norms, biases, k/v: one launch between them
+    assert not kinds[0] and kinds == sorted(kinds) and kinds[-1]
+    assert all(e.nbytes < B.SMALL for b in plan if b.packed for e in b.entries)
+    assert all(e.nbytes >= B.SMALL for b in plan if not b.packed for e in b.entries)
+    assert sum(len(b.entries) for b in plan if b.packed) > 100  # norms, biases, k/v: one launch between them
     assert all(b.nbytes <= bucket for b in plan)
     assert len(plan) <= math.ceil(total / bucket) + 4  # buckets are nearly full
-    assert sorted(i for b in plan for i, _, _ in b.items) == list(range(len(metas)))
+    assert sorted(e.name for b in plan for e in b.entries) == sorted(m.name for m in metas)
     packed = B.plan_buckets(metas, 64 << 20, "packed")  # packed: the embeddings (238 MiB) alone, first
     alone = [not b.packed for b in packed]
     assert alone[:2] == [True, True] and not any(alone[2:])
@@ -91,17 +90,17 @@ def test_plans_for_a_large_model():
 
 def test_checksum_sees_one_byte_and_a_swap():
     x = torch.randn(10_000).to(torch.bfloat16)
-    base = B.tensor_checksums({"x": x})["x"]
+    base = checksums.tensor_checksums({"x": x})["x"]
     y = x.clone()
     y.view(torch.uint8)[12345] ^= 1
     z = x.clone()
     z[[10, 9000]] = x[[9000, 10]]  # same values, other places
-    assert B.tensor_checksums({"x": x.clone()})["x"] == base
+    assert checksums.tensor_checksums({"x": x.clone()})["x"] == base
     odd = x[1:]  # a view at an address no int64 word starts at: same bytes, same checksum as a fresh copy
-    assert B.tensor_checksums({"o": odd})["o"] == B.tensor_checksums({"o": odd.clone()})["o"]
-    assert B.tensor_checksums({"y": y})["y"] != base
+    assert checksums.tensor_checksums({"o": odd})["o"] == checksums.tensor_checksums({"o": odd.clone()})["o"]
+    assert checksums.tensor_checksums({"y": y})["y"] != base
     if x[10] != x[9000]:
-        assert B.tensor_checksums({"z": z})["z"] != base
+        assert checksums.tensor_checksums({"z": z})["z"] != base
 
 
 def test_bench_summary_reports_the_bar_against_raw_of_the_same_run():
@@ -117,13 +116,6 @@ def test_bench_summary_reports_the_bar_against_raw_of_the_same_run():
     assert bar["met_by"]["2.50 GB"] == ["bucketed_noverify 512 MiB (94.4%)", "bucketed 512 MiB (91.7%)"]
     rows[3]["gb_per_s"] = 320.0  # 88.9 %: verified misses the bar
     assert not bench_sync.check_bar(bench_sync.summarize(rows))["met_bucketed_verified"]
-
-
-def test_validate_names_the_bad_tensor():
-    exp = B.expected_from(_model(0, "cpu"))
-    bad = B.metadata_of({**_model(0, "cpu"), "layer.0.q.weight": torch.zeros(64, 65, dtype=torch.float16)})
-    (msg,) = B._validate(bad, exp)
-    assert msg == "'layer.0.q.weight': shape expected (64, 64), found (64, 65)"
 
 
 # ---------------------------------------------------------------------------- identical bytes
@@ -150,7 +142,7 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
                 for name, t in batch:
                     assert t.dtype == model[name].dtype and t.shape == model[name].shape, name
                 calls.append([n for n, _ in batch])
-                B.copy_into(model)(batch)
+                sync.copy_into(model)(batch)
 
             stats = B.receive(g, expected=B.expected_from(model), load=load, into=model if in_place else None)
             loaded = sorted(n for c in calls for n in c)
@@ -158,13 +150,17 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
                 assert loaded == ["layer.0.t_view"], loaded
             else:
                 assert loaded == sorted(model)
-                assert len(calls) == len(B.plan_buckets(B.metadata_of(model), bucket, mode))  # once per bucket
+                assert len(calls) == len(B.plan_buckets(buckets.metas(model), bucket, mode))  # once per bucket
         out.append({"sha": {k: _sha(v) for k, v in model.items()}, "mode": stats.mode, "loads": len(calls),
                     "n": stats.n_collectives, "bytes": stats.bytes, "version": stats.version,
                     "verified": stats.verified, "backend": g.backend})
-    staged = B.staging_bytes(g)  # the group's SyncState keeps the staging buffers between syncs ...
-    B.release_buffers(g)  # ... until they are released (on every rank: it ends with a barrier)
-    out.append({"staged": staged, "released": B.staging_bytes(g)})
+    # A Sender and a Receiver keep their staging buffers from one update to the next, until released.
+    side = (B.Sender(g, mode="packed", bucket_bytes=64 << 10) if rank == 0
+            else B.Receiver(g, expected=None, load=sync.copy_into(model)))
+    side.send(_model(1, dev)) if rank == 0 else side.receive()
+    staged = sum(b.numel() for b in side.buffers)
+    side.release()
+    out.append({"staged": staged, "released": sum(b.numel() for b in side.buffers)})
     g.destroy()
     return out
 
@@ -186,15 +182,15 @@ def _check_identical(res: list) -> None:
     assert n["per_tensor", 1 << 20] == 10  # one broadcast per tensor
     assert n["packed", 1 << 20] == 1  # everything fits one 1 MiB bucket
     assert 2 <= n["packed", 64 << 10] < n["packed", 4096]  # the 360 KB tensor travels alone
-    metas = B.metadata_of(_model(0, "cpu"))
+    metas = buckets.metas(_model(0, "cpu"))
     for bucket in (64 << 10, 4096, 1 << 20):  # small tensors packed, the rest grouped: both kinds in play
         plan = B.plan_buckets(metas, bucket)
         assert any(b.packed for b in plan)
-        assert any(not b.packed and len(b.items) > 1 for b in plan) or bucket == 1 << 20  # (2 large ones)
+        assert any(not b.packed and len(b.entries) > 1 for b in plan) or bucket == 1 << 20  # (2 large ones)
         if sender[0]["backend"] == "nccl":  # one launch per bucket, grouped or packed
             assert n["bucketed", bucket] == len(plan)
         else:  # gloo cannot group: one broadcast per unpacked tensor
-            assert n["bucketed", bucket] == sum(1 if b.packed else len(b.items) for b in plan)
+            assert n["bucketed", bucket] == sum(1 if b.packed else len(b.entries) for b in plan)
     # versions differ, so the data really changed between cases
     assert len({c["sha"]["layer.0.mlp.weight"] for c in sender}) == len(CASES)
 
@@ -209,17 +205,21 @@ def _in_place(rank: int, world_size: int, port: int, kind: str) -> dict:
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
     model = {k: v.contiguous() for k, v in _model(5 if rank == 0 else 0, dev).items()}
     ptrs = {k: v.data_ptr() for k, v in model.items()}
-    exp, loads, stats = B.expected_from(model), [], []
-    for version in (1, 2):  # the second time the layout is known: no vote, the data follows the header
+    loads, stats, announced = [], [], []
+    real = g.broadcast_object
+    g.broadcast_object = lambda *a, **k: (announced.append(1), real(*a, **k))[1]  # counts metadata round trips
+    side = B.Sender(g) if rank == 0 else B.Receiver(g, expected=B.expected_from(model), load=loads.append, into=model)
+    for version in (1, 2):  # the second time every rank holds the layout: no metadata, no vote
         if rank == 0:
             with torch.no_grad():
                 model["layer.0.norm"].add_(version)  # training changes a tensor between updates
-            stats.append(B.send(g, model, version=version))
+            stats.append(side.send(model, version=version))
         else:
-            stats.append(B.receive(g, expected=exp, load=loads.append, into=model))
+            stats.append(side.receive())
     g.destroy()
     return {"sha": {k: _sha(v) for k, v in model.items()}, "n": [s.n_collectives for s in stats],
-            "loads": len(loads), "same_memory": all(v.data_ptr() == ptrs[k] for k, v in model.items())}
+            "loads": len(loads), "same_memory": all(v.data_ptr() == ptrs[k] for k, v in model.items()),
+            "announced": len(announced)}
 
 
 @pytest.mark.timeout(120)
@@ -237,7 +237,42 @@ def _check_in_place(res: list) -> None:
     for rank, (_, out) in enumerate(res):
         assert out["sha"] == want, rank  # every receiver holds the trainer's tensors, in its own memory
         assert out["loads"] == 0 and out["same_memory"]
+        assert out["announced"] == 1, out  # the metadata went with the first update only
     assert res[0][1]["n"] == res[1][1]["n"]
+
+
+def _caller_changes(rank: int, world_size: int, port: int, kind: str) -> dict:
+    """A receiver that changes its own tensors or its expected metadata in place, between two updates of the same
+    layout: what it holds now counts (no verdict or landing is remembered for a mapping it still owns)."""
+    dev = _device(kind, rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=60)
+    model = {k: v.contiguous() for k, v in _model(0, dev).items()}
+    exp, out = B.expected_from(model), {}
+
+    def update(seed: int) -> None:
+        B.send(g, _model(seed, dev)) if rank == 0 else B.receive(g, expected=exp, load=sync.copy_into(model), into=model)
+
+    update(7)
+    model["layer.0.norm"] = torch.zeros_like(model["layer.0.norm"])  # a new tensor under the same name
+    update(8)
+    out["norm"] = _sha(model["layer.0.norm"])
+    exp["head.weight"] = buckets.Meta("head.weight", "float64", (17, 128))  # same mapping, same length
+    try:
+        update(9)
+        out["error"] = None
+    except B.WeightSyncError as exc:
+        out["error"] = str(exc)
+    g.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_changing_its_mappings_in_place_is_seen_gloo():
+    res = run_ranks(_caller_changes, 2, (free_port(), "cpu"), timeout_s=90)
+    assert all(ok for ok, _ in res), res
+    out = res[1][1]
+    assert out["norm"] == _sha(_model(8, "cpu")["layer.0.norm"])  # landed in the tensor it holds now
+    assert out["error"] is not None and "'head.weight': shape expected (17, 128)" in out["error"], out
 
 
 # ---------------------------------------------------------------------------- rejection
@@ -278,7 +313,7 @@ def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
             B.send(g, _model(7, dev))
         else:
             exp = B.expected_from(other if rank == world_size - 1 else model)
-            B.receive(g, expected=exp, load=B.copy_into(model))
+            B.receive(g, expected=exp, load=sync.copy_into(model))
         errors.append(None)
     except B.WeightSyncError as exc:
         errors.append(str(exc))
@@ -291,7 +326,7 @@ def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
             def bad_load(batch):
                 if rank == 1:
                     raise ValueError("disk full")
-                B.copy_into(model)(batch)
+                sync.copy_into(model)(batch)
             B.receive(g, expected=B.expected_from(model), load=bad_load)
         errors.append(None)
     except B.WeightSyncError as exc:
@@ -300,7 +335,7 @@ def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
     if rank == 0:
         B.send(g, _model(7, dev), version=9)
     else:
-        B.receive(g, expected=B.expected_from(model), load=B.copy_into(model))
+        B.receive(g, expected=B.expected_from(model), load=sync.copy_into(model))
     final = {k: _sha(v) for k, v in model.items()}
     # Same layout again, which the receivers accepted before, but the last receiver's model changed
     # meanwhile (a new expected): it asks for the vote again in the header, and everyone must refuse.
@@ -309,7 +344,7 @@ def _reject(rank: int, world_size: int, port: int, kind: str) -> dict:
             B.send(g, _model(8, dev), version=10)
         else:
             B.receive(g, expected=B.expected_from(other if rank == world_size - 1 else model),
-                      load=B.copy_into(model))
+                      load=sync.copy_into(model))
         errors.append(None)
     except B.WeightSyncError as exc:
         errors.append(str(exc))
@@ -369,22 +404,22 @@ def _corrupt(rank: int, world_size: int, port: int, kind: str) -> dict:
 
         g.broadcast_many = flaky
 
-    def sync(**send_kw) -> None:  # one update to _model(7), landed in place on the receivers
+    def update(**send_kw) -> None:  # one update to _model(7), landed in place on the receivers
         if rank == 0:
             B.send(g, _model(7, dev), **send_kw)
         else:
-            B.receive(g, expected=B.expected_from(model), load=B.copy_into(model), into=model)
+            B.receive(g, expected=B.expected_from(model), load=sync.copy_into(model), into=model)
 
     for name, verify in (("unverified", False), ("verified", True)):
         try:
-            sync(bucket_bytes=64 << 10, verify=verify)
+            update(bucket_bytes=64 << 10, verify=verify)
             out[name] = None
         except B.WeightSyncError as exc:
             out[name] = str(exc)
         calls[0] = 0
     if rank == 1:
         del g.broadcast_many  # the link is repaired (the class's method again)
-    sync(version=3)
+    update(version=3)
     out["final"] = {k: _sha(v) for k, v in model.items()}
     g.destroy()
     return out
@@ -414,7 +449,7 @@ def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bo
     dev = _device(kind, rank)
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=5)
     model = _model(3, dev)
-    B.send(g, model) if rank == 0 else B.receive(g, expected=None, load=B.copy_into(model))  # one good sync
+    B.send(g, model) if rank == 0 else B.receive(g, expected=None, load=sync.copy_into(model))  # one good sync
     if rank == victim == 0:
         real = g.broadcast_many
         count = [0]
@@ -436,7 +471,7 @@ def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bo
                     if hang:  # stalls without closing its sockets: only a timeout can notice
                         time.sleep(15)
                     os._exit(3)  # a receiver dies while unpacking its first bucket
-                B.copy_into(model)(batch)
+                sync.copy_into(model)(batch)
             B.receive(g, expected=None, load=load)
         return {"error": None, "seconds": time.monotonic() - t0}
     except B.WeightSyncError as exc:
@@ -526,6 +561,6 @@ def _large_state(rank: int, world_size: int, port: int) -> dict:
     if rank == 0:
         st = B.send(g, model, bucket_bytes=64 << 20)
     else:
-        st = B.receive(g, expected=B.expected_from(model), load=B.copy_into(model))
+        st = B.receive(g, expected=B.expected_from(model), load=sync.copy_into(model))
     torch.cuda.synchronize()
-    return {"sums": B.tensor_checksums(model), "n_tensors": st.n_tensors}
+    return {"sums": checksums.tensor_checksums(model), "n_tensors": st.n_tensors}

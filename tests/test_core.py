@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import pytest
 import torch
 
 from labsupport.course.ranks import run_ranks
 from labsupport.core import buckets, handoff, sync, timeline
-from labsupport.groups import create_group, free_port
+from labsupport.groups import GroupTimeout, create_group, free_port
 from labsupport.course.peer import Peer
 
 
@@ -83,6 +84,65 @@ def test_sync_bytes_equal_after_broadcast_gloo():
 @pytest.mark.gpu(2)
 def test_sync_bytes_equal_after_broadcast_nccl():
     _check_sync(run_ranks(_sync_ranks, 2, (free_port(), "cuda"), timeout_s=180, cpu_threads=None))
+
+
+class _Recorder:
+    """A stand-in group that records the calls the core sync makes (an NCCL group queues work and returns)."""
+
+    def __init__(self, announced=None):
+        self.device, self.calls, self.announced = torch.device("cpu"), [], announced
+
+    def broadcast_object(self, obj, src=0):
+        self.calls.append("broadcast_object")
+        return obj if obj is not None else self.announced
+
+    def broadcast(self, tensor, src=0):
+        self.calls.append("broadcast")
+
+    def all_reduce(self, tensor, op="sum"):
+        self.calls.append("all_reduce")
+
+    def synchronize(self, what="work", timeout_s=None):
+        self.calls.append(("synchronize", timeout_s))
+
+
+def test_sync_ends_with_a_host_wait_that_has_a_deadline():
+    """On NCCL nothing in a broadcast blocks the host: each side must end with a wait that has a deadline, after a
+    collective every rank must reach, or a dead peer leaves a receiver loading a partial bucket with no error."""
+    state = _state(0)
+    trainer = _Recorder()
+    sync.send(trainer, state, bucket_bytes=64 << 10, timeout_s=7.0)
+    receiver = _Recorder(announced=(buckets.metas(state), 64 << 10))
+    sync.receive(receiver, lambda batch: None, timeout_s=7.0)
+    for calls in (trainer.calls, receiver.calls):
+        assert calls[0] == "broadcast_object" and set(calls[1:-2]) == {"broadcast"}
+        assert calls[-2:] == ["all_reduce", ("synchronize", 7.0)], calls
+
+
+def _core_trainer_dies(rank: int, world_size: int, port: int, device_kind: str) -> dict:
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    group = create_group("127.0.0.1", port, rank, world_size, device=device, timeout_s=5)
+    state = _state(rank, device)
+    if rank == 0:  # the trainer dies after its second bucket
+        real, sent = group.broadcast, []
+        group.broadcast = lambda t, src=0: (sent.append(1), os._exit(3) if len(sent) > 2 else real(t, src))
+        sync.send(group, state, bucket_bytes=4096)
+    t0 = time.monotonic()
+    try:
+        sync.receive(group, sync.copy_into(state))
+        return {"error": None}
+    except GroupTimeout as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(2))])
+@pytest.mark.timeout(120)
+def test_sync_receiver_of_a_dead_trainer_gets_a_timeout_error(device_kind):
+    res = run_ranks(_core_trainer_dies, 2, (free_port(), device_kind), timeout_s=90, cpu_threads=1)
+    assert not res[0][0] and res[0][1][0] == "Died"
+    ok, out = res[1]
+    assert ok and out["error"] is not None and "rank 0" in out["error"], out  # named, not a silent partial load
+    assert out["seconds"] < 5 + 10 + 20, out  # the deadline, the liveness check, a margin
 
 
 def _child_engine(inbox, outbox):

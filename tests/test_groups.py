@@ -256,3 +256,69 @@ def _other_current_device(rank: int, world_size: int, port: int) -> dict:
 def test_nccl_group_on_another_device_than_the_current_one():
     res = run_ranks(_other_current_device, 2, (free_port(),), timeout_s=100)
     assert res == [(True, {"current": 0, "done": True})] * 2
+
+
+# ---------------------------------------------------------------------------- what the group leaves behind
+
+def test_destroy_releases_the_port():
+    """destroy() lets go of rank 0's store too: the port can host a new group at once."""
+    port = free_port()
+    g = create_group("127.0.0.1", port, 0, 1, timeout_s=10)
+    g.destroy()
+    again = create_group("127.0.0.1", port, 0, 1, timeout_s=10)  # GroupError "already in use" if the store lived on
+    again.destroy()
+
+
+def _store_keys(rank: int, world_size: int, port: int) -> list[int]:
+    g = create_group("127.0.0.1", port, rank, world_size, timeout_s=30)
+    counts = []
+    for i in range(20):  # as core.sync does once per update: one object from the trainer, then tensors
+        g.broadcast_object({"step": i} if rank == 0 else None, src=0)
+        g.all_reduce(torch.ones(1))
+        counts.append(g.store.num_keys())
+    g.all_gather_object(rank)
+    g.barrier()
+    g.destroy()
+    return counts
+
+
+@pytest.mark.timeout(90)
+def test_object_collectives_do_not_grow_the_store():
+    """Each object collective's keys are deleted by the last rank that reads them (a sync a step for days must not
+    grow rank 0's store by a key a step)."""
+    res = run_ranks(_store_keys, 3, (free_port(),), timeout_s=60)
+    assert all(ok for ok, _ in res), res
+    counts = res[0][1]
+    assert counts[-1] <= counts[1] + 4, counts  # bounded (a few keys may await their last reader), not 1 per call
+
+
+def test_nccl_error_mode_is_set_for_the_constructor_only_even_from_threads(monkeypatch):
+    """The NCCL error mode can only be set through the environment: threads building groups at once must each see
+    it, and must not leave it changed (a fake constructor stands in for NCCL's, which needs GPUs)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from labsupport import groups
+
+    seen = []
+
+    class FakeNCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, world_size, opts):
+            time.sleep(0.05)
+            seen.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+            time.sleep(0.05)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    threads = [threading.Thread(target=groups._make_backend, args=(None, 0, 1, "nccl", 1.0)) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.03)
+    for t in threads:
+        t.join()
+    assert seen == ["2"] * 4
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ

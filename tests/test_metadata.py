@@ -1,6 +1,9 @@
 """labsupport.metadata: the one rule every receiver applies to an update's names, dtypes and shapes."""
 
+import torch
+
 from labsupport import metadata
+from labsupport.core import buckets
 
 
 def test_problems_names_each_mismatch_in_order():
@@ -14,3 +17,15 @@ def test_problems_names_each_mismatch_in_order():
         ("a", "twice", None, None),  # sent again, this time right
     ]
     assert metadata.problems([("a", "float32", [2, 3]), ("c", "int64", ())], expected) == []  # a subset is fine
+
+
+def test_describe_names_the_bad_tensor_against_a_receivers_own_tensors():
+    mine = {"layer.0.q.weight": torch.zeros(64, 64, dtype=torch.float16), "norm": torch.zeros(3)}
+    exp = {m.name: m for m in buckets.metas(mine)}  # expected values may be Metas: their dtype and shape count
+    bad = buckets.metas({**mine, "layer.0.q.weight": torch.zeros(64, 65, dtype=torch.float16)})
+    assert metadata.describe(bad, exp) == ["'layer.0.q.weight': shape expected (64, 64), found (64, 65)"]
+    renamed = [buckets.Meta("layer.0.q.wieght", "float16", (64, 64)), buckets.Meta("norm", "float32", (3,))] * 2
+    assert metadata.describe(renamed, exp) == [
+        "'layer.0.q.wieght': unknown name, expected one of this receiver's 2 tensors (did you mean 'layer.0.q.weight'?)",
+        "'layer.0.q.wieght': sent twice", "'layer.0.q.wieght': unknown name, expected one of this receiver's 2 "
+        "tensors (did you mean 'layer.0.q.weight'?)", "'norm': sent twice"]

@@ -454,7 +454,8 @@ def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
         pytest.skip("our gloo backend only (vLLM's NCCL backend runs on GPU)")
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    from labsupport import broadcast, vllm_plugin
+    from labsupport import vllm_plugin
+    from labsupport.core import buckets
 
     before = generate(llm)
     client = vllm_ext.LLMWeightSyncClient(llm)
@@ -462,7 +463,7 @@ def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
     engine = vllm_plugin.GlooTrainerWeightTransferEngine.trainer_init(info, client=client,
                                                                       source=ModuleSource(models.build_model(seed=2)))
     try:
-        metas = broadcast.metadata_of(engine.source)
+        metas = buckets.metas(engine.source)
         update = vllm_plugin.GlooWeightTransferUpdateInfo([m.name for m in metas], [m.dtype for m in metas],
                                                           [list(m.shape) for m in metas])
         client.start_weight_update()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from labsupport.course import hardware, progress, results
-from labsupport.broadcast import ALIGN
+from labsupport.core.buckets import ALIGN
 from labsupport.groups import create_group, free_port
 from labsupport.course.ranks import run_ranks
 from labsupport.course.sync_timing import BUCKET_MODES, bench_on_group, format_rows, plot_bench

@@ -1,21 +1,35 @@
 """Named tensors in one flat byte buffer: the layout that both a broadcast bucket and an IPC handle carry.
 
-A *meta* is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into tensors. Each
-tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype. ``dtype_name``,
-``ALIGN`` and ``round_up`` are also the hardened modules' (``broadcast``, ``ipc``, ``vllm_weights``): one copy.
+A ``Meta`` is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into tensors. Each
+tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype. This is the one
+bucket layout: ``broadcast``, ``ipc`` and ``vllm_weights`` build on these names.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
 ALIGN = 256  # bytes; a multiple of every dtype's item size (and of the GPU's widest loads)
 
-Meta = tuple[str, str, tuple[int, ...]]  # (name, dtype name such as "bfloat16", shape)
-Entry = tuple[str, str, tuple[int, ...], int, int]  # meta + (byte offset, nbytes)
+
+class Meta(NamedTuple):
+    """What a receiver needs to allocate and check one tensor."""
+    name: str
+    dtype: str  # e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+
+class Entry(NamedTuple):
+    """A tensor's ``Meta`` and where its bytes sit in the buffer."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the buffer's start, a multiple of ALIGN
+    nbytes: int
 
 
 def dtype_name(t: torch.Tensor | torch.dtype) -> str:
@@ -30,7 +44,12 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 def meta(name: str, t: torch.Tensor) -> Meta:
     """``(name, dtype name, shape)`` of a tensor."""
-    return name, dtype_name(t), tuple(t.shape)
+    return Meta(name, dtype_name(t), tuple(t.shape))
+
+
+def metas(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[Meta]:
+    """The ``Meta`` of each ``(name, tensor)`` (or of a ``{name: tensor}`` mapping), in order."""
+    return [meta(n, t) for n, t in (named.items() if isinstance(named, Mapping) else named)]
 
 
 def nbytes(m: Meta) -> int:
@@ -38,15 +57,13 @@ def nbytes(m: Meta) -> int:
     return math.prod(m[2]) * getattr(torch, m[1]).itemsize
 
 
-def groups(sizes: list[int], limit: int | Callable[[int], int]) -> list[list[int]]:
+def groups(sizes: list[int], limit: int) -> list[list[int]]:
     """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item alone): greedy
-    bucketing, the one copy (``broadcast``, ``ipc`` and ``reshard`` use it too). ``limit`` may be a function
-    of the group's index (``broadcast`` keeps its first groups small)."""
-    cap = limit if callable(limit) else (lambda k: limit)
+    bucketing, the one copy (``ipc``, ``reshard`` and ``lora`` use it too)."""
     out: list[list[int]] = []
     used = 0
     for i, n in enumerate(sizes):
-        if not out or used + n > cap(len(out) - 1):
+        if not out or used + n > limit:
             out.append([])
             used = 0
         out[-1].append(i)
@@ -63,16 +80,16 @@ def layout(metas: list[Meta]) -> tuple[list[Entry], int]:
     """Where each tensor sits in the buffer, and the buffer's size."""
     entries, off = [], 0
     for m in metas:
-        entries.append((*m, off, nbytes(m)))
+        entries.append(Entry(*m, off, nbytes(m)))
         off += round_up(nbytes(m))
     return entries, max(off, ALIGN)
 
 
 @torch.no_grad()
 def pack(buf: torch.Tensor, entries: list[Entry], tensors: list[torch.Tensor]) -> None:
-    """Copy each tensor's bytes into its place in the uint8 buffer ``buf``."""
-    for (_, _, _, off, n), t in zip(entries, tensors):
-        buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    """Copy each tensor into its place in the uint8 buffer ``buf``: one multi-tensor copy for all of them."""
+    if entries:
+        torch._foreach_copy_([v for _, v in unpack(buf, entries)], [t.detach() for t in tensors])
 
 
 def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Tensor]]:

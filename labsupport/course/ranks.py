@@ -7,7 +7,8 @@ silently or outlives the deadline is reported (and killed), not waited for.
 
 from __future__ import annotations
 
-import contextlib
+import pickle
+import queue as queues
 import time
 import traceback
 from typing import Any, Callable
@@ -33,9 +34,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and time.monotonic() < deadline:
-            with contextlib.suppress(Exception):  # (queue.Empty: nothing within 0.5 s)
-                rank, ok, out = queue.get(timeout=0.5)
-                results[rank] = (ok, out)
+            try:
+                rank, ok, data = queue.get(timeout=0.5)
+                results[rank] = (ok, pickle.loads(data))
+            except queues.Empty:  # nothing within 0.5 s
+                pass
+            except Exception as exc:  # a result this process cannot unpickle: that rank's failure, named
+                results[rank] = (False, (type(exc).__name__, f"rank {rank}'s result could not be unpickled: {exc}",
+                                         traceback.format_exc()))
             for r, p in enumerate(procs):  # exited without reporting (its last message would be in the queue)
                 if r not in results and p.exitcode is not None and queue.empty():
                     results[r] = (False, ("Died", f"rank {r} exited with code {p.exitcode}", ""))
@@ -53,7 +59,7 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
                 cpu_threads: int | None) -> None:
     if cpu_threads:
         torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
-    try:
-        queue.put((rank, True, fn(rank, world_size, *args)))
+    try:  # (pickled here, so that a result that cannot be pickled is reported as this rank's failure)
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as exc:  # report every failure to the parent, with its type and message
-        queue.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+        queue.put((rank, False, pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc()))))

@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport.broadcast import ALIGN, SyncStats, copy_into, expected_from, receive, release_buffers, send
+from labsupport.broadcast import Receiver, Sender, SyncStats, expected_from
+from labsupport.core.buckets import ALIGN
+from labsupport.core.sync import copy_into
 from labsupport.groups import StatelessGroup
 
 
@@ -88,8 +90,7 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
     (landing in place, no checksums), and for every bucket size: ``bucketed`` landing in the receivers' own
     tensors (with and without checksums), ``bucketed_load`` (landing in staging buffers that ``load`` copies
     out of, as an inference engine's ``load_weights`` needs) and ``packed`` (copied into buffers on the trainer,
-    out of them on the receivers).
-    """
+    out of them on the receivers). Each kind is a run of updates through one ``Sender`` and ``Receiver``."""
     dev = group.device
     rows: list[dict[str, Any]] = []
     for size in sizes_bytes:
@@ -118,27 +119,27 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
 
         if "raw" in modes:
             buf = torch.empty(total, dtype=torch.uint8, device=dev)
-            times = _timed(group, lambda: group.broadcast(buf, src), iters, warmup)
-            record("raw", total, times, None)
+            record("raw", total, _timed(group, lambda: group.broadcast(buf, src), iters, warmup), None)
             del buf
-        last: list[SyncStats] = []
 
-        def one(mode: str, bucket: int, verify: bool, in_place: bool) -> None:
+        def one(mode: str, bucket: int, verify: bool, in_place: bool) -> tuple[list[float], SyncStats]:
+            """Time a run of updates of one kind, with the Sender or Receiver held from one to the next."""
+            last: list[SyncStats] = []
             if group.rank == src:
-                last.append(send(group, model, src=src, mode=mode, bucket_bytes=bucket, verify=verify))
+                side = Sender(group, src=src, mode=mode, bucket_bytes=bucket, verify=verify)
+                times = _timed(group, lambda: last.append(side.send(model)), iters, warmup)
             else:
-                last.append(receive(group, src=src, expected=exp, load=load, into=model if in_place else None))
+                side = Receiver(group, src=src, expected=exp, load=load, into=model if in_place else None)
+                times = _timed(group, lambda: last.append(side.receive()), iters, warmup)
+            return times, last[-1]
 
         if "per_tensor" in modes:
-            times = _timed(group, lambda: one("per_tensor", ALIGN, False, True), iters, warmup)
-            record("per_tensor", 0, times, last[-1])
+            record("per_tensor", 0, *one("per_tensor", ALIGN, False, True))
         for bucket in buckets_bytes:
             for name, (mode, verify, in_place) in BUCKET_MODES.items():
                 if name in modes:
-                    times = _timed(group, lambda: one(mode, bucket, verify, in_place), iters, warmup)
-                    record(name, bucket, times, last[-1])
+                    record(name, bucket, *one(mode, bucket, verify, in_place))
         model = load = None  # (free this size's weights before the next one)
-        release_buffers(group)
     return rows if group.rank == src else []
 
 

@@ -20,7 +20,7 @@ from labsupport.rl.timeline import PhaseLog
 
 def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """Carry out one message's ops on an engine; the reply holds results and the spans they took."""
-    from labsupport import broadcast
+    from labsupport import broadcast, checksums
 
     reply: dict[str, Any] = {"events": []}
     for op in ops:
@@ -42,7 +42,7 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dic
             except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
                 reply["sync_error"] = str(err)
         elif kind == "checksums":
-            reply["checksums"] = broadcast.tensor_checksums(eng.params()) if hasattr(eng, "params") else None
+            reply["checksums"] = checksums.tensor_checksums(eng.params()) if hasattr(eng, "params") else None
         elif kind == "eval":
             reply["texts"] = eng.generate(op["prompts"], 1, op["max_new_tokens"], 0.0).texts
             phase = "eval"

@@ -91,11 +91,12 @@ class HFEngine:
     def receive(self) -> dict[str, Any]:
         """Receive one ``broadcast.send`` from rank 0 straight into the parameters (checked before loading)."""
         from labsupport import broadcast
+        from labsupport.core import sync
 
         params = self.params()
         if not hasattr(self, "expected"):
-            self.expected = broadcast.expected_from(params)  # built once: receive() caches its verdict
-        return broadcast.receive(self.group, src=0, expected=self.expected, load=broadcast.copy_into(params),
+            self.expected = broadcast.expected_from(params)  # built once
+        return broadcast.receive(self.group, src=0, expected=self.expected, load=sync.copy_into(params),
                                  device=self.device).as_dict()
 
     def close(self) -> None:

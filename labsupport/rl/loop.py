@@ -254,7 +254,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         reply = engine.call(*ops, {"op": "eval", "prompts": evals, "max_new_tokens": ANSWER_LEN, "step": cfg.steps},
                             {"op": "checksums", "step": cfg.steps})
         engine_acc = sum(reward(t, p) for t, p in zip(reply["texts"], evals)) / len(evals)
-        from labsupport.broadcast import tensor_checksums
+        from labsupport.checksums import tensor_checksums
 
         weights_match = None if reply["checksums"] is None else reply["checksums"] == tensor_checksums(weights())
     finally:
