@@ -1,0 +1,12 @@
+"""Assignment 1, seeded bug: each tensor starts right after the previous one's last byte, not at the next
+multiple of ALIGN (after a bfloat16 tensor of odd length, a float32 one sits at an offset no view allows)."""
+
+from grading.reference import a1 as ref
+
+
+def layout(metas):
+    entries, off = [], 0
+    for m in metas:
+        entries.append((*m, off, ref.nbytes(m)))
+        off += ref.nbytes(m)  # the bug: not rounded up to ALIGN
+    return entries, max(ref.round_up(off), ref.ALIGN)
