@@ -59,8 +59,8 @@ def _message(report) -> str:
         return str(report.longrepr).strip().splitlines()[-1][:300]
     text = crash.message.split("\nassert ")[0].strip()
     if text.startswith("NotImplementedError"):
-        where = _function_at(crash.path, crash.lineno)
-        return f"not implemented yet: {where or 'a function'} raises NotImplementedError"
+        where = text.partition(":")[2].strip() or _function_at(crash.path, crash.lineno) or "a function"
+        return f"not implemented yet: {where} raises NotImplementedError"
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return " ".join(lines[:3])[:400]
 

@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
-ALIGN = 256
-
-
-def sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def mixed_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Mixed dtypes, odd byte counts, a 0-d and an empty tensor, a bool mask, and two non-contiguous views."""
-    g = torch.Generator().manual_seed(seed)
-    fused = torch.randn(96, 40, generator=g)
-    return {"embed": torch.randn(50, 33, generator=g).to(torch.bfloat16),
-            "q": torch.randn(64, 64, generator=g).to(torch.float16),
-            "bias": torch.randn(1001, generator=g).to(torch.bfloat16),
-            "step": torch.tensor(seed, dtype=torch.int64),
-            "empty": torch.zeros(0, 7),
-            "mask": torch.rand(13, generator=g) > 0.5,
-            "head": torch.randn(17, 129, generator=g).to(torch.float64),
-            "w_t": torch.randn(30, 20, generator=g).t(),  # a transposed weight
-            "k_slice": fused[32:64, 3:37]}  # a slice of a fused weight
+from grading.support import ALIGN, mixed_state, sha
 
 
 def metas_of(impl, state: dict[str, torch.Tensor]) -> list:
