@@ -3,6 +3,8 @@
 
 from grading.reference import a1 as ref
 
+LOSES = {"test_split_keeps_order_and_the_limit"}  # the tests it fails (tests/test_grading.py)
+
 
 def split(metas, bucket_bytes):
     out, used = [], 0

@@ -3,6 +3,8 @@ and a write through a view (an IPC receiver's) never reaches the buffer."""
 
 import torch
 
+LOSES = {"test_unpack_returns_views_not_copies"}  # the tests it fails (tests/test_grading.py)
+
 
 def unpack(buf, entries):
     return [(name, buf[off:off + n].clone().view(getattr(torch, dtype)).view(shape))  # the bug: .clone()

@@ -5,6 +5,8 @@ import torch
 
 from grading.reference import a1 as buckets
 
+LOSES = {"test_receivers_hold_the_trainers_bytes", "test_each_bucket_is_loaded_after_it_arrived"}  # the tests it fails (tests/test_grading.py)
+
 
 def receive(group, load, src=0):
     metas, bucket_bytes = group.broadcast_object(None, src)

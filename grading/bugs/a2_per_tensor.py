@@ -5,6 +5,8 @@ import torch
 
 from grading.reference import a1 as buckets
 
+LOSES = {"test_each_bucket_is_loaded_after_it_arrived", "test_one_object_then_one_broadcast_per_bucket"}  # the tests it fails (tests/test_grading.py)
+
 
 def send(group, state, bucket_bytes=64 << 20, src=0):
     metas = [buckets.meta(n, t) for n, t in state.items()]
