@@ -10,3 +10,25 @@
 - ``planner``: memory and transfer-time arithmetic for designs at scale
 - ``sync_timing``, ``ipc_timing``: a sync or an IPC update timed here and now, as Labs 3 and 5 do
 """
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def implementation(name: str) -> ModuleType:
+    """``labsupport.core.<name>``, or with ``LABSUPPORT_IMPL=assignments`` your assignment's module of that name
+    (``assignments/a*_<name>.py``, graded by ``make grade``): the one switch that runs a lab on your code."""
+    if os.environ.get("LABSUPPORT_IMPL", "reference") != "assignments":
+        return importlib.import_module(f"labsupport.core.{name}")
+    root = str(Path(__file__).resolve().parents[2])  # the course's folder (labsupport is installed editable)
+    found = sorted(Path(root, "assignments").glob(f"a[0-9]*_{name}.py"))
+    if not found:
+        raise ModuleNotFoundError(f"LABSUPPORT_IMPL=assignments, but no assignments/a*_{name}.py in {root}")
+    if root not in sys.path:  # here and in the processes started from now on (Ray actors, vLLM workers)
+        sys.path.insert(0, root)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    print(f"LABSUPPORT_IMPL=assignments: core.{name} is your assignments/{found[0].name}")
+    return importlib.import_module(f"assignments.{found[0].stem}")
