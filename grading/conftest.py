@@ -37,12 +37,12 @@ def requested(config: pytest.Config) -> list[str]:
 
 
 def key_of(path: str | Path) -> str:
-    """``grading/test_a1_buckets.py`` -> ``"a1"``."""
+    """``grading/test_a2_buckets.py`` -> ``"a2"``."""
     return Path(path).stem.removeprefix("test_").split("_")[0]
 
 
 class Impl:
-    """One implementation of one assignment: ``name`` (effective: "reference", "bugs.a1_misaligned", ...),
+    """One implementation of one assignment: ``name`` (effective: "reference", "bugs.a2_misaligned", ...),
     ``key``, and its functions as attributes. Pass ``(impl.name, impl.key)`` to a child process and
     ``grading.impl.load`` them there."""
 

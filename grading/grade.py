@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 @dataclass
 class Result:
     key: str  # "a1"
-    module: str  # "test_a1_buckets.py"
+    module: str  # "test_a2_buckets.py"
     test: str  # the test function's name
     impl: str | None  # the effective implementation (None: not an implementation test)
     points: int

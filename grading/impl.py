@@ -3,7 +3,7 @@
 - ``assignments`` (the default): your files in ``assignments/``;
 - ``reference``: the course's own code (``grading/reference.py`` says where each assignment's lives);
 - ``stubs``: ``assignments/`` as handed out: every function body replaced by ``raise NotImplementedError``;
-- a seeded bug, e.g. ``a1_misaligned`` (a module of ``grading/bugs/``, defining only the function it breaks):
+- a seeded bug, e.g. ``a2_misaligned`` (a module of ``grading/bugs/``, defining only the function it breaks):
   its assignment with one realistic bug, every other assignment the reference. They prove that the tests can fail (``tests/test_grading.py``).
 
 Several, comma-separated (``IMPL=reference,stubs``), are graded in one run; a test runs once per distinct
@@ -26,7 +26,7 @@ BASES = ("assignments", "reference", "stubs")
 
 
 def files() -> dict[str, str]:
-    """Assignment key -> its module in ``assignments/``: ``{"a1": "a1_buckets", ...}``, in order."""
+    """Assignment key -> its module in ``assignments/``: ``{"a1": "a1_timeline", ...}``, in order."""
     names = sorted(p.stem for p in ASSIGNMENTS.glob("a[0-9]*_*.py"))
     return {n.split("_")[0]: n for n in sorted(names, key=lambda n: int(n.split("_")[0][1:]))}
 

@@ -29,10 +29,10 @@ def colocated_step(llm: Any, model: torch.nn.Module, train: Callable[[torch.nn.M
     llm.reset_prefix_cache()
 
 
-a1 = buckets
-a2 = sync
-a3 = handoff
-a4 = timeline
+a1 = timeline
+a2 = buckets
+a3 = sync
+a4 = handoff
 a5 = SimpleNamespace(colocated_step=colocated_step)
 a6 = SimpleNamespace(group_advantages=grpo.group_advantages, grpo_loss=grpo.grpo_loss,
                      tis_weights=getattr(grpo, "tis_weights", None) or after_update.tis_weights,

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-ALIGN = 256  # the alignment the contract of Assignment 1 states
+ALIGN = 256  # the alignment the contract of Assignment 2 states
 
 
 def sha(t: torch.Tensor) -> str:

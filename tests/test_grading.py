@@ -85,7 +85,7 @@ def test_student_copy_has_no_reference_bodies_and_scores_zero(tmp_path):
                    capture_output=True, timeout=300)
     assert not (dest / "grading" / "bugs").exists() and not (dest / "tests" / "test_grading.py").exists()
     buckets = (dest / "labsupport" / "core" / "buckets.py").read_text()
-    assert "return a1_buckets.layout(metas)" in buckets and "round_up(nbytes(m))" not in buckets
+    assert "return a2_buckets.layout(metas)" in buckets and "round_up(nbytes(m))" not in buckets
     assert "llm.reset_prefix_cache()" not in (dest / "grading" / "reference.py").read_text()
     env = {**os.environ, "PYTHONPATH": str(dest)}  # the copy's labsupport, not this checkout's
     data = _grade(dest, "assignments,reference", tmp_path / "student.json", env)

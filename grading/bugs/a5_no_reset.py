@@ -1,7 +1,7 @@
 """Assignment 5, seeded bug: the prefix cache is not reset after the update: prompts whose KV blocks were cached
 under the old weights are continued from those blocks, a silent mix of old and new weights."""
 
-from grading.reference import lora
+from labsupport import lora
 
 LOSES = {"test_cached_prompts_are_answered_with_the_new_weights", "test_the_cycle_runs_in_order"}
 

@@ -2,7 +2,7 @@
 cache, the weights and the trainer's exported buffer share the GPU at once, the peak that ``wake_up(tags=...)``
 exists to avoid (an out-of-memory error at scale)."""
 
-from grading.reference import lora
+from labsupport import lora
 
 LOSES = {"test_the_cycle_runs_in_order"}  # the tests it fails (tests/test_grading.py)
 

@@ -1,4 +1,4 @@
-"""Assignment 1: named tensors into one flat, aligned byte buffer, and back.
+"""Assignment 2: named tensors into one flat, aligned byte buffer, and back.
 
 A weight update moves many tensors of mixed dtypes and shapes. Sending each one costs a collective (or an IPC
 handle) apiece; packing them into one flat ``uint8`` buffer costs one. Your functions lay a list of tensors out
@@ -9,7 +9,7 @@ Given (from ``labsupport.core.buckets``): a *meta* ``(name, dtype name, shape)``
 where every tensor must start, so that its slice can be viewed as any dtype; ``round_up(n)`` rounds ``n`` up to
 a multiple of ``ALIGN``; ``groups(sizes, limit)`` is greedy bucketing of a list of sizes.
 
-Graded by ``grading/test_a1_buckets.py`` (``make grade``); read Lab 3's first section before you start.
+Graded by ``grading/test_a2_buckets.py`` (``make grade``); Lab 3 runs the course's own version first.
 """
 
 from __future__ import annotations

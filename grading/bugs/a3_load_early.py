@@ -1,9 +1,9 @@
-"""Assignment 2, seeded bug: each bucket is handed to ``load`` before the broadcast that fills it (the receiver
+"""Assignment 3, seeded bug: each bucket is handed to ``load`` before the broadcast that fills it (the receiver
 loads whatever its fresh buffer held: a silent wrong update, every byte "received")."""
 
 import torch
 
-from grading.reference import a1 as buckets
+from grading.reference import a2 as buckets
 
 LOSES = {"test_receivers_hold_the_trainers_bytes", "test_each_bucket_is_loaded_after_it_arrived"}  # the tests it fails (tests/test_grading.py)
 

@@ -1,9 +1,9 @@
-"""Assignment 4, seeded bug: a phase records one sample, when it ends: the peak inside a phase that frees what it
+"""Assignment 1, seeded bug: a phase records one sample, when it ends: the peak inside a phase that frees what it
 allocated (a KV cache dropped at the end of generate) is never seen, and the plot has no "begin" bars."""
 
 import contextlib
 
-from grading.reference import a4 as ref
+from grading.reference import a1 as ref
 
 LOSES = {"test_bytes_by_role_at_every_phase_edge"}  # the tests it fails (tests/test_grading.py)
 

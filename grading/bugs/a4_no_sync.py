@@ -1,11 +1,11 @@
-"""Assignment 3, seeded bug (seen on a GPU only): the handle is sent while the copies into the buffer are still
+"""Assignment 4, seeded bug (seen on a GPU only): the handle is sent while the copies into the buffer are still
 queued on the owner's GPU. An engine that loads on a stream of its own reads the buffer before they land."""
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from grading.reference import a1 as buckets
-from grading.reference import a3 as ref
+from grading.reference import a2 as buckets
+from grading.reference import a4 as ref
 from labsupport.course.hardware import gpu_uuid
 
 LOSES = {"test_cuda_handle_is_safe_to_send_at_once"}  # the tests it fails (tests/test_grading.py)

@@ -1,4 +1,4 @@
-"""Assignment 4 (assignments/a4_timeline.py): a memory timeline of one RLHF step by role, and its plot.
+"""Assignment 1 (assignments/a1_timeline.py): a memory timeline of one RLHF step by role, and its plot.
 
 A small step runs under the timeline: generate (a KV cache appears), free the KV cache, train (gradients
 appear), optimizer step (Adam's two moments appear, gradients go). Bytes are checked exactly at every edge.

@@ -1,4 +1,4 @@
-"""Assignment 4: a memory timeline of one RLHF step by role, and its plot.
+"""Assignment 1: a memory timeline of one RLHF step by role, and its plot.
 
 The caller says which tensors play which role (``tl.track("weights", lambda: list(model.parameters()))``);
 each ``with tl.phase("generate"):`` block records one sample as it begins and one as it ends: the seconds since
@@ -6,7 +6,7 @@ the timeline was made, the phase, the event ("begin" or "end"), the bytes each r
 device, and on a GPU what PyTorch's caching allocator has allocated. On the CPU there is no allocator to ask:
 the role bytes are the timeline.
 
-Graded by ``grading/test_a4_timeline.py``; Lab 2 shows the step this records.
+Graded by ``grading/test_a1_timeline.py``; Lab 2 shows the step this records.
 """
 
 from __future__ import annotations

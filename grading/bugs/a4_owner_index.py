@@ -1,10 +1,10 @@
-"""Assignment 3, seeded bug: the receiver opens the handle on the owner's CUDA index instead of looking the
+"""Assignment 4, seeded bug: the receiver opens the handle on the owner's CUDA index instead of looking the
 GPU's UUID up: under another CUDA_VISIBLE_DEVICES it maps the wrong GPU, or fails."""
 
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from grading.reference import a1 as buckets
-from grading.reference import a3 as ref
+from grading.reference import a2 as buckets
+from grading.reference import a4 as ref
 
 LOSES = {"test_rebuild_opens_the_handle_on_this_process_index"}  # the tests it fails (tests/test_grading.py)
 

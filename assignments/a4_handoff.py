@@ -1,4 +1,4 @@
-"""Assignment 3: a CUDA IPC handoff: export, rebuild in another process by GPU UUID, load, release.
+"""Assignment 4: a CUDA IPC handoff: export, rebuild in another process by GPU UUID, load, release.
 
 The owner (a trainer) packs named tensors into one flat buffer and exports it as a small picklable ``Handle``;
 another process on the same machine (an inference engine) rebuilds the buffer from it, which maps the owner's
@@ -15,8 +15,8 @@ buffer. One code path, two kinds of memory:
   (``torch.UntypedStorage.from_file(path, shared=True, nbytes=size)``); the handle's ``where`` is
   ``(path, size)``, and releasing removes the file.
 
-Given: ``Handle(gpu, where, entries)`` (``gpu``: the UUID, or None on the CPU), Assignment 1's functions in
-``labsupport.core.buckets``, and ``gpu_uuid``. Graded by ``grading/test_a3_handoff.py`` (a second process;
+Given: ``Handle(gpu, where, entries)`` (``gpu``: the UUID, or None on the CPU), Assignment 2's functions in
+``labsupport.core.buckets``, and ``gpu_uuid``. Graded by ``grading/test_a4_handoff.py`` (a second process;
 a simulated remap on the CPU; real CUDA IPC on a GPU).
 """
 

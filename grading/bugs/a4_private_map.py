@@ -1,11 +1,11 @@
-"""Assignment 3, seeded bug: the receiver maps the shared-memory file privately (``shared=False``, the default
+"""Assignment 4, seeded bug: the receiver maps the shared-memory file privately (``shared=False``, the default
 of ``UntypedStorage.from_file``): it reads the owner's bytes, but its pages are copy-on-write, so nothing is
 shared: memory doubles, and writes (an in-place update of the receiver's side) never reach the owner."""
 
 import torch
 
-from grading.reference import a1 as buckets
-from grading.reference import a3 as ref
+from grading.reference import a2 as buckets
+from grading.reference import a4 as ref
 
 LOSES = {"test_rebuild_maps_the_owners_memory"}  # the tests it fails (tests/test_grading.py)
 

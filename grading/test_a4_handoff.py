@@ -1,4 +1,4 @@
-"""Assignment 3 (assignments/a3_handoff.py): an IPC handoff: export, rebuild by GPU UUID, load, release.
+"""Assignment 4 (assignments/a4_handoff.py): an IPC handoff: export, rebuild by GPU UUID, load, release.
 
 The owner is this process; the receiver is a second process (spawned) that rebuilds the handle, loads it into
 tensors of its own and writes through a view. On the CPU the handle is a shared-memory file, and a remapped

@@ -1,4 +1,4 @@
-"""Assignment 1 (assignments/a1_buckets.py): named tensors into one flat, aligned buffer and back."""
+"""Assignment 2 (assignments/a2_buckets.py): named tensors into one flat, aligned buffer and back."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Assignment 1, seeded bug: each tensor starts right after the previous one's last byte, not at the next
+"""Assignment 2, seeded bug: each tensor starts right after the previous one's last byte, not at the next
 multiple of ALIGN (after a bfloat16 tensor of odd length, a float32 one sits at an offset no view allows)."""
 
-from grading.reference import a1 as ref
+from grading.reference import a2 as ref
 
 LOSES = {"test_round_trip_keeps_every_byte", "test_layout_is_aligned_and_tight", "test_unpack_returns_views_not_copies", "test_split_keeps_order_and_the_limit"}  # the tests it fails (tests/test_grading.py)
 

@@ -1,18 +1,18 @@
-"""Assignment 2: a weight sync over a stateless group: metadata, then one broadcast per bucket, then load.
+"""Assignment 3: a weight sync over a stateless group: metadata, then one broadcast per bucket, then load.
 
 The trainer (rank ``src``) calls ``send``; every inference rank calls ``receive`` at the same time, in the same
 group (``labsupport.groups.create_group``: NCCL between GPUs, gloo on the CPU; the same calls on both). In order:
 
 1. metadata: the trainer sends every tensor's meta and the bucket size as one small object
    (``group.broadcast_object(obj, src)``, which returns the object on every rank);
-2. buckets: both sides split the metas into the same buckets (Assignment 1's ``split``); per bucket the trainer
+2. buckets: both sides split the metas into the same buckets (Assignment 2's ``split``); per bucket the trainer
    packs its tensors into one ``uint8`` buffer on ``group.device`` and broadcasts it (``group.broadcast(buf,
    src)``, in place), and each receiver receives into an empty buffer of the same size;
 3. load: the receiver slices each bucket back into named views and hands them to ``load``, bucket by bucket,
    once the bucket has arrived (a vLLM worker would call ``model.load_weights(weights=...)``).
 
-Given: ``labsupport.core.buckets`` (Assignment 1's functions: the course's, or yours in the student copy).
-Graded by ``grading/test_a2_sync.py`` (3 processes over gloo; on 2+ GPUs also over NCCL).
+Given: ``labsupport.core.buckets`` (Assignment 2's functions: the course's, or yours in the student copy).
+Graded by ``grading/test_a3_sync.py`` (3 processes over gloo; on 2+ GPUs also over NCCL).
 """
 
 from __future__ import annotations

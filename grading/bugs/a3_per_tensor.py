@@ -1,9 +1,9 @@
-"""Assignment 2, seeded bug: one broadcast per tensor instead of per bucket (the bytes arrive, but a model of
+"""Assignment 3, seeded bug: one broadcast per tensor instead of per bucket (the bytes arrive, but a model of
 hundreds of tensors pays hundreds of collective launches: the latency that bucketing exists to remove)."""
 
 import torch
 
-from grading.reference import a1 as buckets
+from grading.reference import a2 as buckets
 
 LOSES = {"test_each_bucket_is_loaded_after_it_arrived", "test_one_object_then_one_broadcast_per_bucket"}  # the tests it fails (tests/test_grading.py)
 

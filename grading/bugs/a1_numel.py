@@ -1,11 +1,11 @@
-"""Assignment 4, seeded bug: a role's size is its tensors' element count, not their bytes (right for uint8
+"""Assignment 1, seeded bug: a role's size is its tensors' element count, not their bytes (right for uint8
 only: a float32 timeline reads four times too small, a bfloat16 one two)."""
 
 import time
 
 import torch
 
-from grading.reference import a4 as ref
+from grading.reference import a1 as ref
 
 LOSES = {"test_bytes_by_role_at_every_phase_edge"}  # the tests it fails (tests/test_grading.py)
 

@@ -1,4 +1,4 @@
-"""Assignment 2 (assignments/a2_sync.py): a weight sync over a stateless group: metadata, a broadcast per bucket, load.
+"""Assignment 3 (assignments/a3_sync.py): a weight sync over a stateless group: metadata, a broadcast per bucket, load.
 
 A trainer and two receivers run in three processes over gloo (a trainer and a receiver over NCCL on two GPUs): each
 rank's ``send`` or ``receive`` runs on a group that records its calls, and each receiver's ``load`` records the

@@ -1,4 +1,4 @@
-"""Assignment 4, seeded bug: the plot draws every role's bars from zero, so they overlap instead of stacking (the
+"""Assignment 1, seeded bug: the plot draws every role's bars from zero, so they overlap instead of stacking (the
 largest role hides the others, and the bar's top is not the total)."""
 
 import matplotlib.pyplot as plt

@@ -1,7 +1,7 @@
-"""Assignment 1, seeded bug: a bucket is closed only once it has grown past the limit, so buckets overflow
+"""Assignment 2, seeded bug: a bucket is closed only once it has grown past the limit, so buckets overflow
 ``bucket_bytes`` (a receiver's preallocated buffer, or the memory budget)."""
 
-from grading.reference import a1 as ref
+from grading.reference import a2 as ref
 
 LOSES = {"test_split_keeps_order_and_the_limit"}  # the tests it fails (tests/test_grading.py)
 

@@ -1,4 +1,4 @@
-"""Assignment 1, seeded bug: ``unpack`` returns copies "to be safe": every bucket is held twice while it loads,
+"""Assignment 2, seeded bug: ``unpack`` returns copies "to be safe": every bucket is held twice while it loads,
 and a write through a view (an IPC receiver's) never reaches the buffer."""
 
 import torch
