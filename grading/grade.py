@@ -95,6 +95,22 @@ class Collector:
                 item.user_properties.append(("points", int(marker.args[0])))
 
 
+def points(files: list[Path] | None = None) -> dict[str, dict[str, int]]:
+    """Each part's points from its tests' markers, without running them: ``{"a1": {"cpu": 15, "gpu": 4}}``
+    (``gpu``: the points of the tests that need GPUs)."""
+    out: dict[str, dict[str, int]] = {}
+    for p in files if files is not None else test_files([]):
+        part = out.setdefault(p.stem.removeprefix("test_").split("_")[0], {"cpu": 0, "gpu": 0})
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                marks = {d.func.attr: d.args[0].value for d in node.decorator_list
+                         if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args
+                         and isinstance(d.args[0], ast.Constant)}
+                if "points" in marks:
+                    part["gpu" if "gpu" in marks else "cpu"] += marks["points"]
+    return out
+
+
 def titles(files: list[Path]) -> dict[str, str]:
     """Each part's title: the first line of its test module's docstring."""
     out = {}

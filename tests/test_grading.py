@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,12 @@ def test_student_copy_has_no_reference_bodies_and_scores_zero(tmp_path):
     data = _grade(dest, "assignments,reference", tmp_path / "student.json", env)
     for impl in ("assignments", "reference"):
         assert data["scores"][impl]["points"] == 0 < data["scores"][impl]["possible"], data["scores"]
+
+
+def test_instructors_page_states_the_points_the_tests_carry():
+    from grading.grade import points
+
+    page = (ROOT / "book" / "instructors.md").read_text()
+    rows = re.findall(r"^\| \d\. [^|]+\| `(a\d)_\w+\.py` \| \d+ \| (\d+) \| (\d+|-)", page, re.M)
+    stated = {key: {"cpu": int(cpu), "gpu": 0 if gpu == "-" else int(gpu)} for key, cpu, gpu in rows}
+    assert stated == points(), f"book/instructors.md's table says {stated}; the tests carry {points()}"
