@@ -156,8 +156,11 @@ def grade(impls: list[str], keys: list[str] | None = None, pytest_args: list[str
     collector = Collector()
     args = [str(p) for p in files] + [f"--impl={','.join(impls)}", "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
                                       "-W", "ignore::DeprecationWarning", *(pytest_args or [])]
-    pytest.main(args, plugins=[collector])
+    code = pytest.main(args, plugins=[collector])
     results = list(collector.results.values())
+    if code not in (0, 1) or not results:  # 1: some tests failed, which is a grade; anything else is not
+        raise SystemExit(f"the graded tests could not run (pytest exit code {int(code)}); "
+                         f"see the output above, or: python -m pytest {' '.join(str(p) for p in files)}")
     names = titles(files)
     scores = {}
     for name in impls:

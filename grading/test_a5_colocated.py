@@ -137,7 +137,7 @@ def turn(name: str, key: str) -> dict:
     finally:
         if e["gpu"] and llm.llm_engine.is_sleeping():  # whatever the turn did, the next one finds it awake
             llm.wake_up()
-    out["calls"], out["freed"] = rec.calls, (free_before - free[0]) if free and free_before else None
+    out["calls"], out["freed"] = rec.calls, (free[0] - free_before) if free and free_before else None
     return out
 
 
