@@ -75,12 +75,10 @@ class Collector:
         item_path = Path(report.nodeid.split("::")[0])
         if item_path.parent.name != HERE.name:
             return
-        points = dict(report.user_properties).get("points", 0)
-        name = report.nodeid.split("::")[-1]
-        test, _, param = name.partition("[")
+        props = dict(report.user_properties)
         r = self.results.get(report.nodeid) or Result(
-            item_path.stem.removeprefix("test_").split("_")[0], item_path.name, test,
-            param.rstrip("]") or None, points, "passed")
+            item_path.stem.removeprefix("test_").split("_")[0], item_path.name, props.get("test", report.nodeid),
+            props.get("impl"), props.get("points", 0), "passed")
         if report.skipped and r.outcome == "passed":
             r.outcome = "skipped"
             r.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"
@@ -91,8 +89,11 @@ class Collector:
     def pytest_collection_modifyitems(self, items) -> None:
         for item in items:
             marker = item.get_closest_marker("points")
-            if marker is not None:
-                item.user_properties.append(("points", int(marker.args[0])))
+            params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+            impl = params.pop("impl", None)
+            others = "-".join(str(v) for v in params.values())
+            item.user_properties += [("points", int(marker.args[0]) if marker else 0), ("impl", impl),
+                                     ("test", item.originalname + (f"[{others}]" if others else ""))]
 
 
 def points(files: list[Path] | None = None) -> dict[str, dict[str, int]]:

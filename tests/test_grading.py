@@ -101,3 +101,16 @@ def test_instructors_page_states_the_points_the_tests_carry():
     rows = re.findall(r"^\| \d\. [^|]+\| `(a\d)_\w+\.py` \| \d+ \| (\d+) \| (\d+|-)", page, re.M)
     stated = {key: {"cpu": int(cpu), "gpu": 0 if gpu == "-" else int(gpu)} for key, cpu, gpu in rows}
     assert stated == points(), f"book/instructors.md's table says {stated}; the tests carry {points()}"
+
+
+def test_labs_switch_to_the_learners_code(monkeypatch):
+    from labsupport.course import implementation
+    from labsupport.core import sync
+
+    monkeypatch.delenv("LABSUPPORT_IMPL", raising=False)
+    assert implementation("sync") is sync
+    monkeypatch.setenv("LABSUPPORT_IMPL", "assignments")
+    assert implementation("sync").__name__ == "assignments.a3_sync"
+    assert implementation("timeline").__name__ == "assignments.a1_timeline"
+    with pytest.raises(ModuleNotFoundError):
+        implementation("no_such_core")
