@@ -156,7 +156,7 @@ def grade(impls: list[str], keys: list[str] | None = None, pytest_args: list[str
         raise SystemExit(f"no graded tests for {keys} in {HERE}")
     collector = Collector()
     args = [str(p) for p in files] + [f"--impl={','.join(impls)}", "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
-                                      "-W", "ignore::DeprecationWarning", *(pytest_args or [])]
+                                      "--disable-warnings", *(pytest_args or [])]
     code = pytest.main(args, plugins=[collector])
     results = list(collector.results.values())
     if code not in (0, 1) or not results:  # 1: some tests failed, which is a grade; anything else is not

@@ -55,6 +55,7 @@ def batch(seed: int = 0):
 
 def by_hand_loss(logp, old, ref, adv, mask, clip_eps=0.2, beta=0.02, w=None) -> dict[str, float]:
     """GRPO's loss and statistics, one token at a time."""
+    logp = logp.detach()
     seqs, kls, ratios, clipped = [], [], [], 0
     for i in range(logp.shape[0]):
         terms = []
