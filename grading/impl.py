@@ -4,7 +4,8 @@
 - ``reference``: the course's own code (``grading/reference.py`` says where each assignment's lives);
 - ``stubs``: ``assignments/`` as handed out: every function body replaced by ``raise NotImplementedError``;
 - a seeded bug, e.g. ``a2_misaligned`` (a module of ``grading/bugs/``, defining only the function it breaks):
-  its assignment with one realistic bug, every other assignment the reference. They prove that the tests can fail (``tests/test_grading.py``).
+  its assignment with one realistic bug, every other assignment the reference. They prove that the tests
+  can fail (``tests/test_grading.py``).
 
 Several, comma-separated (``IMPL=reference,stubs``), are graded in one run; a test runs once per distinct
 implementation of its assignment.
@@ -27,8 +28,8 @@ BASES = ("assignments", "reference", "stubs")
 
 def files() -> dict[str, str]:
     """Assignment key -> its module in ``assignments/``: ``{"a1": "a1_timeline", ...}``, in order."""
-    names = sorted(p.stem for p in ASSIGNMENTS.glob("a[0-9]*_*.py"))
-    return {n.split("_")[0]: n for n in sorted(names, key=lambda n: int(n.split("_")[0][1:]))}
+    names = sorted((p.stem for p in ASSIGNMENTS.glob("a[0-9]*_*.py")), key=lambda n: int(n.split("_")[0][1:]))
+    return {n.split("_")[0]: n for n in names}
 
 
 def bugs() -> list[str]:
@@ -73,18 +74,35 @@ def _stubs(module: str) -> types.ModuleType:
     full = f"grading.stubs.{module}"
     if full not in sys.modules:
         path = ASSIGNMENTS / f"{module}.py"
-        tree = stub_functions(ast.parse(path.read_text()))
-        mod = types.ModuleType(full, ast.get_docstring(tree))
+        source = stub_source(path.read_text())
+        mod = types.ModuleType(full, ast.get_docstring(ast.parse(source)))
         mod.__file__ = str(path)
         sys.modules[full] = mod
-        exec(compile(tree, str(path), "exec"), mod.__dict__)
+        exec(compile(source, str(path), "exec"), mod.__dict__)
     return sys.modules[full]
 
 
-def stub_functions(tree: ast.Module) -> ast.Module:
-    """Every function and method in ``tree``: its docstring kept, its body ``raise NotImplementedError``."""
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = [node.body[0]] if ast.get_docstring(node) is not None else []
-            node.body = doc + [ast.Raise(exc=ast.Name("NotImplementedError", ast.Load()), cause=None)]
-    return ast.fix_missing_locations(tree)
+def first_line(node: ast.stmt) -> int:
+    """A statement's first line, its decorators included."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+
+
+def body_start(node: ast.FunctionDef) -> int:
+    """The first line (1-based) after the function's docstring, or of its first statement."""
+    if ast.get_docstring(node) is None:
+        return first_line(node.body[0])
+    return first_line(node.body[1]) if len(node.body) > 1 else node.body[0].end_lineno + 1
+
+
+def stub_source(source: str) -> str:
+    """An assignment file with every function's and method's body ``raise NotImplementedError``."""
+    tree = ast.parse(source)
+    funcs = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
+                   key=lambda n: -n.lineno)  # bottom up: line numbers above stay valid
+    lines = source.splitlines(keepends=True)
+    for n in funcs:
+        if any(n is not m and m.lineno <= n.lineno <= m.end_lineno for m in funcs if m.lineno < n.lineno):
+            continue  # nested in a function that is stubbed whole
+        indent = " " * n.body[0].col_offset
+        lines[body_start(n) - 1:n.end_lineno] = [f"{indent}raise NotImplementedError\n"]
+    return "".join(lines)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from grading import impl as impls
+from grading.impl import body_start, first_line, stub_source
 
 ROOT = impls.ROOT
 LEFT_OUT = ("grading/bugs/", "tests/test_grading.py")
@@ -48,18 +49,6 @@ def _call(node: ast.FunctionDef, target: str) -> str:
     return f"{target}({', '.join(parts)})"
 
 
-def _first_line(node: ast.stmt) -> int:
-    """A statement's first line, its decorators included."""
-    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-
-
-def _body_start(node: ast.FunctionDef) -> int:
-    """The first line (1-based) after the function's docstring, or of its first statement."""
-    if ast.get_docstring(node) is None:
-        return _first_line(node.body[0])
-    return _first_line(node.body[1]) if len(node.body) > 1 else node.body[0].end_lineno + 1
-
-
 def replace(source: str, name: str, lines_for) -> str:
     """``source`` with the top-level function or class ``name`` rewritten: ``lines_for(node, indent)`` gives the
     lines that replace a function's body (after its docstring), or a whole class."""
@@ -69,10 +58,10 @@ def replace(source: str, name: str, lines_for) -> str:
         raise SystemExit(f"no top-level {name} in this source: grading/reference.py points at the wrong place")
     lines = source.splitlines(keepends=True)
     if isinstance(node, ast.ClassDef):
-        start = _first_line(node)
+        start = first_line(node)
         return "".join(lines[:start - 1] + lines_for(node, "") + lines[node.end_lineno:])
     indent = " " * node.body[0].col_offset
-    start = _body_start(node)
+    start = body_start(node)
     return "".join(lines[:start - 1] + lines_for(node, indent) + lines[node.end_lineno:])
 
 
@@ -87,24 +76,6 @@ def delegate(module: str, key: str):
                 f"{indent}return {_call(node, f'{module}.{node.name}')}\n"]
 
     return lines_for
-
-
-def stub(node, indent: str) -> list[str]:
-    return [f"{indent}raise NotImplementedError\n"]
-
-
-def stub_source(source: str) -> str:
-    """An assignment file with every function's and method's body ``raise NotImplementedError``."""
-    tree = ast.parse(source)
-    funcs = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
-                   key=lambda n: -n.lineno)  # bottom up: line numbers above stay valid
-    lines = source.splitlines(keepends=True)
-    for n in funcs:
-        if any(n is not m and m.lineno <= n.lineno <= m.end_lineno for m in funcs if m.lineno < n.lineno):
-            continue  # nested in a function that is stubbed whole
-        indent = " " * n.body[0].col_offset
-        lines[_body_start(n) - 1:n.end_lineno] = stub(n, indent)
-    return "".join(lines)
 
 
 def build(dest: Path) -> list[str]:
