@@ -7,7 +7,8 @@ behind), the engine's log-probabilities differ from the trainer's for the same t
 sampling (TIS) weights each token by the trainer-to-engine probability ratio, capped, and masked importance
 sampling (MIS) drops the tokens whose ratio is out of range.
 
-Graded by ``grading/test_a6_grpo.py``; Chapter 9 explains the correction, and the capstone (Lab 10) trains with this loss.
+Graded by ``grading/test_a6_grpo.py``; Chapter 9 explains the correction; the capstone (Lab 10) trains with
+this loss.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def test_bytes_by_role_at_every_phase_edge(impl):
 @pytest.mark.points(3)
 def test_samples_and_phases(impl):
     tl, _ = one_step(impl)
-    assert tl.phases == ["generate", "free_kv", "train", "optimizer_step"], f"expected the phases in order, got {tl.phases}"
+    want = ["generate", "free_kv", "train", "optimizer_step"]
+    assert tl.phases == want, f"expected the phases {want} in order, got {tl.phases}"
     ts = [s["t"] for s in tl.samples]
     assert all(isinstance(t, float) for t in ts) and ts == sorted(ts), f"expected non-decreasing seconds, got {ts}"
     assert all(s["allocated"] is None for s in tl.samples), "expected allocated None on the CPU"
@@ -105,4 +106,5 @@ def test_gpu_timeline_reads_the_allocator(impl):
     check_bytes(tl, w)
     assert all(isinstance(s["allocated"], int) for s in tl.samples), "expected the allocator's bytes on a GPU"
     kv = next(s for s in tl.samples if s["phase"] == "generate" and s["event"] == "end")
-    assert kv["allocated"] >= w + 4000, f"expected at least the weights and the KV cache allocated, got {kv['allocated']}"
+    assert kv["allocated"] >= w + 4000, \
+        f"expected at least the weights and the KV cache allocated ({w + 4000} bytes), got {kv['allocated']}"

@@ -36,7 +36,8 @@ def test_layout_is_aligned_and_tight(impl):
     for (name, _, _, offset, n), t in zip(entries, state.values()):
         assert n == t.numel() * t.element_size(), f"{name}: expected nbytes {t.numel() * t.element_size()}, got {n}"
         assert offset % ALIGN == 0, f"{name}: expected an offset that is a multiple of {ALIGN}, got {offset}"
-        assert offset == off, f"{name}: expected offset {off} (right after the previous tensor, rounded up), got {offset}"
+        assert offset == off, \
+            f"{name}: expected offset {off} (right after the previous tensor, rounded up), got {offset}"
         off += -(-n // ALIGN) * ALIGN
     assert size == max(off, ALIGN), f"expected a buffer of {max(off, ALIGN)} bytes, got {size}"
     assert impl.layout([])[1] == ALIGN, f"expected an empty layout to take {ALIGN} bytes, got {impl.layout([])[1]}"

@@ -194,4 +194,5 @@ def test_the_cycle_runs_in_order(impl):
 def test_sleep_frees_gpu_memory_for_training(impl):
     out = observed(impl, "after")
     freed = out["freed"] or 0
-    assert freed > 1 << 30, f"expected at least 1 GiB of GPU memory freed while the trainer trains, got {freed / 2**20:.0f} MiB"
+    assert freed > 1 << 30, \
+        f"expected at least 1 GiB of GPU memory freed while the trainer trains, got {freed / 2**20:.0f} MiB"

@@ -85,7 +85,8 @@ def test_grpo_loss_matches_the_formula(impl):
     assert loss.item() == pytest.approx(want["loss"], rel=1e-4, abs=1e-6), \
         f"expected loss {want['loss']:.6f}, got {loss.item():.6f}"
     for k, v in want.items():
-        assert stats.get(k) == pytest.approx(v, rel=1e-4, abs=1e-6), f"expected stats[{k!r}] = {v:.6f}, got {stats.get(k)}"
+        assert stats.get(k) == pytest.approx(v, rel=1e-4, abs=1e-6), \
+            f"expected stats[{k!r}] = {v:.6f}, got {stats.get(k)}"
 
 
 @pytest.mark.points(3)
@@ -117,7 +118,8 @@ def test_tis_weights_and_mis_mask(impl):
     engine = torch.log(torch.tensor([[0.5, 0.1, 0.3, 0.2]]))  # ratios 1, 3, 3, 0.25
     w = impl.tis_weights(trainer, engine, cap=2.0)
     want = [1.0, 2.0, 2.0, 0.25]
-    assert w.tolist()[0] == pytest.approx(want, rel=1e-5), f"expected TIS weights {want} (capped at 2), got {w.tolist()}"
+    assert w.tolist()[0] == pytest.approx(want, rel=1e-5), \
+        f"expected TIS weights {want} (capped at 2), got {w.tolist()}"
     assert not w.requires_grad, "expected TIS weights without gradient"
     m = impl.mis_mask(trainer, engine, cap=2.0)
     assert m.tolist() == [[1.0, 0.0, 0.0, 0.0]] and m.dtype == trainer.dtype, \
@@ -131,6 +133,7 @@ def test_token_weights_scale_the_surrogate_as_constants(impl):
     w = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
     loss, _ = impl.grpo_loss(logp, old, ref, adv, mask, token_weights=w)
     want = by_hand_loss(logp, old, ref, adv, mask, w=w.detach())["loss"]
-    assert loss.item() == pytest.approx(want, rel=1e-4, abs=1e-6), f"expected the weighted loss {want:.6f}, got {loss.item():.6f}"
+    assert loss.item() == pytest.approx(want, rel=1e-4, abs=1e-6), \
+        f"expected the weighted loss {want:.6f}, got {loss.item():.6f}"
     loss.backward()
     assert w.grad is None or not w.grad.abs().any(), "expected no gradient into token_weights (they are constants)"

@@ -3,7 +3,7 @@ largest role hides the others, and the bar's top is not the total)."""
 
 import matplotlib.pyplot as plt
 
-LOSES = {"test_plot_stacks_the_roles"}  # the tests it fails (tests/test_grading.py)
+LOSES = {"test_plot_stacks_the_roles"}
 
 
 def plot(tl, unit=1e6, ax=None):

@@ -3,7 +3,7 @@
 
 from grading.reference import a2 as ref
 
-LOSES = {"test_split_keeps_order_and_the_limit"}  # the tests it fails (tests/test_grading.py)
+LOSES = {"test_split_keeps_order_and_the_limit"}
 
 
 def split(metas, bucket_bytes):

@@ -6,7 +6,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from grading.reference import a2 as buckets
 from grading.reference import a4 as ref
 
-LOSES = {"test_rebuild_opens_the_handle_on_this_process_index"}  # the tests it fails (tests/test_grading.py)
+LOSES = {"test_rebuild_opens_the_handle_on_this_process_index"}
 
 
 def rebuild(handle):

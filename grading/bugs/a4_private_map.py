@@ -7,7 +7,7 @@ import torch
 from grading.reference import a2 as buckets
 from grading.reference import a4 as ref
 
-LOSES = {"test_rebuild_maps_the_owners_memory"}  # the tests it fails (tests/test_grading.py)
+LOSES = {"test_rebuild_maps_the_owners_memory"}
 
 
 def rebuild(handle):

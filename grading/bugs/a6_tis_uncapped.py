@@ -3,7 +3,7 @@ found unlikely and the trainer likely gets a huge weight, and the gradient's var
 
 import torch
 
-LOSES = {"test_tis_weights_and_mis_mask"}  # the tests it fails (tests/test_grading.py)
+LOSES = {"test_tis_weights_and_mis_mask"}
 
 
 def tis_weights(logp_trainer, logp_engine, cap=2.0):

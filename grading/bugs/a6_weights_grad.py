@@ -3,7 +3,7 @@ from the policy's log-probabilities, the loss also pushes on the weights, a grad
 
 import torch
 
-LOSES = {"test_token_weights_scale_the_surrogate_as_constants"}  # the tests it fails (tests/test_grading.py)
+LOSES = {"test_token_weights_scale_the_surrogate_as_constants"}
 
 
 def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.02, token_weights=None):
