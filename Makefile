@@ -5,6 +5,9 @@
 #   make test-gpu   GPU-marked tests + labs' GPU paths (on a machine with GPUs)
 #   make lab        JupyterLab on the labs (a double-click opens a lab .md as a notebook, via jupytext)
 #   make student    the student edition (solutions removed) into _student/html
+#   make grade      grade your assignments (assignments/*.py) with their public tests; IMPL=reference grades the
+#                   course's own code (grading/README.md)
+#   make student-repo DEST=dir   a copy of the repository to hand out, without the assignments' reference bodies
 #   make doctor     what this machine has and which labs take their GPU path
 #   make graphviz   Graphviz's `dot`, which draws the book's figures (apt, as root); test/book/student run it
 # On a machine without a venv (e.g. a GPU box with the stack preinstalled): make test-gpu PY=python3 SETUP=
@@ -36,7 +39,7 @@ IS_ROOT := $(filter 0,$(shell id -u))
 CHROMIUM ?= /usr/bin/chromium
 BOOK_FLAGS := -n -W --keep-going
 
-.PHONY: help setup browser graphviz test test-unit test-labs test-gpu book student lab doctor clean
+.PHONY: help setup browser graphviz test test-unit test-labs test-gpu book student lab doctor clean grade student-repo
 
 help:
 	@awk '!/^#/ {exit} {sub(/^# ?/, ""); print}' Makefile
@@ -100,6 +103,15 @@ book: $(SETUP) graphviz
 student: $(SETUP) graphviz
 	$(PY) tools/student_edition.py --out _student
 	@echo "Open $(CURDIR)/_student/html/index.html"
+
+# IMPL: assignments (yours), reference, stubs, or a seeded bug of grading/bugs/; several comma-separated
+IMPL ?= assignments
+grade: $(SETUP)
+	$(PY) -m grading --impl $(IMPL)
+
+student-repo: $(SETUP)
+	@test -n "$(DEST)" || { echo "usage: make student-repo DEST=../rlhf-course-student"; exit 2; }
+	$(PY) -m grading.student_repo "$(DEST)"
 
 # JupyterLab comes with the set-up (requirements.txt); its settings from tools/jupyterlab/overrides.json5
 lab: $(SETUP)

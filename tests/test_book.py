@@ -251,6 +251,7 @@ def test_student_config_removes_solutions_and_sources() -> None:
     sphinx = cfg["sphinx"]["config"]
     assert sphinx["hide_solutions"] is True and sphinx["html_copy_source"] is False
     assert sphinx["html_theme_options"]["use_download_button"] is False
+    assert "sphinx.ext.viewcode" not in cfg["sphinx"]["extra_extensions"]  # no source: the assignments' solutions
     assert cfg["execute"]["execute_notebooks"] == "off"
     base = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert cfg["bibtex_bibfiles"] == base["bibtex_bibfiles"]  # everything else is the instructor config

