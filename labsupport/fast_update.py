@@ -34,6 +34,7 @@ import torch
 
 from labsupport.course import hardware
 from labsupport import ipc, reshard, vllm_ext
+from labsupport.core.buckets import unpack
 from labsupport.broadcast import TensorMeta
 from labsupport.vllm_ext import _never_raise
 from labsupport.vllm_weights import WeightUpdateError
@@ -51,7 +52,7 @@ class SharedWeights:
         self.exporter = exporter or ipc.Exporter()
         named = list(model.named_parameters())
         self.handle = self.exporter.export_bucket(named)  # one copy into the new buffer, once
-        views = ipc.bucket_views(self.exporter.buffer(self.handle), self.handle.entries)
+        views = unpack(self.exporter.buffer(self.handle), self.handle.entries)
         with torch.no_grad():
             for (_, p), (_, view) in zip(named, views):
                 p.data = view  # the parameter now lives in the exported buffer (the old storage is freed)
@@ -152,9 +153,9 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         t0 = time.perf_counter()
         buckets = self._lsx_my_buckets(handles)
         ew = self._lsx()
-        ew.check([TensorMeta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])
+        ew.check([TensorMeta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries])
         self._lsx_fast = None
-        views = dict(v for b in buckets for v in ipc.rebuild_bucket(b))
+        views = dict(v for b in buckets for v in ipc.rebuild(b))
         t1 = time.perf_counter()
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
         hardware.synchronize(ew.device)

@@ -1,21 +1,21 @@
 """Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production needs.
 
-``core.handoff`` exports named tensors packed into one buffer as a ``Handle`` (CUDA IPC on a GPU, a ``/dev/shm``
-file on the CPU), rebuilds it in another process with the GPU's index remapped, and releases it. This module keeps
-that handle (extended by who exported it) and adds, each against a failure the core lets through (Lab 5 runs them):
+The handle here is the core's plus who exported it; each addition guards against a failure that ``core.handoff``
+lets through (Lab 5 runs them):
 
-- a guard per export, checked at every rebuild: mapping a released buffer whose memory already holds other
-  tensors (garbage weights, no error);
-- release by acknowledgement (``ack``, ``Receiver.drop``; ``Exporter.release`` waits with a deadline): the owner
-  freeing memory that a receiver still reads;
+- a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer whose memory
+  already holds other tensors (garbage weights, no error);
+- release by acknowledgement (``ack``; ``Receiver.drop``, which first waits for the copies on each handle's own GPU;
+  ``Exporter.release``, which waits for the acks up to a deadline): the owner freeing memory that a receiver still
+  reads, or waiting for ever on one that never acks;
 - the exporter's liveness (a lock that the kernel drops when it dies) and a sweep of its files: a handle from a
   crashed trainer, and its files left in ``/dev/shm``;
 - the host's boot id in each handle, and errors naming the GPUs a process sees: a handle used on another machine,
   or on a GPU this process cannot see, failing obscurely;
-- names, dtypes and shapes checked before any write (``update_bucket``, ``Receiver.copy_into``), and bad input
-  refused: a half-written inference copy;
+- names, dtypes and shapes checked before any write, bad input refused before anything is allocated: a
+  half-written inference copy, or a failure deep in torch;
 - ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a tensor itself:
-  paying the per-handle cost on every update, and a copy where none is needed.
+  the per-handle cost paid on every update, and a copy where none is needed.
 
 Limits: the liveness check is not atomic with the mapping; views rebuilt before a release are not invalidated (a
 receiver drops its views, then acks); a child forked by the exporter inherits its lock; one host, one ``/dev/shm``.
@@ -23,6 +23,7 @@ receiver drops its views, then acks); a child forked by the exporter inherits it
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -40,40 +41,33 @@ from labsupport import metadata, shm
 from labsupport.core import buckets, handoff
 from labsupport.course.hardware import gpu_uuid, synchronize
 
+Named = Iterable[tuple[str, torch.Tensor]]
+
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine or GPU, or bad input."""
 
 
 @dataclass(frozen=True)
-class Guard:
-    """Where one export's liveness is recorded: slot ``slot`` of the guard file ``path`` holds ``serial`` while live."""
-
-    path: str
+class Handle(handoff.Handle):
+    """The core's handle plus who exported it and whether that export is live: slot ``slot`` of the exporter's
+    guard file holds ``serial`` until the export is released."""
+    host: str  # the kernel's boot id
+    pid: int  # the exporter's process
+    guard: str  # the exporter's guard file
     slot: int
     serial: int
-
-
-@dataclass(frozen=True)
-class Handle(handoff.Handle):
-    """The core's handle plus who exported it: the host's boot id, the exporter's pid, and the export's guard."""
-
-    host: str
-    pid: int
-    guard: Guard
 
     @property
     def names(self) -> list[str]:
         return [e[0] for e in self.entries]
 
     @property
-    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """``{name: (dtype, shape)}``: what a receiver checks its own weights against."""
+    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:  # {name: (dtype, shape)}: what a receiver checks
         return {name: (dtype, tuple(shape)) for name, dtype, shape, _, _ in self.entries}
 
     @property
-    def nbytes(self) -> int:
-        """The bytes of the tensors in the buffer: what an update moves."""
+    def nbytes(self) -> int:  # the tensors' bytes: what an update moves
         return sum(e[4] for e in self.entries)
 
 
@@ -86,7 +80,7 @@ def _show(dtype: str, shape: tuple[int, ...]) -> str:
 @dataclass
 class _Export:
     handle: Handle
-    keep: torch.Tensor | None  # the memory behind the handle as flat bytes: alive until release
+    keep: torch.Tensor | None  # the memory behind the handle, as flat bytes: alive until release
     receivers: int
     nbytes: int  # what was exported: a bucket's buffer, or the shared tensor
 
@@ -103,57 +97,48 @@ class Exporter:
         self._guard = shm.GuardFile(os.path.join(handoff.SHM_DIR, f"{self.prefix}.guard"))
         self._ids = itertools.count(1)  # serials of exports and numbers of segment files
         self._live: dict[int, _Export] = {}
-        self._segments: dict[int, str] = {}  # CPU: storage data_ptr -> its /dev/shm file
-        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._segments)
+        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._live)
         _EXPORTERS[self._guard.path] = self
 
-    def export_bucket(self, named: Iterable[tuple[str, torch.Tensor]], receivers: int = 1) -> Handle:
+    def export_bucket(self, named: Named, receivers: int = 1) -> Handle:
         """Pack ``named`` tensors into one new buffer on their device (``handoff.export``) and export it;
         ``receivers``: the processes that must ack before ``release()``."""
         named = self._checked(named, receivers)
-        path = None if named[0][1].is_cuda else self._segment_path()
-        flat, core = handoff.export(named, path)
-        if path:
-            self._segments[flat.untyped_storage().data_ptr()] = path
+        flat, core = handoff.export(named, None if named[0][1].is_cuda else self._segment_path())
         return self._export(flat, core.where, core.entries, receivers, flat.nbytes)
 
-    def export_buckets(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-                       receivers: int = 1) -> list[Handle]:
+    def export_buckets(self, named: Named, bucket_bytes: int = 512 << 20, receivers: int = 1) -> list[Handle]:
         """Export a whole state dict as buckets of at most ``bucket_bytes`` each (``buckets.split``)."""
         named = list(named)
-        rest = iter(named)
-        return [self.export_bucket([next(rest) for _ in group], receivers)
-                for group in buckets.split([buckets.meta(n, t) for n, t in named], bucket_bytes)]
+        groups, rest = buckets.split([buckets.meta(n, t) for n, t in named], bucket_bytes), iter(named)
+        return [self.export_bucket([next(rest) for _ in group], receivers) for group in groups]
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1, name: str = "tensor") -> Handle:
         """Share ``t`` itself, as a handle with one entry ``name``. On the CPU ``t`` first moves into a shared file,
-        once, like ``Tensor.share_memory_()``: other views of its old storage keep the old memory, so export a
-        model's parameters, not slices of them."""
+        once, like ``Tensor.share_memory_()``: export a model's parameters, not slices of them."""
         self._checked([(name, t)], receivers)
         if not t.is_contiguous():
-            raise IpcError(f"export_tensor shares a tensor's memory as it is, so it must be contiguous; {name} has "
-                           f"stride {t.stride()}: export a contiguous copy, or use export_bucket")
-        if not t.is_cuda and t.untyped_storage().data_ptr() not in self._segments:
-            path = self._segment_path()
-            moved, _ = handoff.export([(name, t)], path)
+            raise IpcError(f"export_tensor shares {name} as it is, so it must be contiguous (its stride is "
+                           f"{t.stride()}): export a contiguous copy, or use export_bucket")
+        path = next((e.handle.where[0] for e in self._live.values()  # CPU: the file that t already lives in
+                     if e.handle.gpu is None and e.keep.data_ptr() == t.untyped_storage().data_ptr()), None)
+        if not t.is_cuda and path is None:
+            moved, core = handoff.export([(name, t)], self._segment_path())
             with torch.no_grad():
                 t.set_(moved.untyped_storage(), 0, t.shape, t.stride())
-            self._segments[t.untyped_storage().data_ptr()] = path
+            path = core.where[0]
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        where = (tuple(reduce_tensor(flat)[1]) if t.is_cuda
-                 else (self._segments[flat.untyped_storage().data_ptr()], flat.nbytes))
+        where = tuple(reduce_tensor(flat)[1]) if t.is_cuda else (path, flat.nbytes)
         entry = (*buckets.meta(name, t), t.storage_offset() * t.element_size(), t.nbytes)
         return self._export(flat, where, [entry], receivers, t.nbytes)
 
-    def update_bucket(self, handle: Handle, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_bucket(self, handle: Handle, named: Named) -> None:
         """Repack new values (same names in the same order, dtypes, shapes; checked first) into a live export."""
-        exp = self._get(handle)
-        found = {n: t for n, t in named}
+        exp, found = self._get(handle), dict(named)
         if list(found) != handle.names:
             raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket order, "
                            f"found {list(found)[:4]}...")
-        bad = metadata.problems([buckets.meta(n, t) for n, t in found.items()], handle.metas)
-        if bad:
+        if bad := metadata.problems([buckets.meta(n, t) for n, t in found.items()], handle.metas):
             name = bad[0][0]
             raise IpcError(f"update_bucket: {name} expected {_show(*handle.metas[name])}, found "
                            f"{_show(*buckets.meta(name, found[name])[1:])}; nothing was written")
@@ -167,28 +152,24 @@ class Exporter:
     def acks(self, handle: Handle) -> int:
         """How many receiver processes have acked ``handle`` (called :func:`ack` after their last read)."""
         self._get(handle)
-        return len(shm.acks(self._guard.path, handle.guard.serial))
+        return len(shm.acks(self._guard.path, handle.serial))
 
     def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0) -> int:
         """Kill ``handle`` and free its memory once every receiver process has acked it, waiting up to
         ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released."""
-        exp = self._get(handle)
-        deadline = time.monotonic() + timeout_s
+        exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
-                raise IpcError(f"export #{handle.guard.serial}: {acked} of {exp.receivers} receiver process(es) "
+                raise IpcError(f"export #{handle.serial}: {acked} of {exp.receivers} receiver process(es) "
                                f"acked within {timeout_s:g} s; one may still read this memory. Each receiver calls "
                                "ipc.ack(handle) (or Receiver.drop()) after its last read; or release(force=True).")
             time.sleep(0.01)
-        self._guard.clear(handle.guard.slot)  # from now on rebuild() raises IpcError
-        for path in shm.acks(self._guard.path, handle.guard.serial):
+        self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
+        for path in shm.acks(self._guard.path, handle.serial):
             shm.unlink(path)
-        del self._live[handle.guard.serial]
-        on_gpu = exp.keep.is_cuda
-        exp.keep = None  # close() still holds exp: drop the memory itself
+        del self._live[handle.serial]
+        on_gpu, exp.keep = exp.keep.is_cuda, None  # close() still holds exp: drop the memory itself
         if on_gpu or all(e.handle.where[0] != handle.where[0] for e in self._live.values()):
-            for ptr in [p for p, path in self._segments.items() if path == handle.where[0]]:
-                del self._segments[ptr]
             handoff.release(handle)  # CPU: the file's name goes (pages with the last mapping); GPU: ipc_collect
         return exp.nbytes
 
@@ -209,36 +190,31 @@ class Exporter:
         """Bytes of exported memory this exporter keeps alive."""
         return sum(e.nbytes for e in self._live.values())
 
-    def _checked(self, named: Iterable[tuple[str, torch.Tensor]], receivers: int) -> list[tuple[str, torch.Tensor]]:
+    def _checked(self, named: Named, receivers: int) -> list[tuple[str, torch.Tensor]]:
         """Bad input refused before anything is allocated."""
         named = list(named)
-        if receivers < 1:
-            raise IpcError(f"receivers must be >= 1, found {receivers}")
-        if not self._guard.free:
-            raise IpcError(f"{shm.GUARD_SLOTS} exports are live in this Exporter; release some first")
-        devices = {t.device for _, t in named}
-        if len(devices) != 1:
-            raise IpcError("an export needs at least one (name, tensor) pair, all on one device; "
-                           f"found tensors on {sorted(map(str, devices))}")
-        names = [name for name, _ in named]
-        if len(set(names)) < len(names):
-            twice = next(name for i, name in enumerate(names) if name in names[:i])
-            raise IpcError(f"tensor name {twice!r} appears twice in one bucket; names must be unique")
+        devices = sorted({str(t.device) for _, t in named})
+        twice = [n for n, k in collections.Counter(n for n, _ in named).items() if k > 1]
+        for bad, problem in ((receivers < 1, f"receivers must be >= 1, found {receivers}"),
+                             (not self._guard.free, f"{shm.GUARD_SLOTS} exports are live here; release some first"),
+                             (len(devices) != 1, "an export needs at least one (name, tensor) pair, all on one "
+                                                 f"device; found {devices}"),
+                             (twice, f"tensor name {twice[:1]} appears twice in one bucket; names must be unique")):
+            if bad:
+                raise IpcError(problem)
         return named
 
-    def _export(self, flat: torch.Tensor, where: tuple, entries: list[buckets.Entry], receivers: int,
-                nbytes: int) -> Handle:
+    def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int, nbytes: int) -> Handle:
         serial = next(self._ids)
-        guard = Guard(self._guard.path, self._guard.take(serial), serial)
-        gpu = gpu_uuid(flat.device.index) if flat.is_cuda else None
-        handle = Handle(gpu, where, entries, host_id(), os.getpid(), guard)
+        handle = Handle(gpu_uuid(flat.device.index) if flat.is_cuda else None, where, entries, host_id(),
+                        os.getpid(), self._guard.path, self._guard.take(serial), serial)
         self._live[serial] = _Export(handle, flat, receivers, nbytes)
         return handle
 
     def _get(self, handle: Handle) -> _Export:
-        exp = self._live.get(handle.guard.serial)
-        if exp is None or handle.guard.path != self._guard.path:
-            raise IpcError(f"export #{handle.guard.serial} is not live in this Exporter (already released, "
+        exp = self._live.get(handle.serial)
+        if exp is None or handle.guard != self._guard.path:
+            raise IpcError(f"export #{handle.serial} is not live in this Exporter (already released, "
                            "or exported by another process/Exporter)")
         return exp
 
@@ -246,9 +222,10 @@ class Exporter:
         return os.path.join(handoff.SHM_DIR, f"{self.prefix}-{next(self._ids)}.shm")
 
     @staticmethod
-    def _cleanup(guard: shm.GuardFile, segments: dict[int, str]) -> None:
+    def _cleanup(guard: shm.GuardFile, live: dict[int, _Export]) -> None:
         guard.close()
-        for path in [*segments.values(), *shm.acks(guard.path)]:  # acks of forced releases, or late ones
+        files = [e.handle.where[0] for e in live.values() if e.handle.gpu is None]
+        for path in [*files, *shm.acks(guard.path)]:  # acks of forced releases, or late ones
             shm.unlink(path)
 
 
@@ -258,21 +235,18 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     """``handoff.rebuild`` of a live handle (:func:`check_handle` first): ``[(name, view)]`` over the exporter's
     memory, zero-copy, on the GPU the handle names (looked up by UUID)."""
     check_handle(handle)
-    owner = _EXPORTERS.get(handle.guard.path) if handle.pid == os.getpid() else None
+    owner = _EXPORTERS.get(handle.guard) if handle.pid == os.getpid() else None
     if owner is not None:  # CUDA cannot open its own IPC handle: hand back the original memory
         return buckets.unpack(owner.buffer(handle), handle.entries)
     if handle.gpu is None and not os.path.exists(handle.where[0]):  # from_file would create a missing file
-        raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.guard.serial} is gone (released)")
+        raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.serial} is gone (released)")
     try:
         views = handoff.rebuild(handle)
     except RuntimeError as err:
-        raise IpcError(f"could not open the handle of export #{handle.guard.serial} (pid {handle.pid}): {err}") from err
-    if handle.gpu is None:
-        try:
-            check_handle(handle)  # released between the first check and the mapping?
-        except IpcError:
-            shm.unlink(handle.where[0])  # from_file may have re-created the file; it belongs to a dead export
-            raise
+        raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): {err}") from err
+    if handle.gpu is None and _serial(handle) != handle.serial:  # released while we mapped it?
+        shm.unlink(handle.where[0])  # from_file may have re-created the file; it belongs to a dead export
+        check_handle(handle)
     return views
 
 
@@ -284,7 +258,7 @@ class Receiver:
 
     def bucket(self, handle: Handle) -> list[tuple[str, torch.Tensor]]:
         """Views of the handle's tensors (zero-copy), rebuilt on first use."""
-        key = (handle.guard.path, handle.guard.serial)
+        key = (handle.guard, handle.serial)
         if key in self._mapped:
             check_handle(handle)
         else:
@@ -294,12 +268,10 @@ class Receiver:
     def copy_into(self, handle: Handle, dest: Mapping[str, torch.Tensor]) -> int:
         """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked first; returns bytes."""
         have = {n: buckets.meta(n, d)[1:] for n in handle.names if (d := dest.get(n)) is not None}
-        bad = metadata.problems([e[:3] for e in handle.entries], have)
-        if bad:
+        if bad := metadata.problems([e[:3] for e in handle.entries], have):
             name = bad[0][0]
-            found = _show(*have[name]) if name in have else "no tensor"
-            raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has {found}; "
-                           "nothing was written")
+            raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has "
+                           f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was written")
         with torch.no_grad():
             for name, view in self.bucket(handle):
                 dest[name].copy_(view, non_blocking=True)
@@ -318,16 +290,12 @@ class Receiver:
 def ack(handle: Handle) -> bool:
     """Receiver side: tell the exporter that this process has finished reading ``handle`` (drop its views first).
     Waits for this process's queued work on the handle's GPU, then leaves the ack ``Exporter.release`` counts: one
-    per process, so acking twice changes nothing. False when the export is already released (nothing to ack)."""
-    try:
-        live = shm.guard_serial(handle.guard.path, handle.guard.slot) == handle.guard.serial
-    except (FileNotFoundError, ProcessLookupError):  # the exporter closed or died: nothing left to guard
-        live = False
-    if not live:
+    per process, so acking twice changes nothing. False when the export is gone already (nothing to ack)."""
+    if _serial(handle) != handle.serial:
         return False
     if handle.gpu is not None and torch.cuda.is_initialized():
         synchronize(device_of(handle))  # reads queued on that GPU have finished before we say so
-    shm.write_ack(handle.guard.path, handle.guard.serial)
+    shm.write_ack(handle.guard, handle.serial)
     return True
 
 
@@ -357,14 +325,18 @@ def check_handle(handle: Handle) -> None:
     if handle.host != host_id():
         raise IpcError(f"this handle was exported on another machine (boot id {handle.host[:8]}..., here "
                        f"{host_id()[:8]}...): IPC works on one host; across machines use labsupport.broadcast.")
-    try:
-        serial = shm.guard_serial(handle.guard.path, handle.guard.slot)
-    except FileNotFoundError:
-        raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its guard file "
-                       f"{handle.guard.path} is gone (or this process runs in another container / IPC namespace, "
-                       "with its own /dev/shm). Ask the owner for a fresh handle.") from None
-    except ProcessLookupError:
-        raise IpcError(f"the exporter of this handle (pid {handle.pid}) has exited; its memory is gone.") from None
-    if serial != handle.guard.serial:
-        raise IpcError(f"this handle (export #{handle.guard.serial} of pid {handle.pid}) has been released by its "
+    serial = _serial(handle)
+    if serial < 0:
+        raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its memory is gone (or "
+                       "this process runs in another container, with its own /dev/shm). Ask for a fresh handle.")
+    if serial != handle.serial:
+        raise IpcError(f"this handle (export #{handle.serial} of pid {handle.pid}) has been released by its "
                        "exporter; its memory may already hold other data. Rebuild from the current export's handle.")
+
+
+def _serial(handle: Handle) -> int:
+    """The serial in the handle's guard slot now: 0 once released, -1 once its exporter has closed or died."""
+    try:
+        return shm.guard_serial(handle.guard, handle.slot)
+    except (FileNotFoundError, ProcessLookupError):
+        return -1

@@ -95,6 +95,13 @@ def _child_ack(inbox, outbox):
         outbox.put(ipc.ack(handle))
 
 
+def _child_ack_later(inbox, outbox):
+    """A receiver that acks a second after it got the handle."""
+    handle = inbox.get()
+    time.sleep(1.0)
+    outbox.put(ipc.ack(handle))
+
+
 def _child_sleep(inbox, outbox):
     time.sleep(600)
 
@@ -187,10 +194,42 @@ def test_release_waits_for_an_ack_from_each_receiver_process(exporter):
         exporter.release(handle)
     assert probe_in_peer(handle)["sum"] == 1024.0  # a second receiver reads, drops its views, acks
     assert exporter.acks(handle) == 2 and exporter.release(handle) >= 4096
-    assert shm.acks(handle.guard.path) == []  # release removed the ack files
+    assert shm.acks(handle.guard) == []  # release removed the ack files
     with Peer(_child_ack) as late:
         assert late.call(handle) is False  # released: nothing to acknowledge, no file left behind
-    assert shm.acks(handle.guard.path) == []
+    assert shm.acks(handle.guard) == []
+
+
+@pytest.mark.timeout(120)
+def test_release_waits_for_late_acks_until_its_deadline(exporter):
+    handle = exporter.export_bucket([("w", torch.ones(16))])
+    t0 = time.monotonic()
+    with pytest.raises(IpcError, match="0 of 1 receiver process\\(es\\) acked within 0.5 s"):
+        exporter.release(handle, timeout_s=0.5)  # nobody acks: refused at the deadline, not before, not never
+    assert 0.5 <= time.monotonic() - t0 < 5
+    with Peer(_child_ack_later) as peer:
+        peer.send(handle)
+        assert exporter.release(handle, timeout_s=60) >= 64  # waited for the late ack
+        assert peer.recv() is True
+
+
+def test_the_hardened_handle_is_the_cores_handle_extended(exporter):
+    named = _mixed_named()
+    handle = exporter.export_bucket(named)
+    assert isinstance(handle, handoff.Handle)  # one handle type: the core reads it as it is
+    assert [(n, *_digest(v)) for n, v in handoff.rebuild(handle)] == [(n, *_digest(t)) for n, t in named]
+
+
+def test_a_guard_that_fails_to_start_leaves_no_fd_and_no_file(monkeypatch, tmp_path):
+    def fail(*args, **kwargs):
+        raise OSError("mmap failed")
+
+    monkeypatch.setattr(shm.mmap, "mmap", fail)
+    path = str(tmp_path / "x.guard")
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="mmap failed"):
+        shm.GuardFile(path)
+    assert len(os.listdir("/proc/self/fd")) == fds and not os.path.exists(path)
 
 
 @pytest.mark.timeout(120)
@@ -270,17 +309,33 @@ def test_crashed_exporter_is_detected_not_a_crash():
     with Peer(_child_exporter) as peer:
         handle = peer.recv()
         assert ipc.rebuild(handle)[0][1].sum() == 48.0  # alive: maps fine
-        assert shm.sweep_stale(min_age_s=0, only=handle.guard.path) == []  # alive: never swept
+        assert shm.sweep_stale(min_age_s=0, only=handle.guard) == []  # alive: never swept
         peer.proc.kill()
         peer.proc.join(10)
     try:
         with pytest.raises(IpcError, match="exited"):
             ipc.rebuild(handle)
     finally:  # a killed exporter cannot clean up; its lock is free, so sweep_stale may remove its files
-        removed = shm.sweep_stale(min_age_s=0, only=handle.guard.path)
-    assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard.path, handle.where[0]))
+        removed = shm.sweep_stale(min_age_s=0, only=handle.guard)
+    assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard, handle.where[0]))
     with pytest.raises(IpcError, match="closed or exited"):
         ipc.rebuild(handle)
+
+
+@pytest.mark.timeout(120)
+def test_a_mapping_whose_exporter_died_is_refused():
+    receiver, dest = ipc.Receiver(), {"tensor": torch.zeros(16)}
+    with Peer(_child_exporter) as peer:
+        handle = peer.recv()
+        assert receiver.copy_into(handle, dest) == 64 and torch.equal(dest["tensor"], torch.full((16,), 3.0))
+        peer.proc.kill()
+        peer.proc.join(10)
+    try:
+        with pytest.raises(IpcError, match="exited"):
+            receiver.copy_into(handle, dest)  # the mapping is kept, but its exporter is gone
+        receiver.drop()  # nothing to ack any more, and no error for it
+    finally:
+        shm.sweep_stale(min_age_s=0, only=handle.guard)
 
 
 @pytest.mark.timeout(120)
@@ -301,7 +356,7 @@ def test_probe_peer_tells_apart_exporters_whose_serials_match():
     """Serials restart in each Exporter: a receiver keyed by serial alone would hand back the first one's views."""
     with ipc.Exporter() as ex1, ipc.Exporter() as ex2, Peer(_probe_peer) as peer:
         h1, h2 = ex1.export_tensor(torch.full((64,), 1.0)), ex2.export_tensor(torch.full((64,), 2.0))
-        assert h1.guard.serial == h2.guard.serial
+        assert h1.serial == h2.serial
         assert peer.call(("read", h1))["sum"] == 64.0
         assert peer.call(("read", h2))["sum"] == 128.0
         assert peer.call(("fill", h2, 3.0))["sum"] == 192.0
@@ -403,6 +458,25 @@ def test_cuda_release_frees_memory_and_kills_the_handle():
         assert freed >= 256 << 20 and a2 <= a0, f"allocated {a0} -> {a1} -> {a2} bytes"
         out = probe_in_peer(handle)
         assert "released" in out["error"]
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(180)
+def test_cuda_receiver_drop_waits_on_the_handles_gpu(monkeypatch):
+    """drop() waits for the copies on the GPU of each handle it mapped, not on whichever device is current."""
+    synced = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (synced.append(device), real(device))[1])
+    last = torch.cuda.device_count() - 1
+    with ipc.Exporter() as ex:
+        handle = ex.export_bucket([("w", torch.ones(1024, device=f"cuda:{last}"))])
+        receiver, dest = ipc.Receiver(), {"w": torch.zeros(1024, device=f"cuda:{last}")}
+        receiver.copy_into(handle, dest)
+        synced.clear()
+        with torch.cuda.device(0):
+            receiver.drop()
+        assert synced and all(d is not None and torch.device(d) == torch.device("cuda", last) for d in synced)
+        assert bool((dest["w"] == 1).all()) and ex.acks(handle) == 1
 
 
 @needs_gpus(2)

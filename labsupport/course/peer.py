@@ -105,7 +105,7 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
     while (msg := inbox.get()) is not None:
         op, handle, *rest = msg
         try:
-            key = (handle.guard.path, handle.guard.serial)
+            key = (handle.guard, handle.serial)
             if op == "drop":
                 dropped = views.pop(key, None)
                 if dropped:
