@@ -97,7 +97,7 @@ class Exporter:
         self._guard = shm.GuardFile(os.path.join(handoff.SHM_DIR, f"{self.prefix}.guard"))
         self._ids = itertools.count(1)  # serials of exports and numbers of segment files
         self._live: dict[int, _Export] = {}
-        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard, self._live)
+        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard)
         _EXPORTERS[self._guard.path] = self
 
     def export_bucket(self, named: Named, receivers: int = 1) -> Handle:
@@ -222,10 +222,9 @@ class Exporter:
         return os.path.join(handoff.SHM_DIR, f"{self.prefix}-{next(self._ids)}.shm")
 
     @staticmethod
-    def _cleanup(guard: shm.GuardFile, live: dict[int, _Export]) -> None:
+    def _cleanup(guard: shm.GuardFile) -> None:
         guard.close()
-        files = [e.handle.where[0] for e in live.values() if e.handle.gpu is None]
-        for path in [*files, *shm.acks(guard.path)]:  # acks of forced releases, or late ones
+        for path in shm.files(guard.path):  # segments still exported, acks of forced releases or late ones
             shm.unlink(path)
 
 
@@ -244,9 +243,8 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
         views = handoff.rebuild(handle)
     except RuntimeError as err:
         raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): {err}") from err
-    if handle.gpu is None and _serial(handle) != handle.serial:  # released while we mapped it?
-        shm.unlink(handle.where[0])  # from_file may have re-created the file; it belongs to a dead export
-        check_handle(handle)
+    if handle.gpu is None:
+        check_handle(handle)  # released while we mapped it? (a file that from_file re-created goes at close)
     return views
 
 

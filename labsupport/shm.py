@@ -113,6 +113,11 @@ def acks(guard_path: str, serial: int | str = "*") -> list[str]:
     return glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-{serial}-*.ack")
 
 
+def files(guard_path: str) -> list[str]:
+    """The segments and ack files of the exporter that holds this guard (the guard itself not included)."""
+    return [*glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-*.shm"), *acks(guard_path)]
+
+
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
     """Remove the files of exporters that died without cleaning up (their lock is free); returns their names.
     Guards younger than ``min_age_s`` are spared (an exporter locks its guard just after creating it)."""
@@ -130,7 +135,7 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
             continue  # its exporter is alive
         finally:
             os.close(fd)
-        for stale in [path, *glob.glob(glob.escape(path.removesuffix(".guard")) + "-*.shm"), *acks(path)]:
+        for stale in [path, *files(path)]:
             unlink(stale)
             removed.append(os.path.basename(stale))
     return removed
