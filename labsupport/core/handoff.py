@@ -50,12 +50,12 @@ def export(named: list[tuple[str, torch.Tensor]], path: str | None = None) -> tu
     path = path or os.path.join(SHM_DIR, f"labsupport-core-{uuidlib.uuid4().hex}.shm")
     with open(path, "xb") as f:
         f.truncate(size)
-    buf = mapped(path, size)
+    buf = _mapped(path, size)
     buckets.pack(buf, entries, [t for _, t in named])
     return buf, Handle(None, (path, size), entries)
 
 
-def mapped(path: str, size: int) -> torch.Tensor:
+def _mapped(path: str, size: int) -> torch.Tensor:
     """The file ``path`` mapped shared into this process, as ``size`` bytes."""
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
@@ -64,7 +64,7 @@ def mapped(path: str, size: int) -> torch.Tensor:
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     """Receiver side: map the owner's buffer into this process and slice it into ``[(name, view)]``."""
     if handle.gpu is None:
-        buf = mapped(*handle.where)
+        buf = _mapped(*handle.where)
     else:
         args = list(handle.where)
         args[storage_device_slot()] = local_index(handle.gpu)  # device remap: the owner's index -> ours
