@@ -34,7 +34,7 @@ import torch
 
 from labsupport.course import hardware
 from labsupport import ipc, reshard, vllm_ext
-from labsupport.core.buckets import Meta
+from labsupport.core.buckets import Meta, unpack
 from labsupport.vllm_ext import _never_raise
 from labsupport.vllm_weights import WeightUpdateError
 
@@ -51,7 +51,7 @@ class SharedWeights:
         self.exporter = exporter or ipc.Exporter()
         named = list(model.named_parameters())
         self.handle = self.exporter.export_bucket(named)  # one copy into the new buffer, once
-        views = ipc.bucket_views(self.exporter.buffer(self.handle), self.handle.entries)
+        views = unpack(self.exporter.buffer(self.handle), self.handle.entries)
         with torch.no_grad():
             for (_, p), (_, view) in zip(named, views):
                 p.data = view  # the parameter now lives in the exported buffer (the old storage is freed)
@@ -154,7 +154,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         ew = self._lsx()
         ew.check([Meta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])
         self._lsx_fast = None
-        views = dict(v for b in buckets for v in ipc.rebuild_bucket(b))
+        views = dict(v for b in buckets for v in ipc.rebuild(b))
         t1 = time.perf_counter()
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
         hardware.synchronize(ew.device)

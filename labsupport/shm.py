@@ -1,12 +1,12 @@
 """Files in ``/dev/shm`` that processes on one host share: the operating-system plumbing of ``labsupport.ipc``.
 
-An exporter makes two kinds of file, both named ``labsupport-ipc-<pid>-<random>...``: *segments*
-(``...-<n>.shm``), tensor bytes that every process maps with ``MAP_SHARED`` (the CPU stand-in for GPU memory
-shared over CUDA IPC), and one *guard* (``....guard``): an int64 serial per export slot (0 = released) and an
-exclusive advisory lock that the exporter holds and the kernel drops when it dies. Reading a slot and probing
-the lock tell a receiver, in microseconds, whether an export is still live. A receiver that has finished with
-an export leaves an empty *ack* file (``...-<serial>-<receiver pid>.ack``), which the exporter counts before
-it releases (CUDA handles too: their guard lives here as well).
+An exporter makes two kinds of file in ``core.handoff.SHM_DIR``, both named ``labsupport-ipc-<pid>-<random>...``:
+*segments* (``...-<n>.shm``, made by ``core.handoff.export``), tensor bytes that every process maps with
+``MAP_SHARED`` (the CPU stand-in for GPU memory shared over CUDA IPC), and one *guard* (``....guard``): an int64
+serial per export slot (0 = released) and an exclusive advisory lock that the exporter holds and the kernel drops
+when it dies. Reading a slot and probing the lock tell a receiver, in microseconds, whether an export is still
+live. A receiver that has finished with an export leaves an empty *ack* file (``...-<serial>-<receiver pid>.ack``),
+which the exporter counts before it releases (CUDA handles too: their guard lives here as well).
 """
 
 from __future__ import annotations
@@ -20,21 +20,10 @@ import struct
 import threading
 import time
 
-import torch
+from labsupport.core import handoff
 
 GUARD_SLOTS = 4096  # live exports per exporter (8 bytes each in the guard file)
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 PREFIX = "labsupport-ipc-"
-
-
-def create_segment(path: str, nbytes: int) -> torch.UntypedStorage:
-    """Create the file ``path`` of ``nbytes`` (it must not exist) and map it shared into this process."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    return torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
 
 
 class GuardFile:
@@ -43,9 +32,14 @@ class GuardFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(self.fd, 8 * GUARD_SLOTS)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)  # dropped by the kernel when this process dies
-        self.mm = mmap.mmap(self.fd, 8 * GUARD_SLOTS)
+        try:
+            os.ftruncate(self.fd, 8 * GUARD_SLOTS)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)  # dropped by the kernel when this process dies
+            self.mm = mmap.mmap(self.fd, 8 * GUARD_SLOTS)
+        except BaseException:  # neither the fd nor the file outlives a failed start
+            os.close(self.fd)
+            unlink(path)
+            raise
         self.free = list(range(GUARD_SLOTS - 1, -1, -1))
 
     def take(self, serial: int) -> int:
@@ -119,11 +113,16 @@ def acks(guard_path: str, serial: int | str = "*") -> list[str]:
     return glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-{serial}-*.ack")
 
 
+def files(guard_path: str) -> list[str]:
+    """The segments and ack files of the exporter that holds this guard (the guard itself not included)."""
+    return [*glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-*.shm"), *acks(guard_path)]
+
+
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
     """Remove the files of exporters that died without cleaning up (their lock is free); returns their names.
     Guards younger than ``min_age_s`` are spared (an exporter locks its guard just after creating it)."""
     removed, now = [], time.time()
-    for path in [only] if only else glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.guard")):
+    for path in [only] if only else glob.glob(os.path.join(handoff.SHM_DIR, f"{PREFIX}*.guard")):
         try:
             if now - os.stat(path).st_mtime < min_age_s:
                 continue
@@ -136,7 +135,7 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
             continue  # its exporter is alive
         finally:
             os.close(fd)
-        for stale in [path, *glob.glob(glob.escape(path.removesuffix(".guard")) + "-*.shm"), *acks(path)]:
+        for stale in [path, *files(path)]:
             unlink(stale)
             removed.append(os.path.basename(stale))
     return removed

@@ -133,7 +133,7 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
 
 
 def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
-    """``{device_id: BucketHandle | [BucketHandle]}`` as bytes for ``update_weights_from_ipc`` over RPC."""
+    """``{device_id: ipc.Handle | [ipc.Handle]}`` as bytes for ``update_weights_from_ipc`` over RPC."""
     return pickle.dumps(dict(handles))
 
 
@@ -295,7 +295,7 @@ class ColocateWorkerExtension(_ExtensionBase):
         ew = self._lsx()
         ew.check([Meta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])  # before mapping
         t1 = time.perf_counter()
-        views = [view for b in buckets for view in ipc.rebuild_bucket(b)]
+        views = [view for b in buckets for view in ipc.rebuild(b)]
         t2 = time.perf_counter()
         try:
             return ew.load(views)
@@ -312,7 +312,7 @@ class ColocateWorkerExtension(_ExtensionBase):
         ``open_s`` (IPC handles opened), ``load_s`` (layerwise reload, post-processing included, and the wait)."""
         return dict(getattr(self, "_lsx_timing", {}))
 
-    def _lsx_my_buckets(self, handles: bytes | Mapping[str, Any]) -> list[ipc.BucketHandle]:
+    def _lsx_my_buckets(self, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:
         """This worker's bucket handles from ``{device_id: handle or [handles]}`` (pickled or as plain dicts)."""
         if isinstance(handles, (bytes, bytearray, memoryview)):
             handles = pickle.loads(bytes(handles))
@@ -337,16 +337,15 @@ def device_id(device: torch.device) -> str:
 
 
 def _as_bucket_handle(h: Any) -> Any:
-    """A ``labsupport.ipc.BucketHandle``, also from the plain dict vLLM's RPC encoder turns it into."""
-    if isinstance(h, ipc.BucketHandle):
+    """A ``labsupport.ipc.Handle``, also from the plain dict vLLM's RPC encoder turns it into."""
+    if isinstance(h, ipc.Handle):
         return h
-    if not isinstance(h, Mapping) or "buffer" not in h or "entries" not in h:
-        raise WeightUpdateError(f"expected a labsupport.ipc.BucketHandle, found {type(h).__name__}; export the "
-                                "weights with ipc.export_bucket and send pack_ipc_handles({device_id: handle})")
-    b = h["buffer"]  # lists back to tuples: handles are frozen and compared, payloads go to torch
-    buffer = ipc.IpcHandle(**{**b, "shape": tuple(b["shape"]), "payload": _tuples(b["payload"]),
-                              "guard": ipc.Guard(**b["guard"])})
-    return ipc.BucketHandle(buffer, tuple(ipc.BucketEntry(**{**e, "shape": tuple(e["shape"])}) for e in h["entries"]))
+    if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
+        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; export the weights "
+                                "with ipc.Exporter().export_bucket and send pack_ipc_handles({device_id: handle})")
+    # lists back to tuples: handles are compared, their rebuild arguments go to torch
+    return ipc.Handle(**{**h, "where": _tuples(h["where"]),
+                         "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
 
 
 def _tuples(x: Any) -> Any:

@@ -122,13 +122,14 @@ def _export(w, device: str):
     from labsupport import ipc
 
     w.owned = torch.zeros(16, device=device)
-    return ipc.export_tensor(w.owned)
+    w.exporter = ipc.Exporter()
+    return w.exporter.export_tensor(w.owned)
 
 
 def _write_through(w, handle) -> str:
     from labsupport import ipc
 
-    t = ipc.rebuild(handle)
+    (_, t), = ipc.rebuild(handle)
     t.fill_(7.0)
     device = str(t.device)
     del t
@@ -137,10 +138,8 @@ def _write_through(w, handle) -> str:
 
 
 def _owner_sees(w, handle) -> float:
-    from labsupport import ipc
-
     seen = float(w.owned.sum())
-    ipc.release(handle)  # refused unless the peer acked
+    w.exporter.release(handle)  # refused unless the peer acked
     return seen
 
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from labsupport import ipc, shm
+from labsupport.core import buckets, handoff
 from labsupport.course import ipc_timing
+from labsupport.course.hardware import gpu_uuid
 from labsupport.ipc import IpcError
 from labsupport.course.peer import Peer, _probe_peer, probe_in_peer
 
@@ -60,7 +62,7 @@ def _mixed_named(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
 def _child_bucket(inbox, outbox):
     """Rebuild a bucket, report digests, write into one view, report again."""
     handle = inbox.get()
-    views = ipc.rebuild_bucket(handle)
+    views = ipc.rebuild(handle)
     outbox.put([(name, *_digest(v)) for name, v in views])
     name, value = inbox.get()
     dict(views)[name].fill_(value)
@@ -81,7 +83,9 @@ def _child_exporter(inbox, outbox):
 def _child_count_fds(inbox, outbox):
     """A receiver fed a new exporter per update: rebuild, read, let go; report this process's open fds."""
     while (handle := inbox.get()) is not None:
-        total = float(ipc.rebuild(handle).sum())
+        (_, t), = ipc.rebuild(handle)
+        total = float(t.sum())
+        del t
         outbox.put((total, len(os.listdir("/proc/self/fd"))))
 
 
@@ -89,6 +93,13 @@ def _child_ack(inbox, outbox):
     """A receiver that acks each handle it is sent (having read nothing)."""
     while (handle := inbox.get()) is not None:
         outbox.put(ipc.ack(handle))
+
+
+def _child_ack_later(inbox, outbox):
+    """A receiver that acks a second after it got the handle."""
+    handle = inbox.get()
+    time.sleep(1.0)
+    outbox.put(ipc.ack(handle))
 
 
 def _child_sleep(inbox, outbox):
@@ -106,7 +117,7 @@ def exporter():
     ex = ipc.Exporter()
     yield ex
     ex.close()
-    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(ex.prefix)], "exporter left files behind"
+    assert not [f for f in os.listdir(handoff.SHM_DIR) if f.startswith(ex.prefix)], "exporter left files behind"
 
 
 @pytest.mark.timeout(120)
@@ -136,7 +147,7 @@ def test_bucket_round_trip_exact_and_receiver_writes_land_in_owner_buffer(export
         got = peer.call(handle)
         assert got == [(n, *_digest(t)) for n, t in named]
         assert peer.call(("embed.weight", -1.5)) == "written"
-        mine = dict(ipc.rebuild_bucket(handle))  # the owner's own view of the bucket
+        mine = dict(ipc.rebuild(handle))  # the owner's own view of the bucket
         assert torch.equal(mine["embed.weight"], torch.full((17, 8), -1.5))
         assert torch.equal(mine["big"], dict(named)["big"])  # neighbours untouched
         peer.send("bye")
@@ -148,16 +159,16 @@ def test_handles_pickle_and_in_process_views_share_memory(exporter):
     b = exporter.export_bucket([("w", torch.ones(2, 3))])
     h2, b2 = pickle.loads(pickle.dumps(h)), pickle.loads(pickle.dumps(b))
     assert h2 == h and b2 == b
-    ipc.rebuild(h2)[3] = 5.0
+    ipc.rebuild(h2)[0][1][3] = 5.0
     assert t[3] == 5.0
-    (name, w), = ipc.rebuild_bucket(b2)
+    (name, w), = ipc.rebuild(b2)
     assert name == "w" and torch.equal(w, torch.ones(2, 3))
 
 
 @pytest.mark.timeout(120)
 def test_use_after_release_raises_ipc_error_and_frees(exporter):
     handle = exporter.export_bucket([("w", torch.ones(4096))])
-    seg = handle.buffer.payload[0]
+    seg = handle.where[0]
     assert os.path.exists(seg) and exporter.live_bytes >= 4096 * 4
     with pytest.raises(IpcError, match="0 of 1 receiver process"):
         exporter.release(handle)  # no receiver has acked yet
@@ -166,7 +177,7 @@ def test_use_after_release_raises_ipc_error_and_frees(exporter):
     assert freed >= 4096 * 4 and exporter.live_bytes == 0
     assert not os.path.exists(seg)  # the shared segment's name is gone; pages go with the last mapping
     with pytest.raises(IpcError, match="released"):
-        ipc.rebuild_bucket(handle)
+        ipc.rebuild(handle)
     assert "released" in probe_in_peer(handle)["error"]  # same in another process
     with pytest.raises(IpcError, match="not live"):
         exporter.release(handle)
@@ -183,10 +194,42 @@ def test_release_waits_for_an_ack_from_each_receiver_process(exporter):
         exporter.release(handle)
     assert probe_in_peer(handle)["sum"] == 1024.0  # a second receiver reads, drops its views, acks
     assert exporter.acks(handle) == 2 and exporter.release(handle) >= 4096
-    assert shm.acks(handle.guard.path) == []  # release removed the ack files
+    assert shm.acks(handle.guard) == []  # release removed the ack files
     with Peer(_child_ack) as late:
         assert late.call(handle) is False  # released: nothing to acknowledge, no file left behind
-    assert shm.acks(handle.guard.path) == []
+    assert shm.acks(handle.guard) == []
+
+
+@pytest.mark.timeout(120)
+def test_release_waits_for_late_acks_until_its_deadline(exporter):
+    handle = exporter.export_bucket([("w", torch.ones(16))])
+    t0 = time.monotonic()
+    with pytest.raises(IpcError, match="0 of 1 receiver process\\(es\\) acked within 0.5 s"):
+        exporter.release(handle, timeout_s=0.5)  # nobody acks: refused at the deadline, not before, not never
+    assert 0.5 <= time.monotonic() - t0 < 5
+    with Peer(_child_ack_later) as peer:
+        peer.send(handle)
+        assert exporter.release(handle, timeout_s=60) >= 64  # waited for the late ack
+        assert peer.recv() is True
+
+
+def test_the_hardened_handle_is_the_cores_handle_extended(exporter):
+    named = _mixed_named()
+    handle = exporter.export_bucket(named)
+    assert isinstance(handle, handoff.Handle)  # one handle type: the core reads it as it is
+    assert [(n, *_digest(v)) for n, v in handoff.rebuild(handle)] == [(n, *_digest(t)) for n, t in named]
+
+
+def test_a_guard_that_fails_to_start_leaves_no_fd_and_no_file(monkeypatch, tmp_path):
+    def fail(*args, **kwargs):
+        raise OSError("mmap failed")
+
+    monkeypatch.setattr(shm.mmap, "mmap", fail)
+    path = str(tmp_path / "x.guard")
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="mmap failed"):
+        shm.GuardFile(path)
+    assert len(os.listdir("/proc/self/fd")) == fds and not os.path.exists(path)
 
 
 @pytest.mark.timeout(120)
@@ -234,21 +277,29 @@ def test_bad_inputs_give_ipc_errors(exporter):
         exporter.export_bucket([("x", torch.zeros(1)), ("x", torch.zeros(1))])
     with pytest.raises(IpcError, match="at least one"):
         exporter.export_bucket([])
+    with pytest.raises(IpcError, match="receivers must be >= 1"):
+        exporter.export_bucket([("x", torch.zeros(1))], receivers=0)
+    with pytest.raises(IpcError, match="contiguous"):
+        exporter.export_tensor(torch.zeros(4, 4).t())
     h = exporter.export_tensor(torch.zeros(4))
-    with pytest.raises(IpcError, match="BucketHandle"):
-        ipc.rebuild_bucket(h)
-    with pytest.raises(IpcError, match="use rebuild_bucket"):
-        ipc.rebuild(exporter.export_bucket([("x", torch.zeros(1))]))
+    buf, core = handoff.export([("x", torch.zeros(1))])  # the core's handle has no guard: not accepted here
+    with pytest.raises(IpcError, match="ipc.Handle"):
+        ipc.rebuild(core)
+    del buf
+    handoff.release(core)
     with pytest.raises(IpcError, match="another machine"):
         ipc.rebuild(dataclasses.replace(h, host="0000-other-host"))
+    fake = "GPU-00000000-dead-beef-0000-000000000000"
+    with pytest.raises(RuntimeError, match="cannot see"):
+        handoff.local_index(fake)  # the one lookup of a GPU's local index
     with pytest.raises(IpcError, match="cannot see"):
-        ipc.local_index("GPU-00000000-dead-beef-0000-000000000000")
+        ipc.device_of(dataclasses.replace(h, gpu=fake))
 
 
 @pytest.mark.timeout(120)
 def test_unknown_gpu_uuid_in_another_process_is_an_error(exporter):
     h = exporter.export_tensor(torch.zeros(4))
-    fake = dataclasses.replace(h, kind="cuda", device_uuid="GPU-00000000-dead-beef-0000-000000000000")
+    fake = dataclasses.replace(h, gpu="GPU-00000000-dead-beef-0000-000000000000")
     out = probe_in_peer(fake)
     assert "cannot see" in out["error"] and "00000000-dead-beef" in out["error"]
 
@@ -257,18 +308,34 @@ def test_unknown_gpu_uuid_in_another_process_is_an_error(exporter):
 def test_crashed_exporter_is_detected_not_a_crash():
     with Peer(_child_exporter) as peer:
         handle = peer.recv()
-        assert ipc.rebuild(handle).sum() == 48.0  # alive: maps fine
-        assert shm.sweep_stale(min_age_s=0, only=handle.guard.path) == []  # alive: never swept
+        assert ipc.rebuild(handle)[0][1].sum() == 48.0  # alive: maps fine
+        assert shm.sweep_stale(min_age_s=0, only=handle.guard) == []  # alive: never swept
         peer.proc.kill()
         peer.proc.join(10)
     try:
         with pytest.raises(IpcError, match="exited"):
             ipc.rebuild(handle)
     finally:  # a killed exporter cannot clean up; its lock is free, so sweep_stale may remove its files
-        removed = shm.sweep_stale(min_age_s=0, only=handle.guard.path)
-    assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard.path, handle.payload[0]))
+        removed = shm.sweep_stale(min_age_s=0, only=handle.guard)
+    assert sorted(removed) == sorted(os.path.basename(p) for p in (handle.guard, handle.where[0]))
     with pytest.raises(IpcError, match="closed or exited"):
         ipc.rebuild(handle)
+
+
+@pytest.mark.timeout(120)
+def test_a_mapping_whose_exporter_died_is_refused():
+    receiver, dest = ipc.Receiver(), {"tensor": torch.zeros(16)}
+    with Peer(_child_exporter) as peer:
+        handle = peer.recv()
+        assert receiver.copy_into(handle, dest) == 64 and torch.equal(dest["tensor"], torch.full((16,), 3.0))
+        peer.proc.kill()
+        peer.proc.join(10)
+    try:
+        with pytest.raises(IpcError, match="exited"):
+            receiver.copy_into(handle, dest)  # the mapping is kept, but its exporter is gone
+        receiver.drop()  # nothing to ack any more, and no error for it
+    finally:
+        shm.sweep_stale(min_age_s=0, only=handle.guard)
 
 
 @pytest.mark.timeout(120)
@@ -289,7 +356,7 @@ def test_probe_peer_tells_apart_exporters_whose_serials_match():
     """Serials restart in each Exporter: a receiver keyed by serial alone would hand back the first one's views."""
     with ipc.Exporter() as ex1, ipc.Exporter() as ex2, Peer(_probe_peer) as peer:
         h1, h2 = ex1.export_tensor(torch.full((64,), 1.0)), ex2.export_tensor(torch.full((64,), 2.0))
-        assert h1.guard.serial == h2.guard.serial
+        assert h1.serial == h2.serial
         assert peer.call(("read", h1))["sum"] == 64.0
         assert peer.call(("read", h2))["sum"] == 128.0
         assert peer.call(("fill", h2, 3.0))["sum"] == 192.0
@@ -311,13 +378,13 @@ def test_peer_never_hangs():
             peer.recv(timeout_s=60)
 
 
-def test_module_level_api_uses_a_default_exporter():
+def test_one_process_is_its_own_receiver(exporter):
     t = torch.arange(6.0)
-    h = ipc.export_tensor(t)
-    assert torch.equal(ipc.rebuild(h), t)
-    b = ipc.export_bucket([("t", t)])
-    assert ipc.ack(b) is True and ipc.release(b) > 0  # this process is the receiver here
-    assert ipc.ack(h) is True and ipc.release(h) == t.nbytes
+    h = exporter.export_tensor(t)
+    assert torch.equal(ipc.rebuild(h)[0][1], t)
+    b = exporter.export_bucket([("t", t)])
+    assert ipc.ack(b) is True and exporter.release(b) > 0  # this process is the receiver here
+    assert ipc.ack(h) is True and exporter.release(h) == t.nbytes
     with pytest.raises(IpcError):
         ipc.rebuild(h)
 
@@ -329,8 +396,8 @@ def test_model_state_is_realistic_and_sized():
     names = [n for n, _ in state]
     assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
     assert all(t.dtype == torch.bfloat16 for _, t in state)
-    buckets = ipc.split_buckets(state, 4 << 20)
-    assert [n for g in buckets for n, _ in g] == names
+    split = buckets.split([buckets.meta(n, t) for n, t in state], 4 << 20)
+    assert [m[0] for g in split for m in g] == names
 
 
 # ---- GPU: the real mechanism (run on a GPU machine: pytest -m gpu tests/test_ipc.py) -----------
@@ -341,10 +408,10 @@ def test_cuda_zero_copy_both_ways():
     with ipc.Exporter() as ex:
         owner = torch.full((1 << 20,), 2.0, device="cuda:0")  # sums stay exact in float32
         handle = ex.export_tensor(owner)
-        assert handle.kind == "cuda" and handle.device_uuid == ipc.device_uuid(0)
+        assert handle.gpu == gpu_uuid(0)
         with Peer(_probe_peer) as peer:
             first = peer.call(("read", handle))
-            assert first["uuid"] == ipc.device_uuid(0)
+            assert first["uuid"] == gpu_uuid(0)
             assert first["sum"] == 2.0 * (1 << 20)
             owner.mul_(2)
             torch.cuda.synchronize()
@@ -367,7 +434,7 @@ def test_cuda_bucket_exact_and_receiver_memory_does_not_grow():
             assert peer.call(handle) == [(n, *_digest(t)) for n, t in named]
             peer.call(("layer.bias", 3.0))
             torch.cuda.synchronize()
-            assert bool((dict(ipc.rebuild_bucket(handle))["layer.bias"] == 3).all())
+            assert bool((dict(ipc.rebuild(handle))["layer.bias"] == 3).all())
             peer.send("bye")
         seen = probe_in_peer(handle)
         assert seen["after"]["allocated"] == seen["before"]["allocated"]  # no allocation in the receiver
@@ -393,6 +460,25 @@ def test_cuda_release_frees_memory_and_kills_the_handle():
         assert "released" in out["error"]
 
 
+@needs_gpus(1)
+@pytest.mark.timeout(180)
+def test_cuda_receiver_drop_waits_on_the_handles_gpu(monkeypatch):
+    """drop() waits for the copies on the GPU of each handle it mapped, not on whichever device is current."""
+    synced = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (synced.append(device), real(device))[1])
+    last = torch.cuda.device_count() - 1
+    with ipc.Exporter() as ex:
+        handle = ex.export_bucket([("w", torch.ones(1024, device=f"cuda:{last}"))])
+        receiver, dest = ipc.Receiver(), {"w": torch.zeros(1024, device=f"cuda:{last}")}
+        receiver.copy_into(handle, dest)
+        synced.clear()
+        with torch.cuda.device(0):
+            receiver.drop()
+        assert synced and all(d is not None and torch.device(d) == torch.device("cuda", last) for d in synced)
+        assert bool((dest["w"] == 1).all()) and ex.acks(handle) == 1
+
+
 @needs_gpus(2)
 @pytest.mark.timeout(180)
 def test_cuda_remap_reordered_visible_devices():
@@ -401,11 +487,11 @@ def test_cuda_remap_reordered_visible_devices():
     with ipc.Exporter() as ex:
         t = torch.arange(4096, dtype=torch.float32, device="cuda:1") * 3
         handle = ex.export_tensor(t, receivers=2)
-        assert handle.device_uuid == ipc.device_uuid(1)
+        assert handle.gpu == gpu_uuid(1)
         swapped = probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": f"{ids[1]},{ids[0]}"}, fill=5.0)
         assert swapped["visible"] == f"{ids[1]},{ids[0]}"
         assert swapped["device"] == "cuda:0"  # physical GPU 1 is local index 0 over there
-        assert swapped["uuid"] == ipc.device_uuid(1)
+        assert swapped["uuid"] == gpu_uuid(1)
         torch.cuda.synchronize()
         assert bool((t == 5).all())  # and it wrote our memory, not a copy
         hidden = probe_in_peer(handle, env={"CUDA_VISIBLE_DEVICES": ids[0]})

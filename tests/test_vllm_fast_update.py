@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from labsupport import checksums, fast_update, ipc, reshard, vllm_ext
+from labsupport import checksums, fast_update, reshard, vllm_ext
+from labsupport.core import buckets
 from labsupport.course import hardware, models
 from labsupport.vllm_weights import WeightUpdateError
 
@@ -162,7 +163,7 @@ def test_shared_weights_keep_training_and_export_one_buffer():
     shared = fast_update.SharedWeights(model)
     try:
         assert all(torch.equal(want[n], p) for n, p in model.named_parameters())
-        views = dict(ipc.bucket_views(shared.exporter.buffer(shared.handle), shared.handle.entries))
+        views = dict(buckets.unpack(shared.exporter.buffer(shared.handle), shared.handle.entries))
         with torch.no_grad():
             model.lm_head.weight.add_(1.0)
         assert torch.equal(views["lm_head.weight"], want["lm_head.weight"] + 1.0)

@@ -41,14 +41,15 @@ def _bench_export(w: RayWorker, nbytes: int, device: str) -> Any:
     from labsupport import ipc
 
     w.owned = torch.zeros(nbytes // 4, device=device)
-    return ipc.export_tensor(w.owned)
+    w.exporter = ipc.Exporter()
+    return w.exporter.export_tensor(w.owned)
 
 
 def _bench_rebuild_and_write(w: RayWorker, handle: Any) -> dict[str, Any]:
     from labsupport import ipc
 
     t0 = time.perf_counter()
-    t = ipc.rebuild(handle)
+    (_, t), = ipc.rebuild(handle)
     rebuild_s = time.perf_counter() - t0
     t.fill_(7.0)
     device = str(t.device)
@@ -58,10 +59,8 @@ def _bench_rebuild_and_write(w: RayWorker, handle: Any) -> dict[str, Any]:
 
 
 def _bench_owner_sees(w: RayWorker, handle: Any) -> bool:
-    from labsupport import ipc
-
     ok = bool((w.owned == 7.0).all())
-    ipc.release(handle)
+    w.exporter.release(handle)
     return ok
 
 

@@ -18,7 +18,7 @@ import torch
 
 from labsupport.course import hardware, progress, results
 from labsupport.course.hardware import synchronize as _sync
-from labsupport.ipc import Exporter, IpcError, Receiver, device_of, rebuild_bucket, split_buckets
+from labsupport.ipc import Exporter, IpcError, Receiver, device_of, rebuild
 from labsupport.course.ipc_timing import model_state, time_update_vs_copy, timed
 from labsupport.course.peer import Peer, memory_probe
 
@@ -36,10 +36,10 @@ def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, t
     probe_ms = []
     for h in probes:
         r0 = time.perf_counter()
-        views = rebuild_bucket(h)
+        views = rebuild(h)
         r1 = time.perf_counter()
-        rebuild_bucket(h)
-        probe_ms.append((h.buffer.nbytes, (r1 - r0) * 1e3, (time.perf_counter() - r1) * 1e3))
+        rebuild(h)
+        probe_ms.append((h.nbytes, (r1 - r0) * 1e3, (time.perf_counter() - r1) * 1e3))
         del views
     _sync(device)
     outbox.put({"probe_ms": probe_ms})
@@ -81,7 +81,7 @@ def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, t
     outbox.put({"ipc_s": ipc_s, "d2d_s": d2d_s, "flat_s": flat_s, "equal": ok})
     inbox.get()  # "released"
     try:
-        rebuild_bucket(handles[0])
+        rebuild(handles[0])
         outbox.put({"after_release": "no error (BUG)"})
     except IpcError as err:
         outbox.put({"after_release": f"IpcError: {str(err)[:80]}..."})
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             exporter.release(h, force=True)  # the peer dropped its views of them
         cold = peer.recv(180)
         pack_s = []
-        groups = split_buckets(state, bucket_mb << 20)
+        tensors = dict(state)
+        groups = [[(n, tensors[n]) for n in h.names] for h in handles]  # each bucket's tensors, in its order
         for _ in progress.bar(range(args.rounds), desc="bench ipc: update rounds", unit="round"):
             pack_s.append(timed(lambda: [exporter.update_bucket(h, g) for h, g in zip(handles, groups)], device))
             peer.call("go", 180)

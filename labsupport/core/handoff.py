@@ -13,7 +13,6 @@ file in ``/dev/shm`` that both processes map: the stand-in with the same semanti
 
 from __future__ import annotations
 
-import inspect
 import os
 import uuid as uuidlib
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport.core import buckets
 from labsupport.course.hardware import gpu_uuid
+from labsupport.course.versions import storage_device_slot
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
@@ -36,9 +36,10 @@ class Handle:
     entries: list[buckets.Entry]
 
 
-def export(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Handle]:
+def export(named: list[tuple[str, torch.Tensor]], path: str | None = None) -> tuple[torch.Tensor, Handle]:
     """Owner side: pack ``named`` tensors into a new shared buffer on their device; returns the buffer (keep it
-    alive until ``release``) and its handle (send it to the receiver)."""
+    alive until ``release``) and its handle (send it to the receiver). On the CPU the buffer is the file
+    ``path`` (default: a new name in ``SHM_DIR``)."""
     entries, size = buckets.layout([buckets.meta(name, t) for name, t in named])
     device = named[0][1].device
     if device.type == "cuda":
@@ -46,8 +47,8 @@ def export(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Handle]
         buckets.pack(buf, entries, [t for _, t in named])
         torch.cuda.synchronize(device)  # the bytes are there before anyone maps them
         return buf, Handle(gpu_uuid(device.index), tuple(reduce_tensor(buf)[1]), entries)
-    path = os.path.join(SHM_DIR, f"labsupport-core-{uuidlib.uuid4().hex}.shm")
-    with open(path, "wb") as f:
+    path = path or os.path.join(SHM_DIR, f"labsupport-core-{uuidlib.uuid4().hex}.shm")
+    with open(path, "xb") as f:
         f.truncate(size)
     buf = _mapped(path, size)
     buckets.pack(buf, entries, [t for _, t in named])
@@ -66,8 +67,7 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
         buf = _mapped(*handle.where)
     else:
         args = list(handle.where)
-        slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
-        args[slot] = local_index(handle.gpu)  # device remap: the owner's index for this GPU -> ours
+        args[storage_device_slot()] = local_index(handle.gpu)  # device remap: the owner's index -> ours
         buf = rebuild_cuda_tensor(*args)
     return buckets.unpack(buf, handle.entries)
 
@@ -76,7 +76,9 @@ def local_index(gpu: str) -> int:
     """This process's CUDA index of the GPU with UUID ``gpu``."""
     here = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
     if gpu not in here:
-        raise RuntimeError(f"GPU {gpu} is not visible in this process (it sees {here}); CUDA IPC needs the same GPU")
+        raise RuntimeError(f"this process cannot see GPU {gpu} (it sees {here or 'no GPU'}; CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): CUDA IPC works on one physical "
+                           "GPU; place the receiver there, or send the weights over NCCL (labsupport.broadcast)")
     return here.index(gpu)
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from labsupport.core import buckets
 from labsupport.course.hardware import synchronize as _sync
-from labsupport.ipc import BucketHandle, Receiver, bucket_views
+from labsupport.ipc import Handle, Receiver
 
 # Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as the
 # target size needs; "cpu" is a small layout for the shared-memory stand-in.
@@ -57,7 +58,7 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def time_update_vs_copy(handles: Sequence[BucketHandle], dest: Mapping[str, torch.Tensor],
+def time_update_vs_copy(handles: Sequence[Handle], dest: Mapping[str, torch.Tensor],
                         receiver: Receiver | None = None, rounds: int = 3) -> dict[str, Any]:
     """Time an IPC update of ``dest`` from ``handles`` against plain copies of the same bytes, here and now.
 
@@ -66,7 +67,7 @@ def time_update_vs_copy(handles: Sequence[BucketHandle], dest: Mapping[str, torc
     """
     receiver = receiver or Receiver()
     device = next(iter(dest.values())).device
-    local = torch.empty(max(h.buffer.nbytes for h in handles), dtype=torch.uint8, device=device)
+    local = torch.empty(max(off + n for h in handles for *_, off, n in h.entries), dtype=torch.uint8, device=device)
     total = sum(h.nbytes for h in handles)
     flat_src = torch.zeros(total, dtype=torch.uint8, device=device)
     flat_dst = torch.empty(total, dtype=torch.uint8, device=device)
@@ -78,7 +79,7 @@ def time_update_vs_copy(handles: Sequence[BucketHandle], dest: Mapping[str, torc
     def local_copies() -> None:
         with torch.no_grad():
             for h in handles:
-                for name, view in bucket_views(local, h.entries):
+                for name, view in buckets.unpack(local, h.entries):
                     dest[name].copy_(view, non_blocking=True)
 
     out: dict[str, Any] = {"bytes": total, "ipc_s": [], "d2d_s": [], "flat_s": []}

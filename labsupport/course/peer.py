@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from labsupport.course.hardware import gpu_uuid, synchronize
-from labsupport.ipc import BucketHandle, IpcError, ack, device_of, rebuild, rebuild_bucket
+from labsupport.ipc import IpcError, ack, device_of, rebuild
 
 
 def memory_probe(device: str | torch.device = "cpu") -> dict[str, int]:
@@ -50,6 +50,7 @@ class Peer:
     talked to with send() and recv(), which raises TimeoutError if nothing comes and RuntimeError if it died."""
 
     def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
+        self.name = getattr(fn, "__name__", "peer")
         ctx = torch.multiprocessing.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox, dict(env or {}), args),
@@ -67,9 +68,10 @@ class Peer:
                 break
             except queue_mod.Empty:
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"peer process exited (code {self.proc.exitcode}) without answering") from None
+                    raise RuntimeError(f"peer process {self.name} exited (code {self.proc.exitcode}) without "
+                                       "answering") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer process sent nothing in {timeout_s:.0f} s") from None
+                    raise TimeoutError(f"peer process {self.name} sent no message in {timeout_s:g} s") from None
         if isinstance(msg, Exception):  # the child failed (see _peer_main)
             raise msg
         return msg
@@ -103,7 +105,7 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
     while (msg := inbox.get()) is not None:
         op, handle, *rest = msg
         try:
-            key = (handle.guard.path, handle.guard.serial)
+            key = (handle.guard, handle.serial)
             if op == "drop":
                 dropped = views.pop(key, None)
                 if dropped:
@@ -116,8 +118,7 @@ def _probe_peer(inbox: Any, outbox: Any) -> None:
             before = memory_probe(device)
             ts = views.get(key)
             if ts is None:
-                ts = [v for _, v in rebuild_bucket(handle)] if isinstance(handle, BucketHandle) else [rebuild(handle)]
-                views[key] = ts
+                ts = views[key] = [v for _, v in rebuild(handle)]
             if op == "fill":
                 for t in ts:
                     t.fill_(rest[0])
