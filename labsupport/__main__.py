@@ -58,9 +58,9 @@ def doctor_cli(argv: list[str]) -> int:
 
 def plan_cli(argv: list[str]) -> int:
     """``python -m labsupport plan ...``: print the planner's tables."""
-    from labsupport.course.planner import (GB, LAYOUTS, LINKS, MODELS, Workload, fmt_gb, format_table, get_model, layout_report,
-                                    model_activation_bytes, model_kv_bytes, plan_layout, required_gb_per_s,
-                                    transfer_seconds, zero_report)
+    from labsupport.course.memory_report import fmt_gb, format_table, layout_report, zero_report
+    from labsupport.course.planner import (GB, LAYOUTS, LINKS, MODELS, Workload, get_model, model_activation_bytes,
+                                           model_kv_bytes, plan_layout, required_gb_per_s, transfer_seconds)
 
     p = argparse.ArgumentParser(prog="python -m labsupport plan",
                                 description="Memory and transfer-time arithmetic for RLHF designs (GB = 1e9 bytes).")

@@ -15,7 +15,7 @@ way the core misreads memory:
   that counts nothing, no allocation-level view.
 
 The thread reads the allocator only: reading ``p.grad`` or a storage while autograd frees it crashes the process,
-so roles are counted on the step's own thread. ``labsupport.course.memory_report`` prints and plots a timeline.
+so roles are counted on the step's own thread. ``labsupport.course.memory_report`` reads a timeline (peaks, plots).
 """
 from __future__ import annotations
 
@@ -249,37 +249,7 @@ class MemoryTimeline(timeline.Timeline):
                             "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)), 4)}}
 
 
-# ---------------------------------------------------------------- summaries
-def _as_dict(tl: MemoryTimeline | dict[str, Any]) -> dict[str, Any]:
-    return tl.to_dict() if isinstance(tl, MemoryTimeline) else tl
-
-
-def role_total(sample: dict[str, Any]) -> int:
-    """Sum of role bytes in one sample (0 if it carried no role counts)."""
-    return sum((sample.get("roles") or {}).values())
-
-
-def peak_by_phase(tl: MemoryTimeline | dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per phase: {phase, seconds, peak_allocated, peak_reserved (GPU), peak_roles, roles_at_peak}."""
-    d = _as_dict(tl)
-    rows = []
-    for ph in d["phases"]:
-        inside = [s for s in d["samples"] if s.get("roles") and ph["start"] <= s["t"] <= ph["end"]]
-        top = max(inside, key=role_total, default=None)
-        rows.append({"phase": ph["name"], "seconds": ph["end"] - ph["start"],
-                     "peak_allocated": ph.get("peak_allocated"), "peak_reserved": ph.get("peak_reserved"),
-                     "peak_roles": role_total(top) if top else 0, "roles_at_peak": dict(top["roles"]) if top else {}})
-    return rows
-
-
-def peak_bytes(tl: MemoryTimeline | dict[str, Any]) -> int:
-    """The timeline's peak: the allocator's on GPU, the largest registered role total on CPU."""
-    d = _as_dict(tl)
-    if d["gpu"]:
-        return max([p.get("peak_allocated") or 0 for p in d["phases"]] + [s.get("peak", 0) for s in d["samples"]])
-    return max((role_total(s) for s in d["samples"]), default=0)
-
-
+# ---------------------------------------------------------------- moving state off the GPU
 def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device) -> int:
     """Move Adam's moment tensors to device (to "cpu": into pinned host memory) and wait for the copies.
     Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""

@@ -40,7 +40,7 @@ def test_role_totals_equal_registered_tensor_bytes():
     assert roles["kv_cache"] == nbytes(kv) == 2 * 2 * 4 * 16 * 4
     assert roles["other"] == 800 and roles["activations"] == 0 and host == 0
     s = tl.sample()
-    assert M.role_total(s) == sum(roles.values()) and "allocated" not in s  # no allocator on CPU
+    assert memory_report.role_total(s) == sum(roles.values()) and "allocated" not in s  # no allocator on CPU
     kv.clear()  # a cleared list shows up at the next sample
     assert tl.role_bytes()[0]["kv_cache"] == 0
 
@@ -128,7 +128,7 @@ def test_phases_recorded_in_order_without_overlap():
             with tl.phase("inner"):
                 pass
     assert tl.phases[-1] == "outer"
-    rows = M.peak_by_phase(tl)
+    rows = memory_report.peak_by_phase(tl)
     assert [r["phase"] for r in rows] == names + ["outer"]
     json.dumps(tl.to_dict())  # JSON-able as is
 
@@ -242,11 +242,11 @@ def test_rlhf_step_roles_match_planner_and_strategies_order():
     assert opt_bytes == 8 * n + 4 * n_tensors
     assert end_of["train"]["roles"]["gradients"] == 4 * n
     assert end_of["optimizer_step"]["roles"]["gradients"] == 0  # freed with set_to_none
-    train_peak = max(M.role_total(s) for s in d["samples"] if s["phase"] == "train")
+    train_peak = max(memory_report.role_total(s) for s in d["samples"] if s["phase"] == "train")
     assert train_peak > end_of["reward"]["roles"]["weights"] + opt_bytes  # activations and grads showed up
     r = tls["resident"].to_dict()
     assert "free_kv" not in [p["name"] for p in r["phases"]]
-    assert M.peak_bytes(r) > M.peak_bytes(d)  # keeping the KV pool raises the peak
+    assert memory_report.peak_bytes(r) > memory_report.peak_bytes(d)  # keeping the KV pool raises the peak
 
 
 def test_plots_side_by_side_share_y(tmp_path):
@@ -377,5 +377,5 @@ def test_gpu_allocator_tracks_known_allocation_and_snapshot(tmp_path):
 @pytest.mark.gpu(1)
 @pytest.mark.skipif(hardware.gpu_count() < 1, reason="needs 1 CUDA GPU")
 def test_gpu_strategies_peaks_order():
-    peaks = {s: M.peak_bytes(S.run_strategy(s, S.GPU_CONFIG, "cuda")[0]) for s in S.STRATEGIES}
+    peaks = {s: memory_report.peak_bytes(S.run_strategy(s, S.GPU_CONFIG, "cuda")[0]) for s in S.STRATEGIES}
     assert peaks["offloaded"] < peaks["kv_freed"] < peaks["resident"]

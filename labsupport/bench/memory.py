@@ -12,8 +12,8 @@ import argparse
 from dataclasses import asdict
 
 from labsupport.course import hardware, progress, results
-from labsupport.course.memory_report import GB, format_peak_table, plot_timelines
-from labsupport.memory import peak_bytes
+from labsupport.course.memory_report import format_peak_table, peak_bytes, plot_timelines
+from labsupport.course.planner import GB
 from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, measure_overhead,
                                    run_strategy)
 

@@ -1,39 +1,105 @@
-"""Reading a memory timeline (``labsupport.memory``): the peak-by-phase table and the plots that Labs 2 and 10,
-Chapter 2 and ``bench memory`` show."""
+"""Reading memory numbers: a memory timeline's peaks, table and plots (``labsupport.memory``; Labs 2 and 10,
+Chapter 2, ``bench memory``) and the planner's tables (``labsupport.course.planner``; ``python -m labsupport plan``).
+Plain data in, text or figures out: nothing here needs torch."""
 from __future__ import annotations
 
 from typing import Any
 
-from labsupport.memory import ROLES, MemoryTimeline, peak_by_phase, peak_bytes, role_total
+from labsupport.course.planner import GB, LayoutPlan, zero_table
 
-GB = 1e9
 ROLE_COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer": "#c44e52", "kv_cache": "#55a868",
-               "activations": "#8172b3", "other": "#b0b0b0"}
+               "activations": "#8172b3", "other": "#b0b0b0"}  # a timeline's roles, in its "roles" order
 
 
+def _as_dict(tl: Any) -> dict[str, Any]:
+    """A timeline's data: a ``MemoryTimeline``'s ``to_dict()``, or that dict itself (e.g. read from results/)."""
+    return tl if isinstance(tl, dict) else tl.to_dict()
+
+
+def role_total(sample: dict[str, Any]) -> int:
+    """Sum of role bytes in one sample (0 if it carried no role counts)."""
+    return sum((sample.get("roles") or {}).values())
+
+
+def peak_by_phase(tl: Any) -> list[dict[str, Any]]:
+    """One row per phase: {phase, seconds, peak_allocated, peak_reserved (GPU), peak_roles, roles_at_peak}."""
+    d = _as_dict(tl)
+    rows = []
+    for ph in d["phases"]:
+        inside = [s for s in d["samples"] if s.get("roles") and ph["start"] <= s["t"] <= ph["end"]]
+        top = max(inside, key=role_total, default=None)
+        rows.append({"phase": ph["name"], "seconds": ph["end"] - ph["start"],
+                     "peak_allocated": ph.get("peak_allocated"), "peak_reserved": ph.get("peak_reserved"),
+                     "peak_roles": role_total(top) if top else 0, "roles_at_peak": dict(top["roles"]) if top else {}})
+    return rows
+
+
+def peak_bytes(tl: Any) -> int:
+    """The timeline's peak: the allocator's on GPU, the largest registered role total on CPU."""
+    d = _as_dict(tl)
+    if d["gpu"]:
+        return max([p.get("peak_allocated") or 0 for p in d["phases"]] + [s.get("peak", 0) for s in d["samples"]])
+    return max((role_total(s) for s in d["samples"]), default=0)
+
+
+# ---------------------------------------------------------------- the planner's tables
+def fmt_gb(x: float) -> str:
+    return f"{x / GB:,.2f}" if x < 100 * GB else f"{x / GB:,.1f}"
+
+
+def format_table(rows: list[list], header: list[str]) -> str:
+    """Plain-text table, the first column left-aligned and the others right-aligned (what the CLI prints)."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
+
+
+def zero_report(params: float, n_gpus: int) -> str:
+    names = ["0 baseline", "1 P_os", "2 P_os+g", "3 P_os+g+p"]
+    rows = [[names[s], fmt_gb(z.weights), fmt_gb(z.grads), fmt_gb(z.optimizer), fmt_gb(z.total)]
+            for s, z in enumerate(zero_table(params, n_gpus))]
+    return (f"ZeRO model states per GPU: {params / 1e9:g}B params, {n_gpus} GPUs, mixed-precision Adam "
+            f"(2+2+12 = 16 bytes/param), GB = 1e9\n"
+            + format_table(rows, ["stage", "weights GB", "grads GB", "optimizer GB", "total GB"]))
+
+
+def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
+    rows = []
+    for g in plan.groups:
+        for ph, comps in g.phases.items():
+            rows += [[g.name, g.n_gpus, ph, c, fmt_gb(v)] for c, v in comps.items() if v]  # (no row for a model left out)
+            rows.append([g.name, g.n_gpus, ph, "= total", fmt_gb(sum(comps.values()))])
+        if g.host_bytes_per_gpu:
+            rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", fmt_gb(g.host_bytes_per_gpu)])
+    out = f"layout {plan.layout}: {plan.n_gpus} GPUs, peak {fmt_gb(plan.peak)} GB per GPU"
+    if gpu_bytes:
+        out += f" -> {'fits' if plan.fits(gpu_bytes) else 'does NOT fit'} in {fmt_gb(gpu_bytes)} GB"
+    return out + "\n" + format_table(rows, ["group", "GPUs", "phase", "component", "GB/GPU"])
+
+
+# ---------------------------------------------------------------- a timeline's table and plots
 def _unit(unit: float) -> str:
     return "GB" if unit == GB else ("MB" if unit == 1e6 else f"x{unit:g} B")
 
 
-def format_peak_table(tl: MemoryTimeline | dict[str, Any], unit: float = GB) -> str:
+def format_peak_table(tl: Any, unit: float = GB) -> str:
     """The peak-by-phase table as text (GB = 1e9 bytes; pass unit=1e6 for MB)."""
-    u = _unit(unit)
-    head = ["phase", "s", f"alloc peak {u}", f"reserved {u}", f"registered {u}"] + [r[:8] for r in ROLES]
+    d, u = _as_dict(tl), _unit(unit)
     f = lambda v: "n/a (CPU)" if v is None else f"{v / unit:.3f}"  # noqa: E731
-    cells = [head] + [[r["phase"], f"{r['seconds']:.3f}", f(r["peak_allocated"]), f(r["peak_reserved"]),
-                       f(r["peak_roles"])] + [f(r["roles_at_peak"].get(k, 0)) for k in ROLES] for r in peak_by_phase(tl)]
-    w = [max(len(str(c[i])) for c in cells) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(row))
-                     for row in cells)
+    rows = [[r["phase"], f"{r['seconds']:.3f}", f(r["peak_allocated"]), f(r["peak_reserved"]), f(r["peak_roles"])]
+            + [f(r["roles_at_peak"].get(k, 0)) for k in d["roles"]] for r in peak_by_phase(d)]
+    head = ["phase", "s", f"alloc peak {u}", f"reserved {u}", f"registered {u}"] + [r[:8] for r in d["roles"]]
+    return format_table(rows, head)
 
 
-def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any, title: str, unit: float = GB) -> None:
+def plot_timeline(tl: Any, ax: Any, title: str, unit: float = GB) -> None:
     """Stacked area of bytes by role over time, with phase bands, allocator lines (GPU), capacity, peak."""
-    d, u = tl.to_dict() if isinstance(tl, MemoryTimeline) else tl, _unit(unit)
-    rs = [s for s in d["samples"] if s.get("roles")]
+    d, u = _as_dict(tl), _unit(unit)
+    rs, roles = [s for s in d["samples"] if s.get("roles")], d["roles"]
     t = [s["t"] for s in rs]
-    ax.stackplot(t, *[[s["roles"].get(r, 0) / unit for s in rs] for r in ROLES], labels=ROLES,
-                 colors=[ROLE_COLORS[r] for r in ROLES], alpha=0.85, step="post")  # a value holds until the next sample
+    ax.stackplot(t, *[[s["roles"].get(r, 0) / unit for s in rs] for r in roles], labels=roles,
+                 colors=[ROLE_COLORS[r] for r in roles], alpha=0.85, step="post")  # a value holds until the next sample
     top = max([role_total(s) for s in rs] + [0])
     if d["gpu"]:
         al = [s for s in d["samples"] if "allocated" in s]
@@ -66,7 +132,7 @@ def plot_timeline(tl: MemoryTimeline | dict[str, Any], ax: Any, title: str, unit
     ax.set_title(title, fontsize=10)
 
 
-def plot_timelines(timelines: dict[str, MemoryTimeline | dict[str, Any]], *, unit: float = GB) -> Any:
+def plot_timelines(timelines: dict[str, Any], *, unit: float = GB) -> Any:
     """Timelines side by side under their titles, with a shared y axis, so the peaks compare at a glance."""
     import matplotlib.pyplot as plt
 
