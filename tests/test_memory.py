@@ -133,6 +133,43 @@ def test_phases_recorded_in_order_without_overlap():
     json.dumps(tl.to_dict())  # JSON-able as is
 
 
+def test_memory_timeline_is_the_core_timeline_with_additions():
+    """One vocabulary: the hardened timeline is a core Timeline (roles through track(), phases by name, samples with
+    the core's keys), and a phase that raises still gets its end sample, so its span is recorded."""
+    from labsupport.core import timeline
+
+    w = torch.zeros(10)
+    tl = M.MemoryTimeline("cpu")
+    assert isinstance(tl, timeline.Timeline)
+    tl.register("weights", [w], name="w")
+    assert set(tl.roles) == {"activations", "weights"} and [t.nbytes for t in tl.roles["weights"]()] == [40]
+    with pytest.raises(ZeroDivisionError):
+        with tl.phase("fails"):
+            1 / 0
+    assert tl.phases == ["fails"] and [s["event"] for s in tl.samples] == ["begin", "end"]
+    assert {"t", "phase", "event", "roles"} <= set(tl.samples[1]) and tl.samples[1]["roles"]["weights"] == 40
+    assert [p["name"] for p in tl.to_dict()["phases"]] == ["fails"]
+    with tl.phase("next"):  # the failed phase is over: no overlap
+        pass
+
+
+def test_rlhf_step_records_on_the_core_timeline_too():
+    """rlhf_step takes either timeline: the core one samples at phase edges only (no activations, no marks)."""
+    from labsupport.core import timeline
+
+    state = S.make_state("kv_freed")
+    try:
+        S.rlhf_step(state)
+        core = timeline.Timeline("cpu")
+        core.track("kv_cache", lambda: state.kv)
+        S.rlhf_step(state, core)
+        assert core.phases == ["generate", "free_kv", "reward", "train", "optimizer_step"]
+        assert [s["event"] for s in core.samples] == ["begin", "end"] * 5
+        assert core.samples[1]["roles"]["kv_cache"] > 0 and core.samples[3]["roles"]["kv_cache"] == 0
+    finally:
+        S.release_state(state)
+
+
 def _check_sampler(device):
     """The thread ticks (GPU) or never starts (CPU), stops cleanly, and never reads the registered tensors:
     only the step's own thread counts roles, at phase edges and marks."""
