@@ -161,7 +161,7 @@ def _colocated_step(r: _Run, k: int) -> dict[str, Any]:
 
 
 def _disaggregated_step(r: _Run, k: int) -> dict[str, Any]:
-    """Engine generates while the trainer waits; the trainer learns while the engine waits; then a broadcast."""
+    """The engine generates while the trainer waits, then the other way round; then a broadcast."""
     with _phase(r, "idle", k, "engine generating"):
         reply = r.engine.call(_gen_op(r, k))
     rec = _learn(r, k, reply["rollout"])
@@ -185,8 +185,7 @@ STEPS: dict[str, Callable[[_Run, int], dict[str, Any]]] = {
 
 
 def _connect(r: _Run) -> None:
-    """The weight path: co-located, the trainer's weights in one exported bucket (and the engine asleep);
-    otherwise a two-rank group that the engine joins."""
+    """The weight path: co-located, one exported bucket (and the engine asleep); else a group the engine joins."""
     if r.arch == "colocated":
         r.exporter = ipc.Exporter()
         r.handle = r.exporter.export_bucket(r.weights())
@@ -200,8 +199,7 @@ def _connect(r: _Run) -> None:
 
 
 def _close(r: _Run) -> None:
-    """Leave the group first (an engine stuck in a broadcast then fails at once), stop the engine, release the
-    bucket."""
+    """Leave the group first (an engine stuck in a broadcast then fails at once), stop the engine, free the bucket."""
     try:
         if r.group is not None:
             r.group.destroy()
