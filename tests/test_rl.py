@@ -373,8 +373,8 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
 
     gpu = hardware.gpu_count() > 0
     device, tol = ("cuda:0", 0.1) if gpu else ("cpu", 1e-3)
-    ours = ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE",
-            "VLLM_WORKER_MULTIPROC_METHOD")  # what VllmEngine sets for vLLM's start
+    # what VllmEngine sets for vLLM's start (vLLM sets VLLM_WORKER_MULTIPROC_METHOD itself when it must spawn)
+    ours = ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
     env = {k: os.environ.get(k) for k in ours}
     eng = engines.VllmEngine(policy_dir, device, max_num_seqs=16)
     try:
