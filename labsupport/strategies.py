@@ -1,9 +1,9 @@
-"""One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by phase.
+"""One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by phase (Lab 2).
 
-``rlhf_step`` runs a small Qwen2 policy (``labsupport.course.models``) through generation into a KV pool allocated up
-front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block
-of a ``labsupport.memory.MemoryTimeline``. The strategies differ in what stays on the GPU (``STRATEGY_TEXT``).
-``measure_overhead`` times the step with and without a timeline (Lab 2 and ``bench memory`` call it).
+``rlhf_step`` runs a small Qwen2 policy (``labsupport.course.models``) through generation into a KV pool allocated
+up front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block of
+a ``labsupport.core.timeline.Timeline`` (or its ``labsupport.memory.MemoryTimeline``). The strategies differ in what
+stays on the GPU (``STRATEGY_TEXT``). ``measure_overhead`` times the step with and without a timeline.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from labsupport.core import timeline
 from labsupport.course import models, progress
 from labsupport.course.hardware import synchronize as _sync
 from labsupport.memory import MemoryTimeline, move_optimizer_state
@@ -87,34 +88,59 @@ def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
     tl.register("kv_cache", state.kv, name="kv pool")
 
 
-def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, float]:
-    """One RLHF step, phase by phase: generate (KV pool), [free KV], reward, [reload Adam], train,
-    optimizer step, [offload Adam]. The bracketed phases depend on state.strategy."""
+def _generate(state: RLHFState, g: torch.Generator) -> torch.Tensor:
+    """Prompts and ``new_tokens`` sampled answers, through a KV pool allocated up front as an engine's is."""
     from transformers import StaticCache
 
-    c, dev, model, opt = state.config, state.device, state.model, state.optimizer
+    c, dev, model = state.config, state.device, state.model
+    if state.cache is None:
+        state.cache = StaticCache(config=model.config, max_cache_len=c.kv_len)
+        state.cache.early_initialization(batch_size=c.batch, num_heads=c.kv_heads, head_dim=64,
+                                         dtype=next(model.parameters()).dtype, device=dev)
+        state.kv[:] = [t for layer in state.cache.layers for t in (layer.keys, layer.values)]
+    else:
+        state.cache.reset()
+    prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev, generator=g)
+    seq, tok_in, pos = prompts, prompts, torch.arange(c.prompt_len, device=dev)
+    for _ in range(c.new_tokens):
+        logits = model(tok_in, past_key_values=state.cache, cache_position=pos, use_cache=True).logits[:, -1]
+        tok_in = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
+        seq = torch.cat([seq, tok_in], 1)
+        pos = pos[-1:] + 1
+    return seq
+
+
+def _train(state: RLHFState, seq: torch.Tensor, adv: torch.Tensor, tl: timeline.Timeline | None) -> float:
+    """Policy-gradient backward passes over micro-batches; a ``MemoryTimeline`` also counts activations and
+    samples after each forward pass, where they peak."""
+    c, model = state.config, state.model
+    full = isinstance(tl, MemoryTimeline)  # the core timeline samples at phase edges only
+    gen, total, n_micro = seq[:, c.prompt_len:], 0.0, max(1, c.batch // c.micro_batch)
+    model.train()
+    for mb in range(n_micro):
+        sl = slice(mb * c.micro_batch, (mb + 1) * c.micro_batch)
+        with tl.track_activations() if full else contextlib.nullcontext():
+            logits = model(seq[sl, :-1], use_cache=False).logits[:, c.prompt_len - 1:]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, gen[sl, :, None]).squeeze(-1)
+            loss = -(adv[sl, None] * logp).mean() / n_micro
+        if full:
+            tl.sample("forward")
+        loss.backward()
+        total += loss.item()
+        del logits, logp, loss
+    return total
+
+
+def rlhf_step(state: RLHFState, tl: timeline.Timeline | None = None) -> dict[str, float]:
+    """One RLHF step, phase by phase: generate (KV pool), [free KV], reward, [reload Adam], train,
+    optimizer step, [offload Adam]. The bracketed phases depend on state.strategy."""
+    c, dev, opt = state.config, state.device, state.optimizer
     phase = tl.phase if tl is not None else (lambda name: contextlib.nullcontext())
-    acts = getattr(tl, "track_activations", contextlib.nullcontext)  # (labsupport.core.timeline has none)
-    mark = getattr(tl, "sample", lambda event: None)  # a sample between the edges (core.timeline has none)
     g = torch.Generator(device=dev).manual_seed(c.seed + state.steps)
     t0 = time.perf_counter()
-
     with phase("generate"), torch.no_grad():
-        model.eval()
-        if state.cache is None:  # the KV pool, allocated up front for the whole batch as an engine does
-            state.cache = StaticCache(config=model.config, max_cache_len=c.kv_len)
-            state.cache.early_initialization(batch_size=c.batch, num_heads=c.kv_heads, head_dim=64,
-                                             dtype=next(model.parameters()).dtype, device=dev)
-            state.kv[:] = [t for layer in state.cache.layers for t in (layer.keys, layer.values)]
-        else:
-            state.cache.reset()
-        prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev, generator=g)
-        seq, tok_in, pos = prompts, prompts, torch.arange(c.prompt_len, device=dev)
-        for i in range(c.new_tokens):
-            logits = model(tok_in, past_key_values=state.cache, cache_position=pos, use_cache=True).logits[:, -1]
-            tok_in = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
-            seq = torch.cat([seq, tok_in], 1)
-            pos = pos[-1:] + 1
+        state.model.eval()
+        seq = _generate(state, g)
         _sync(dev)
     if state.strategy != "resident":
         with phase("free_kv"):
@@ -130,20 +156,8 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
     if state.strategy == "offloaded" and state.steps > 0:
         with phase("reload_optimizer"):
             move_optimizer_state(opt, dev)
-    total_loss = 0.0
     with phase("train"):
-        model.train()
-        n_micro = max(1, c.batch // c.micro_batch)
-        for mb in range(n_micro):
-            sl = slice(mb * c.micro_batch, (mb + 1) * c.micro_batch)
-            with acts():
-                logits = model(seq[sl, :-1], use_cache=False).logits[:, c.prompt_len - 1:]
-                logp = torch.log_softmax(logits.float(), -1).gather(-1, gen[sl, :, None]).squeeze(-1)
-                loss = -(adv[sl, None] * logp).mean() / n_micro
-            mark("forward")  # activations peak here, between the phase's edges
-            loss.backward()
-            total_loss += loss.item()
-            del logits, logp, loss
+        loss = _train(state, seq, adv, tl)
         _sync(dev)
     with phase("optimizer_step"):
         opt.step()
@@ -153,7 +167,7 @@ def rlhf_step(state: RLHFState, tl: MemoryTimeline | None = None) -> dict[str, f
         with phase("offload_optimizer"):
             move_optimizer_state(opt, "cpu")
     state.steps += 1
-    return {"reward_mean": reward.mean().item(), "loss": total_loss, "step_s": time.perf_counter() - t0}
+    return {"reward_mean": reward.mean().item(), "loss": loss, "step_s": time.perf_counter() - t0}
 
 
 def release_state(state: RLHFState) -> None:
@@ -205,8 +219,7 @@ def measure_overhead(config: StepConfig | None = None, device: str | torch.devic
             busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
         m_off, m_on = statistics.median(off), statistics.median(on)
         return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
-                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
-                "repeats": repeats,
+                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s, "repeats": repeats,
                 "steps_without": off, "steps_with": on}
     finally:
         release_state(state)

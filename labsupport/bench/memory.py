@@ -3,7 +3,7 @@
 Records ``labsupport.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
 measures what the background sampler costs a step (``strategies.measure_overhead``, which Lab 2 also calls) and
 writes ``results/memory_timeline.<machine>.json`` with its plot (Chapter 2 and Lab 2 read them). The table
-and plots are ``labsupport.memory``'s (``format_peak_table``, ``plot_timelines``), which Labs 2 and 10 use too.
+and plots are ``labsupport.course.memory_report``'s, which Labs 2 and 10 use too.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import argparse
 from dataclasses import asdict
 
 from labsupport.course import hardware, progress, results
-from labsupport.memory import GB, format_peak_table, peak_bytes, plot_timelines
+from labsupport.course.memory_report import format_peak_table, peak_bytes, plot_timelines
+from labsupport.course.planner import GB
 from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, measure_overhead,
                                    run_strategy)
 

@@ -49,8 +49,10 @@ class Timeline:
         """Mark a phase of the step: one sample as it begins, one as it ends."""
         self.phases.append(name)
         self._sample(name, "begin")
-        yield
-        self._sample(name, "end")
+        try:
+            yield
+        finally:  # a phase that raises still gets its end sample
+            self._sample(name, "end")
 
 
 def plot(tl: Timeline, unit: float = 1e6, ax: Any = None) -> Any:

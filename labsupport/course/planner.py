@@ -1,11 +1,12 @@
-"""Memory and time arithmetic for RLHF system design: ZeRO stages, KV cache, activations,
-per-GPU totals of co-located / hybrid / disaggregated layouts, and weight-transfer times.
+"""Memory and time arithmetic for RLHF system design: ZeRO stages, KV cache, activations, per-GPU totals of
+co-located / hybrid / disaggregated layouts, whether a co-located engine fits beside its trainer, transfer times.
 
-Units: bytes in, bytes out; tables print GB with GB = 1e9 bytes (the ZeRO paper's unit).
-`python -m labsupport plan {zero,kv,act,layout,transfer} ...` prints the tables.
+Units: bytes in, bytes out, GB = 1e9 bytes (the ZeRO paper's unit). ``labsupport.course.memory_report`` prints
+the tables that ``python -m labsupport plan {zero,kv,act,layout,transfer} ...`` shows.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -13,11 +14,15 @@ GB = 1e9
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
+def _preset(table: dict, name: str, what: str):
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}: expected one of {list(table)}")
+    return table[name]
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name such as "bf16"."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
+    return _preset(DTYPE_BYTES, dtype, "dtype")
 
 
 # ---------------------------------------------------------------- bytes per parameter / ZeRO
@@ -48,10 +53,8 @@ def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> ModelStat
 def zero_memory(params: float, n_gpus: int, stage: int) -> ModelStates:
     """Per-GPU model-state bytes (mixed-precision Adam) over n_gpus data-parallel GPUs for ZeRO stage 0 (plain
     data parallel), 1 (optimizer state sharded, P_os), 2 (+ gradients, P_os+g) or 3 (+ parameters, P_os+g+p)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, found {stage}")
-    if n_gpus < 1:
-        raise ValueError(f"n_gpus must be >= 1, found {n_gpus}")
+    if stage not in (0, 1, 2, 3) or n_gpus < 1:
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3 and n_gpus >= 1; found stage {stage}, n_gpus {n_gpus}")
     b, n = bytes_per_param(), n_gpus
     return ModelStates(weights=params * b.weights / (n if stage >= 3 else 1),
                        grads=params * b.grads / (n if stage >= 2 else 1),
@@ -101,9 +104,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
 
 def get_model(name: str) -> ModelSpec:
     """A preset by name (see MODELS); raises a ValueError listing the presets otherwise."""
-    if name.lower() not in MODELS:
-        raise ValueError(f"unknown model preset {name!r}: expected one of {list(MODELS)}")
-    return MODELS[name.lower()]
+    return _preset(MODELS, name.lower(), "model preset")
 
 
 # ---------------------------------------------------------------- KV cache and activations
@@ -111,9 +112,8 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batc
                    dtype: str = "bf16") -> int:
     """Bytes of a KV cache: 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes/element.
     E.g. OPT-13B (40 layers, 40 heads x 128) in fp16 needs 800 KB per token (vLLM paper)."""
-    for name, v in dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch).items():
-        if v < 0:
-            raise ValueError(f"{name} must be >= 0, found {v}")
+    if min(layers, kv_heads, head_dim, seq_len, batch) < 0:
+        raise ValueError(f"sizes must be >= 0, found {layers=}, {kv_heads=}, {head_dim=}, {seq_len=}, {batch=}")
     return 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes(dtype)
 
 
@@ -129,15 +129,10 @@ def activation_bytes(layers: int, hidden: int, heads: int, seq_len: int, batch: 
     "selective" recompute (or flash attention: no a*s*s scores) leaves 34*s*b*h/t, "full" only the layer input,
     2*s*b*h. Logits, loss and pipeline micro-batches in flight are not counted."""
     s, b, h, a, t = seq_len, batch, hidden, heads, tensor_parallel
-    if recompute == "none":
-        per_layer = s * b * h * (34 + 5 * a * s / h) / t
-    elif recompute == "selective":
-        per_layer = 34 * s * b * h / t
-    elif recompute == "full":
-        per_layer = 2 * s * b * h
-    else:
+    per_layer = {"none": s * b * h * (34 + 5 * a * s / h) / t, "selective": 34 * s * b * h / t, "full": 2 * s * b * h}
+    if recompute not in per_layer:
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', found {recompute!r}")
-    return layers * per_layer
+    return layers * per_layer[recompute]
 
 
 def model_activation_bytes(model: ModelSpec, seq_len: int, batch: int, recompute: str = "full") -> float:
@@ -190,6 +185,7 @@ class GroupPlan:
 
 @dataclass
 class LayoutPlan:
+    """A layout's groups of GPUs (see plan_layout)."""
     layout: str
     groups: list[GroupPlan] = field(default_factory=list)
 
@@ -210,11 +206,10 @@ LAYOUTS = ("colocated", "hybrid", "disaggregated")
 
 def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
                 groups: dict[str, int] | None = None) -> LayoutPlan:
-    """Per-GPU bytes of the actor, critic, reference and reward models for one layout. colocated: all four
-    models plus the rollout weights and KV cache resident on the same n_gpus (sharded). hybrid: the same n_gpus,
-    time-shared: only the current phase's states on the GPU, the rest offloaded to host memory (a verl-style
-    hybrid engine). disaggregated: groups {"train": n, "rollout": n, "score": n}: training states, rollout
-    weights and KV cache, reference and reward models."""
+    """Per-GPU bytes of the actor, critic, reference and reward models for one layout. colocated: all four models
+    plus the rollout weights and KV cache resident on the same n_gpus (sharded). hybrid: the same n_gpus, only the
+    current phase's states on the GPU, the rest offloaded to host memory (a verl-style hybrid engine).
+    disaggregated: groups {"train": n, "rollout": n, "score": n}, each with its own models."""
     plan = LayoutPlan(layout)
     generate = {"rollout weights": w.frozen("actor", w.rollout_tp), "kv cache": w.kv_bytes_per_gpu}
     if layout in ("colocated", "hybrid"):
@@ -249,6 +244,44 @@ def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
     return plan
 
 
+# ---------------------------------------------------------------- one GPU, now: does a co-located engine fit?
+class InsufficientMemory(RuntimeError):
+    """A run does not fit in the GPU memory free now: raised before anything starts, saying what to change."""
+
+
+def colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, free_bytes: int, total_bytes: int, *,
+                  headroom_bytes: int = 1 << 30) -> dict:
+    """Does an engine taking ``gpu_memory_utilization * total_bytes`` fit beside the trainer's state still to come
+    and ``headroom_bytes`` (its activations, the engine's CUDA context, the IPC bucket)? What is needed and free, and
+    the largest utilization (steps of 0.05) that fits: vLLM will not start with less free than its share."""
+    engine = int(gpu_memory_utilization * total_bytes)
+    need, room = engine + trainer_bytes + headroom_bytes, free_bytes - trainer_bytes - headroom_bytes
+    return {"fits": need <= free_bytes, "need_bytes": need, "engine_bytes": engine, "trainer_bytes": trainer_bytes,
+            "headroom_bytes": headroom_bytes, "free_bytes": free_bytes, "total_bytes": total_bytes,
+            "max_gpu_memory_utilization": math.floor(room / total_bytes * 20) / 20 if room > 0 else 0.0}
+
+
+def check_colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, *, free_bytes: int | None = None,
+                        total_bytes: int | None = None, headroom_bytes: int = 1 << 30) -> dict:
+    """``colocated_fit`` on this GPU (``torch.cuda.mem_get_info`` unless given), or ``InsufficientMemory`` saying
+    how much is needed and what to change, before the engine starts (not an out-of-memory error halfway)."""
+    if free_bytes is None or total_bytes is None:
+        import torch  # (the rest of the planner is arithmetic on numbers)
+
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+    fit = colocated_fit(gpu_memory_utilization, trainer_bytes, free_bytes, total_bytes, headroom_bytes=headroom_bytes)
+    if fit["fits"]:
+        return fit
+    gib = lambda v: f"{v / 2**30:.1f} GiB"  # noqa: E731
+    lower = (f"lower gpu_memory_utilization to {fit['max_gpu_memory_utilization']:.2f} or less"
+             if fit["max_gpu_memory_utilization"] >= 0.05 else "no gpu_memory_utilization fits")
+    raise InsufficientMemory(
+        f"the co-located engine and trainer need {gib(fit['need_bytes'])} free on this GPU: {gib(fit['engine_bytes'])} "
+        f"for the engine (gpu_memory_utilization={gpu_memory_utilization} of {gib(total_bytes)}), {gib(trainer_bytes)} "
+        f"for the trainer's state and {gib(headroom_bytes)} of headroom; {gib(free_bytes)} is free. Stop other "
+        f"processes on the GPU (see nvidia-smi; a previous kernel of this notebook may still hold it), or {lower}.")
+
+
 # ---------------------------------------------------------------- links and transfer time
 @dataclass(frozen=True)
 class Link:
@@ -279,9 +312,7 @@ LINKS: dict[str, Link] = {l.name: l for l in [
 
 def get_link(name: str) -> Link:
     """A link preset by name (see LINKS); raises a ValueError listing the presets otherwise."""
-    if name not in LINKS:
-        raise ValueError(f"unknown link {name!r}: expected one of {list(LINKS)}")
-    return LINKS[name]
+    return _preset(LINKS, name, "link")
 
 
 def transfer_seconds(n_bytes: float, link: Link | str | float, n_links: int = 1) -> float:
@@ -297,39 +328,3 @@ def required_gb_per_s(n_bytes: float, seconds: float) -> float:
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, found {seconds}")
     return n_bytes / seconds / GB
-
-
-# ---------------------------------------------------------------- tables (python -m labsupport plan prints them)
-def fmt_gb(x: float) -> str:
-    return f"{x / GB:,.2f}" if x < 100 * GB else f"{x / GB:,.1f}"
-
-
-def format_table(rows: list[list], header: list[str]) -> str:
-    """Plain-text table with right-aligned columns (what the CLI prints)."""
-    cells = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
-
-
-def zero_report(params: float, n_gpus: int) -> str:
-    names = ["0 baseline", "1 P_os", "2 P_os+g", "3 P_os+g+p"]
-    rows = [[names[s], fmt_gb(z.weights), fmt_gb(z.grads), fmt_gb(z.optimizer), fmt_gb(z.total)]
-            for s, z in enumerate(zero_table(params, n_gpus))]
-    return (f"ZeRO model states per GPU: {params / 1e9:g}B params, {n_gpus} GPUs, mixed-precision Adam "
-            f"(2+2+12 = 16 bytes/param), GB = 1e9\n"
-            + format_table(rows, ["stage", "weights GB", "grads GB", "optimizer GB", "total GB"]))
-
-
-def layout_report(plan: LayoutPlan, gpu_bytes: float | None = None) -> str:
-    rows = []
-    for g in plan.groups:
-        for ph, comps in g.phases.items():
-            rows += [[g.name, g.n_gpus, ph, c, fmt_gb(v)] for c, v in comps.items() if v]  # (no row for a model left out)
-            rows.append([g.name, g.n_gpus, ph, "= total", fmt_gb(sum(comps.values()))])
-        if g.host_bytes_per_gpu:
-            rows.append([g.name, g.n_gpus, "(host)", "offloaded per GPU", fmt_gb(g.host_bytes_per_gpu)])
-    out = f"layout {plan.layout}: {plan.n_gpus} GPUs, peak {fmt_gb(plan.peak)} GB per GPU"
-    if gpu_bytes:
-        out += f" -> {'fits' if plan.fits(gpu_bytes) else 'does NOT fit'} in {fmt_gb(gpu_bytes)} GB"
-    return out + "\n" + format_table(rows, ["group", "GPUs", "phase", "component", "GB/GPU"])

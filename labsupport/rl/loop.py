@@ -1,25 +1,32 @@
 """The loop: :class:`RLConfig` and :func:`run`, the GRPO loop in one of three orchestrations (``ARCHS``):
-co-located, disaggregated and asynchronous, with the same learning code in each."""
+co-located, disaggregated and asynchronous, with the same learning code in each.
+
+``run`` sets up a :class:`_Run` (trainer, engine, span log and memory timeline, and the weight path: an IPC bucket
+or a group), runs one step function per orchestration (``STEPS``) and tears everything down in ``finally``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import random
-import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from labsupport import broadcast, checksums, groups, ipc
 from labsupport.course import hardware, models, progress
+from labsupport.memory import MemoryTimeline, move_optimizer_state
 from labsupport.rl.devices import pick_devices
 from labsupport.rl.engine_process import EngineProcess, LocalEngine
 from labsupport.rl.engines import VllmEngine
 from labsupport.rl.grpo import GRPOTrainer
-from labsupport.rl.policy import SIZES, _check_size, check_fits, load_policy, warmstart_dir
+from labsupport.rl.policy import SIZES, check_fits, check_size, load_policy, warmstart_dir
 from labsupport.rl.report import draw_live
 from labsupport.rl.rollout import Rollout, sample
+from labsupport.rl.spans import PHASES, SpanLog, breakdown
 from labsupport.rl.task import ANSWER_LEN, eval_prompts, reward, train_prompts
-from labsupport.rl.timeline import PHASES, PhaseLog, breakdown
 
 ARCHS = ("colocated", "disaggregated", "async")
 
@@ -45,6 +52,249 @@ class RLConfig:
     memory_steps: int = 4  # steps recorded in the trainer's memory timeline (enough to see the pattern)
 
 
+@dataclass
+class _Run:
+    """What one run holds between steps: its parts, the weight path, and what it records."""
+
+    arch: str
+    cfg: RLConfig
+    tdev: str
+    trainer: GRPOTrainer
+    spans: SpanLog
+    wdtype: torch.dtype  # what the engine takes: bfloat16 for vLLM on a GPU (the trainer's float32 cast as sent)
+    sleep: bool
+    mem: MemoryTimeline | None = None
+    engine: EngineProcess | LocalEngine | None = None
+    exporter: ipc.Exporter | None = None  # co-located: the trainer's weights in one exported bucket
+    handle: Any = None
+    group: groups.StatelessGroup | None = None  # disaggregated and async: trainer rank 0, engine rank 1
+    rng: random.Random = field(default_factory=random.Random)
+    tok: Any = field(default_factory=models.build_tokenizer)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    curve: list[dict[str, float]] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    sync_errors: list[dict[str, Any]] = field(default_factory=list)  # resent updates (should stay empty)
+
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t.to(self.wdtype)) for n, t in self.trainer.named_weights()]  # float32: the tensors themselves
+
+
+@contextlib.contextmanager
+def _phase(r: _Run, name: str, step: int, detail: str = "") -> Iterator[None]:
+    """A trainer-lane span, ended once the device has finished its work; in the first ``memory_steps`` steps also
+    a phase of the trainer's memory timeline, and the GPU's bytes in use after it."""
+    recorded = r.mem is not None and step < r.cfg.memory_steps
+    with r.mem.phase(detail or name) if recorded else contextlib.nullcontext():
+        with r.spans.span("trainer", name, step, detail):
+            yield
+            hardware.synchronize(r.tdev)
+        if recorded and r.tdev.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info(torch.device(r.tdev))
+            r.spans.device_used.append({"lane": "trainer", "after": detail or name, "step": step,
+                                        "bytes": total - free})
+
+
+def _gen_op(r: _Run, step: int) -> dict[str, Any]:
+    return {"op": "generate", "prompts": train_prompts(r.cfg.prompts_per_step, r.rng), "n": r.cfg.group_size,
+            "max_new_tokens": ANSWER_LEN, "temperature": r.cfg.temperature, "version": r.trainer.version,
+            "step": step}
+
+
+def _learn(r: _Run, step: int, rollout: Rollout) -> dict[str, Any]:
+    """Score the rollout and take one GRPO step on it: the learning code every orchestration shares."""
+    with _phase(r, "score", step):
+        rewards = torch.tensor([reward(t, rollout.prompts[i // rollout.n]) for i, t in enumerate(rollout.texts)])
+    with _phase(r, "train", step):
+        stats = r.trainer.step(rollout, rewards)
+    return {"step": step, "reward": rewards.mean().item(), **stats, "behaviour_version": rollout.version}
+
+
+def _evaluate(r: _Run, step: int) -> None:
+    """The trainer's greedy accuracy on the held-out prompts (every ``eval_every`` steps, and at the end)."""
+    if r.cfg.eval_every and (step % r.cfg.eval_every == 0 or step == r.cfg.steps):
+        evals = eval_prompts()
+        with _phase(r, "eval", step):
+            toks, _, mask = sample(r.trainer.model, [r.tok(p)["input_ids"] for p in evals], ANSWER_LEN, 0.0)
+            texts = [r.tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
+            acc = sum(reward(t, p) for t, p in zip(texts, evals)) / len(evals)
+        r.curve.append({"step": step, "t": r.spans.now(), "eval_acc": acc})
+
+
+def _push(r: _Run, step: int) -> None:
+    """Broadcast the trainer's weights to the engine. An update both sides rejected (a checksum or load failure)
+    is sent again, twice at most; a timeout has aborted the group, so it raises at once."""
+    with _phase(r, "sync", step, "broadcast"):
+        for attempt in range(3):
+            r.engine.send({"op": "receive", "step": step})
+            try:
+                broadcast.send(r.group, r.weights(), src=0, mode="bucketed", bucket_bytes=r.cfg.bucket_bytes,
+                               version=r.trainer.version)
+                err = None
+            except broadcast.SyncTimeout:
+                raise  # the group is aborted: a resend would fail at once (the engine is closed with the run)
+            except broadcast.WeightSyncError as exc:  # e.g. a checksum mismatch: the API says send again
+                err = exc
+                r.sync_errors.append({"step": step, "attempt": attempt, "error": str(exc)})
+            r.engine.recv()
+            if err is None:
+                return
+        raise err
+
+
+def _colocated_step(r: _Run, k: int) -> dict[str, Any]:
+    """Engine: wake (weights from the trainer's bucket), generate, sleep (free its weights); trainer: learn,
+    repack the bucket. On a GPU the trainer's optimizer state leaves the device while the engine works."""
+    offload = r.tdev.startswith("cuda")
+    if offload:
+        with _phase(r, "sync", k, "offload optimizer"):
+            move_optimizer_state(r.trainer.opt, "cpu")
+    with _phase(r, "idle", k, "engine generating"):
+        ops = [{"op": "wake_ipc", "handle": r.handle, "step": k}, _gen_op(r, k)]
+        reply = r.engine.call(*ops, *([{"op": "sleep", "step": k}] if r.sleep else []))
+    if offload:
+        with _phase(r, "sync", k, "reload optimizer"):
+            move_optimizer_state(r.trainer.opt, r.tdev)
+    rec = _learn(r, k, reply["rollout"])
+    with _phase(r, "sync", k, "ipc bucket"):
+        r.exporter.update_bucket(r.handle, r.weights())
+    return rec
+
+
+def _disaggregated_step(r: _Run, k: int) -> dict[str, Any]:
+    """The engine generates while the trainer waits, then the other way round; then a broadcast."""
+    with _phase(r, "idle", k, "engine generating"):
+        reply = r.engine.call(_gen_op(r, k))
+    rec = _learn(r, k, reply["rollout"])
+    _push(r, k)
+    return rec
+
+
+def _async_step(r: _Run, k: int) -> dict[str, Any]:
+    """Rollout k was generated while step k-1 trained: push v_k, start rollout k+1 with it, learn on rollout k."""
+    with _phase(r, "idle", k, "waiting for rollout"):
+        reply = r.engine.recv()
+    if k > 0:
+        _push(r, k)  # weights v_k, between generation batches
+    if k + 1 < r.cfg.steps:
+        r.engine.send(_gen_op(r, k + 1))  # generates with v_k while we train on rollout k
+    return _learn(r, k, reply["rollout"])
+
+
+STEPS: dict[str, Callable[[_Run, int], dict[str, Any]]] = {
+    "colocated": _colocated_step, "disaggregated": _disaggregated_step, "async": _async_step}
+
+
+def _connect(r: _Run) -> None:
+    """The weight path: co-located, one exported bucket (and the engine asleep); else a group the engine joins."""
+    if r.arch == "colocated":
+        r.exporter = ipc.Exporter()
+        r.handle = r.exporter.export_bucket(r.weights())
+        if r.sleep:
+            r.engine.call({"op": "sleep", "step": -1})
+        return
+    port = groups.free_port()
+    r.engine.send({"op": "join", "address": "127.0.0.1", "port": port, "timeout_s": 60.0})
+    r.group = groups.create_group("127.0.0.1", port, 0, 2, device=r.tdev, timeout_s=60.0)
+    r.engine.recv()
+
+
+def _close(r: _Run) -> None:
+    """Leave the group first (an engine stuck in a broadcast then fails at once), stop the engine, free the bucket."""
+    try:
+        if r.group is not None:
+            r.group.destroy()
+    finally:
+        try:
+            if r.engine is not None:
+                r.engine.close()
+        finally:
+            if r.exporter is not None:
+                r.exporter.close()
+
+
+def _show(r: _Run, rec: dict[str, Any], bar: Any, live: Any, verbose: bool) -> None:
+    """The live reward line (and in a notebook the plot, redrawn in place), and every tenth step in words."""
+    acc = f"{r.curve[-1]['eval_acc']:.2f}" if r.curve else "-"
+    bar.set_postfix({"reward": f"{rec['reward']:.2f}", "acc": acc}, refresh=False)
+    bar.update()
+    if live is not None:
+        live.update()
+    k = rec["step"]
+    if verbose and (k % 10 == 0 or k == r.cfg.steps - 1):
+        progress.write(f"  [{r.arch}] step {k:3d}  reward {rec['reward']:.2f}  held-out acc {acc}  "
+                       f"staleness {rec['staleness']}  {rec['wall_s'] * 1e3:.0f} ms/step")
+
+
+def _train(r: _Run, engine_name: str, verbose: bool) -> None:
+    """The steps, each timed as a window of the span log (evaluation and output fall between windows)."""
+    bar = progress.bar(total=r.cfg.steps, desc=f"{r.arch} GRPO", unit="step", disable=not verbose)
+    live = None if not verbose else progress.LivePlot(  # a notebook only: drawn in place after each step
+        lambda ax: draw_live(ax, r.arch, engine_name, r.steps, r.curve, r.cfg.steps))
+    with contextlib.ExitStack() as shown:  # the bar's last line, and in a notebook the final plot
+        for x in (bar, live):
+            if x is not None:
+                shown.callback(x.close)
+        w0 = r.spans.now()
+        if r.arch == "async":
+            r.engine.send(_gen_op(r, 0))
+        for k in range(r.cfg.steps):
+            rec = STEPS[r.arch](r, k)
+            w1 = r.spans.now()
+            r.windows.append((w0, w1))
+            rec["wall_s"] = w1 - w0
+            r.steps.append(rec)
+            _evaluate(r, k + 1)
+            _show(r, rec, bar, live, verbose)
+            w0 = r.spans.now()
+        if r.arch == "async":
+            _push(r, r.cfg.steps)  # the engine ends with the final weights too
+
+
+def _engine_check(r: _Run) -> tuple[float, bool | None]:
+    """The engine's own greedy accuracy on the held-out prompts (proof that the last update arrived), and whether
+    its weights' checksums equal the trainer's (None where the engine cannot say)."""
+    evals = eval_prompts()
+    ops = [{"op": "wake_ipc", "handle": r.handle, "step": r.cfg.steps}] if r.arch == "colocated" else []
+    reply = r.engine.call(*ops, {"op": "eval", "prompts": evals, "max_new_tokens": ANSWER_LEN, "step": r.cfg.steps},
+                          {"op": "checksums", "step": r.cfg.steps})
+    acc = sum(reward(t, p) for t, p in zip(reply["texts"], evals)) / len(evals)
+    return acc, None if reply["checksums"] is None else reply["checksums"] == checksums.tensor_checksums(r.weights())
+
+
+def _result(r: _Run, info: dict[str, Any]) -> dict[str, Any]:
+    """The run as JSON-able data: curves, per-step records with their time breakdown, spans, memory."""
+    rows = breakdown(r.spans.events, r.windows)
+    for rec, row in zip(r.steps, rows):
+        rec["time"] = row
+    walls = [s["wall_s"] for s in r.steps]
+    steady, later = walls[1:] or walls, rows[1:] or rows  # the first step warms caches up
+    return {**info, "config": asdict(r.cfg), "model_params": sum(p.numel() for p in r.trainer.model.parameters()),
+            "s_per_step": sum(steady) / len(steady), "steps_done": len(r.steps),
+            "initial_acc": r.curve[0]["eval_acc"], "final_acc": r.curve[-1]["eval_acc"],
+            "sync_errors": r.sync_errors, "mean_staleness": sum(s["staleness"] for s in r.steps) / len(r.steps),
+            "mean_breakdown": {lane: {p: sum(row[lane][p] for row in later) / len(later) for p in PHASES}
+                               for lane in ("trainer", "engine")},
+            "curve": r.curve, "steps": r.steps, "events": r.spans.events,
+            "memory": r.mem.to_dict() if r.mem is not None else None,
+            "device_memory": [u for u in r.spans.device_used if u["step"] < r.cfg.memory_steps]}
+
+
+def _devices(arch: str, engine: str, size: str, cfg: RLConfig, devices: tuple[str, str] | None) -> tuple[str, str]:
+    """Check the arguments (and on a GPU the free memory) before anything is built; the two devices."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if engine not in ("transformers", "vllm"):
+        raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
+    if engine == "vllm":
+        hardware.require("vllm", what='rl.run(engine="vllm")')
+    tdev, edev = devices or pick_devices(arch)
+    if tdev.startswith("cuda"):  # a clear error now, not an out-of-memory traceback halfway through a phase
+        check_fits(size, torch.cuda.mem_get_info(torch.device(tdev))[0], cfg.prompts_per_step * cfg.group_size)
+    else:
+        check_size(size)
+    return tdev, edev
+
+
 def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True,
         size: str = "tiny", sleep: bool = True) -> dict[str, Any]:
@@ -56,235 +306,43 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
     float32 weights cast as they are sent.
     ``size`` picks the model (``SIZES``; on a GPU, checked against free memory before anything is built);
     ``sleep=False`` keeps the co-located engine awake between generations (to compare memory with and without).
+    Threads and the current GPU are restored, and the engine, group and bucket released, however it ends.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if engine not in ("transformers", "vllm"):
-        raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
-    if engine == "vllm":
-        hardware.require("vllm", what='rl.run(engine="vllm")')
     cfg = cfg or RLConfig()
-    tdev, edev = devices or pick_devices(arch)
-    if tdev.startswith("cuda"):  # a clear error now, not an out-of-memory traceback halfway through a phase
-        check_fits(size, torch.cuda.mem_get_info(torch.device(tdev))[0], cfg.prompts_per_step * cfg.group_size)
-    else:
-        _check_size(size)
+    tdev, edev = _devices(arch, engine, size, cfg, devices)
     model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps, size)  # built once, with all cores, then cached
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    if tdev.startswith("cuda"):
-        torch.cuda.set_device(torch.device(tdev))
-    tl = PhaseLog()
-    t_setup = time.perf_counter()
-    trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
-                          correction=cfg.correction, is_cap=cfg.is_cap)
-    engine_name = engine
-    wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
-
-    def weights() -> list[tuple[str, torch.Tensor]]:
-        return [(n, t.to(wdtype)) for n, t in trainer.named_weights()]  # float32: the tensors themselves
-
-    if engine == "vllm" and arch == "colocated":
-        engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed, max_num_seqs=cfg.prompts_per_step * cfg.group_size,
-                                        gpu_bytes=None if size == "tiny" else SIZES[size]["engine_bytes"]), tl)
-    else:
-        engine = EngineProcess(model_dir, edev, tl, seed=cfg.seed, threads=cfg.threads, engine=engine)
-    mem = None
-    if memory:
-        from labsupport.memory import MemoryTimeline
-
-        mem = MemoryTimeline(tdev, name=f"trainer ({arch})")
-        mem.register("weights", trainer.model)
-        mem.register("gradients", trainer.model)
-        mem.register("optimizer", trainer.opt)
-    evals = eval_prompts()
-    exporter = handle = group = bar = live = None
-    sync_errors: list[dict[str, Any]] = []  # resent updates (should stay empty; reported if not)
-    steps: list[dict[str, Any]] = []
-    windows: list[tuple[float, float]] = []
-    curve: list[dict[str, float]] = []
-
-    def phase(name: str, step: int, detail: str = ""):
-        """A trainer-lane span (ended after the device finished its work), mirrored as a memory-timeline
-        phase for the first few steps."""
-        span = tl.span("trainer", name, step, detail)
-        m = mem.phase(detail or name) if mem is not None and step < cfg.memory_steps else None
-
-        class _Phase:
-            def __enter__(self):
-                if m is not None:
-                    m.__enter__()
-                return span.__enter__()
-
-            def __exit__(self, *exc):
-                hardware.synchronize(tdev)
-                span.__exit__(*exc)
-                if m is not None and tdev.startswith("cuda"):
-                    free, total = torch.cuda.mem_get_info(torch.device(tdev))
-                    tl.device_used.append({"lane": "trainer", "after": detail or name, "step": step,
-                                           "bytes": total - free})
-                return m.__exit__(*exc) if m is not None else None
-
-        return _Phase()
-
-    def evaluate(step: int) -> None:
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            with phase("eval", step):
-                toks, _, mask = sample(trainer.model, [engine_tok(p) for p in evals], ANSWER_LEN, 0.0)
-                texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
-                acc = sum(reward(t, p) for t, p in zip(texts, evals)) / len(evals)
-            curve.append({"step": step, "t": tl.now(), "eval_acc": acc})
-
-    tok = models.build_tokenizer()
-
-    def engine_tok(p: str) -> list[int]:
-        return tok(p)["input_ids"]
-
-    def gen_op(step: int) -> dict[str, Any]:
-        return {"op": "generate", "prompts": train_prompts(cfg.prompts_per_step, rng), "n": cfg.group_size,
-                "max_new_tokens": ANSWER_LEN, "temperature": cfg.temperature, "version": trainer.version,
-                "step": step}
-
-    def learn(step: int, rollout: Rollout) -> dict[str, Any]:
-        with phase("score", step):
-            rewards = torch.tensor([reward(t, rollout.prompts[i // rollout.n]) for i, t in enumerate(rollout.texts)])
-        with phase("train", step):
-            stats = trainer.step(rollout, rewards)
-        return {"step": step, "reward": rewards.mean().item(), **stats}
-
-    def push(step: int) -> None:
-        """Send the trainer's current weights to the engine (broadcast over the group)."""
-        from labsupport import broadcast
-
-        with phase("sync", step, "broadcast"):
-            for attempt in range(3):
-                engine.send({"op": "receive", "step": step})
-                try:
-                    broadcast.send(group, weights(), src=0, mode="bucketed",
-                                   bucket_bytes=cfg.bucket_bytes, version=trainer.version)
-                    err = None
-                except broadcast.WeightSyncError as exc:  # e.g. a checksum mismatch: the API says send again
-                    err = exc
-                engine.recv()
-                if err is None:
-                    return
-                sync_errors.append({"step": step, "attempt": attempt, "error": str(err)})
-            raise err
-
-    try:
-        offload = arch == "colocated" and tdev.startswith("cuda")
-        if arch == "colocated":
-            from labsupport import ipc
-            from labsupport.memory import move_optimizer_state
-
-            exporter = ipc.Exporter()
-            handle = exporter.export_bucket(weights())
-            if sleep:
-                engine.call({"op": "sleep", "step": -1})
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(cfg.threads)
+        if tdev.startswith("cuda"):
+            stack.enter_context(torch.cuda.device(torch.device(tdev)))  # current while it runs, then the old one
+        torch.manual_seed(cfg.seed)
+        spans = SpanLog()
+        trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
+                              correction=cfg.correction, is_cap=cfg.is_cap)
+        wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
+        r = _Run(arch, cfg, tdev, trainer, spans, wdtype, sleep, rng=random.Random(cfg.seed))
+        stack.callback(_close, r)
+        if engine == "vllm" and arch == "colocated":
+            r.engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed, max_num_seqs=cfg.prompts_per_step *
+                                              cfg.group_size, gpu_bytes=None if size == "tiny" else
+                                              SIZES[size]["engine_bytes"]), spans)
         else:
-            from labsupport import groups
-
-            port = groups.free_port()
-            engine.send({"op": "join", "address": "127.0.0.1", "port": port, "timeout_s": 60.0})
-            group = groups.create_group("127.0.0.1", port, 0, 2, device=tdev, timeout_s=60.0)
-            engine.recv()
-        setup_s = time.perf_counter() - t_setup
-        evaluate(0)
-        if mem is not None:
-            mem.sample("start")
-        t_loop = tl.now()
-        bar = progress.bar(total=cfg.steps, desc=f"{arch} GRPO", unit="step", disable=not verbose)
-        live = None if not verbose else progress.LivePlot(  # a notebook only: drawn in place after each step
-            lambda ax: draw_live(ax, arch, engine_name, steps, curve, cfg.steps))
-        w0 = tl.now()
-        if arch == "async":
-            engine.send(gen_op(0))
-        for k in range(cfg.steps):
-            if arch == "colocated":
-                # engine: wake (weights from the trainer's bucket), generate, sleep (free its weights)
-                if offload:  # the trainer frees its optimizer state for the engine's turn
-                    with phase("sync", k, "offload optimizer"):
-                        move_optimizer_state(trainer.opt, "cpu")
-                with phase("idle", k, "engine generating"):
-                    ops = [{"op": "wake_ipc", "handle": handle, "step": k}, gen_op(k)]
-                    reply = engine.call(*ops, *([{"op": "sleep", "step": k}] if sleep else []))
-                if offload:
-                    with phase("sync", k, "reload optimizer"):
-                        move_optimizer_state(trainer.opt, tdev)
-                rec = learn(k, reply["rollout"])
-                with phase("sync", k, "ipc bucket"):
-                    exporter.update_bucket(handle, weights())
-            elif arch == "disaggregated":
-                with phase("idle", k, "engine generating"):
-                    reply = engine.call(gen_op(k))
-                rec = learn(k, reply["rollout"])
-                push(k)
-            else:  # async: rollout k was generated while step k-1 trained
-                with phase("idle", k, "waiting for rollout"):
-                    reply = engine.recv()
-                if k > 0:
-                    push(k)  # weights v_k, between generation batches
-                if k + 1 < cfg.steps:
-                    engine.send(gen_op(k + 1))  # generates with v_k while we train on rollout k
-                rec = learn(k, reply["rollout"])
-            rec["behaviour_version"] = reply["rollout"].version
-            w1 = tl.now()
-            windows.append((w0, w1))
-            rec["wall_s"] = w1 - w0
-            w0 = w1
-            steps.append(rec)
-            evaluate(k + 1)
-            acc = f"{curve[-1]['eval_acc']:.2f}" if curve else "-"
-            bar.set_postfix({"reward": f"{rec['reward']:.2f}", "acc": acc}, refresh=False)
-            bar.update()  # the live reward line: batch reward and held-out accuracy of the last step
-            if live is not None:
-                live.update()  # in a notebook: reward and held-out accuracy so far, redrawn in place
-            if verbose and (k % 10 == 0 or k == cfg.steps - 1):
-                progress.write(f"  [{arch}] step {k:3d}  reward {rec['reward']:.2f}  held-out acc "
-                               f"{curve[-1]['eval_acc']:.2f}  staleness {rec['staleness']}  "
-                               f"{rec['wall_s'] * 1e3:.0f} ms/step")
-            w0 = tl.now()  # evaluation and progress output are not part of any step's time
-        if arch == "async":
-            push(cfg.steps)  # the engine ends with the final weights too
-        loop_s = tl.now() - t_loop
-        # the engine's own greedy answers on the held-out prompts: proves the last update arrived
-        ops = [{"op": "wake_ipc", "handle": handle, "step": cfg.steps}] if arch == "colocated" else []
-        reply = engine.call(*ops, {"op": "eval", "prompts": evals, "max_new_tokens": ANSWER_LEN, "step": cfg.steps},
-                            {"op": "checksums", "step": cfg.steps})
-        engine_acc = sum(reward(t, p) for t, p in zip(reply["texts"], evals)) / len(evals)
-        from labsupport.checksums import tensor_checksums
-
-        weights_match = None if reply["checksums"] is None else reply["checksums"] == tensor_checksums(weights())
-    finally:
-        for shown in (bar, live):  # the bar's last line, and in a notebook the final plot
-            if shown is not None:
-                shown.close()
-        engine.close()
-        if group is not None:
-            group.destroy()
-        if exporter is not None:
-            exporter.close()
-        torch.set_num_threads(old_threads)
-
-    rows = breakdown(tl.events, windows)
-    for rec, row in zip(steps, rows):
-        rec["time"] = row
-    walls = [s["wall_s"] for s in steps]
-    steady = walls[1:] or walls
-    data = {
-        "arch": arch, "engine": engine_name, "devices": {"trainer": tdev, "engine": edev},
-        "size": size, "model_params": sum(p.numel() for p in trainer.model.parameters()), "engine_sleeps": sleep,
-        "config": asdict(cfg), "setup_s": setup_s, "loop_s": loop_s,
-        "s_per_step": sum(steady) / len(steady), "steps_done": len(steps),
-        "initial_acc": curve[0]["eval_acc"], "final_acc": curve[-1]["eval_acc"], "engine_final_acc": engine_acc,
-        "weights_match": weights_match, "sync_errors": sync_errors,
-        "mean_staleness": sum(s["staleness"] for s in steps) / len(steps),
-        "mean_breakdown": {lane: {p: sum(r[lane][p] for r in rows[1:] or rows) / len(rows[1:] or rows)
-                                  for p in PHASES} for lane in ("trainer", "engine")},
-        "curve": curve, "steps": steps, "events": tl.events,
-        "memory": mem.to_dict() if mem is not None else None,
-        "device_memory": [u for u in tl.device_used if u["step"] < cfg.memory_steps],
-    }
-    return data
+            r.engine = EngineProcess(model_dir, edev, spans, seed=cfg.seed, threads=cfg.threads, engine=engine)
+        if memory:
+            r.mem = MemoryTimeline(tdev, name=f"trainer ({arch})")
+            for role in ("weights", "gradients"):
+                r.mem.register(role, trainer.model)
+            r.mem.register("optimizer", trainer.opt)
+        _connect(r)
+        setup_s = spans.now()
+        _evaluate(r, 0)
+        if r.mem is not None:
+            r.mem.sample("start")
+        t_loop = spans.now()
+        _train(r, engine, verbose)
+        loop_s = spans.now() - t_loop
+        engine_acc, weights_match = _engine_check(r)
+    return _result(r, {"arch": arch, "engine": engine, "devices": {"trainer": tdev, "engine": edev}, "size": size,
+                       "engine_sleeps": sleep, "setup_s": setup_s, "loop_s": loop_s,
+                       "engine_final_acc": engine_acc, "weights_match": weights_match})

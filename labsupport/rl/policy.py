@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from labsupport.course import models
+from labsupport.course import models, planner
+from labsupport.course.planner import InsufficientMemory
 from labsupport.rl.task import pretraining_text
 
 
@@ -41,7 +42,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _check_size(size: str) -> dict[str, Any]:
+def check_size(size: str) -> dict[str, Any]:
+    """``SIZES[size]``, or a ValueError listing the sizes."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
     return SIZES[size]
@@ -50,7 +52,7 @@ def _check_size(size: str) -> dict[str, Any]:
 def model_params(size: str) -> int:
     """Parameter count of the capstone's model at ``size`` (built on the meta device: no memory, no time)."""
     with torch.device("meta"):
-        m = models.build_model(0, **_check_size(size)["config"])
+        m = models.build_model(0, **check_size(size)["config"])
     return sum(p.numel() for p in m.parameters())
 
 
@@ -58,16 +60,10 @@ def memory_needed(size: str, sequences: int = 512, seq_len: int = 8) -> dict[str
     """Bytes the co-located loop needs on one GPU at ``size``: the fp32 trainer (weights, gradients, Adam's two
     moments: planner.bytes_per_param("fp32"), plus the frozen reference), activations of one batch of
     ``sequences`` (planner.activation_bytes, doubled for fp32) and the vLLM engine's budget."""
-    from labsupport.course import planner
-
-    n, c = model_params(size), models.build_config(**_check_size(size)["config"])
+    n, c = model_params(size), models.build_config(**check_size(size)["config"])
     act = 2 * planner.activation_bytes(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, seq_len, sequences)
     return {"trainer": n * (planner.bytes_per_param("fp32").total + 4), "activations": act,
             "engine": SIZES[size]["engine_bytes"]}
-
-
-class InsufficientMemory(RuntimeError):
-    """The GPU has too little free memory for the chosen model size (raised before anything is built)."""
 
 
 def check_fits(size: str, free_bytes: float, sequences: int = 512) -> float:
@@ -85,7 +81,7 @@ def check_fits(size: str, free_bytes: float, sequences: int = 512) -> float:
 def warmstart_dir(seed: int = 0, steps: int = 150, size: str = "tiny") -> Path:
     """A saved warm-started model (HF folder that transformers and vLLM load), cached under ``.cache/models``.
     Sizes other than "tiny" pre-train on the GPU when there is one."""
-    spec = _check_size(size)
+    spec = check_size(size)
 
     def build():
         torch.manual_seed(seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from labsupport.rl.timeline import PHASES
+from labsupport.rl.spans import PHASES
 
 COLORS = {"generate": "tab:blue", "score": "tab:purple", "train": "tab:orange", "sync": "tab:red",
           "idle": "0.85", "eval": "0.6"}

@@ -1,16 +1,17 @@
-"""Where the time goes: :class:`PhaseLog` records spans of work per lane (trainer, engine) and phase, and
-:func:`breakdown` turns them into seconds per phase inside each step."""
+"""Where the time goes (the bytes are ``labsupport.memory``'s): :class:`SpanLog` records spans of work per lane
+(trainer, engine) and phase, and :func:`breakdown` turns them into seconds per phase inside each step."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 PHASES = ("generate", "score", "train", "sync", "idle", "eval")
 
 
-class PhaseLog:
+class SpanLog:
     """Spans of work per lane ("trainer", "engine"), in seconds since the run started (one clock for all
     processes: ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by every process)."""
 
@@ -24,19 +25,14 @@ class PhaseLog:
         self.events.append({"lane": lane, "phase": phase, "step": step, "start": start - self.t0,
                             "end": end - self.t0, "detail": detail})
 
-    def span(self, lane: str, phase: str, step: int, detail: str = ""):
-        """Context manager timing one span of work."""
-        tl = self
-
-        class _Span:
-            def __enter__(self):
-                self.start = time.perf_counter()
-                return self
-
-            def __exit__(self, *exc):
-                tl.add(lane, phase, step, self.start, time.perf_counter(), detail)
-
-        return _Span()
+    @contextlib.contextmanager
+    def span(self, lane: str, phase: str, step: int, detail: str = "") -> Iterator[None]:
+        """Time the block as one span of ``phase`` in ``lane``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(lane, phase, step, start, time.perf_counter(), detail)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
