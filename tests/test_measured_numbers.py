@@ -50,7 +50,7 @@ EXCEPTIONS: list[tuple[str, str, str]] = []
 
 
 def _sentences(text: str) -> list[str]:
-    return [s for s in re.split(r"(?<=[.!?;])\s+(?=[A-Z(*\[`{$])", " ".join(text.split())) if s.strip()]
+    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(*\[`{$])", " ".join(text.split())) if s.strip()]
 
 
 def _blocks(src: str, in_exercise: bool = False):
@@ -69,7 +69,7 @@ def _blocks(src: str, in_exercise: bool = False):
         elif tok.type == "tr_open":
             row = []
         elif tok.type == "tr_close" and row is not None:
-            yield " | ".join(row), in_exercise
+            yield "| " + " | ".join(row), in_exercise  # a table row is one unit: its citation covers it
             row = None
         elif tok.type == "inline":
             if row is not None:
@@ -86,7 +86,7 @@ def unmarked_figures(path: Path) -> list[str]:
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     found = []
     for block, in_exercise in _blocks(text):
-        for sentence in _sentences(block):
+        for sentence in [block] if block.startswith("| ") else _sentences(block):
             if CITE.search(sentence):
                 continue
             if MARKED.search(sentence):
