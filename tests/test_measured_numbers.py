@@ -9,8 +9,8 @@ TB/s, MB or %) in prose that is none of:
 - **glued**: a ``{glue:text}`` or ``{glue}`` role (its number is not in the source at all);
 - **cited**: its sentence (a table: its row) carries a ``{cite}`` role, the number of another system;
 - **arithmetic**: written as math (``$140/370 \\approx 0.38$ s``: the number is inside ``$...$``), or in a
-  sentence marked ``(arithmetic)`` or introduced by "for example" or "say,": a computed or assumed value, not a
-  measurement. Exercises and their solutions are worked arithmetic on the exercise's own assumptions, so they
+  sentence marked ``*(arithmetic)*`` or introduced by "for example" or "say,": a computed or assumed value, not
+  a measurement. A paragraph or list item that *starts* with ``*(arithmetic)*`` is marked as a whole. Exercises and their solutions are worked arithmetic on the exercise's own assumptions, so they
   count as marked, except a sentence that says a value was measured (``measured``, ``reference run``,
   ``results/``...), which must be glued or cited like any other;
 - **code**: code cells, code blocks and inline code (settings such as ``size_mib=256`` read as code).
@@ -39,6 +39,7 @@ CITE = re.compile(r"\{cite(?::\w+)?\}`")
 MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.S)
 CODE = re.compile(r"``[^`]+``|`[^`]+`")
 MARKED = re.compile(r"\(arithmetic\)|\bfor example\b|\bsay,", re.I)
+MARKED_BLOCK = re.compile(r"^\W*\(arithmetic\)", re.I)
 MEASURED_CUE = re.compile(r"\bmeasured\b|\breference run\b|results/|\bthe run\b|\brecorded\b|\bran on\b", re.I)
 SKIP_FENCES = ("{code-cell}", "{graphviz}", "python", "bash", "diff", "text", "")
 PROSE_DIRECTIVES = ("{exercise}", "{solution}", "{admonition}", "{glossary}", "{note}", "{tip}", "{warning}",
@@ -86,6 +87,8 @@ def unmarked_figures(path: Path) -> list[str]:
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     found = []
     for block, in_exercise in _blocks(text):
+        if MARKED_BLOCK.match(block):
+            continue
         for sentence in [block] if block.startswith("| ") else _sentences(block):
             if CITE.search(sentence):
                 continue
@@ -116,6 +119,8 @@ def test_the_check_catches_a_typed_number(tmp_path: Path) -> None:
         "slime went from 60 s to 7 s {cite}`he2025slimesync`.": False,
         "The model is $2 \\times 70 = 140$ GB in bf16.": False,
         "(arithmetic) 140 GB at 47 GB/s is 3.0 s.": False,
+        "*(arithmetic)* A 70B model is 140 GB. At 47 GB/s that is 3.0 s.": False,
+        "A 70B model is 140 GB. At 47 GB/s that is 3.0 s *(arithmetic)*.": True,
         "Copies a buffer of `size_mib=256` MiB.": False,
         "```{solution} x\n:class: dropdown\n\n$26/370 \\approx 0.07$ s, and 26 GB at 64 GB/s is 0.41 s.\n```": False,
         "```{solution} x\n:class: dropdown\n\nThe reference run measured 0.31 s.\n```": True,
