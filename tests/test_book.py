@@ -274,7 +274,8 @@ def _shown_code(text: str) -> list[tuple[int, str]]:
             info, first = tok.info.strip(), offset + tok.map[0] + 1
             if info.startswith("{") and not info.startswith("{code-cell}"):
                 walk(tok.content, first)  # a directive: its body is MyST again
-            elif not any("remove-input" in line for line in tok.content.split("\n")[:3]):  # cell options
+            elif not any(tag in line for line in tok.content.split("\n")[:3]  # cell options: not shown
+                         for tag in ("remove-input", "remove-cell")):
                 out.extend((first + 1 + i, line) for i, line in enumerate(tok.content.splitlines()))
 
     walk(text, 0)

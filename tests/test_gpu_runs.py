@@ -53,6 +53,17 @@ def test_a_recording_against_its_own_lab_and_an_edited_one() -> None:
     assert fresh.changed == ["code cell 3 changed"] and "+print('a line added since the GPU run')" in fresh.diff
 
 
+def test_a_glue_cell_added_to_the_lab_keeps_the_recording_current() -> None:
+    """A hidden cell that only glues numbers from results/ into the prose (tag ``glue``) is not the experiment."""
+    nb = nbformat.read(RECORDING, as_version=4)
+    lab = nbformat.from_dict(nb)
+    glue_cell = nbformat.v4.new_code_cell("glue('x', '1 ms', display=False)", metadata={"tags": ["remove-cell", "glue"]})
+    lab.cells.insert(3, glue_cell)
+    assert not gpu_runs.recording_freshness(nb, _lab_text(lab)).stale
+    lab.cells[3].metadata["tags"] = ["remove-cell"]
+    assert gpu_runs.recording_freshness(nb, _lab_text(lab)).stale
+
+
 @pytest.mark.parametrize("edit", [False, True], ids=["current", "stale"])
 def test_gpu_page_and_lab_note_carry_the_label(edit: bool) -> None:
     nb = nbformat.read(RECORDING, as_version=4)

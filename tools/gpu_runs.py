@@ -35,8 +35,13 @@ class Freshness:
         return bool(self.changed)
 
 
+GLUE_TAG = "glue"  # a hidden cell that only reads results/ for the prose (myst-nb glue): not the lab's experiment
+
+
 def code_cells(nb: nbformat.NotebookNode) -> list[str]:
-    return [cell.source.strip() for cell in nb.cells if cell.cell_type == "code"]
+    """The code cells that make the lab: a glue cell (tagged ``glue``) does not change what a run shows."""
+    return [cell.source.strip() for cell in nb.cells
+            if cell.cell_type == "code" and GLUE_TAG not in cell.get("metadata", {}).get("tags", [])]
 
 
 def _cells(lo: int, hi: int) -> str:

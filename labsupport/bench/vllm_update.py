@@ -398,7 +398,7 @@ def plot(data: dict[str, Any]):
         d = data["shapes"][shape]
         ax.bar([k + i * width for k in range(len(names))], [d["modes"][n]["gbps"] for n in names], width,
                label=f"{shape} ({d['model_bytes'] / 1e9:.1f} GB); raw broadcast {d['raw_broadcast_gbps'] or 0:.0f}, "
-                     f"device copy {d['device_copy_gbps']:.0f} GB/s")
+                     f"device copy {d['device_copy_gbps'] / 2:.0f} GB/s (bytes copied)")  # the JSON keeps read + write
     ax.set_xticks([k + width * (len(shapes) - 1) / 2 for k in range(len(names))], names)
     ax.set_ylabel("GB/s, send to first generation")
     where = f"TP={data['tp']}" if data["tp"] else "co-located only, one GPU"
