@@ -26,13 +26,14 @@ BENCHES = {
     "lora": "labsupport.bench.lora:main",
     "reshard": "labsupport.bench.reshard:main",
     "fp8-update": "labsupport.bench.fp8_update:main",
+    "faults": "labsupport.bench.faults:main",
 }
 
 USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora|fp8-update
+  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora|fp8-update|faults
                        benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)
