@@ -40,7 +40,7 @@ DEADLINE_S = 5.0  # the deadline (group timeout) most rows set
 GRACE_S = 10.0  # the goal: the error within deadline + GRACE_S
 BUCKET = 4 << 20  # transport rows: 8 tensors of 4 MiB in buckets of 4 MiB, so a fault lands mid-transfer
 HANG_S = 60.0  # an engine call unanswered for this long is abandoned (reported as a hang)
-LAUNCH_S = DEADLINE_S + GRACE_S + 20  # a rank still running then is reported as hung, and killed
+LAUNCH_S = DEADLINE_S + GRACE_S + 5  # a rank still running then has missed the goal: reported as hung, killed
 GPU_SLACK = 64 << 20  # GPU bytes above the level before that count as left behind (allocator granularity)
 CONSISTENT = ("old", "new", "n/a", "stopped")  # states that are not a mix: "mixed", "other" are not
 
@@ -363,8 +363,8 @@ def trainer_killed(ctx: Context) -> Outcome:
 
 
 @fault("trainer_killed_core", "the trainer is killed mid-broadcast, on the straight-line core (core.sync)",
-       "The core has no closing vote and no host-side deadline on NCCL: the hardened broadcast adds a timed "
-       "wait and the vote, which turn a dead trainer into an error rather than a half-loaded receiver.",
+       "The core has no closing vote and, on NCCL, no host-side deadline (the stream waits, the host does not): "
+       "the hardened broadcast adds both. Neither keeps a receiver that loads buckets as they arrive from a mix.",
        ("GroupTimeout", "SyncTimeout"), "ranks", gpus=2)
 def trainer_killed_core(ctx: Context) -> Outcome:
     return _sync_row(ctx, "trainer_dies", 2, caller=1, where="core")
@@ -580,7 +580,7 @@ class Engine:
     def __init__(self, gpu: bool) -> None:
         from labsupport import after_update
 
-        self.gpu = gpu
+        self.gpu, self.bound_s = gpu, HANG_S
         self.old_env = {k: os.environ.get(k) for k in self.ENV}
         os.environ.update(self.ENV)  # (the callables the rows pass travel pickled: in this process too)
         self.loop = asyncio.new_event_loop()
@@ -601,16 +601,16 @@ class Engine:
 
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list[Any]:
-        """``AsyncLLM.collective_rpc``, waited for here; a call still unanswered after ``HANG_S`` is abandoned
+        """``AsyncLLM.collective_rpc``, waited for here; a call still unanswered after ``bound_s`` is abandoned
         and raises ``Hung`` (the table's bound, so that a row that would wait for ever still ends)."""
         future = asyncio.run_coroutine_threadsafe(
             self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs), self.loop)
         try:
-            return future.result(HANG_S)
+            return future.result(self.bound_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
             name = method if isinstance(method, str) else getattr(method, "__name__", "function")
-            raise Hung(f"collective_rpc({name!r}) had no reply within {HANG_S:.0f} s; abandoned") from None
+            raise Hung(f"collective_rpc({name!r}) had no reply within {self.bound_s:.0f} s; abandoned") from None
 
     def load(self, kind: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -710,8 +710,8 @@ def update_in_flight(ctx: Context) -> Outcome:
     return Outcome(err, t, eng.state())
 
 
-@fault("params_moved", "after the engine mapped the trainer's weights (fast_update), the trainer loads a "
-       "checkpoint with load_state_dict(assign=True), trains on, and syncs",
+@fault("params_moved", "after the engine mapped the trainer's weights (fast_update), the trainer loads new "
+       "weights with load_state_dict(assign=True), which puts new tensors outside the export, and syncs",
        "The mapped path copies the exported buffer; only a check, before sync returns, that the trainer's "
        "parameters still live in that buffer turns a stale copy into an error.",
        ("WeightUpdateError", "WeightSyncError"), "engine")
@@ -785,8 +785,8 @@ def _die_in_load(worker: Any, after: int) -> bool:
 
 
 @fault("worker_killed", "the engine's worker process dies halfway through loading an update",
-       "vLLM's executor watches its workers: the engine shuts down and every later call raises EngineDeadError; "
-       "a dead engine serves nothing, neither old nor mixed weights.", ("EngineDeadError", "WeightUpdateError"),
+       "vLLM's executor watches its workers and stops the engine, so no half-loaded model is served; the caller "
+       "needs an error that names the dead engine (vLLM's EngineDeadError), and no later call may wait for it.", ("EngineDeadError", "WeightUpdateError"),
        "engine",
        deadline_s=30.0)
 def worker_killed(ctx: Context) -> Outcome:
@@ -798,6 +798,7 @@ def worker_killed(ctx: Context) -> Outcome:
     states: list[str] = []
     t = time.time()
     err = attempt(lambda: lora.push_merged(eng, eng.named("trained")))
+    eng.bound_s = GRACE_S  # (a dead engine's collective_rpc may never answer)
     probe = attempt(lambda: states.append(eng.state())) if not eng.llm.errored else None
     ctx.drop_engine()
     eng.close()
@@ -881,8 +882,7 @@ def page(records: list[dict[str, Any]]) -> str:
     out = []
     for rec in sorted(records, key=lambda r: (r.get("machine_tag") == "cpu", r.get("machine_tag", ""))):
         rows, c = rec["data"]["rows"], rec["data"]["counts"]
-        out += [f"### {rec['machine_tag']}", "", f"{results.describe(rec)}, on `{rec['data']['device']}`. "
-                f"Faults tried: {c['tried']}; surfaced as a named exception within deadline + "
+        out += [f"### {rec['machine_tag']}", "", f"{results.describe(rec).capitalize()}. Faults tried: {c['tried']}; surfaced as a named exception within deadline + "
                 f"{rec['data']['grace_s']:.0f} s: {c['surfaced_in_time']}; state consistent: "
                 f"{c['state_consistent']}; nothing left behind: {c['leak_free']}; all three: {c['all_met']}"
                 + (f"; skipped: {c['skipped']}" if c["skipped"] else "") + ".", ""]
@@ -891,7 +891,8 @@ def page(records: list[dict[str, Any]]) -> str:
         out += [""]
         for r in rows:
             teaches = FAULTS[r["fault"]].teaches if r["fault"] in FAULTS else r["teaches"]
-            said = r.get("skipped") or (r["message"].splitlines() or [""])[0][:200] or "(no error: the call returned)"
+            said = r.get("skipped") or (r["detail"] if r.get("harness_error") else " / ".join(
+                ln.strip() for ln in r["message"].splitlines() if ln.strip())[:240]) or "(no error: the call returned)"
             out.append(f"- **{r['fault']}**: {r['what']}. *Caller read:* `{said.replace('`', chr(39))}`. "
                        f"*Teaches:* {teaches}")
         out.append("")
