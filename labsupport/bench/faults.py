@@ -63,6 +63,10 @@ def attempt(fn: Callable[[], Any]) -> dict[str, Any] | None:
     return None
 
 
+class Unavailable(Exception):
+    """What a row needs cannot be had on this machine (it is skipped, with this reason)."""
+
+
 @dataclass
 class Outcome:
     """What one fault did: the caller's error (None: the call returned), when the fault was injected (wall
@@ -176,7 +180,7 @@ class Watch:
             time.sleep(0.2)
         names = {os.path.basename(p.removesuffix(" (deleted)")) for p in self.touched}
         new = set(os.listdir(shm.SHM_DIR)) - self.files
-        ours = sorted(f for f in new if f in names or any(f"-{pid}-" in f for pid in self.pids))
+        ours = sorted(f for f in new if f in names or any(f"-{pid}-" in f or f"-{pid}." in f for pid in self.pids))
         gpu = _gpu_used() - self.gpu_before if self.gpu else None
         return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "gpu_bytes": gpu}
 
@@ -259,6 +263,9 @@ def measure(f: Fault, ctx: Context) -> dict[str, Any]:
     watch = Watch(ctx.gpu)
     try:
         out = f.run(ctx)
+    except Unavailable as exc:  # what the row needs is missing here: not a result
+        watch.finish()
+        return {**row, "skipped": str(exc)}
     except Exception as exc:  # the row itself could not run: say so, as a failed row
         out = Outcome(None, time.time(), "n/a", f"the row could not run: {type(exc).__name__}: {exc}"[:600])
         row["harness_error"] = True
@@ -537,11 +544,14 @@ def ray_actor_dies(ctx: Context) -> Outcome:
 
     from labsupport import cluster
 
-    try:
-        cluster.init_ray(num_cpus=4)
-    except Exception:  # Ray gives its raylet a fixed 30 s to register: a loaded machine may need a second try
-        ray.shutdown()
-        cluster.init_ray(num_cpus=4)
+    for tries in (1, 2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine may need a second try
+        try:
+            cluster.init_ray(num_cpus=4)
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if tries == 2:
+                raise Unavailable(f"Ray did not start on this machine ({str(exc)[:120]})") from exc
     try:
         pl = cluster.place({"trainer": 1, "receivers": 2}, gpu=ctx.gpu, timeout_s=120)
         res = cluster.actor_resources(pl.gpu, 1.0)
@@ -671,8 +681,8 @@ def wrong_name(ctx: Context) -> Outcome:
     return _engine_update_row(ctx, lambda named: [(n.replace("gate_proj", "gate_projj"), t) for n, t in named])
 
 
-@fault("wrong_dtype", "one tensor of the update (a k_proj weight) comes in float16, the engine's dtype differs", ENGINE_CHECK,
-       ("WeightUpdateError",), "engine")
+@fault("wrong_dtype", "one tensor of the update (a k_proj weight) comes in float16, the engine's dtype differs",
+       ENGINE_CHECK, ("WeightUpdateError",), "engine")
 def wrong_dtype(ctx: Context) -> Outcome:
     return _engine_update_row(ctx, lambda named: [(n, t.half() if "k_proj.weight" in n else t) for n, t in named])
 
@@ -786,9 +796,8 @@ def _die_in_load(worker: Any, after: int) -> bool:
 
 @fault("worker_killed", "the engine's worker process dies halfway through loading an update",
        "vLLM's executor watches its workers and stops the engine, so no half-loaded model is served; the caller "
-       "needs an error that names the dead engine (vLLM's EngineDeadError), and no later call may wait for it.", ("EngineDeadError", "WeightUpdateError"),
-       "engine",
-       deadline_s=30.0)
+       "needs an error that names the dead engine (vLLM's EngineDeadError), and no later call may wait for it.",
+       ("EngineDeadError", "WeightUpdateError"), "engine", deadline_s=30.0)
 def worker_killed(ctx: Context) -> Outcome:
     from labsupport import lora, vllm_ext
 
@@ -882,10 +891,12 @@ def page(records: list[dict[str, Any]]) -> str:
     out = []
     for rec in sorted(records, key=lambda r: (r.get("machine_tag") == "cpu", r.get("machine_tag", ""))):
         rows, c = rec["data"]["rows"], rec["data"]["counts"]
-        out += [f"### {rec['machine_tag']}", "", f"{results.describe(rec).capitalize()}. Faults tried: {c['tried']}; surfaced as a named exception within deadline + "
-                f"{rec['data']['grace_s']:.0f} s: {c['surfaced_in_time']}; state consistent: "
-                f"{c['state_consistent']}; nothing left behind: {c['leak_free']}; all three: {c['all_met']}"
-                + (f"; skipped: {c['skipped']}" if c["skipped"] else "") + ".", ""]
+        where = results.describe(rec)
+        skipped = f"; skipped: {c['skipped']}" if c["skipped"] else ""
+        out += [f"**{rec['machine_tag']}**: {where[0].upper()}{where[1:]}. Faults tried: {c['tried']}; surfaced as "
+                f"a named exception within deadline + {rec['data']['grace_s']:.0f} s: {c['surfaced_in_time']}; "
+                f"state consistent: {c['state_consistent']}; nothing left behind: {c['leak_free']}; all three: "
+                f"{c['all_met']}{skipped}.", ""]
         out += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in table_rows(rows)]
         out += [""]
