@@ -537,8 +537,7 @@ def _actor_rank(worker: Any, rank: int, world: int, addr: str, port: int, device
 
 @fault("ray_actor_dies", "a Ray actor receiving the weights exits mid-sync",
        "Ray hands the driver the task's own exception (RayTaskError wrapping SyncTimeout): the group's deadline, "
-       "not Ray, ends the trainer's wait; ray.get's timeout bounds the driver's.", ("SyncTimeout",), "ray",
-       deadline_s=DEADLINE_S, gpus=3)
+       "not Ray, ends the trainer's wait; ray.get's timeout bounds the driver's.", ("SyncTimeout",), "ray")
 def ray_actor_dies(ctx: Context) -> Outcome:
     import ray
 
@@ -553,21 +552,24 @@ def ray_actor_dies(ctx: Context) -> Outcome:
             if tries == 2:
                 raise Unavailable(f"Ray did not start on this machine ({str(exc)[:120]})") from exc
     try:
-        pl = cluster.place({"trainer": 1, "receivers": 2}, gpu=ctx.gpu, timeout_s=120)
+        gpu = ctx.gpu and hardware.gpu_count() >= 3  # NCCL between the actors; else CPU bundles and gloo
+        pl = cluster.place({"trainer": 1, "receivers": 2}, gpu=gpu, timeout_s=120)
         res = cluster.actor_resources(pl.gpu, 1.0)
         actors = [ray.remote(**res)(cluster.RayWorker).options(scheduling_strategy=pl.on_bundle(i)).remote()
                   for i in range(3)]
         ray.get([a.info.remote() for a in actors], timeout=180)  # started (not part of the fault)
         addr, port = ray.get(actors[0].rendezvous.remote(), timeout=60)
         path = ctx.mark_file()
-        refs = [a.run.remote(_actor_rank, r, 3, addr, port, ctx.device, path) for r, a in enumerate(actors)]
+        refs = [a.run.remote(_actor_rank, r, 3, addr, port, "cuda" if gpu else "cpu", path)
+                for r, a in enumerate(actors)]
         err = attempt(lambda: ray.get(refs[0], timeout=DEADLINE_S * 4 + 30))
         survivor = attempt(lambda: ray.get(refs[1], timeout=DEADLINE_S * 4 + 30))
         state = ray.get(refs[1]) if survivor is None else {"state": "n/a", "error": survivor}
         for a in actors:
             ray.kill(a)
         pl.remove()
-        detail = f"surviving receiver: {state['error']['type'] if state['error'] else 'returned'}"
+        detail = (f"surviving receiver: {state['error']['type'] if state['error'] else 'returned'}; "
+                  + ("GPU bundles, NCCL" if gpu else "CPU bundles, gloo"))
         return Outcome(err, marked(path) if os.path.exists(path) else time.time(), state["state"], detail)
     finally:
         ray.shutdown()
