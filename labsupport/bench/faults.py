@@ -41,6 +41,7 @@ GRACE_S = 10.0  # the goal: the error within deadline + GRACE_S
 BUCKET = 4 << 20  # transport rows: 8 tensors of 4 MiB in buckets of 4 MiB, so a fault lands mid-transfer
 HANG_S = 60.0  # an engine call unanswered for this long is abandoned (reported as a hang)
 LAUNCH_S = DEADLINE_S + GRACE_S + 5  # a rank still running then has missed the goal: reported as hung, killed
+EXIT_S = 30.0  # how long children of a row may take to exit after it (Ray's shutdown does not wait for its own)
 GPU_SLACK = 64 << 20  # GPU bytes above the level before that count as left behind (allocator granularity)
 CONSISTENT = ("old", "new", "n/a", "stopped")  # states that are not a mix: "mixed", "other" are not
 
@@ -166,7 +167,7 @@ class Watch:
                         if target.startswith(shm.SHM_DIR + "/"):
                             self.touched.add(target)
 
-    def finish(self, grace_s: float = GRACE_S) -> dict[str, Any]:
+    def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
         """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains."""
         self._stop.set()
         self._thread.join()
