@@ -869,8 +869,9 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             out.append([r["fault"], "skipped", "", "", r["skipped"], ""])
             continue
         exc = (r["exception"] or "none (returned)") + ("" if r["named"] or not r["exception"] else " (not named)")
-        secs = f"{r['seconds']:.1f} / {r['deadline_s']:.0f} s" if r["seconds"] is not None else \
-            f"- / {r['deadline_s']:.0f} s"
+        hung = r["exception"] in ("hang", "Hung")  # the table gave up waiting: the time is a lower bound
+        secs = f"- / {r['deadline_s']:.0f} s" if r["seconds"] is None else \
+            f"{'> ' if hung else ''}{r['seconds']:.1f} / {r['deadline_s']:.0f} s"
         if r.get("harness_error"):
             exc = "(the row could not run)"
         out.append([r["fault"], exc, secs, r["state"], leak_text(r["leaks"]), "yes" if r["ok"] else "NO"])
