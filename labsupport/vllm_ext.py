@@ -41,7 +41,7 @@ from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
-GRACE_S = 10.0  # after the trainer's side failed: how long to wait for the engine's error to attach it
+GRACE_S = 3.0  # after the trainer's side failed: how long to wait for the engine's error, to attach it
 
 
 # ---- Trainer side: calls with a deadline ------------------------------------------------------------

@@ -157,10 +157,19 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
             return engine
         worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
                                                  init_info.world_size, init_info.timeout_s)
-        engine.group, _ = vllm_ext.alongside(  # the workers wait for rank 0 (us) in their init
-            lambda: client.init_weight_transfer_engine(asdict(worker_info)),
-            lambda: groups.create_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                        device="cpu", timeout_s=init_info.timeout_s), init_info.timeout_s + REPLY_S)
+        joined: list[groups.StatelessGroup] = []
+
+        def join() -> groups.StatelessGroup:
+            joined.append(groups.create_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                                              device="cpu", timeout_s=init_info.timeout_s))
+            return joined[0]
+        try:  # the workers wait for rank 0 (us) in their init
+            engine.group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)), join,
+                                                 init_info.timeout_s + REPLY_S)
+        except BaseException:
+            for group in joined:  # (the workers never confirmed: leave nothing behind)
+                group.destroy()
+            raise
         return engine
 
     def send_weights(self) -> None:
