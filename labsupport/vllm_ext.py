@@ -75,8 +75,9 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
     the per-rank results; ``WeightUpdateError`` naming every worker that failed; ``TimeoutError`` after ``timeout``."""
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
     rpc = llm.collective_rpc
-    if hasattr(rpc, "remote"):  # a Ray actor: it calls with the deadline, and is given a little more
-        fut, wait_s = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout).future(), timeout + GRACE_S
+    if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline, given a little more
+        ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
+        fut, wait_s = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref), timeout + GRACE_S
     else:
         fut, wait_s = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs)), timeout
     return check_replies(method, _result(fut, wait_s, f"collective_rpc({_name(method)!r})"))
