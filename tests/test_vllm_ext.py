@@ -577,6 +577,28 @@ def test_layer_buckets_never_split_a_layer():
                 assert all(layer(m) != layer(n) for other in buckets if other is not b for m, _ in other)
 
 
+def test_joining_a_new_group_does_not_hide_a_failure_to_leave_the_old_one(monkeypatch):
+    """init_weight_update_group leaves the previous group first; if that fails, the join fails with the reason
+    (it used to be a reply nobody read, and the worker joined anyway)."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+    class Stuck:
+        def destroy(self):
+            raise RuntimeError("could not release the old communicator")
+
+    class Worker(vllm_ext.WorkerExtension):
+        vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(rank=0, world_size=1, data_parallel_index=0))
+        device = torch.device("cpu")
+
+    worker = Worker()
+    worker.update_state = vllm_weights.WorkerState(weights=None, group=Stuck())
+    reply = worker.init_weight_update_group("127.0.0.1", groups.free_port(), 0, 1, 1.0)
+    with pytest.raises(WeightUpdateError, match="could not release the old communicator"):
+        vllm_ext.check_replies("init_weight_update_group", [reply])
+    assert worker.update_state.group is None  # (and no new group was joined)
+
+
 class _Client:
     """A stand-in for vLLM's weight-sync client: records the calls; one of them can hang or fail."""
 
