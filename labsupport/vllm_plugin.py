@@ -18,8 +18,8 @@ before the transfer, so a failed transfer leaves it unusable); and a failed upda
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -73,7 +73,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     supports_draft_weight_update = False
     group: groups.StatelessGroup | None = None
     weights: EngineWeights | None = None  # the model in checkpoint format, built at init
-    open = False  # between start_weight_update and finish_weight_update
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -87,15 +86,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
-        self.open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        if not self.open:
-            raise RuntimeError("update_weights called outside start_weight_update/finish_weight_update")
         ew = self.weights
         if self.group.closed:  # aborted by a timeout: the trainer's send_weights raises, nothing to receive
             logger.error("weight update skipped: the group was aborted after a timeout; re-create it "
@@ -111,14 +107,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:
-        if not self.open:
-            return
         try:
-            if self.weights.pending:
+            if self.weights is not None and self.weights.pending:
                 self.weights.flush(only_complete=False)
         finally:
-            self.weights.pending.clear()
-            self.open = False
+            if self.weights is not None:
+                self.weights.pending.clear()
 
     def shutdown(self) -> None:
         if self.group is not None:
