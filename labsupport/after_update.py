@@ -55,7 +55,7 @@ def _engine_kwargs(model_dir: str | Path, gpu: bool, llm_kwargs: dict[str, Any])
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from labsupport import vllm_ext
 
-    kw = vllm_ext.engine_args(model_dir, gpu=gpu, max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"],
+    kw = vllm_engine.engine_args(model_dir, gpu=gpu, max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"],
                               max_num_seqs=16, enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE,
                               async_scheduling=False, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
     kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
@@ -68,7 +68,7 @@ def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) ->
 
     # one process: step() is one forward pass. Only for this engine: later engines of this process keep their
     # own worker process (an in-process worker adds its extension class to vLLM's worker class for good)
-    return vllm_ext.start_llm(_engine_kwargs(model_dir, gpu, llm_kwargs), gpu=gpu,
+    return vllm_engine.start_llm(_engine_kwargs(model_dir, gpu, llm_kwargs), gpu=gpu,
                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
@@ -160,7 +160,7 @@ def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: A
     # the engine core is a child process: on a GPU this process (the trainer) has touched CUDA, which a forked
     # child cannot use ("Cannot re-initialize CUDA in forked subprocess", seen on vLLM 0.26): spawn it
     spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if gpu else {}
-    with progress.waiting("vLLM AsyncLLM starting"), vllm_ext.temporary_env(spawn):
+    with progress.waiting("vLLM AsyncLLM starting"), vllm_engine.temporary_env(spawn):
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(model_dir, gpu, llm_kwargs)))
     progress.note(f"AsyncLLM ready in {time.perf_counter() - t0:.0f} s")
     return engine

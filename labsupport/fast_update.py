@@ -1,10 +1,9 @@
 """Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
 
-The safe co-located path (``vllm_ext.ColocateWorkerExtension``) does the same work on every update: pack the
-trainer's weights into a new buffer, export it, open the handle in the engine, check every name, and load
-layer by layer through vLLM's layerwise reload. Each step is small; together they cost 160-190 ms at the 7B
-shape on one H100, where one device copy of the same bytes takes 10 ms (``bench vllm-update``). This module
-pays for those steps once, and its update took 16 ms there:
+The safe co-located path (``vllm_ext.push_ipc``) does the same work on every update: pack the trainer's weights
+into a new buffer, export it, open the handle in the engine, check every name, and load layer by layer through
+vLLM's layerwise reload. Each step is small; together they cost many times one device copy of the same bytes
+(``bench vllm-update`` measures both). This module pays for those steps once:
 
 1. Trainer, once: :class:`SharedWeights` moves the model's parameters into one flat buffer (as FSDP does with
    its flat parameter) and exports that buffer. From then on, training writes the exported memory itself.
@@ -16,6 +15,14 @@ pays for those steps once, and its update took 16 ms there:
    keeps the safe path, and the reason is logged and returned.
 3. Engine, every update (``sync_mapped_weights``): one device copy per planned slice, the safe loader for the
    layers that fell back, then a synchronize. One RPC; no handle, no check, no reload.
+4. Engine, at the end (``unmap_trainer_weights``, trainer side :func:`unmap_engine`): drop the mapping, so the
+   trainer's exported memory can be freed.
+
+What it adds, against the failure that the copy floor invites: the trainer checks, before every ``sync`` sends
+anything, that its parameters still live in the exported buffer. A parameter moved to other memory
+(``p.data = ...``, ``model.to(...)``, ``load_state_dict(assign=True)``) would leave the engine serving the stale
+buffer with no error: ``sync`` refuses instead and says what to do. The engine checks its own side (its
+parameters, the exporter alive) on every update too.
 
 Ordering: vLLM serves an RPC between two model steps, never during one, so no forward pass reads weights that
 are half copied; a request in flight continues under the new weights at its next step (Chapter 9). The trainer
@@ -32,11 +39,10 @@ from typing import Any
 
 import torch
 
-from labsupport.course import hardware
 from labsupport import ipc, reshard, vllm_ext
 from labsupport.core.buckets import Meta, unpack
-from labsupport.vllm_ext import _never_raise
-from labsupport.vllm_weights import WeightUpdateError
+from labsupport.course import hardware
+from labsupport.vllm_weights import WeightUpdateError, WorkerState, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ class SharedWeights:
     in-place update (``optimizer.step()``, ``p.copy_(...)``) writes the memory that an engine has mapped."""
 
     def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None) -> None:
-        self.exporter = exporter or ipc.Exporter()
+        self.exporter, self.model = exporter or ipc.Exporter(), model
         named = list(model.named_parameters())
         self.handle = self.exporter.export_bucket(named)  # one copy into the new buffer, once
         views = unpack(self.exporter.buffer(self.handle), self.handle.entries)
@@ -56,10 +62,24 @@ class SharedWeights:
             for (_, p), (_, view) in zip(named, views):
                 p.data = view  # the parameter now lives in the exported buffer (the old storage is freed)
         self.device = named[0][1].device
+        self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where each one must stay
+
+    def check(self) -> None:
+        """Raise ``WeightUpdateError`` if any parameter of the model no longer lives where it was exported."""
+        now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
+        moved = sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n))
+        if moved:
+            raise WeightUpdateError(
+                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer ({', '.join(moved[:3])}"
+                f"{' ...' if len(moved) > 3 else ''}): something replaced their memory (p.data = ..., model.to(...), "
+                "load_state_dict(assign=True)), and the engine would keep serving the old buffer. Nothing was sent. "
+                "Write parameters in place (p.copy_(...), load_state_dict without assign), or map again: "
+                "shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
 
     def packed(self) -> bytes:
         """The handle for ``map_trainer_weights``, keyed by the device it lives on: only engine workers on that
         device (``report_device_id``) find it."""
+        self.check()
         return vllm_ext.pack_ipc_handles({vllm_ext.device_id(self.device): self.handle})
 
     def close(self) -> None:
@@ -74,11 +94,18 @@ def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
     return vllm_ext.call(llm, "map_trainer_weights", shared.packed())
 
 
-def sync(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
-    """Push the trainer's current weights into the engine: wait for the trainer's queued writes, then one RPC.
-    Returns each worker's report (``version``, ``copy_s``, ``fallback_s``, ``copied_bytes``)."""
+def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
+    """Push the trainer's current weights into the engine: check that they still live in the export, wait for the
+    trainer's queued writes, then one RPC. Returns each worker's report (``version``, ``copy_s``, ``fallback_s``,
+    ``copied_bytes``)."""
+    shared.check()
     hardware.synchronize(shared.device)
-    return vllm_ext.call(llm, "sync_mapped_weights")
+    return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
+
+
+def unmap_engine(llm: Any) -> None:
+    """Have every worker drop its mapping of the trainer's weights (then ``shared.close()`` frees them)."""
+    vllm_ext.call(llm, "unmap_trainer_weights")
 
 
 # ---- The plan ----------------------------------------------------------------------------------------
@@ -143,26 +170,34 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: 
 
 # ---- Engine side ---------------------------------------------------------------------------------------
 
+@dataclass
+class MappedState(WorkerState):
+    """``WorkerState`` plus the trainer's mapped buckets with the copy plan cut from them, and the syncs served."""
+
+    mapped: tuple[list[ipc.Handle], Plan] | None = None
+    version: int = 0
+
+
 class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
     """Every update pattern of ``RLHFWorkerExtension``, plus the mapped, planned co-located path."""
 
-    @_never_raise
+    state_type = MappedState
+
+    @worker_rpc
     def map_trainer_weights(self, handles: bytes | Mapping[str, Any]) -> dict[str, Any]:
         """Map the trainer's exported weights (kept mapped), check them, load them once, and plan the copies."""
-        t0 = time.perf_counter()
-        buckets = self._lsx_my_buckets(handles)
-        ew = self._lsx()
-        ew.check([Meta(e.name, e.dtype, tuple(e.shape)) for b in buckets for e in b.entries])
-        self._lsx_fast = None
+        t0, st = time.perf_counter(), worker_state(self)
+        buckets, ew = vllm_ext.buckets_for(self.device, handles), st.weights
+        ew.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries])
+        _unmap(st)  # a previous mapping first
         views = dict(v for b in buckets for v in ipc.rebuild(b))
         t1 = time.perf_counter()
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
         hardware.synchronize(ew.device)
         t2 = time.perf_counter()
-        cfg, tp = self.vllm_config.model_config.hf_config, self.vllm_config.parallel_config.tensor_parallel_size
+        cfg, pc = self.vllm_config.model_config.hf_config, self.vllm_config.parallel_config
         if getattr(cfg, "model_type", "") == "qwen2":  # the one layout reshard knows
-            plan = make_plan(ew.model, reshard.qwen2_layout(cfg, tp), self.vllm_config.parallel_config.rank,
-                             views, ew.module_of)
+            plan = make_plan(ew.model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views, ew.module_of)
         else:
             why = f"no layout for model type {getattr(cfg, 'model_type', '?')!r} in reshard"
             plan = Plan(fallback={"<model>": why}, fallback_items=list(views.items()))
@@ -172,19 +207,19 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
                                         "fast path; use update_weights_from_ipc")
         for module, why in plan.fallback.items():
             log.warning("fast update: %s keeps the safe path: %s", module, why)
-        self._lsx_fast = (buckets, plan)
-        t3 = time.perf_counter()
+        st.mapped = (buckets, plan)
         return {"planned_params": len(plan.owners), "copies": len(plan.dsts), "copied_bytes": plan.copied_bytes,
-                "fallback": dict(plan.fallback), "open_s": t1 - t0, "first_load_s": t2 - t1, "plan_s": t3 - t2}
+                "fallback": dict(plan.fallback), "open_s": t1 - t0, "first_load_s": t2 - t1,
+                "plan_s": time.perf_counter() - t2}
 
-    @_never_raise
+    @worker_rpc
     def sync_mapped_weights(self) -> dict[str, Any]:
         """Copy the trainer's mapped weights into the engine's, per the plan; safe-load the layers that fell back."""
-        state = getattr(self, "_lsx_fast", None)
-        if state is None:
+        st = worker_state(self)
+        if st.mapped is None:
             raise WeightUpdateError("no mapped trainer weights: call map_trainer_weights first (trainer side: "
                                     "fast_update.map_engine)")
-        buckets, plan = state
+        buckets, plan = st.mapped
         for b in buckets:
             ipc.check_handle(b)  # exporter alive, export not released (microseconds)
         moved = [p for p, ptr in plan.owners if p.data_ptr() != ptr]
@@ -193,12 +228,26 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
                                     "map again (map_trainer_weights)")
         t0 = time.perf_counter()
         if plan.fallback_items:
-            self._lsx().load(plan.fallback_items)
+            st.weights.load(plan.fallback_items)
         t1 = time.perf_counter()
         with torch.no_grad():
             torch._foreach_copy_(plan.dsts, plan.srcs)  # one grouped launch for all the copies
         hardware.synchronize(self.device)
-        t2 = time.perf_counter()
-        self._lsx_fast_version = getattr(self, "_lsx_fast_version", 0) + 1
-        return {"version": self._lsx_fast_version, "copied_bytes": plan.copied_bytes, "copy_s": t2 - t1,
+        st.version += 1
+        return {"version": st.version, "copied_bytes": plan.copied_bytes, "copy_s": time.perf_counter() - t1,
                 "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}
+
+    @worker_rpc
+    def unmap_trainer_weights(self) -> bool:
+        """Drop the mapping of the trainer's weights and ack it, so that the trainer may free them; True if mapped."""
+        return _unmap(worker_state(self))
+
+
+def _unmap(st: MappedState) -> bool:
+    if st.mapped is None:
+        return False
+    buckets, _ = st.mapped
+    st.mapped = None  # the plan's views were the last references to the mapped memory
+    for b in buckets:
+        ipc.ack(b)  # (waits for this process's queued reads first)
+    return True

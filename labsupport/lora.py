@@ -232,13 +232,13 @@ def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> di
 
 def start_llm(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
     """An in-process vLLM ``LLM`` that takes both kinds of update: adapters (``enable_lora``) and full weights
-    through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (``vllm_ext.engine_args``)."""
+    through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (``vllm_engine.engine_args``)."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
     from labsupport import vllm_ext
 
-    kw = vllm_ext.engine_args(model_dir, gpu=gpu, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
+    kw = vllm_engine.engine_args(model_dir, gpu=gpu, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
                               worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension",
                               **({"gpu_memory_utilization": 0.3} if gpu else {}))
-    return vllm_ext.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)
+    return vllm_engine.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)

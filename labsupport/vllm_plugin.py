@@ -1,37 +1,40 @@
-"""A gloo backend for vLLM's native weight-transfer API, so ``WeightTransferConfig`` code runs without CUDA.
+"""vLLM's native weight-transfer API from the trainer's side, and a gloo backend for it, so that code written
+against ``WeightTransferConfig`` runs without CUDA (Lab 4).
 
-That API's four phases are in Lab 4; vLLM's backends for them need a GPU. ``register_plugin`` adds
-``"labsupport_gloo"`` to both of vLLM's factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``.
-Importing this module registers nothing: vLLM calls ``register_plugin`` in each of its processes through the
-package's ``vllm.general_plugins`` entry point (``pip install -e .``), and ``vllm_ext.native_trainer`` calls it
-on the trainer.
+:func:`native_trainer` is the trainer's end on either vLLM the course runs (0.32's ``trainer_init``; 0.26 has only
+static helpers, which :class:`NcclTrainer026` wraps). ``register_plugin`` adds ``"labsupport_gloo"`` to both of vLLM's
+factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``. Importing this module registers
+nothing: vLLM calls ``register_plugin`` in each of its processes through the package's ``vllm.general_plugins``
+entry point (``pip install -e .``), and ``native_trainer`` calls it on the trainer.
 
-Two differences from vLLM's NCCL engine, on purpose: its ``start_weight_update`` moves the model to the meta
-device *before* the transfer, so a failed transfer leaves it unusable, while here the update is checked and
-staged first (``labsupport.vllm_weights``) and loaded in ``finish_weight_update``; and a failed update does
-not raise on the workers (vLLM discards the workers' replies and 0.32 mis-orders them after an error, see
-``vllm_ext.WorkerFailed``): the trainer's ``send_weights`` raises the reason (every rank votes) and nothing loads.
-After a timeout the group is aborted on every rank: the next ``send_weights`` says to create a new trainer.
+Two differences from vLLM's NCCL engine, on purpose: the update is checked and staged first
+(``labsupport.vllm_weights``) and loaded in ``finish_weight_update`` (vLLM's moves the model to the meta device
+before the transfer, so a failed transfer leaves it unusable); and a failed update does not raise on the workers
+(0.32 mis-orders replies after a worker error, see ``vllm_weights.worker_rpc``): every rank votes, the trainer's
+``send_weights`` raises the reason, nothing loads. After a timeout the group is aborted on every rank: the next
+``send_weights`` says to create a new trainer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer import base as vllm_wt
 
-from labsupport import broadcast, groups
+from labsupport import broadcast, groups, vllm_ext
 from labsupport.broadcast import SyncTimeout, WeightSyncError
-from labsupport.core.buckets import metas
-from labsupport.vllm_weights import GLOO_BACKEND, EngineWeights, _worker_rank
+from labsupport.core.buckets import dtype_name, metas
+from labsupport.course import versions
+from labsupport.vllm_weights import EngineWeights, worker_rank
 
+GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
 BUCKET_BYTES = 64 << 20
 TIMEOUT_S = 60.0  # joining the group, and each phase of an update
+REPLY_S = 30.0  # how long the workers' call may take once the trainer's side is done
 logger = logging.getLogger(__name__)
 
 
@@ -70,13 +73,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     supports_draft_weight_update = False
     group: groups.StatelessGroup | None = None
     weights: EngineWeights | None = None  # the model in checkpoint format, built at init
-    open = False  # between start_weight_update and finish_weight_update
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
         # Built now, not at engine start-up: a model this engine cannot check fails here, before any send.
         self.weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
-        rank = _worker_rank(self.vllm_config, init_info.rank_offset)
+        rank = worker_rank(self.vllm_config, init_info.rank_offset)
         self.group = groups.create_group(init_info.master_address, init_info.master_port, rank,
                                          init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
 
@@ -84,15 +86,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
-        self.open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        if not self.open:
-            raise RuntimeError("update_weights called outside start_weight_update/finish_weight_update")
         ew = self.weights
         if self.group.closed:  # aborted by a timeout: the trainer's send_weights raises, nothing to receive
             logger.error("weight update skipped: the group was aborted after a timeout; re-create it "
@@ -108,14 +107,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:
-        if not self.open:
-            return
         try:
-            if self.weights.pending:
+            if self.weights is not None and self.weights.pending:
                 self.weights.flush(only_complete=False)
         finally:
-            self.weights.pending.clear()
-            self.open = False
+            if self.weights is not None:
+                self.weights.pending.clear()
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -154,13 +151,19 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
             return engine
         worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
                                                  init_info.world_size, init_info.timeout_s)
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers wait for rank 0 (us) in their init
-            joining = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            try:
-                engine.group = groups.create_group(init_info.master_address, init_info.master_port, 0,
-                                                   init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
-            finally:
-                joining.result()
+        joined: list[groups.StatelessGroup] = []
+
+        def join() -> groups.StatelessGroup:
+            joined.append(groups.create_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                                              device="cpu", timeout_s=init_info.timeout_s))
+            return joined[0]
+        try:  # the workers wait for rank 0 (us) in their init
+            engine.group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)), join,
+                                                 init_info.timeout_s + REPLY_S)
+        except BaseException:
+            for group in joined:  # (the workers never confirmed: leave nothing behind)
+                group.destroy()
+            raise
         return engine
 
     def send_weights(self) -> None:
@@ -170,23 +173,32 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
         if self.group is None or self.group.closed:  # a timeout aborted it (on the engine's workers too)
             raise groups.GroupError(f"the weight-transfer group is gone (aborted after a timeout in update "
                                     f"v{self.version}, or shut down); nothing was sent. Create a new trainer engine "
-                                    "(vllm_ext.native_trainer / trainer_init): the engine joins a new group.")
+                                    "(vllm_plugin.native_trainer / trainer_init): the engine joins a new group.")
         pairs = [(n, t.detach().to("cpu")) for n, t in pairs]
         meta = metas(pairs)
         update_info = GlooWeightTransferUpdateInfo([m.name for m in meta], [m.dtype for m in meta],
                                                    [list(m.shape) for m in meta])
         self.version += 1
-        self.client.start_weight_update()
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive while we send
-            receiving = pool.submit(self.client.update_weights, asdict(update_info))
-            try:
-                broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
-                               version=self.version)
-            finally:  # a refusal (WeightSyncError) too: every rank voted, so the workers have returned
-                receiving.result(timeout=self.group.timeout_s + 30)  # surface a worker-side error
-                self.client.finish_weight_update()  # close their session (a refused one loads nothing)
+        _session(self.client, asdict(update_info), self.group.timeout_s + REPLY_S,  # a refusal raises (all voted)
+                 lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
+                                        version=self.version))
 
     shutdown = GlooWeightTransferEngine.shutdown  # leave the group
+
+
+def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
+    """One update round: start; ``update_weights`` on the workers alongside ``send`` here; finish, whatever happened
+    (a refused round loads nothing). An error is the trainer's own, with the workers' and finish's attached."""
+    client.start_weight_update()
+    try:
+        vllm_ext.alongside(lambda: client.update_weights(update_info), send, timeout)
+    except BaseException as exc:
+        try:  # with a deadline: workers still in update_weights would hold it up
+            vllm_ext.alongside(client.finish_weight_update, lambda: None, vllm_ext.GRACE_S)
+        except Exception as also:
+            exc.add_note(f"finish_weight_update failed too: {type(also).__name__}: {also}")
+        raise
+    client.finish_weight_update()
 
 
 # ---- Registration --------------------------------------------------------------------------------------
@@ -198,6 +210,79 @@ def register_plugin() -> None:
 
     for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
                          (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
-        with contextlib.suppress(ValueError):  # already registered in this process
+        if GLOO_BACKEND not in factory._registry:  # (any other refusal raises)
             factory.register_engine(GLOO_BACKEND, __name__, cls)
 
+
+# ---- The trainer's end, on either vLLM ----------------------------------------------------------------------
+
+def native_backend(device: str | torch.device) -> str:
+    """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
+    return "nccl" if torch.device(device).type == "cuda" else GLOO_BACKEND
+
+
+def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
+                   client: Any, source: Any) -> Any:
+    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM 0.32's
+    ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine) :class:`NcclTrainer026`."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
+        return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client, source)
+    if native_backend(device) == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
+    else:
+        register_plugin()  # the trainer's factory must know the backend (the engine's: the entry point)
+        InitInfo = GlooTrainerInitInfo
+    info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+class LLMWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` for an in-process ``LLM`` (vLLM ships Ray and HTTP ones)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
+
+
+class NcclTrainer026:
+    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers on its
+    ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces names,
+    dtypes and shapes with ``update_weights`` while the trainer broadcasts."""
+
+    def __init__(self, group: Any, packed: bool, client: Any, source: Any) -> None:
+        self.group, self.packed, self.client, self.source = group, packed, client, source
+
+    @classmethod
+    def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool, client: Any,
+                     source: Any) -> NcclTrainer026:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
+        group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
+                                      lambda: NCCLWeightTransferEngine.trainer_init(info))  # workers wait for rank 0
+        return cls(group, packed, client, source)
+
+    def send_weights(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        pairs = [(n, t.detach()) for n, t in self.source]
+        update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
+                       "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
+        _session(self.client, update_info, vllm_ext.TIMEOUT_S, lambda: NCCLWeightTransferEngine.trainer_send_weights(
+            iter(pairs), {"group": self.group, "packed": self.packed}))
+
+    def shutdown(self) -> None:
+        self.group = None

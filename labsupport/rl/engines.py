@@ -130,7 +130,7 @@ class VllmEngine:
         kwargs = self.llm_kwargs(model_dir, self.device, seed, max_num_seqs, gpu_bytes)
         self.dtype = getattr(torch, kwargs["dtype"])
         self.tokenizer = models.build_tokenizer()
-        self.llm = vllm_ext.start_llm(kwargs, gpu=gpu, env={k: os.environ.get(k, v) for k, v in env.items()})
+        self.llm = vllm_engine.start_llm(kwargs, gpu=gpu, env={k: os.environ.get(k, v) for k, v in env.items()})
         self.device_ids = vllm_ext.call(self.llm, "report_device_id")
         self.asleep = self.joined = False
 
@@ -141,7 +141,7 @@ class VllmEngine:
         gpu = torch.device(device).type == "cuda"
         util = 0.3 if gpu_bytes is None or not gpu else gpu_bytes / torch.cuda.get_device_properties(device).total_memory
         extra = dict(enable_sleep_mode=True, gpu_memory_utilization=util) if gpu else {}
-        return vllm_ext.engine_args(model_dir, gpu=gpu, max_model_len=64, seed=seed, max_num_seqs=max_num_seqs,
+        return vllm_engine.engine_args(model_dir, gpu=gpu, max_model_len=64, seed=seed, max_num_seqs=max_num_seqs,
                                     worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension", **extra)
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -204,4 +204,4 @@ class VllmEngine:
                 vllm_ext.call(self.llm, "destroy_weight_update_group")
                 self.joined = False
         finally:
-            vllm_ext.stop_llm(self.llm)
+            vllm_engine.stop_llm(self.llm)
