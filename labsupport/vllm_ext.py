@@ -486,3 +486,74 @@ def stop_llm(llm: Any) -> None:
     """Stop an in-process ``LLM``'s engine-core and worker processes now (``versions.shutdown_engine_core``)."""
     versions.shutdown_engine_core(llm)
 
+
+
+# ---- TEMP stand-ins for the vllm helper's API (dropped at merge) -------------------------------------
+
+never_raise = _never_raise  # TEMP: the public name of the worker-RPC decorator
+
+
+def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Buckets of at most ``bucket_bytes`` (one decoder layer may exceed it) that never split a decoder layer:
+    the engine fuses q/k/v and gate/up into one parameter, and refuses an update that would half-update it."""
+    from labsupport.core.buckets import groups as bucket_groups
+
+    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        by_layer.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
+    layers = list(by_layer.values())
+    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
+    return [[item for i in idx for item in layers[i]] for idx in bucket_groups(sizes, bucket_bytes)]
+
+
+def push_ipc(llm: Any, named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30) -> Any:
+    """Send full weights to an engine with ``ColocateWorkerExtension`` through IPC buckets, one at a time; returns
+    the tensors loaded per worker. An ``AsyncLLM`` (async ``collective_rpc``): returns a coroutine to await."""
+    import inspect
+
+    if inspect.iscoroutinefunction(llm.collective_rpc):
+        return _push_ipc_async(llm, named_tensors, bucket_bytes)
+    dev = call(llm, "report_device_id")[0]
+    loaded = 0
+    with ipc.Exporter() as ex:
+        for group in layer_buckets(named_tensors, bucket_bytes):
+            bucket = ex.export_bucket(group)
+            loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({dev: bucket}))[0]
+            ex.release(bucket)  # the worker acked after loading
+    return loaded
+
+
+async def _push_ipc_async(engine: Any, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
+    async def acall(method: str, *args: Any) -> Any:
+        return check_replies(method, await engine.collective_rpc(method, args=args))[0]
+
+    dev, loaded = await acall("report_device_id"), 0
+    with ipc.Exporter() as ex:
+        for group in layer_buckets(named, bucket_bytes):
+            bucket = ex.export_bucket(group)
+            loaded += await acall("update_weights_from_ipc", pack_ipc_handles({dev: bucket}))
+            ex.release(bucket)
+    return loaded
+
+
+def alongside(rpc: Callable[[], Any], send: Callable[[], Any], timeout: float = 300.0) -> tuple[Any, Any]:
+    """Run ``rpc()`` in a daemon thread while ``send()`` runs here; returns ``(rpc result, send result)``. An error
+    of ``send`` raises at once (the thread is left behind, never joined); ``rpc`` still running ``timeout``
+    seconds after ``send`` returned raises ``TimeoutError``; an error of ``rpc`` raises here."""
+    import threading
+    from concurrent.futures import Future
+
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(rpc())
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            done.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="alongside").start()
+    out = send()
+    try:
+        return done.result(timeout=timeout), out
+    except TimeoutError as exc:
+        raise TimeoutError(f"the engine's RPC did not return within {timeout:.0f} s of the trainer's send") from exc
