@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from labsupport import checksums, lora, reshard, vllm_ext
-from labsupport.course import hardware, models
+from labsupport import checksums, reshard, vllm_ext
+from labsupport.course import hardware, models, vllm_engine
 
 GPU = hardware.gpu_count() >= 1
 DEVICE, DTYPE = ("cuda:0", torch.bfloat16) if GPU else ("cpu", torch.float32)
@@ -67,22 +67,24 @@ def engine(tmp_path_factory):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the check runs a function in the workers
     folder = tmp_path_factory.mktemp("tiny")
     models.build_config().save_pretrained(folder)
-    llm = lora.start_llm(folder, gpu=GPU, load_format="dummy", skip_tokenizer_init=True)
+    llm = vllm_engine.start_llm(vllm_engine.colocated_args(folder, gpu=GPU, enable_lora=True, max_lora_rank=8,
+                                                           max_loras=1, load_format="dummy", skip_tokenizer_init=True),
+                                gpu=GPU)
     yield llm
-    vllm_ext.stop_llm(llm)
+    vllm_engine.stop_llm(llm)
 
 
 def test_right_update_is_exact_and_wrong_ones_are_named(engine):
     layout = reshard.qwen2_layout(models.build_config(), 1)
     trainer = _named(_model(1))
-    lora.push_merged(engine, list(trainer.items()))
+    vllm_ext.push_ipc(engine, list(trainer.items()))
     assert checksums.check_engine(engine, trainer, layout) == {"exact": True, "n_differences": 0, "differences": []}
 
     # a deliberately wrong update: one element of one tensor perturbed on the way
     wrong = dict(trainer)
     wrong["model.layers.0.mlp.up_proj.weight"] = trainer["model.layers.0.mlp.up_proj.weight"].clone()
     wrong["model.layers.0.mlp.up_proj.weight"][7, 3] *= 1.001
-    lora.push_merged(engine, list(wrong.items()))
+    vllm_ext.push_ipc(engine, list(wrong.items()))
     got = checksums.check_engine(engine, trainer, layout)
     assert got["exact"] is False
     assert got["differences"] == ["rank 0: model.layers.0.mlp.gate_up_proj.weight: other bytes"]
@@ -98,7 +100,7 @@ def test_right_update_is_exact_and_wrong_ones_are_named(engine):
     # and an update that is right again passes again (the check reads the engine, not a cached verdict),
     # also when it comes in many small buckets, one after another (as a 7B model does, 1 GiB at a time);
     # each holds whole decoder layers (the engine refuses a half-updated fused q/k/v or gate/up)
-    buckets = lora.layer_buckets(list(newer.items()), 64 << 10)
+    buckets = vllm_ext.layer_buckets(list(newer.items()), 64 << 10)
     assert len(buckets) > 2 and [n for b in buckets for n, _ in b] == list(newer)
-    assert lora.push_merged(engine, list(newer.items()), bucket_bytes=64 << 10) == len(newer)
+    assert vllm_ext.push_ipc(engine, list(newer.items()), bucket_bytes=64 << 10) == len(newer)
     assert checksums.check_engine(engine, newer, layout)["exact"] is True
