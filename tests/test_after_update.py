@@ -67,6 +67,16 @@ def test_corrected_loss_equals_plain_pg_on_policy_and_refuses_unknown():
         grpo.corrected_pg_loss(lp, lp, adv, mask, correction="ppo")
 
 
+def test_library_calls_leave_the_process_environment_alone():
+    """L14: starting engines moved to vllm_engine (variables set only while an engine starts); the update
+    modules never write ``os.environ``."""
+    import inspect
+
+    from labsupport import reshard, vllm_reshard
+
+    assert not [m.__name__ for m in (au, lora, reshard, vllm_reshard) if "os.environ" in inspect.getsource(m)]
+
+
 def test_until_stops_for_ended_requests_and_every_wait_has_a_deadline():
     """M5: a request that ended short (aborted, or fewer tokens than asked) ends the wait; one still running
     past the deadline raises, naming it, and so does drain."""
