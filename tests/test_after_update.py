@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+import types
 
 import pytest
 import torch
 
 from labsupport import after_update as au
 from labsupport.course import hardware, models, vllm_engine
-from labsupport import lora
+from labsupport import lora, vllm_ext
+from labsupport.rl import grpo
 
 GPU = hardware.gpu_count() >= 1
 pytestmark = [pytest.mark.timeout(900)]
@@ -30,15 +33,15 @@ def test_long_prompts_span_two_cpu_blocks():
     tok = models.build_tokenizer()
     prompts = au.long_prompts(5, length=80, seed=0)
     assert len(set(prompts)) == 5 and prompts == au.long_prompts(5, length=80, seed=0)
-    assert all(len(tok(p)["input_ids"]) == 81 >= 2 * au.CPU_BLOCK_SIZE for p in prompts)
+    assert all(len(tok(p)["input_ids"]) == 81 >= 2 * vllm_engine.CPU_BLOCK_SIZE for p in prompts)
 
 
 def test_tis_truncates_and_mis_masks():
     le = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.02]]))
     lt = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.2]]))  # ratios 1, 3, 0.25, 10
-    assert torch.allclose(au.tis_weights(lt, le, cap=2.0), torch.tensor([[1.0, 2.0, 0.25, 2.0]]))
-    assert au.mis_mask(lt, le, cap=2.0).tolist() == [[1.0, 0.0, 0.0, 0.0]]
-    s = au.mismatch_stats(lt, le, torch.ones_like(lt, dtype=torch.bool), cap=2.0)
+    assert torch.allclose(grpo.tis_weights(lt, le, cap=2.0), torch.tensor([[1.0, 2.0, 0.25, 2.0]]))
+    assert grpo.mis_mask(lt, le, cap=2.0).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    s = grpo.mismatch_stats(lt, le, torch.ones_like(lt, dtype=torch.bool), cap=2.0)
     assert s["tokens"] == 4 and s["truncated"] == 0.5 and s["masked"] == 0.75
     assert math.isclose(s["ratio_max"], 10.0, rel_tol=1e-5) and math.isclose(s["ratio_min"], 0.25, rel_tol=1e-5)
     w = torch.tensor([1.0, 3.0, 0.25, 10.0], dtype=torch.double)
@@ -52,16 +55,98 @@ def test_corrected_loss_equals_plain_pg_on_policy_and_refuses_unknown():
     adv, mask = torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 5, dtype=torch.bool)
     plain = -(lp * adv[:, None]).mean()
     for corr in (None, "tis", "mis"):  # ratio 1 everywhere: every correction is the plain loss
-        assert torch.allclose(au.corrected_pg_loss(lp, lp.clone(), adv, mask, correction=corr), plain)
+        assert torch.allclose(grpo.corrected_pg_loss(lp, lp.clone(), adv, mask, correction=corr), plain)
     off = lp.clone()
     off[0, 0] -= 5.0  # the engine gave token (0, 0) far less probability: ratio e^5
     x = lp.clone().requires_grad_(True)
-    (gt,) = torch.autograd.grad(au.corrected_pg_loss(x, off, adv, mask, correction="tis", cap=2.0), x)
-    (gm,) = torch.autograd.grad(au.corrected_pg_loss(x, off, adv, mask, correction="mis", cap=2.0), x)
+    (gt,) = torch.autograd.grad(grpo.corrected_pg_loss(x, off, adv, mask, correction="tis", cap=2.0), x)
+    (gm,) = torch.autograd.grad(grpo.corrected_pg_loss(x, off, adv, mask, correction="mis", cap=2.0), x)
     assert math.isclose(gt[0, 0].item(), -2.0 * adv[0].item() / 15, rel_tol=1e-5)  # weight capped at 2
     assert gm[0, 0].item() == 0.0  # masked out
     with pytest.raises(ValueError, match="correction must be"):
-        au.corrected_pg_loss(lp, lp, adv, mask, correction="ppo")
+        grpo.corrected_pg_loss(lp, lp, adv, mask, correction="ppo")
+
+
+def test_library_calls_leave_the_process_environment_alone():
+    """L14: starting engines moved to vllm_engine (variables set only while an engine starts); the update
+    modules never write ``os.environ``."""
+    import inspect
+
+    from labsupport import reshard, vllm_reshard
+
+    assert not [m.__name__ for m in (au, lora, reshard, vllm_reshard) if "os.environ" in inspect.getsource(m)]
+
+
+def test_until_stops_for_ended_requests_and_every_wait_has_a_deadline():
+    """M5: a request that ended short (aborted, or fewer tokens than asked) ends the wait; one still running
+    past the deadline raises, naming it, and so does drain."""
+    eng = au.VersionedEngine(None)
+    eng.rollouts["a"] = au.TaggedRollout("a", "p", token_ids=[1, 2], status="finished")
+    eng.rollouts["b"] = au.TaggedRollout("b", "p", token_ids=[1], status="aborted")
+    asyncio.run(eng.until(["a", "b"], 10, timeout_s=30))  # both ended: nothing more will come
+    eng.rollouts["c"] = au.TaggedRollout("c", "p", token_ids=[1])
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"still running with fewer: c \(1\)"):
+        asyncio.run(eng.until(["a", "c"], 10, timeout_s=0.2))
+
+    async def hung_drain():
+        eng._tasks.append(asyncio.ensure_future(asyncio.sleep(60)))
+        await eng.drain(timeout_s=0.2)
+
+    with pytest.raises(TimeoutError, match=r"still running after 0 s: \['c'\]"):
+        asyncio.run(hung_drain())
+    assert time.monotonic() - t0 < 5
+
+
+class _LateOutputEngine:
+    """An ``AsyncLLM`` stand-in for one request: the test makes its tokens; ``pause_generation`` returns while
+    the last token made before the pause is still in the client's output processing, delivered 10 ms later
+    (vLLM hands outputs on through asyncio tasks of its own)."""
+
+    def __init__(self) -> None:
+        self.paused, self.q = False, asyncio.Queue()
+
+    def make(self, token: int, last: bool = False) -> None:
+        c = types.SimpleNamespace(token_ids=[token], logprobs=None, finish_reason="length" if last else None)
+        self.q.put_nowait(types.SimpleNamespace(outputs=[c], finished=last))
+
+    async def generate(self, prompt, sp, request_id):
+        while not (out := await self.q.get()).finished:
+            yield out
+        yield out
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def pause_generation(self, mode: str, clear_cache: bool = True) -> None:
+        self.paused = True
+        asyncio.get_running_loop().call_later(0.01, self.make, 3)  # made before the pause, not yet delivered
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+
+    async def collective_rpc(self, method, args=()):  # the weight update's RPCs (nothing to load here)
+        return [vllm_ext.device_id(torch.device("cpu"))] if method == "report_device_id" else [0]
+
+
+def test_a_token_made_before_the_pause_keeps_the_old_version_however_late_it_arrives():
+    """M6: the version changes only once the streams have taken what the engine made before the pause."""
+    pytest.importorskip("vllm")
+
+    async def run():
+        fake = _LateOutputEngine()
+        eng = au.VersionedEngine(fake)
+        [rid] = eng.submit(["p"], 8)
+        fake.make(1)
+        fake.make(2)
+        await eng.until([rid], 2, timeout_s=10)
+        await eng.update([], "keep")
+        fake.make(4, last=True)  # after the resume: the new weights'
+        await eng.drain(timeout_s=10)
+        return eng.rollouts[rid]
+
+    r = asyncio.run(run())
+    assert r.token_ids == [1, 2, 3, 4] and r.versions == [0, 0, 0, 1] and r.status == "finished"
 
 
 # ----------------------------------------------------------------------------- one engine
@@ -76,7 +161,8 @@ def setup():
     dirs = {"A": models.tiny_model_dir("trained"), "B": lora.base_model_dir()}
     trainer = {k: AutoModelForCausalLM.from_pretrained(d).to(device).eval() for k, d in dirs.items()}
     weights = {k: [(n, t.to(dtype)) for n, t in au.weights_of(d)] for k, d in dirs.items()}
-    llm = au.start_llm(dirs["A"], gpu=GPU)
+    llm = vllm_engine.start_llm(vllm_engine.colocated_args(dirs["A"], gpu=GPU), gpu=GPU,
+                                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     yield {"llm": llm, "trainer": trainer, "weights": weights, "tok": models.build_tokenizer(), "dirs": dirs}
     vllm_engine.stop_llm(llm)
 
@@ -84,10 +170,10 @@ def setup():
 def test_stale_prefix_cache_then_salt_and_reset_fix_it(setup):
     llm, trainer, weights, tok = setup["llm"], setup["trainer"], setup["weights"], setup["tok"]
     llm.reset_prefix_cache()
-    au.push(llm, weights["A"])
+    vllm_ext.push_ipc(llm, weights["A"])
     prompts, fresh = au.long_prompts(3, seed=10), au.long_prompts(3, seed=11)
     au.next_token_logprobs(llm, prompts)  # cached under A
-    au.push(llm, weights["B"])
+    vllm_ext.push_ipc(llm, weights["B"])
     ref = au.trainer_next_token_logprobs(trainer["B"], tok, prompts)
     base = au.distance(au.next_token_logprobs(llm, fresh), au.trainer_next_token_logprobs(trainer["B"], tok, fresh))
     tol = max(2 * base, 1e-3)
@@ -116,7 +202,7 @@ def test_pause_modes_on_asyncllm_and_version_tags(setup):
         return rep, [eng.rollouts[i] for i in ids]
 
     async def run():
-        engine = au.start_async_llm(setup["dirs"]["A"], gpu=GPU)
+        engine = vllm_engine.start_async_llm(setup["dirs"]["A"], gpu=GPU)
         try:
             eng = au.VersionedEngine(engine)
             ids = eng.submit(prompts, gen)
@@ -160,14 +246,14 @@ def test_engine_and_trainer_agree_on_policy_and_not_one_step_off(setup):
     llm, trainer, weights, tok = setup["llm"], setup["trainer"], setup["weights"], setup["tok"]
     import copy
 
-    au.push(llm, weights["A"])
+    vllm_ext.push_ipc(llm, weights["A"])
     assert llm.reset_prefix_cache()
     batch = au.sample(llm, au.long_prompts(4, length=40, seed=13), n=4, max_tokens=8, seed=0)
     assert batch["completion_ids"].shape == (16, 8) and batch["mask"].all()
-    same = au.mismatch_stats(au.trainer_logprobs(trainer["A"], batch), batch["engine_logprobs"], batch["mask"])
+    same = grpo.mismatch_stats(au.trainer_logprobs(trainer["A"], batch), batch["engine_logprobs"], batch["mask"])
     ahead = copy.deepcopy(trainer["A"])
     models.train_pattern(ahead, tok, steps=1, lr=1e-3, device=None, stride=2)
-    off = au.mismatch_stats(au.trainer_logprobs(ahead, batch), batch["engine_logprobs"], batch["mask"])
+    off = grpo.mismatch_stats(au.trainer_logprobs(ahead, batch), batch["engine_logprobs"], batch["mask"])
     assert same["abs_d_max"] < (0.5 if GPU else 1e-4)
     assert off["abs_d_max"] > 10 * same["abs_d_max"] and off["ess"] < 1.0
 

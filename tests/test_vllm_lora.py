@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labsupport.course import hardware, models, vllm_engine
-from labsupport import lora
+from labsupport import lora, vllm_ext
 
 GPU = hardware.gpu_count() >= 1
 DEVICE = "cuda:0" if GPU else "cpu"
@@ -46,7 +46,8 @@ def trained(tok):
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = lora.start_llm(lora.base_model_dir(), max_lora_rank=8, gpu=GPU)
+    engine = vllm_engine.start_llm(vllm_engine.colocated_args(lora.base_model_dir(), gpu=GPU, enable_lora=True,
+                                                              max_lora_rank=8, max_loras=1), gpu=GPU)
     yield engine
     vllm_engine.stop_llm(engine)
 
@@ -123,5 +124,5 @@ def test_full_merged_update_matches_trainer_then_base_restored(llm, trained, tok
     out = lora.send_merged(llm, trained, dtype=DTYPE)
     assert out["tensors"] == 27 and out["bytes"] == sum(p.numel() * DTYPE.itemsize for p in _base().parameters())
     assert lora.generate(llm, PROMPTS, N) == want == EXPECTED  # no adapter: the merged weights are the base now
-    lora.push_merged(llm, [(n, p.detach().to(DTYPE)) for n, p in _base().named_parameters()])
+    vllm_ext.push_ipc(llm, [(n, p.detach().to(DTYPE)) for n, p in _base().named_parameters()])
     assert lora.generate(llm, PROMPTS, N) == models.greedy_generate(_base(), tok, PROMPTS, N)

@@ -11,11 +11,13 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import threading
+import time
 
 import pytest
 import torch
 
-from labsupport import groups, reshard, vllm_ext, vllm_weights
+from labsupport import groups, reshard, vllm_ext, vllm_reshard, vllm_weights
 from labsupport.course import hardware, models, vllm_engine
 from labsupport.course.ranks import run_ranks
 from labsupport.vllm_weights import WeightUpdateError
@@ -89,6 +91,40 @@ def test_exchange_matches_sends_and_receives_by_peer_and_tag():
     assert out == [(True, []), (True, [10.0, 11.0, 12.0]), (True, [20.0, 21.0, 22.0])]
 
 
+def test_a_failed_gather_raises_at_once_beside_a_hung_send(monkeypatch):
+    """M8: in mode (b) rank 0 sends bucket k while every rank gathers bucket k + 1. When that gather fails while
+    the send hangs, the gather's error surfaces at once (the hung send is left behind, not joined); a send that
+    hangs past ``timeout_s`` raises ``TimeoutError``."""
+    release = threading.Event()
+    monkeypatch.setattr(vllm_ext, "push_weights", lambda *a, **k: release.wait(60))
+    model, layout = models.build_model(0), reshard.qwen2_layout(models.build_config(), 1)
+    params = dict(model.named_parameters())
+    second = reshard.module_buckets(layout, {n: p.numel() * 4 for n, p in params.items()}, 32 << 10)[1]
+
+    def died():
+        raise RuntimeError("a trainer rank died in the all-gather")
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            vllm_reshard.send_gathered(model, layout, rank=0, bucket_bytes=64 << 10, overlap=True, timeout_s=1)
+        params[second[0]].full_tensor = died  # gathered while the first bucket is on the wire
+        with pytest.raises(RuntimeError, match="died in the all-gather"):
+            vllm_reshard.send_gathered(model, layout, rank=0, bucket_bytes=64 << 10, overlap=True)
+        assert time.monotonic() - t0 < 10
+    finally:
+        release.set()
+
+
+def test_peak_memory_reads_the_device_it_was_given(monkeypatch):
+    """L3: every allocator call of the peak meter names the trainer's device, not the current one."""
+    seen = []
+    for fn in ("synchronize", "memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, fn, lambda device=None, fn=fn: seen.append((fn, device)) or 0)
+    assert vllm_reshard._Peak(torch.device("cuda", 1)).result()["peak_extra_bytes"] == 0
+    assert len(seen) == 5 and all(d == torch.device("cuda", 1) for _, d in seen), seen
+
+
 # ----------------------------------------------------------------------------- against a real engine
 
 @pytest.fixture(scope="module")
@@ -140,8 +176,8 @@ def _fsdp_trainer(rank: int, world: int, dist_port: int, group_port: int, n_engi
     fully_shard(model, mesh=mesh)
     group = groups.create_group("127.0.0.1", group_port, rank, world + n_engine)
     try:
-        return reshard.send_shards(reshard.local_shards(model), pickle.loads(plan_bytes), group, rank=rank,
-                                   bucket_bytes=64 << 10)
+        return vllm_reshard.send_shards(vllm_reshard.local_shards(model), pickle.loads(plan_bytes), group, rank=rank,
+                                        bucket_bytes=64 << 10)
     except reshard.PlanError as exc:
         return f"refused: {exc}"
     finally:
@@ -153,14 +189,16 @@ def _reshard(llm, plan: reshard.Plan, trainers: int = 2):
     """Mode (c) from ``trainers`` FSDP2 processes into the engine; returns (trainer results, engine results)."""
     port = groups.free_port()
 
-    def on_engine():  # join, then receive, while the trainers run
+    def engine_side():
         joined = vllm_ext.call(llm, "init_reshard_group", "127.0.0.1", port, trainers, trainers + TP)
         try:
             return joined, vllm_ext.call(llm, "receive_shards", pickle.dumps(plan), "float32", 64 << 10, True)
         except WeightUpdateError as exc:  # the workers refused (vllm_ext.call names each one)
             return joined, exc
-    out, (joined, engine) = vllm_ext.alongside(on_engine, lambda: run_ranks(
-        _fsdp_trainer, trainers, (groups.free_port(), port, TP, pickle.dumps(plan)), timeout_s=240))
+
+    out, (joined, engine) = vllm_ext.alongside(
+        engine_side, lambda: run_ranks(_fsdp_trainer, trainers, (groups.free_port(), port, TP, pickle.dumps(plan)),
+                                       timeout_s=240), timeout=120)
     assert all(ok for ok, _ in out), out
     assert joined == [trainers, trainers + 1]
     vllm_ext.call(llm, "destroy_reshard_group")

@@ -638,7 +638,7 @@ class Engine:
         from labsupport import reshard
 
         layout = reshard.qwen2_layout(self.models["random"].config, 1)
-        return checksums.layout_checksums(named, layout, 0)
+        return vllm_weights.layout_checksums(named, layout, 0)
 
     def state(self) -> str:
         """What the engine computes with: the "random" (old) or "trained" (new) weights, or a mix."""
@@ -766,14 +766,14 @@ def hung_rpc(ctx: Context) -> Outcome:
     eng = ctx.engine()
     eng.reset()
     port = groups.free_port()
-    joining = vllm_ext.rpc_in_thread(eng)("init_weight_update_group", ("127.0.0.1", port, 1, 2, DEADLINE_S))
+    joining = eng("init_weight_update_group", ("127.0.0.1", port, 1, 2, DEADLINE_S))
     group = groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S)
     joining()
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(vllm_ext.call, eng, _busy, 20.0)
         time.sleep(1.0)  # the worker is now inside _busy
         t = time.time()
-        err = attempt(lambda: vllm_ext.push_weights(group, eng.named("trained"), vllm_ext.rpc_in_thread(eng),
+        err = attempt(lambda: vllm_ext.push_weights(group, eng.named("trained"), eng,
                                                     mode="bucketed"))
         busy.result(timeout=120)
     group.destroy()

