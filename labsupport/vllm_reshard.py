@@ -25,6 +25,7 @@ import torch
 
 from labsupport import broadcast, groups, vllm_ext
 from labsupport.core.buckets import metas
+from labsupport.vllm_weights import worker_rpc
 from labsupport import reshard as rs
 
 # ----------------------------------------------------------------------------- trainer side
@@ -179,7 +180,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
 
     reshard: ReshardState | None = None  # set by init_reshard_group, on each worker
 
-    @vllm_ext.never_raise
+    @worker_rpc
     def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int, world_size: int,
                            timeout_s: float = 60.0) -> int:
         if self.reshard is not None:  # a second call replaces the group
@@ -190,12 +191,12 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                                                         device=self.device, timeout_s=timeout_s))  # type: ignore[attr-defined]
         return rank
 
-    @vllm_ext.never_raise
+    @worker_rpc
     def reshard_shapes(self) -> dict[str, list[int]]:
         """This TP rank's parameters and their loader-format shapes (what the layout must predict)."""
         return {n: list(s) for n, s in _engine_shapes(self.model_runner.get_model()).items()}  # type: ignore[attr-defined]
 
-    @vllm_ext.never_raise
+    @worker_rpc
     def receive_shards(self, plan_bytes: bytes, dtype_name: str, bucket_bytes: int = 256 << 20,
                        digest: bool = False) -> dict[str, Any]:
         """Receive this TP rank's boxes of a pickled :class:`labsupport.reshard.Plan` into the engine's parameters.
@@ -232,7 +233,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         self.reshard.group.synchronize("shard receive")
         return {"rank": me, "seconds": time.perf_counter() - t0, "n_params": len(targets), "digests": sums}
 
-    @vllm_ext.never_raise
+    @worker_rpc
     def destroy_reshard_group(self) -> None:
         if self.reshard is not None:
             self.reshard.group.destroy()
