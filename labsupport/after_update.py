@@ -217,7 +217,7 @@ class VersionedEngine:
             await _within(self.engine.pause_generation(mode=mode, clear_cache=clear_cache), deadline,
                           f"pause_generation(mode={mode!r})")
         t1 = time.perf_counter()
-        await _within(vllm_ext.push_ipc(self.engine, named), deadline, "the weight update (vllm_ext.push_ipc)")
+        await _within(vllm_ext.push_ipc_async(self.engine, named), deadline, "the weight update (vllm_ext.push_ipc_async)")
         report["load_s"] = time.perf_counter() - t1
         await self._settle(deadline)
         self.version += 1
