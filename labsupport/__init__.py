@@ -66,6 +66,7 @@ After the update, and the capstone (Chapters 9 and 11, Labs 9 and 10):
 
 Benchmarks live apart, in ``labsupport.bench``, one module per ``python -m labsupport bench`` command; mechanisms
 and labs never import them. The command line is ``labsupport.__main__``. Every module imports without a GPU.
+"""
 
 
 __version__ = "0.1.0"
