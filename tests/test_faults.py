@@ -17,10 +17,7 @@ from labsupport.bench import faults
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 # Rows that fail today and that a fix in progress addresses: fault -> hazard and what is missing.
-PENDING = {
-    "params_moved": "H2: fast_update.sync never checks that the trainer's parameters still live in the export",
-    "hung_rpc": "M2: push_weights waits for the worker's reply with no deadline after its own send failed",
-}
+PENDING: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport import broadcast, checksums, groups, ipc, shm
-from labsupport.core import sync as core_sync
+from labsupport import broadcast, checksums, groups, ipc, vllm_ext
+from labsupport.core import handoff, sync as core_sync
 from labsupport.course import hardware, models, results
 from labsupport.course.ranks import run_ranks
 
@@ -141,7 +141,7 @@ class Watch:
 
         self.me, self.gpu = psutil.Process(), gpu
         self.children = {p.pid for p in self.me.children(recursive=True)}
-        self.files = set(os.listdir(shm.SHM_DIR))
+        self.files = set(os.listdir(handoff.SHM_DIR))
         self.gpu_before = _gpu_used() if gpu else None
         self.pids, self.touched = {self.me.pid}, set()
         self._stop = threading.Event()
@@ -159,12 +159,12 @@ class Watch:
         for pid in list(self.pids):
             with contextlib.suppress(OSError):
                 with open(f"/proc/{pid}/maps") as f:
-                    self.touched |= {ln.split()[-1] for ln in f if f" {shm.SHM_DIR}/" in ln}
+                    self.touched |= {ln.split()[-1] for ln in f if f" {handoff.SHM_DIR}/" in ln}
                 fds = f"/proc/{pid}/fd"
                 for fd in os.listdir(fds):
                     with contextlib.suppress(OSError):
                         target = os.readlink(f"{fds}/{fd}")
-                        if target.startswith(shm.SHM_DIR + "/"):
+                        if target.startswith(handoff.SHM_DIR + "/"):
                             self.touched.add(target)
 
     def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
@@ -180,7 +180,7 @@ class Watch:
                 break
             time.sleep(0.2)
         names = {os.path.basename(p.removesuffix(" (deleted)")) for p in self.touched}
-        new = set(os.listdir(shm.SHM_DIR)) - self.files
+        new = set(os.listdir(handoff.SHM_DIR)) - self.files
         ours = sorted(f for f in new if f in names or any(f"-{pid}-" in f or f"-{pid}." in f for pid in self.pids))
         gpu = _gpu_used() - self.gpu_before if self.gpu else None
         return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "gpu_bytes": gpu}
@@ -303,7 +303,7 @@ def _sync_rank(rank: int, world: int, port: int, device_kind: str, how: str, pat
             (lambda: broadcast.send(g, new, bucket_bytes=BUCKET))
         return {"error": attempt(send), "state": "n/a"}
     mine = {n: t.clone() for n, t in old.items()}
-    copy = core_sync.copy_into(mine) if core else broadcast.copy_into(mine)
+    copy = core_sync.copy_into(mine) if core else core_sync.copy_into(mine)
     calls = [0]
 
     def load(batch: list) -> None:
@@ -524,7 +524,7 @@ def _actor_rank(worker: Any, rank: int, world: int, addr: str, port: int, device
         broadcast.send(g, new, bucket_bytes=BUCKET)
         return {"error": None}
     mine = {n: t.clone() for n, t in old.items()}
-    copy = broadcast.copy_into(mine)
+    copy = core_sync.copy_into(mine)
 
     def load(batch: list) -> None:
         if rank == world - 1:
@@ -591,7 +591,7 @@ class Engine:
     ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "ERROR", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
     def __init__(self, gpu: bool) -> None:
-        from labsupport import after_update
+        from labsupport.course import vllm_engine
 
         self.gpu, self.bound_s = gpu, HANG_S
         self.old_env = {k: os.environ.get(k) for k in self.ENV}
@@ -601,7 +601,7 @@ class Engine:
         self.thread.start()
 
         async def start() -> Any:
-            return after_update.start_async_llm(models.tiny_model_dir("random"), gpu=gpu, load_format="dummy",
+            return vllm_engine.start_async_llm(models.tiny_model_dir("random"), gpu=gpu, load_format="dummy",
                                                 worker_extension_cls="labsupport.fast_update.FastColocateExtension")
 
         self.llm = self.run(start())
@@ -635,21 +635,21 @@ class Engine:
         return [(n, p.detach()) for n, p in self.models[kind].named_parameters()]
 
     def expected(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
-        from labsupport import reshard
+        from labsupport import reshard, vllm_weights
 
         layout = reshard.qwen2_layout(self.models["random"].config, 1)
         return vllm_weights.layout_checksums(named, layout, 0)
 
     def state(self) -> str:
         """What the engine computes with: the "random" (old) or "trained" (new) weights, or a mix."""
-        (got,) = checksums.engine_sums(self)
+        (got,) = vllm_ext.engine_sums(self)
         return classify(got, self.expected(self.named("random")), self.expected(self.named("trained")))
 
     def reset(self) -> None:
         """Put the old weights in (the safe co-located path), and check that they are there."""
-        from labsupport import lora
+        from labsupport import vllm_ext
 
-        lora.push_merged(self, self.named("random"))
+        vllm_ext.push_ipc(self, self.named("random"))
         if self.state() != "old":
             raise RuntimeError("the engine does not hold the old weights after a reset")
 
@@ -664,13 +664,13 @@ class Engine:
 
 def _engine_update_row(ctx: Context, change: Callable[[list], list]) -> Outcome:
     """Push the new weights, changed by ``change``, through the safe co-located path into the engine."""
-    from labsupport import lora
+    from labsupport import vllm_ext
 
     eng = ctx.engine()
     eng.reset()
     bad = change(eng.named("trained"))
     t = time.time()
-    err = attempt(lambda: lora.push_merged(eng, bad))
+    err = attempt(lambda: vllm_ext.push_ipc(eng, bad))
     return Outcome(err, t, eng.state())
 
 
@@ -802,14 +802,14 @@ def _die_in_load(worker: Any, after: int) -> bool:
        "needs an error that names the dead engine (vLLM's EngineDeadError), and no later call may wait for it.",
        ("EngineDeadError", "WeightUpdateError"), "engine", deadline_s=30.0)
 def worker_killed(ctx: Context) -> Outcome:
-    from labsupport import lora, vllm_ext
+    from labsupport import vllm_ext
 
     eng = ctx.engine()
     eng.reset()
     vllm_ext.call(eng, _die_in_load, 3)
     states: list[str] = []
     t = time.time()
-    err = attempt(lambda: lora.push_merged(eng, eng.named("trained")))
+    err = attempt(lambda: vllm_ext.push_ipc(eng, eng.named("trained")))
     eng.bound_s = GRACE_S  # (a dead engine's collective_rpc may never answer)
     probe = attempt(lambda: states.append(eng.state())) if not eng.llm.errored else None
     ctx.drop_engine()

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import ray
 
-from labsupport import vllm_ext
 from labsupport.cluster import ACTOR_ENV, CPU_KV_CACHE_GIB, EngineActor, TrainerActor
 from labsupport.course import hardware, vllm_engine
 

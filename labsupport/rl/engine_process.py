@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, checksums, vllm_ext
-from labsupport.course import progress
+from labsupport import broadcast, checksums
+from labsupport.course import progress, vllm_engine
 from labsupport.course.peer import Peer
 from labsupport.rl.engines import HFEngine, VllmEngine
 from labsupport.rl.spans import SpanLog

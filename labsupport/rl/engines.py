@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from labsupport import broadcast, groups, ipc, metadata, vllm_ext
-from labsupport.course import models
+from labsupport.course import models, vllm_engine
 from labsupport.core import sync
 from labsupport.core.buckets import dtype_name
 from labsupport.rl.policy import load_policy
