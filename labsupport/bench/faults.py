@@ -882,7 +882,7 @@ HEADER = ["fault", "exception the caller gets", "time to error / deadline", "sta
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from labsupport.course.planner import format_table as fmt
+    from labsupport.course.memory_report import format_table as fmt
 
     return fmt(table_rows(rows), HEADER)
 
