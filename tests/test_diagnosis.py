@@ -197,4 +197,18 @@ def test_answer_file_as_handed_out_is_blank_and_valid():
 
     data = tomllib.loads(text)
     assert "seed" not in data, "the handed-out file sets no seed: each learner writes theirs"
-    assert {k: (v["fault"], v["where"]) for k, v in data.items()} == {k: ("", "") for k in diagnosis.LABS}
+    assert data == {k: {"fault": "", "where": "", "why": ""} for k in diagnosis.LABS}
+
+
+def test_instructors_page_states_each_labs_faults_and_points():
+    from grading.grade import points
+
+    page = (ROOT / "book" / "instructors.md").read_text()
+    rows = re.findall(r"^\| \d\. `(lab_d\d_\w+)` \|[^|]+\|[^|]+\| (\d+) \((\d+)\) \|[^|]+\| `(d\d)` \| (\d+) \|$", page, re.M)
+    stated = {key: (lab, int(f), int(v), int(p)) for lab, f, v, key, p in rows}
+    assert set(stated) == set(diagnosis.LABS), stated
+    for key, (lab, n_faults, n_variants, pts) in stated.items():
+        module = diagnosis.lab(key)
+        assert (ROOT / "labs" / f"{lab}.md").exists()
+        assert (n_faults, n_variants) == (len(module.FAULTS), len(module.VARIANTS)), key
+        assert pts == points()[key]["cpu"] and points()[key]["gpu"] == 0, key
