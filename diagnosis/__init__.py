@@ -86,7 +86,8 @@ def drawn(key: str, seed: int) -> tuple[str, str]:
 def answer(key: str, path: Path | None = None) -> tuple[str, str]:
     """The learner's ``(fault, where)`` for lab ``key`` from the answer file (``""`` where nothing is written)."""
     section = _read(path or answers_path()).get(key, {})
-    return str(section.get("fault", "")).strip(), str(section.get("where", "")).strip()
+    fault = str(section.get("fault", "")).strip().lower().replace("-", "_").replace(" ", "_")
+    return fault, str(section.get("where", "")).strip()
 
 
 def _same_place(a: str, b: str) -> bool:
