@@ -7,6 +7,8 @@
 - ``a5_colocated``: the co-located cycle on a real vLLM engine: sleep, train, wake, update, reset (Chapter 5, Lab 6)
 - ``a6_grpo``: the GRPO loss with group advantages, and its TIS/MIS correction (Chapter 9, Lab 9)
 
+and ``diagnosis.toml``: your seed and your answers to the three diagnosis labs (``labs/lab_d*_*.md``).
+
 Each file states its contract in its docstrings; its public tests are ``grading/test_<file>.py``. ``make grade``
 runs them on your files and prints the points; ``make grade IMPL=reference`` grades the course's own code.
 ``LABSUPPORT_IMPL=assignments make lab`` runs Labs 2 and 3 on your ``a1_timeline`` and ``a3_sync``.

@@ -69,6 +69,18 @@ def impl(request: pytest.FixtureRequest) -> Impl:
     return Impl(request.param, key_of(request.node.path))
 
 
+@pytest.fixture
+def verdict(request: pytest.FixtureRequest):
+    """The grader's verdict on a diagnosis lab's answer in ``assignments/diagnosis.toml`` (``diagnosis.grade``).
+    The answers are the learner's own work, so they are graded with ``IMPL=assignments`` (``make grade``) and
+    skipped under any other ``IMPL``: ``IMPL=reference`` has no answers to give."""
+    if "assignments" not in requested(request.config):
+        pytest.skip("a diagnosis answer is the learner's: graded with IMPL=assignments (make grade)")
+    import diagnosis
+
+    return diagnosis.grade(key_of(request.node.path))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     missing = [i.nodeid for i in items if here in Path(i.path).parents and i.get_closest_marker("points") is None]
