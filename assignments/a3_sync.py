@@ -9,7 +9,10 @@ group (``labsupport.groups.create_group``: NCCL between GPUs, gloo on the CPU; t
    packs its tensors into one ``uint8`` buffer on ``group.device`` and broadcasts it (``group.broadcast(buf,
    src)``, in place), and each receiver receives into an empty buffer of the same size;
 3. load: the receiver slices each bucket back into named views and hands them to ``load``, bucket by bucket,
-   once the bucket has arrived (a vLLM worker would call ``model.load_weights(weights=...)``).
+   once the bucket has arrived (a vLLM worker would call ``model.load_weights(weights=...)``);
+4. done: both sides end with one ``group.all_reduce(torch.ones(1, device=group.device))`` and
+   ``group.synchronize("the weight sync")``, so that no rank returns (and no host moves on) before every
+   bucket reached every rank, and a dead peer is an error within the group's deadline, not a hang.
 
 Given: ``labsupport.core.buckets`` (Assignment 2's functions: the course's, or yours in the student copy).
 Graded by ``grading/test_a3_sync.py`` (3 processes over gloo; on 2+ GPUs also over NCCL).

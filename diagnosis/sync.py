@@ -88,6 +88,8 @@ def _receive(group: groups.StatelessGroup, load, buffers: dict[int, torch.Tensor
         group.broadcast(buf, 0)
         if not early:
             load(_views(buf, entries, fault, where))
+    group.all_reduce(torch.ones(1, device=group.device))  # the core's closing step: every rank got here
+    group.synchronize("the weight sync")
 
 
 def _one(group: groups.StatelessGroup, weights: list[dict[str, torch.Tensor]], variant: tuple[str, str]) -> list:

@@ -15,4 +15,6 @@ def receive(group, load, src=0):
         buf = torch.zeros(size, dtype=torch.uint8, device=group.device)
         load(buckets.unpack(buf, entries))  # the bug: loaded before it arrived
         group.broadcast(buf, src)
+    group.all_reduce(torch.ones(1, device=group.device))  # the reference's closing step, as the sender expects
+    group.synchronize("the weight sync")
     return sum(buckets.nbytes(m) for m in metas)
