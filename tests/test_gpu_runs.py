@@ -29,6 +29,14 @@ def test_unchanged_code_is_current() -> None:
     assert not fresh.stale and fresh.changed == [] and fresh.diff == ""
 
 
+def test_comments_docstrings_and_wrapping_leave_a_recording_current() -> None:
+    ran = ['def f(x):\n    """Twice x."""\n    return g(x, 2)  # doubled\n\ny = f(1)']
+    same = ['def f(x):\n    """Twice x, as the text says."""\n    # doubled\n    return g(x,\n             2)\n\ny = f(1)']
+    assert not gpu_runs.freshness(ran, same).stale
+    assert gpu_runs.freshness(ran, [same[0].replace("2)", "3)")]).changed == ["code cell 1 changed"]
+    assert gpu_runs.freshness(ran, [same[0].replace("y = f(1)", "y = 'f(1)'")]).stale  # a string that is a value
+
+
 def test_changed_added_and_removed_cells_are_named_with_a_diff() -> None:
     recorded = ["import torch", "x = torch.ones(3)\nprint(x)", "print('done')"]
     fresh = gpu_runs.freshness(recorded, ["import torch", "x = torch.zeros(3)\nprint(x)", "print('done')"])

@@ -14,6 +14,8 @@ rewrites pages as Sphinx reads them (``source-read``), so that no source file is
 from __future__ import annotations
 
 import difflib
+import io
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,21 @@ def code_cells(nb: nbformat.NotebookNode) -> list[str]:
             if cell.cell_type == "code" and GLUE_TAG not in cell.get("metadata", {}).get("tags", [])]
 
 
+def _what_runs(source: str) -> tuple:
+    """A cell's code as Python runs it: its tokens without comments, line wrapping or docstrings, so that rewording
+    a comment or a docstring, or wrapping a long line, does not make a recording stale. (A cell Python cannot
+    tokenize: its text.)"""
+    try:
+        toks = [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type not in (tokenize.COMMENT, tokenize.NL)]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return (source,)
+    starts = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    return tuple(t for i, t in enumerate(toks) if not (  # a statement that is only a string: a docstring
+        t[0] == tokenize.STRING and (i == 0 or toks[i - 1][0] in starts)
+        and i + 1 < len(toks) and toks[i + 1][0] == tokenize.NEWLINE))
+
+
 def _cells(lo: int, hi: int) -> str:
     return f"code cell {lo + 1}" if hi - lo == 1 else f"code cells {lo + 1}-{hi}"
 
@@ -51,7 +68,8 @@ def _cells(lo: int, hi: int) -> str:
 def freshness(recorded: list[str], current: list[str], max_lines: int = 40) -> Freshness:
     """Compare the code cells that ran with the lab's code cells now (numbered as in the lab now)."""
     changed, diff = [], []
-    for op, a0, a1, b0, b1 in difflib.SequenceMatcher(a=recorded, b=current, autojunk=False).get_opcodes():
+    ran, now = [_what_runs(c) for c in recorded], [_what_runs(c) for c in current]
+    for op, a0, a1, b0, b1 in difflib.SequenceMatcher(a=ran, b=now, autojunk=False).get_opcodes():
         if op == "equal":
             continue
         what = {"replace": f"{_cells(b0, b1)} changed", "insert": f"{_cells(b0, b1)} added",
