@@ -8,7 +8,7 @@ the turn, after the engine has generated:
 2. the trainer trains (``train(model)``);
 3. the engine wakes its weights only (``llm.wake_up(tags=["weights"])``): waking the KV cache too would put
    the cache, the weights and the trainer's exported buffer on the GPU at once;
-4. the trainer's weights go into the engine (``lora.push_merged(llm, named)``: IPC buckets on a GPU, shared
+4. the trainer's weights go into the engine (``vllm_ext.push_ipc(llm, named)``: IPC buckets on a GPU, shared
    memory on the CPU, into the engine's ``ColocateWorkerExtension``), in the engine's dtype
    (``llm.llm_engine.model_config.dtype``);
 5. the engine wakes its KV cache (``llm.wake_up(tags=["kv_cache"])``);
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport import lora  # noqa: F401  (given: lora.push_merged(llm, named))
+from labsupport import lora  # noqa: F401  (given: vllm_ext.push_ipc(llm, named))
 
 
 def colocated_step(llm: Any, model: torch.nn.Module, train: Callable[[torch.nn.Module], Any], *,

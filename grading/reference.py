@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport import after_update, lora
+from labsupport import vllm_ext
 from labsupport.core import buckets, handoff, sync, timeline
 from labsupport.rl import grpo
 
@@ -24,7 +24,7 @@ def colocated_step(llm: Any, model: torch.nn.Module, train: Callable[[torch.nn.M
     train(model)
     llm.wake_up(tags=["weights"])
     dtype = llm.llm_engine.model_config.dtype
-    lora.push_merged(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
+    vllm_ext.push_ipc(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
     llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
 
@@ -35,5 +35,4 @@ a3 = sync
 a4 = handoff
 a5 = SimpleNamespace(colocated_step=colocated_step)
 a6 = SimpleNamespace(group_advantages=grpo.group_advantages, grpo_loss=grpo.grpo_loss,
-                     tis_weights=getattr(grpo, "tis_weights", None) or after_update.tis_weights,
-                     mis_mask=getattr(grpo, "mis_mask", None) or after_update.mis_mask)
+                     tis_weights=grpo.tis_weights, mis_mask=grpo.mis_mask)

@@ -77,7 +77,11 @@ def engine():
     from labsupport.course import hardware, models
 
     gpu = hardware.gpu_count() > 0
-    llm = au.start_llm(models.tiny_model_dir("random"), gpu=gpu, **({"enable_sleep_mode": True} if gpu else {}))
+    from labsupport.course import vllm_engine
+
+    llm = vllm_engine.start_llm(vllm_engine.colocated_args(models.tiny_model_dir("random"), gpu=gpu,
+                                                           **({"enable_sleep_mode": True} if gpu else {})),
+                                gpu=gpu, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     trained = AutoModelForCausalLM.from_pretrained(models.tiny_model_dir("trained")).eval()
     dtype = llm.llm_engine.model_config.dtype
     return {"llm": llm, "gpu": gpu, "trained": trained, "tok": models.build_tokenizer(),
@@ -88,9 +92,9 @@ def engine():
 def _stop_engine():
     yield
     if engine.cache_info().currsize:
-        from labsupport import vllm_ext
+        from labsupport.course import vllm_engine
 
-        vllm_ext.stop_llm(engine()["llm"])
+        vllm_engine.stop_llm(engine()["llm"])
         engine.cache_clear()
 
 
@@ -99,14 +103,14 @@ def turn(name: str, key: str) -> dict:
     """One implementation's turn on the engine, observed."""
     from grading.impl import load
     from labsupport import after_update as au
-    from labsupport import lora
+    from labsupport import lora, vllm_ext
     from labsupport.course import models
 
     impl = load(name, key)
     require_implemented(impl.colocated_step)
     e = engine()
     llm, tok = e["llm"], e["tok"]
-    lora.push_merged(llm, e["random"])  # every turn starts from the random weights ...
+    vllm_ext.push_ipc(llm, e["random"])  # every turn starts from the random weights ...
     llm.reset_prefix_cache()
     cached = au.long_prompts(6, length=80, seed=1)
     au.next_token_logprobs(llm, cached)  # ... with these prompts' KV blocks cached under them

@@ -1,7 +1,7 @@
 """Assignment 5, seeded bug: the prefix cache is not reset after the update: prompts whose KV blocks were cached
 under the old weights are continued from those blocks, a silent mix of old and new weights."""
 
-from labsupport import lora
+from labsupport import vllm_ext
 
 LOSES = {"test_cached_prompts_are_answered_with_the_new_weights", "test_the_cycle_runs_in_order"}
 
@@ -11,5 +11,5 @@ def colocated_step(llm, model, train, *, level=1):
     train(model)
     llm.wake_up(tags=["weights"])
     dtype = llm.llm_engine.model_config.dtype
-    lora.push_merged(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
+    vllm_ext.push_ipc(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
     llm.wake_up(tags=["kv_cache"])  # the bug: no llm.reset_prefix_cache()

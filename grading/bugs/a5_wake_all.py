@@ -2,7 +2,7 @@
 cache, the weights and the trainer's exported buffer share the GPU at once, the peak that ``wake_up(tags=...)``
 exists to avoid (an out-of-memory error at scale)."""
 
-from labsupport import lora
+from labsupport import vllm_ext
 
 LOSES = {"test_the_cycle_runs_in_order"}
 
@@ -12,5 +12,5 @@ def colocated_step(llm, model, train, *, level=1):
     train(model)
     llm.wake_up()  # the bug: every tag at once, before the update
     dtype = llm.llm_engine.model_config.dtype
-    lora.push_merged(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
+    vllm_ext.push_ipc(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
     llm.reset_prefix_cache()
