@@ -61,7 +61,7 @@ def test_in_a_notebook_a_bar_leaves_one_line_and_a_live_plot_one_figure(monkeypa
     nb = nbformat.v4.new_notebook()
     nb.cells.append(nbformat.v4.new_code_cell(
         "import time\n"
-        "from labsupport import progress\n"
+        "from labsupport.course import progress\n"
         "xs = []\n"
         "live = progress.LivePlot(lambda ax: ax.plot(xs), every_s=0.0)\n"
         "bar = progress.bar(range(5), desc='loop', unit='step', mininterval=0.0)\n"
@@ -111,7 +111,7 @@ def test_a_lab_that_imports_a_missing_package_stops_at_lab_setup_with_one_line(t
         "# Lab 99\n\n```{code-cell} ipython3\nimport os\n"
         f"import {MISSING}.sub as x\nif False:\n    import another_missing_one\n```\n")
     assert hardware.lab_imports(tmp_path / "lab_99_demo.md") == [MISSING]
-    cell = ("from pathlib import Path\nfrom labsupport import hardware\n"
+    cell = ("from pathlib import Path\nfrom labsupport.course import hardware\n"
             f"hardware.LABS_DIR = Path({str(tmp_path)!r})\n"
             "env = hardware.lab_setup(min_gpus=0, title='Lab 99')\n")
     run = ("import sys\nfrom IPython.core.interactiveshell import InteractiveShell\n"
