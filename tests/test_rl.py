@@ -290,7 +290,7 @@ def test_an_engine_process_that_is_not_ready_in_time_is_stopped(policy_dir):
     from labsupport.rl.engine_process import EngineProcess
 
     before = multiprocessing.active_children()
-    with pytest.raises(TimeoutError, match="sent nothing"):
+    with pytest.raises(TimeoutError, match="sent no message"):
         EngineProcess(policy_dir, "cpu", spans.SpanLog(), timeout_s=0.01)
     assert _new_children(before) == []
 
@@ -302,7 +302,7 @@ def test_vllm_engine_close_leaves_its_group_only_if_joined_and_always_stops_the_
         rpcs.append(method)
         raise RuntimeError("worker gone")
 
-    monkeypatch.setattr(engines.vllm_ext, "stop_llm", stopped.append)
+    monkeypatch.setattr(engines.vllm_engine, "stop_llm", stopped.append)
     monkeypatch.setattr(engines.vllm_ext, "call", call)
     eng = object.__new__(engines.VllmEngine)  # (no vLLM needed: the engine's LLM is a stand-in)
     eng.llm, eng.joined = object(), False
