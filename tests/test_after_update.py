@@ -125,7 +125,7 @@ class _LateOutputEngine:
     async def resume_generation(self) -> None:
         self.paused = False
 
-    async def collective_rpc(self, method, args=()):  # the weight update's RPCs (nothing to load here)
+    async def collective_rpc(self, method, args=(), timeout=None, kwargs=None):  # the weight update's RPCs (nothing to load here)
         return [vllm_ext.device_id(torch.device("cpu"))] if method == "report_device_id" else [0]
 
 

@@ -706,7 +706,7 @@ def test_engine_args_are_the_one_set_of_defaults():
     assert [f for f, src in sources.items() if "enforce_eager=True" in src] == []  # only engine_args sets it
     callers = {f.split("/")[0].removesuffix(".py") if f.startswith("rl") else f
                for f, src in sources.items() if "engine_args(" in src}  # (rl.py, or the rl/ package)
-    assert {"after_update.py", "cluster.py", "lora.py", "rl", "bench/reshard.py", "bench/vllm_update.py"} <= callers
+    assert {"cluster.py", "rl", "bench/reshard.py", "bench/vllm_update.py", "course/vllm_engine.py"} <= callers
 
 
 def test_temporary_env_reaches_vllm_after_an_engine_cached_its_settings(monkeypatch):
