@@ -371,8 +371,9 @@ def trainer_killed(ctx: Context) -> Outcome:
 
 
 @fault("trainer_killed_core", "the trainer is killed mid-broadcast, on the straight-line core (core.sync)",
-       "The core has no closing vote and, on NCCL, no host-side deadline (the stream waits, the host does not): "
-       "the hardened broadcast adds both. Neither keeps a receiver that loads buckets as they arrive from a mix.",
+       "The core ends with a closing all-reduce and a host-side wait under the group's deadline, so the survivor "
+       "raises instead of hanging; it has no vote, and neither it nor broadcast keeps a receiver that loads "
+       "buckets as they arrive from a mix.",
        ("GroupTimeout", "SyncTimeout"), "ranks", gpus=2)
 def trainer_killed_core(ctx: Context) -> Outcome:
     return _sync_row(ctx, "trainer_dies", 2, caller=1, where="core")
