@@ -37,13 +37,13 @@ UNEQUAL = {
 
 def held_out_accuracy(model) -> float:
     """Greedy answers of ``model`` to the held-out prompts, scored by the task's reward (as the capstone's loop)."""
-    from labsupport import rl
     from labsupport.course import models
+    from labsupport.rl import rollout, task
 
-    tok, prompts = models.build_tokenizer(), rl.eval_prompts()
-    toks, _, mask = rl.sample(model, [tok(p)["input_ids"] for p in prompts], rl.ANSWER_LEN, 0.0)
+    tok, prompts = models.build_tokenizer(), task.eval_prompts()
+    toks, _, mask = rollout.sample(model, [tok(p)["input_ids"] for p in prompts], task.ANSWER_LEN, 0.0)
     texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
-    return sum(rl.reward(t, p) for t, p in zip(texts, prompts)) / len(prompts)
+    return sum(task.reward(t, p) for t, p in zip(texts, prompts)) / len(prompts)
 
 
 def _trl_config(a: argparse.Namespace, out_dir: str):
@@ -66,9 +66,9 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from labsupport import rl
+    from labsupport.rl import policy, task
 
-    path = str(rl.warmstart_dir(seed=a.seed, size=a.size))
+    path = str(policy.warmstart_dir(seed=a.seed, size=a.size))
     parts: list[tuple[str, float]] = []
     plain = profiling.ProfilingContext._log_metrics
 
@@ -79,7 +79,7 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
     profiling.ProfilingContext._log_metrics = record
 
     def reward(prompts, completions, **_):
-        return [rl.reward(c, p) for p, c in zip(prompts, completions)]
+        return [task.reward(c, p) for p, c in zip(prompts, completions)]
 
     steps, curve = [], []
 
@@ -99,7 +99,7 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
             if state.global_step % a.eval_every == 0 or state.global_step == a.steps:
                 curve.append({"step": state.global_step, "eval_acc": held_out_accuracy(model)})
 
-    prompts = rl.train_prompts(a.steps * a.prompts, random.Random(a.seed))
+    prompts = task.train_prompts(a.steps * a.prompts, random.Random(a.seed))
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(model=path, reward_funcs=reward, args=_trl_config(a, tmp),
                               train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Clock()])
