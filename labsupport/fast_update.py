@@ -67,10 +67,11 @@ class SharedWeights:
         moved = sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n))
         if moved:
             raise WeightUpdateError(
-                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer ({', '.join(moved[:3])}"
-                f"{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
+                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
+                f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
                 "replaced their memory, and the engine would keep serving the old buffer. Nothing was sent. Write "
-                "parameters in place, or map again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
+                "parameters in place, or map again: shared.close(); shared = SharedWeights(model); "
+                "map_engine(llm, shared).")
 
     def packed(self) -> bytes:
         """The handle for ``map_trainer_weights``, keyed by the device it lives on: only engine workers on that
@@ -136,9 +137,8 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: 
             continue
         p = params[piece.param]
         dst, src = p.data[reshard.slices(piece.dst)], views[piece.name][reshard.slices(piece.src)]
-        if plan.copies and _continues(plan.copies[-1], (dst, src)):  # one copy over the bytes of both
-            last_dst, last_src = plan.copies[-1]
-            plan.copies[-1] = (_bytes(last_dst, last_dst.nbytes + dst.nbytes), _bytes(last_src, last_src.nbytes + src.nbytes))
+        if plan.copies and (joined := _joined(plan.copies[-1], (dst, src))):
+            plan.copies[-1] = joined  # one copy for both (q, k, v of one layer into its qkv_proj: one copy)
         else:
             plan.copies.append((dst, src))
         if not plan.owners or plan.owners[-1][0] is not p:
@@ -147,15 +147,14 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: 
     return plan
 
 
-def _continues(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> bool:
-    """Does each tensor of ``new`` start in the same memory, right where its partner in ``last`` ends?"""
-    return all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
-               and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(last, new))
-
-
-def _bytes(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """The ``nbytes`` bytes of memory that start where the contiguous ``t`` starts, as one flat view."""
-    return t.reshape(-1).view(torch.uint8).as_strided((nbytes,), (1,))
+def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    """If each tensor of ``new`` starts in the same memory right where its partner in ``last`` ends (all contiguous):
+    the bytes of both, as one flat view per side. Else None."""
+    if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
+           and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(last, new)):
+        return tuple(a.reshape(-1).view(torch.uint8).as_strided((a.nbytes + b.nbytes,), (1,))
+                     for a, b in zip(last, new))
+    return None
 
 
 def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor], param: str,

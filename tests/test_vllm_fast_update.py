@@ -148,6 +148,25 @@ def test_a_mismatch_is_refused_before_any_byte_is_written(llm, wrong):
     assert generate(llm) == TRAINED
 
 
+@pytest.mark.slow
+def test_the_bench_times_the_mapped_copies_against_a_flat_copy_in_the_worker(llm):
+    """``bench vllm-update``'s yardstick for the mapped path runs in the engine's worker, from the mapped buffer."""
+    from labsupport.bench import vllm_update
+
+    model = trainer("trained")
+    shared = fast_update.SharedWeights(model)
+    try:
+        (mapping,) = fast_update.map_engine(llm, shared)
+        got = vllm_update.against_floor(llm, shared, mapping, repeats=2)
+        assert got["copies"] == mapping["copies"] > 0 and got["planned_params"] == mapping["planned_params"]
+        assert got["copy_floor_s"] > 0 and got["copy_median_s"] > 0 and got["sync_median_s"] >= got["copy_median_s"]
+        assert got["copy_fraction_of_floor"] == pytest.approx(got["copy_floor_s"] / got["copy_median_s"])
+        assert exact(llm, model)["exact"]
+    finally:
+        fast_update.unmap_engine(llm)
+        shared.close()
+
+
 def _moves(model: torch.nn.Module) -> dict:
     """Ways a trainer can put its parameters into other memory than the exported buffer."""
     return {
