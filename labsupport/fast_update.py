@@ -68,10 +68,10 @@ class SharedWeights:
         if moved:
             raise WeightUpdateError(
                 f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
-                f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
-                "replaced their memory, and the engine would keep serving the old buffer. Nothing was sent. Write "
-                "parameters in place, or map again: shared.close(); shared = SharedWeights(model); "
-                "map_engine(llm, shared).")
+                f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or "
+                "load_state_dict(assign=True) replaced their memory, and the engine would keep serving the old buffer. "
+                "Nothing was sent. Write parameters in place, or map again: shared.close(); "
+                "shared = SharedWeights(model); map_engine(llm, shared).")
 
     def packed(self) -> bytes:
         """The handle for ``map_trainer_weights``, keyed by the device it lives on: only engine workers on that
