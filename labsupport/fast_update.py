@@ -1,28 +1,21 @@
 """Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
 
-The safe co-located path (``vllm_ext.push_ipc``) packs, exports, opens, checks every name and reloads layer by
-layer on every update. This module does those steps once:
+The safe co-located path (``vllm_ext.push_ipc``) packs, exports, maps, checks every name and reloads layer by
+layer on every update. Here those steps run once. The trainer's parameters live in one exported buffer
+(:class:`SharedWeights`; weights before biases, so that the tensors vLLM fuses lie side by side). The engine maps
+it and keeps it mapped (``map_trainer_weights``), checks every name, dtype and shape, loads once through the safe
+path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters: slices adjacent in both
+memories become one copy (one per fused ``qkv_proj``), and the plan must write exactly the bytes that vLLM's
+loader wrote. A layer that vLLM does not compute from as loaded (quantized, repacked, LoRA-wrapped) keeps the
+safe path, with its reason. An update (``sync_mapped_weights``) is then one RPC: the planned copies and a
+synchronize. At the end the engine lets go (``unmap_trainer_weights``), so that the trainer can free the buffer.
 
-1. Trainer, once: :class:`SharedWeights` moves the model's parameters into one exported buffer (as FSDP does
-   with its flat parameter), weights before biases, so that the tensors vLLM fuses (q, k and v; gate and up)
-   lie side by side. From then on, training writes the exported memory itself.
-2. Engine, once (``map_trainer_weights``): map the buffer and keep it mapped; check every name, dtype and shape;
-   load once through the safe path; then plan, from ``reshard.qwen2_layout``, which slice of which engine
-   parameter each tensor fills, merging slices that follow each other in both memories (one copy fills a fused
-   ``qkv_proj``). A parameter is planned only if vLLM computes with it as loaded (dense, unquantized, not
-   repacked, not wrapped by LoRA), and the plan must write exactly the bytes vLLM's loader just wrote. Other
-   layers keep the safe path, with their reason.
-3. Engine, every update (``sync_mapped_weights``): the safe loader for the layers that fell back, one device
-   copy per planned run of bytes, a synchronize. One RPC.
-4. Engine, at the end (``unmap_trainer_weights``): drop the mapping, so the trainer can free its buffer.
-
-What it adds against the failure that the copy floor invites: before every ``sync`` the trainer checks that
-its parameters still live in the exported buffer (after ``p.data = ...``, ``model.to(...)`` or
+What it adds against the failure that the copy floor invites: before every ``sync`` the trainer checks that its
+parameters still live in the exported buffer (after ``p.data = ...``, ``model.to(...)`` or
 ``load_state_dict(assign=True)`` the engine would serve the stale buffer with no error); the engine checks that
-its parameters are where the plan found them and that the exporter is alive.
-
-Ordering: vLLM serves an RPC between two model steps, so no forward pass reads half-copied weights (Chapter
-9). The trainer synchronizes its stream before the RPC and must not write its parameters until it returns.
+its parameters are where the plan found them and that the exporter is alive. vLLM serves an RPC between two
+model steps, so no forward pass reads half-copied weights (Chapter 9); the trainer must not write its parameters
+until the RPC returns.
 """
 
 from __future__ import annotations
