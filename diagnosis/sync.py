@@ -4,7 +4,8 @@ A trainer and two receivers run in three processes, joined in a stateless group 
 3 GPUs). The trainer takes an optimizer step and syncs, twice: ``labsupport.core.sync.send``, received by a
 receiver that keeps one buffer per bucket between syncs (so it allocates nothing after the first). After each
 sync the trainer publishes its checksums; each receiver reports its version, its checksums, and the tensors
-that differ from the trainer's.
+that differ from the trainer's. With one or two GPUs (NCCL puts no two ranks of a group on one GPU), every
+rank's weights live on the first GPU and the buckets travel over gloo through host memory.
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ def _receive(group: groups.StatelessGroup, load, buffers: dict[int, torch.Tensor
     group.synchronize("the weight sync")
 
 
-def _one(group: groups.StatelessGroup, weights: list[dict[str, torch.Tensor]], variant: tuple[str, str]) -> list:
-    """One run of the system on this rank: ``SYNCS`` syncs; what this rank saw after each."""
+def _one(group: groups.StatelessGroup, weights: list[dict[str, torch.Tensor]], variant: tuple[str, str],
+         device: torch.device) -> list:
+    """One run of the system on this rank, its weights on ``device``: ``SYNCS`` syncs; what it saw after each."""
     fault, where = variant
-    rank, device = group.rank, group.device
+    rank = group.rank
+    staged = device != group.device  # the buckets travel through host memory: copies on the way in and out
     state = {n: t.to(device, copy=True) for n, t in weights[0].items()}
     target = state
     if fault == "receiver_not_updated" and where == str(rank):
@@ -106,11 +109,13 @@ def _one(group: groups.StatelessGroup, weights: list[dict[str, torch.Tensor]], v
         if rank == 0:
             for n, t in state.items():
                 t.copy_(weights[version][n])  # the optimizer step
-            sync.send(group, state, BUCKET_BYTES)
+            sync.send(group, {n: t.to(group.device) for n, t in state.items()} if staged else state, BUCKET_BYTES)
             group.broadcast_object((version, tensor_checksums(state)), 0)
             out.append(None)
             continue
-        _receive(group, sync.copy_into(target), buffers, fault, where)
+        load = sync.copy_into(target)
+        _receive(group, (lambda batch: load([(n, v.to(device)) for n, v in batch])) if staged else load,
+                 buffers, fault, where)
         trainer_version, trainer_sums = group.broadcast_object(None, 0)
         sums = tensor_checksums(state)
         out.append({"version": trainer_version, "sums": sums,
@@ -120,16 +125,18 @@ def _one(group: groups.StatelessGroup, weights: list[dict[str, torch.Tensor]], v
 
 
 def _rank(rank: int, world: int, port: int, weights: list, variants: list, gpu: bool) -> list:
-    device = f"cuda:{rank}" if gpu else "cpu"
-    group = groups.create_group("127.0.0.1", port, rank, world, device=device, timeout_s=120)
+    nccl = gpu and torch.cuda.device_count() >= world
+    device = torch.device(f"cuda:{rank}" if nccl else "cuda:0" if gpu else "cpu")  # where this rank's weights live
+    group = groups.create_group("127.0.0.1", port, rank, world, device=device if nccl else "cpu", timeout_s=120)
     try:
-        return [_one(group, weights, v) for v in variants]
+        return [_one(group, weights, v, device) for v in variants]
     finally:
         group.destroy()
 
 
 def run_all(variants: list[tuple[str, str]], gpu: bool | None = None) -> list[Seen]:
-    """Run the system once per variant (one group, three processes); what the instruments saw in each."""
+    """Run the system once per variant (one group, three processes); what the instruments saw in each. ``gpu``:
+    the weights on GPUs (NCCL with 3, else all on the first GPU over gloo); default: with 3 GPUs."""
     gpu = hardware.gpu_count() >= WORLD if gpu is None else gpu
     weights = versions()
     results = run_ranks(_rank, WORLD, (groups.free_port(), weights, variants, gpu), timeout_s=600)

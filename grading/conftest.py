@@ -25,12 +25,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "points(n): the points a graded test is worth")
+    config.addinivalue_line("markers", "gpu(n): needs n CUDA GPUs; skipped with a reason on smaller machines")
 
 
 def requested(config: pytest.Config) -> list[str]:
     """The implementations this run grades, in the order asked."""
-    value = config.getoption("--impl", default=None) or os.environ.get("IMPL") or "assignments"
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    names = impls.expand(config.getoption("--impl", default=None) or os.environ.get("IMPL") or "assignments")
     for name in names:
         impls.check(name)
     return names
@@ -83,6 +83,25 @@ def verdict(request: pytest.FixtureRequest):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    missing = [i.nodeid for i in items if here in Path(i.path).parents and i.get_closest_marker("points") is None]
+    graded = [i for i in items if here in Path(i.path).parents]
+    missing = [i.nodeid for i in graded if i.get_closest_marker("points") is None]
     if missing:
         raise pytest.UsageError("graded tests without @pytest.mark.points(n): " + ", ".join(missing))
+    skip_smaller_machines(graded)
+
+
+def skip_smaller_machines(items: list[pytest.Item]) -> None:
+    """Skip each test marked ``gpu(n)`` on a machine with fewer than ``n`` GPUs, with the reason. The grader
+    does this itself (as the repository's root conftest does for its tests), so that a test that needs two
+    GPUs is skipped wherever the graded tests run, with or without that conftest."""
+    from labsupport.course.hardware import gpu_count
+
+    have = None
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        have = gpu_count() if have is None else have
+        need = int(marker.args[0]) if marker.args else 1
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), this machine has {have}"))

@@ -1,6 +1,7 @@
 """``make grade``: run the graded tests on one or more implementations and print the points.
 
-``python -m grading [--impl IMPL[,IMPL...]] [--json FILE] [KEY ...]`` (KEY: ``a1``, ``a2``, ...; default all).
+``python -m grading [--impl IMPL[,IMPL...]] [--json FILE] [--save NAME] [KEY ...]`` (KEY: ``a1``, ``a2``, ...;
+default all).
 Per part: the tests passed, the points, and for each failing test what it expected; tests that need a GPU are
 reported as skipped where there is none and count in neither number. The last line is ``score: X / Y``.
 
@@ -181,14 +182,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grading", description=__doc__.splitlines()[0])
     ap.add_argument("keys", nargs="*", help="parts to grade (a1 a2 ...; default: all)")
     ap.add_argument("--impl", default=None, help="assignments (default), reference, stubs, or a seeded bug; "
-                    "several comma-separated")
+                    "several comma-separated ('bugs': every seeded bug)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--save", metavar="NAME", help="also record them as results/NAME.<machine>.json, with the "
+                    "machine, versions, command and date (LABSUPPORT_RESULTS_DIR: elsewhere)")
     ap.add_argument("--tb", action="store_true", help="show pytest's tracebacks of failing tests")
     a = ap.parse_args(argv)
     import os
 
-    impls = [i for i in (a.impl or os.environ.get("IMPL") or "assignments").split(",") if i]
+    from grading import impl as impl_mod
+
+    impls = impl_mod.expand(a.impl or os.environ.get("IMPL") or "assignments")
     data = grade(impls, a.keys, ["--tb=short"] if a.tb else [])
     if a.json:
         a.json.write_text(json.dumps(data, indent=1))
+    if a.save:
+        from labsupport.course.results import save_result
+
+        command = "python -m grading " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(f"recorded in {save_result(a.save, data, command=command)}", file=sys.stderr)  # (last line: the score)
     return 0

@@ -8,7 +8,7 @@
   can fail (``tests/test_grading.py``).
 
 Several, comma-separated (``IMPL=reference,stubs``), are graded in one run; a test runs once per distinct
-implementation of its assignment.
+implementation of its assignment. ``bugs`` stands for every seeded bug (``IMPL=reference,stubs,bugs``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def bugs() -> list[str]:
     """The seeded bugs in ``grading/bugs/`` (none in a student copy)."""
     folder = Path(__file__).parent / "bugs"
     return sorted(m.name for m in pkgutil.iter_modules([str(folder)])) if folder.is_dir() else []
+
+
+def expand(value: str) -> list[str]:
+    """The implementations a comma-separated ``IMPL`` names, in order (``bugs``: every seeded bug)."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    return list(dict.fromkeys(b for n in names for b in (bugs() if n == "bugs" else [n])))
 
 
 def check(impl: str) -> None:

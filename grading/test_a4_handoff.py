@@ -25,19 +25,27 @@ def _receiver(inbox, outbox) -> None:
     """The receiving process: rebuild, load into its own tensors, write through a view, drop, on request."""
     from grading.impl import load
 
-    views = None
+    views, streams = None, {}
     while (msg := inbox.get()) is not None:
         op, name, key, arg = msg
         try:
             impl = load(name, key)
-            if op == "take":  # rebuild and load into tensors of its own
+            if op == "warm":  # CUDA started here (a context and a stream on each GPU): later reads are immediate
+                for i in range(torch.cuda.device_count()):
+                    streams[i] = torch.cuda.Stream(i)
+                    torch.zeros(1, device=f"cuda:{i}").add_(1).cpu()
+                outbox.put("warm")
+            elif op == "take":  # rebuild and load into tensors of its own
                 views = impl.rebuild(arg)
                 own = {n: torch.zeros_like(v) for n, v in views}
                 nbytes = impl.load(own, views)
                 outbox.put({"own": {n: sha(t) for n, t in own.items()}, "bytes": nbytes})
             elif op == "peek":  # rebuild and read at once, on a stream of its own, as an engine that loads would
                 views = impl.rebuild(arg)
-                stream = torch.cuda.Stream() if views[0][1].is_cuda else None
+                dev = views[0][1].device
+                if dev.type == "cuda" and dev.index not in streams:
+                    streams[dev.index] = torch.cuda.Stream(dev)
+                stream = streams.get(dev.index) if dev.type == "cuda" else None
                 with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
                     outbox.put({n: sha(v) for n, v in views})
             elif op == "write":
@@ -199,24 +207,39 @@ def test_cuda_ipc_round_trip(impl):
     assert sees, "expected the receiver's write to land in the owner's GPU memory"
 
 
+BUSY_CYCLES = int(2e9)  # torch.cuda._sleep: about a second of GPU time (an H100 clocks about 2 GHz)
+
+
 @pytest.mark.gpu(1)
 @pytest.mark.points(4)
 def test_cuda_handle_is_safe_to_send_at_once(impl):
-    """The owner's GPU is still busy (a queued 2-second kernel) when export is called: the receiver reads the
-    buffer the moment it gets the handle, and must find every byte."""
+    """The owner's GPU is busy (a queued one-second kernel) when the optimizer step writes new weights and export
+    is called, so both are queued behind it. A warm receiver reads the buffer the moment it gets the handle, on
+    a stream of its own, and must find the new weights; and when export returns, its copies must have finished.
+    The new weights are random bytes drawn for this run: no earlier buffer in GPU memory can hold them."""
     from labsupport.course.peer import Peer
 
-    state = mixed_state(6, "cuda:0")
+    new = mixed_state(int.from_bytes(os.urandom(6), "little"), "cuda:0")
+    state = {n: torch.zeros_like(t) for n, t in new.items()}  # the weights before the step
+    written = torch.cuda.Event()
     with Peer(_receiver) as peer:
-        ask(peer, ("drop", impl.name, impl.key, None))  # the receiver is up (CUDA not yet touched there)
+        ask(peer, ("warm", impl.name, impl.key, None))  # the receiver has CUDA up: it reads within milliseconds
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(3e9))  # about 2 s of GPU time queued before export's copies
-        buf, handle = impl.export(list(state.items()))
-        seen = ask(peer, ("peek", impl.name, impl.key, handle))
-        ask(peer, ("drop", impl.name, impl.key, None))
-    torch.cuda.synchronize()
+        try:
+            torch.cuda._sleep(BUSY_CYCLES)  # the GPU is busy ...
+            for n, t in state.items():  # ... when the step's writes are queued (behind it) ...
+                t.copy_(new[n])
+            written.record()
+            buf, handle = impl.export(list(state.items()))  # ... and export's copies (behind the writes)
+            landed = written.query()  # export's copies cannot have finished unless the writes had
+            seen = ask(peer, ("peek", impl.name, impl.key, handle))
+            ask(peer, ("drop", impl.name, impl.key, None))
+        finally:
+            torch.cuda.synchronize()
     del buf
     impl.release(handle)
-    wrong = sorted(k for k, t in state.items() if seen.get(k) != sha(t))
-    assert not wrong, ("expected every byte in the buffer when the handle arrives (the owner's copies finished "
-                       f"before it was sent); missing in: {wrong}")
+    wrong = sorted(k for k, t in new.items() if seen.get(k) != sha(t))
+    assert not wrong, ("expected the new weights in the buffer when the handle arrives (export's copies finished "
+                       f"before it was sent); the receiver found other bytes in: {wrong}")
+    assert landed, ("expected export to return only once its copies into the buffer had finished on the GPU "
+                    "(the handle is sent at once); it returned while the GPU had not even reached them")

@@ -3,7 +3,7 @@ in the instrument the lab points to (read here by a rule a learner could follow)
 names the fault, every variant is drawn by some seed, and the grader accepts the right answer and refuses the
 others with a hint that names an instrument, not the fault.
 
-The systems run on the CPU path (on a machine with GPUs, on its path: 3 GPUs for the sync, 1 for the others).
+The systems run on the CPU path everywhere, and on their GPU path where there is a GPU (``-m gpu``: one is enough).
 """
 
 from __future__ import annotations
@@ -99,23 +99,39 @@ def _check(key: str, seen: list, read) -> None:
 
 
 # ------------------------------------------------------------------ every variant, run for real
-def test_every_sync_variant_shows_in_its_instrument():
-    _check("d1", sync.run_all(sync.VARIANTS), read_sync)
+READ = {"d1": read_sync, "d2": read_handoff, "d3": read_engine}
 
 
-def test_every_handoff_variant_shows_in_its_instrument():
-    _check("d2", handoff.run_all(handoff.VARIANTS), read_handoff)
-
-
-def test_every_engine_variant_shows_in_its_instrument(tmp_path):
-    # in a process of its own: the engine runs in its process (VLLM_ENABLE_V1_MULTIPROCESSING=0 from then on)
+def _engine_seen(tmp_path: Path, gpu: bool) -> list:
+    """Every engine variant, in a process of its own: the engine runs in its process (and sets
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 from then on)."""
     out = tmp_path / "seen.pkl"
     code = ("import pickle, sys; from diagnosis import engine; "
-            f"pickle.dump(engine.run_all(engine.VARIANTS), open({str(out)!r}, 'wb'))")
+            f"pickle.dump(engine.run_all(engine.VARIANTS, gpu={gpu}), open({str(out)!r}, 'wb'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr[-3000:]
-    _check("d3", pickle.loads(out.read_bytes()), read_engine)
+    return pickle.loads(out.read_bytes())
+
+
+def _seen(key: str, gpu: bool, tmp_path: Path) -> list:
+    module = diagnosis.lab(key)
+    return _engine_seen(tmp_path, gpu) if key == "d3" else module.run_all(module.VARIANTS, gpu=gpu)
+
+
+@pytest.mark.parametrize("key", list(diagnosis.LABS))
+def test_every_variant_shows_in_its_instrument_on_the_cpu_path(key, tmp_path):
+    _check(key, _seen(key, False, tmp_path), READ[key])
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("key", list(diagnosis.LABS))
+def test_every_variant_shows_in_its_instrument_on_one_gpu(key, tmp_path):
+    """The GPU path of each lab (on one GPU: the sync's weights on it, its buckets over gloo; NCCL with three),
+    and the engine in bfloat16 beside the float32 trainer."""
+    seen = _seen(key, True, tmp_path)
+    assert all(getattr(s, "device", "cuda") == "cuda" for s in seen), f"{key} did not run on the GPU"
+    _check(key, seen, READ[key])
 
 
 # ------------------------------------------------------------------ seeds and the grader

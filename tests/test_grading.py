@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,17 @@ def _bug(name: str):
     return importlib.import_module(f"grading.bugs.{name}")
 
 
+def _loses(name: str, gpus: int) -> set[str]:
+    """The tests bug ``name`` must fail on a machine with ``gpus`` GPUs (among those that run there)."""
+    bug = _bug(name)
+    return bug.LOSES - (getattr(bug, "PASSES_ON_GPU", set()) if gpus else set())
+
+
 BUGS = [b for b in impls.bugs() if gpu_count() or not getattr(_bug(b), "GPU_ONLY", False)]
 
 
-def _grade(root: Path, impl: str, out: Path, env: dict | None = None) -> dict:
-    cmd = [sys.executable, "-m", "grading", "--impl", impl, "--json", str(out)]
+def _grade(root: Path, impl: str, out: Path, env: dict | None = None, keys: tuple[str, ...] = ()) -> dict:
+    cmd = [sys.executable, "-m", "grading", "--impl", impl, "--json", str(out), *keys]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0 and out.exists(), f"the grader failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     data = json.loads(out.read_text())
@@ -68,7 +75,7 @@ def test_stubs_score_zero_on_every_implementation_test(graded):
 def test_each_seeded_bug_fails_the_tests_it_names(graded, bug):
     ran = _ran(graded, f"bugs.{bug}")
     failed = {r["test"] for r in ran if r["outcome"] == "failed"}
-    assert failed == _bug(bug).LOSES & {r["test"] for r in ran}, f"{bug} failed {sorted(failed)}"
+    assert failed == _loses(bug, gpu_count()) & {r["test"] for r in ran}, f"{bug} failed {sorted(failed)}"
     assert failed, f"{bug} loses no points here"
     score, full = graded["scores"][bug], graded["scores"]["reference"]
     assert score["possible"] == full["possible"] and score["points"] < full["points"]
@@ -115,3 +122,53 @@ def test_labs_switch_to_the_learners_code(monkeypatch):
     assert implementation("timeline").__name__ == "assignments.a1_timeline"
     with pytest.raises(ModuleNotFoundError):
         implementation("no_such_core")
+
+
+def test_the_grader_skips_what_needs_more_gpus_even_without_the_root_conftest(tmp_path):
+    """A copy with only grading/, assignments/ and pyproject.toml: the grader itself skips (and reports skipped)
+    a test that needs more GPUs than this machine has, and runs it where there are enough."""
+    for folder in ("grading", "assignments"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    assert not (tmp_path / "conftest.py").exists()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}  # this checkout's labsupport
+    data = _grade(tmp_path, "stubs", tmp_path / "a1.json", env, keys=("a1",))
+    (gpu_test,) = [r for r in data["results"] if r["test"] == "test_gpu_timeline_reads_the_allocator"]
+    if gpu_count() >= 1:
+        assert gpu_test["outcome"] == "failed", gpu_test  # it ran: the stubs fail it
+        return
+    assert gpu_test["outcome"] == "skipped" and "needs 1 GPU(s), this machine has 0" in gpu_test["message"], gpu_test
+    assert "skipped test_gpu_timeline_reads_the_allocator (4 points): " in data["stdout"], data["stdout"]
+
+
+def _skip_reason(message: str) -> tuple[int, int] | None:
+    m = re.search(r"needs (\d+) GPU\(s\), this machine has (\d+)", message)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def test_recorded_gpu_grading_runs_hold():
+    """Each recorded grading run on a GPU machine (``python -m grading --impl reference,stubs,bugs --save grade_gpu``:
+    results/grade_gpu.<machine>.json; a run split by parts may be saved as ``grade_gpu_<parts>``) shows what CI
+    shows on the CPU, GPU tests included: every test the reference ran passed, and none was skipped but for want
+    of GPUs; the stubs scored zero; each seeded bug failed exactly the tests it names among those that ran (less
+    those a GPU cannot fail it on), and lost points."""
+    records = [json.loads(p.read_text()) for p in sorted((ROOT / "results").glob("grade_gpu*.json"))]
+    if not records:
+        pytest.skip("no recorded GPU grading run (results/grade_gpu.<machine>.json)")
+    for rec in records:
+        data, where, gpus = rec["data"], f"{rec['name']}.{rec['machine_tag']}", rec["machine"]["gpu_count"]
+        assert gpus >= 1, f"{where}: not a GPU run"
+        ref = [r for r in data["results"] if r["impl"] == "reference"]
+        assert not [r["test"] for r in ref if r["outcome"] == "failed"], f"{where}: the reference failed tests"
+        for r in ref:
+            reason = _skip_reason(r["message"]) if r["outcome"] == "skipped" else None
+            assert r["outcome"] == "passed" or (reason and reason[0] > reason[1]), f"{where}: {r}"
+        assert data["scores"]["stubs"]["points"] == 0, f"{where}: {data['scores']['stubs']}"
+        for bug in set(data["scores"]) & set(impls.bugs()):
+            ran = _ran(data, f"bugs.{bug}")
+            if not ran:  # (a run of other parts)
+                continue
+            failed = {r["test"] for r in ran if r["outcome"] == "failed"}
+            want = _loses(bug, gpus) & {r["test"] for r in ran}
+            assert failed and failed == want, f"{where}: {bug} failed {sorted(failed)}, expected {sorted(want)}"
+            assert data["scores"][bug]["points"] < data["scores"]["reference"]["points"], f"{where}: {bug}"
