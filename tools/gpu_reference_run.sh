@@ -76,6 +76,9 @@ for step in $STEPS; do
     rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --correction tis ;;  # bf16 engine vs fp32 trainer
     # one GPU, vLLM kit + TRL's wheels (.whl): the capstone against TRL's GRPOTrainer (results/bench_peer.<machine>.json)
     peer) run peer 1800 python3 -m labsupport bench peer ${PEER_ARGS:-} ;;
+    # one GPU, vLLM kit: the diagnosis labs' every variant on the GPU path, and the grader (reference, stubs, seeded bugs)
+    diag1) run diag1 560 python3 -m pytest tests/test_diagnosis.py -m gpu -v -rA -p no:cacheprovider --timeout=540 --junitxml="$OUT/results/gpu_diagnosis.xml" ;;
+    grade1) run grade1 590 python3 -m grading --impl reference,stubs,bugs --save grade_gpu ;;
     *) echo "unknown step $step" ;;
   esac
 done
