@@ -3,17 +3,14 @@ closing wait) plus what production needs, each against a failure the core lets t
 
 - handshake and metadata vote: every receiver checks names, dtypes and shapes against its own tensors and all
   ranks vote before a byte moves (a renamed or transposed tensor loaded as garbage, or on one receiver only);
-  the metadata travels only when some rank does not hold it yet (a round trip on every update);
-- landing in place: a bucket leaves as one grouped launch from the trainer's tensors and lands in the
-  receiver's own (``into``); only small tensors are packed (copies competing with NCCL for memory bandwidth);
-- double buffering: two staging buffers, reused, so that a bucket is loaded while the next one arrives (the wire
-  idle during a load, an allocation per bucket);
-- checksum vote: a checksum per bucket on both sides, compared in a closing all-reduce that also reports a failed
-  ``load`` (corrupted bytes or a half-done load that no one notices);
+  the metadata travels only when some rank lacks it, and a ``Sender``/``Receiver`` keep it (a round trip a step);
+- grouped launches: a bucket leaves as one launch from the trainer's tensors, only small ones packed (copies
+  competing with NCCL for memory bandwidth);
+- staging and votes: a receiver changes no weight until all buckets are in and their checksums matched on every
+  rank; a last vote reports a failed ``load`` (a sender dying mid-update leaving old and new weights mixed;
+  corrupted bytes; a failed load nobody notices). ``staged=False`` saves the copy: buckets land in ``into`` or two
+  reused buffers, each loaded as the next arrives (and a dead sender leaves that mix);
 - deadlines: every wait is bounded; a dead peer becomes ``SyncTimeout`` naming it (one dead rank hanging all).
-
-What one update keeps for the next (the agreed layout, the plan, the buffers) lives in objects the caller holds,
-a ``Sender`` and a ``Receiver``; ``send`` and ``receive`` are one-shot wrappers around them.
 """
 
 from __future__ import annotations
@@ -70,10 +67,9 @@ class SyncStats:
         return {**asdict(self), "gb_per_s": self.gbps}  # (with the bandwidth: for JSON)
 
     def __str__(self) -> str:
-        extra = f", bucket {self.bucket_bytes / 2**20:g} MiB" if self.mode == "bucketed" else ""
-        return (f"{self.mode}{extra}: {self.bytes / 1e6:.1f} MB, {self.n_tensors} tensors in "
-                f"{self.n_collectives} broadcasts, {self.seconds * 1e3:.2f} ms ({self.gbps:.2f} GB/s)"
-                f"{', verified' if self.verified else ''}")
+        return (f"{self.mode}{f', bucket {self.bucket_bytes / 2**20:g} MiB' if self.mode == 'bucketed' else ''}: "
+                f"{self.bytes / 1e6:.1f} MB, {self.n_tensors} tensors in {self.n_collectives} broadcasts, "
+                f"{self.seconds * 1e3:.2f} ms ({self.gbps:.2f} GB/s){', verified' if self.verified else ''}")
 
 
 def expected_from(named_tensors: NamedTensors) -> dict[str, Meta]:
@@ -101,9 +97,8 @@ class Bucket:
 
 
 def plan_buckets(metas: list[Meta], bucket_bytes: int, mode: str = "bucketed") -> list[Bucket]:
-    """Both sides' plan, consecutive buckets of at most ``bucket_bytes`` (``core.buckets.split``): ``per_tensor``,
-    one tensor each; ``bucketed``, small tensors packed in buckets of their own and the rest grouped; ``packed``,
-    everything packed. Buckets that need no packing go first: the wire starts while the others are packed."""
+    """Both sides' plan, buckets of at most ``bucket_bytes`` (``core.buckets.split``): ``per_tensor`` one tensor each,
+    ``bucketed`` small tensors packed apart from the rest, ``packed`` all; unpacked ones first (the wire starts)."""
     live = [m for m in metas if buckets.nbytes(m)]  # (an empty tensor has nothing to send)
     if mode == "per_tensor":
         return [_bucket([m], False) for m in live]
@@ -128,14 +123,13 @@ class _Side:
 
     def release(self) -> None:
         """Drop the staging buffers (back to PyTorch's cache); the next update that needs them makes them again."""
-        self.buffers = []
+        self.buffers, self.pending = [], []
 
     def _update(self, header: list[int] | None, key: int, metas: list[Meta] | None, payload: Any) -> SyncStats:
-        """The protocol, the same on both sides: handshake (and, for a layout some rank lacks, the metadata and
-        its vote), transfer, verification vote."""
+        """The protocol, the same on both sides (the trainer's has a ``header``; receivers check and load): handshake
+        (and, for a layout some rank lacks, the metadata and its vote), transfer, verification vote, load vote."""
         t0 = time.perf_counter()
-        # One all-reduce (max) carries the trainer's header and every rank's layout key (0: none); on NCCL from
-        # pinned memory, so that the copy never waits for a stream (which may be stuck behind a dead peer).
+        # One all-reduce (max): the header, each rank's layout key (0: none); NCCL: from pinned memory, no stream wait
         vals = torch.tensor((header or [NONE] * 4) + [key, -key], dtype=torch.int64)
         if self.group.backend == "nccl":
             vals = vals.pin_memory().to(self.group.device, non_blocking=True)
@@ -145,24 +139,20 @@ class _Side:
             self.agreed = None
             with guard(self.group, "the handshake"):
                 key, metas = self.group.broadcast_object((key, metas) if header else None, self.src)
-            _vote(self.group, "the metadata vote", version, self._problems(metas), self.timeout_s)
+            _vote(self.group, "the metadata vote", version, [] if header else self._problems(metas), self.timeout_s)
         self.agreed, t_hand = (key, metas), time.perf_counter() - t0
         if self.plan is None or self.plan[0] != (key, mode, bucket_bytes):
             plan = plan_buckets(metas, bucket_bytes, MODES[mode])
-            self.plan = ((key, mode, bucket_bytes), plan, self._landing(plan))
+            self.plan = ((key, mode, bucket_bytes), plan, None if header else self._landing(plan))
         _, plan, land = self.plan
         with torch.no_grad(), guard(self.group, "the transfer"):
             sums, errors = self._transfer(plan, land, bool(verify), payload)
         _vote(self.group, "the verification vote", version, errors, self.timeout_s, sums, plan, self.src)
+        with torch.no_grad():  # (a staged receiver's update goes in only now)
+            _vote(self.group, "the load vote", version, [] if header else self._commit(land), self.timeout_s)
         launches = sum(1 if b.packed or self.group.backend == "nccl" else len(b.entries) for b in plan)
         return SyncStats(sum(buckets.nbytes(m) for m in metas), time.perf_counter() - t0, launches, MODES[mode],
                          bucket_bytes, len(metas), version, t_hand, bool(verify))
-
-    def _problems(self, metas: list[Meta]) -> list[str]:
-        return []  # (a receiver's: what it finds wrong with the metadata)
-
-    def _landing(self, plan: list[Bucket]) -> Any:
-        return None  # (a receiver's: where each tensor lands)
 
     def _staging(self, nbytes: int) -> list[torch.Tensor]:
         if nbytes and (not self.buffers or self.buffers[0].numel() < nbytes):
@@ -177,8 +167,7 @@ class Sender(_Side):
     def __init__(self, group: StatelessGroup, *, src: int = 0, mode: str = "bucketed", bucket_bytes: int = 256 << 20,
                  verify: bool = True, timeout_s: float | None = None) -> None:
         if mode not in MODES or bucket_bytes < ALIGN:
-            raise ValueError(f"mode must be one of {list(MODES)} and bucket_bytes at least {ALIGN}: got {mode!r}, "
-                             f"{bucket_bytes}")
+            raise ValueError(f"mode must be in {list(MODES)} and bucket_bytes >= {ALIGN}; got {mode!r}, {bucket_bytes}")
         if group.rank != src:
             raise WeightSyncError(f"a Sender runs on the source rank {src}; this is rank {group.rank} (use a Receiver)")
         super().__init__(group, src, timeout_s)
@@ -186,9 +175,9 @@ class Sender(_Side):
         self.layout: tuple[list, list[Meta], int] | None = None  # (signature, metas, key) of the tensors sent last
 
     def send(self, named_tensors: NamedTensors, *, version: int = 0) -> SyncStats:
-        """Broadcast named tensors to every other rank; returns once every receiver has loaded them (and matched
-        the checksums). Raises ``WeightSyncError`` on rejected metadata (nothing loaded anywhere), a checksum
-        mismatch or a failed ``load``; ``SyncTimeout`` if a peer stops answering within the deadline."""
+        """Broadcast named tensors to every other rank; returns once every receiver has loaded them. Raises
+        ``WeightSyncError`` on rejected metadata (nothing loaded anywhere), a checksum mismatch or a failed ``load``;
+        ``SyncTimeout`` if a peer stops answering within the deadline."""
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         sig = [(n, t.dtype, t.shape, t.device) for n, t in items]
         if self.layout is None or self.layout[0] != sig:  # (the metadata and its key, made again on a change)
@@ -226,21 +215,21 @@ class Sender(_Side):
 # ---------------------------------------------------------------------------- receiver side
 class Receiver(_Side):
     """A receiver's side of a run of updates, one ``receive`` per update. ``expected`` (from ``expected_from``;
-    None accepts anything) and ``into`` (this receiver's own tensors by name, received in place where dtype,
-    shape and device match) are read here, once: make a new Receiver when they change. The rest goes to ``load``
-    as ``[(name, view)]``, valid only during the call."""
+    None accepts anything) and ``into`` (its own tensors by name, written where dtype, shape and device match) are
+    read here, once: make a new Receiver when they change. The rest goes to ``load`` as ``[(name, view)]``, valid
+    during the call: once per update after it verified (``staged=False``: per bucket as it arrives)."""
 
     def __init__(self, group: StatelessGroup, *, expected: Mapping[str, Meta] | None, load: Callable[[Batch], None],
-                 into: Mapping[str, torch.Tensor] | None = None, src: int = 0, timeout_s: float | None = None) -> None:
+                 into: Mapping[str, torch.Tensor] | None = None, src: int = 0, timeout_s: float | None = None,
+                 staged: bool = True) -> None:
         if group.rank == src:
             raise WeightSyncError(f"a Receiver runs on the receivers; rank {src} is the source (use a Sender).")
         super().__init__(group, src, timeout_s)
         self.expected = dict(expected) if expected is not None else None
-        self.into, self.load = dict(into or {}), load
+        self.into, self.load, self.staged, self.pending = dict(into or {}), load, staged, []
 
     def receive(self) -> SyncStats:
-        """Receive one update: vote on its metadata if this receiver has not accepted it yet, then land every
-        tensor. Raises ``WeightSyncError`` (every rank does) or ``SyncTimeout`` as ``Sender.send``."""
+        """Receive one update (voting on its metadata if not accepted yet); raises as ``Sender.send``, on every rank."""
         return self._update(None, *(self.agreed or (0, None)), None)
 
     def _problems(self, metas: list[Meta]) -> list[str]:
@@ -253,15 +242,19 @@ class Receiver(_Side):
                  for e in b.entries] for b in plan]
 
     def _transfer(self, plan: list[Bucket], land: list, verify: bool, _: Any) -> tuple[torch.Tensor | None, list[str]]:
-        """Receive bucket after bucket, each landing while the previous one is loaded (double buffering). Returns
-        the checksums and the failed ``load`` calls (receiving goes on, so that the other ranks do not hang)."""
-        staged = [b.packed or (len(b.entries) > 1 and None in homes) for b, homes in zip(plan, land)]
-        bufs = self._staging(max((b.nbytes for b, s in zip(plan, staged) if s), default=0))
-        sums, errors, slots = [], [], {}
+        """Receive bucket after bucket: staged, each into memory of its own, all kept for ``_commit``; else into its
+        homes or one of two buffers, loaded while the next one arrives (double buffering). Returns the checksums and
+        the failed ``load`` calls (receiving goes on, so that the other ranks do not hang)."""
+        land = [[None] * len(b.entries) for b in plan] if self.staged else land  # (staged: homes written in _commit)
+        mine = [b.packed or (len(b.entries) > 1 and None in homes) for b, homes in zip(plan, land)]
+        two = [] if self.staged else self._staging(max((b.nbytes for b, s in zip(plan, mine) if s), default=0))
+        bufs = [(two[k % 2][: b.nbytes] if two else torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device))
+                if mine[k] else None for k, b in enumerate(plan)]
+        sums, errors, slots, self.pending = [], [], {}, []
 
-        def issue(k: int) -> None:  # bucket k lands in its homes, else in buffer k % 2 (or a new tensor, if alone)
-            b, homes, buf = plan[k], land[k], bufs[k % 2][: plan[k].nbytes] if staged[k] else None
-            views = buckets.unpack(buf, b.entries) if staged[k] else [(e.name, h if h is not None else torch.empty(
+        def issue(k: int) -> None:  # bucket k lands in its homes, else in its buffer (or a new tensor, if alone)
+            b, homes, buf = plan[k], land[k], bufs[k]
+            views = buckets.unpack(buf, b.entries) if mine[k] else [(e.name, h if h is not None else torch.empty(
                 e.shape, dtype=getattr(torch, e.dtype), device=self.group.device)) for e, h in zip(b.entries, homes)]
             dst = [buf] if b.packed else [h if h is not None else v for h, (_, v) in zip(homes, views)]
             slots[k] = (self.group.broadcast_many(dst, self.src), dst, views)
@@ -275,16 +268,29 @@ class Receiver(_Side):
             self.group.wait_work(work, "bucket broadcast")
             if verify:
                 sums.append(checksums.of_bytes(checksums.cat_bytes(dst)))
+            self.pending += [views] if self.staged else []
             homes = [(h, v) for h, (_, v) in zip(land[k], views) if h is not None]
             if b.packed and homes:  # packed tensors with a home: copied out of the buffer
                 torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
-            rest = [(n, v) for h, (n, v) in zip(land[k], views) if h is None]
-            if rest and not errors:
-                try:
-                    self.load(rest)
-                except Exception as exc:
-                    errors.append(f"load() failed on '{rest[0][0]}': {type(exc).__name__}: {exc}")
+            if not (errors or self.staged):
+                errors += self._load([(n, v) for h, (n, v) in zip(land[k], views) if h is None])
         return (torch.stack(sums) if sums else None), errors
+
+    def _commit(self, land: list) -> list[str]:
+        """Staged: the verified update into ``into`` and, in one call, ``load``; what failed."""
+        pairs, self.pending = [(h, nv) for hs, vs in zip(land, self.pending) for h, nv in zip(hs, vs)], []
+        homes = [(h, v) for h, (_, v) in pairs if h is not None]
+        if homes:
+            torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
+        return self._load([nv for h, nv in pairs if h is None])
+
+    def _load(self, batch: Batch) -> list[str]:
+        try:
+            if batch:
+                self.load(batch)
+        except Exception as exc:  # (the vote reports it)
+            return [f"load() failed on '{batch[0][0]}': {type(exc).__name__}: {exc}"]
+        return []
 
 
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",
@@ -298,7 +304,7 @@ def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mo
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Meta] | None,
             load: Callable[[Batch], None], device: str | torch.device | None = None,
             into: Mapping[str, torch.Tensor] | None = None, timeout_s: float | None = None) -> SyncStats:
-    """One update into a one-shot ``Receiver`` (it votes on the metadata every time); ``device`` is the group's."""
+    """One update into a one-shot staged ``Receiver`` (it votes on the metadata every time); ``device``: the group's."""
     if device is not None and torch.device(device).type != group.device.type:
         raise ValueError(f"receive(device={str(device)!r}): this group receives on {group.device}")
     return Receiver(group, expected=expected, load=load, into=into, src=src, timeout_s=timeout_s).receive()
@@ -308,7 +314,8 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Meta]
 _VERDICTS = {  # what a failed vote says: its heading, and what the caller should do
     "the metadata vote": ("rejected before any weight changed", "Nothing was loaded on any receiver. Fix the "
                           "names/dtypes/shapes (or the receiver's expected metadata) and send again."),
-    "the verification vote": ("failed on a receiver", "Receivers may hold partly updated weights: send again."),
+    "the verification vote": ("failed on a receiver", "Staged receivers changed nothing: send again."),
+    "the load vote": ("failed to load on a receiver", "The others hold it, that one what its load left: send again."),
 }
 
 
@@ -317,8 +324,7 @@ def _vote(group: StatelessGroup, what: str, version: int, problems: list[str], t
     """One all-reduce (max) of [objects?, sums, -sums]: if any rank objects, or the checksums differ (max != min),
     every rank raises ``WeightSyncError`` listing every rank's problems, at most five each."""
     vec = torch.full((1,), int(bool(problems)), dtype=torch.int64, device=group.device)  # (a fill: no stream wait)
-    if sums is not None:
-        vec = torch.cat([vec, sums, -sums])
+    vec = vec if sums is None else torch.cat([vec, sums, -sums])
     vals, n = _all_reduce_now(group, vec, "max", what, timeout_s), len(vec) // 2
     if not vals[0] and all((vals[1 + k] + vals[1 + n + k]) % 2**64 == 0 for k in range(n)):
         return

@@ -1,10 +1,9 @@
 """A stateless process group: one trainer rank plus N inference ranks, outside torch.distributed's globals.
 
-Trainers own a default process group and vLLM builds its own; the weight-sync group must coexist with both. So
-a TCPStore does the rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly
-on it, as vLLM's ``stateless_init_torch_distributed_process_group`` does. Every wait has a deadline: the store's
-waits and gloo's collectives time out themselves; on NCCL the host's deadline is ``synchronize()``. A failure
-names the rank that went missing (the diagnosis is the file's last section).
+Trainers own a default process group and vLLM builds its own; the weight-sync group must coexist with both. So a
+TCPStore does the rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it,
+as vLLM's ``stateless_init_torch_distributed_process_group`` does. Every wait has a deadline: the store's waits and
+gloo's collectives time out themselves, NCCL's at ``synchronize()``. A failure names the rank that went missing.
 """
 
 from __future__ import annotations
@@ -165,9 +164,8 @@ class StatelessGroup:
 
     @contextlib.contextmanager
     def _step(self, what: str, store: bool = False) -> Iterator[None]:
-        """Run backend (or ``store``) calls on the group's device. A peer that died or stopped answering (gloo's
-        timeout, a closed connection, an aborted communicator, any store error) becomes ``GroupTimeout``; any
-        other error is a programming error, raised as it is (the group stays usable)."""
+        """Run backend (or ``store``) calls on the group's device. A peer lost (gloo's timeout, a closed connection,
+        an aborted communicator, any store error) becomes ``GroupTimeout``; other errors are raised as they are."""
         try:
             with torch.cuda.device(self.device) if self.backend == "nccl" else contextlib.nullcontext():
                 yield
@@ -222,9 +220,8 @@ class StatelessGroup:
         self._close("abort", "shutdown")
 
     def destroy(self) -> None:
-        """Release the backend and the store (on rank 0, its port) without waiting for the peers; safe twice. On
-        NCCL an abort, which is local (a graceful shutdown waits for every rank, and a trainer and an engine
-        leave one after the other); nothing is lost, since every sync ends with a ``synchronize``."""
+        """Release the backend and the store (rank 0: its port) without waiting for the peers; safe twice. On NCCL a
+        local abort (a graceful shutdown waits for every rank); nothing is lost: syncs end with ``synchronize``."""
         self._close(*(["abort"] if self.backend == "nccl" else []), "shutdown")
         self.pg = self.store = self._obj = None
 
@@ -247,8 +244,7 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s * 2 + 30)  # the watchdog fires after our own deadlines
     opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
-    # Error handling "2" cleans up without killing the process (3, the default, kills it). Only the environment
-    # sets it: for this constructor only, under a lock, so that threads building groups cannot leave it changed.
+    # Error handling "2" cleans up without killing the process (3, the default, kills it): set for this call, locked
     with _ENV_LOCK:
         old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
@@ -286,8 +282,7 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
 
 
 # ---------------------------------------------------------------------------- failure diagnosis
-# What a backend says when a peer died or stopped answering (or it was torn down because of one). Anything else
-# (a tensor on another device, an unknown op, NCCL's "invalid argument/usage") is a programming error: raised as is.
+# What a backend says when a peer died or stopped answering; anything else is a programming error, raised as is.
 _PEER_GONE = re.compile(r"abort|remote process exited|network error|system error|Broken pipe|"
                         r"Connection (reset|closed|refused)|closed by peer|timed? ?out|timeout", re.I)
 
@@ -322,7 +317,7 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
         f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else "failed")
     gone = _unresponsive(group)
     if gone is None:
-        who = "rank 0 vanished (it hosts the group's store, and its store no longer answers)"
+        who = "rank 0 vanished or stopped (it hosts the group's store, which no longer answers)"
     elif gone:
         who = f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)"
     else:
@@ -332,11 +327,18 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
 
 
 def _unresponsive(group: StatelessGroup) -> list[int] | None:
-    """Ranks that do not check in through the store within timeout + 1 s (at most 20 s); None: rank 0 is gone."""
-    gone = None
+    """Ranks that do not check in through the store within timeout + 1 s (at most 8 s: the error comes within the
+    deadline + 10 s); None: rank 0 is gone or stopped (its store may never answer: the check runs on a thread)."""
+    limit, found = min(group.timeout_s + 1.0, 8.0), []
+    (check := threading.Thread(target=lambda: found.append(_check_in(group, limit)), daemon=True)).start()
+    check.join(limit + 1.0)
+    return found[0] if found else None
+
+
+def _check_in(group: StatelessGroup, limit: float) -> list[int] | None:
+    gone, deadline = None, time.monotonic() + limit
     try:
         group.store.set(f"alive/{group.rank}", "1")
-        deadline = time.monotonic() + min(group.timeout_s + 1.0, 20.0)
         while True:
             gone = [r for r in range(group.world_size) if r != group.rank and not group.store.check([f"alive/{r}"])]
             if not gone or time.monotonic() > deadline:

@@ -1,19 +1,17 @@
 """Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production needs.
 
-The handle here is the core's plus who exported it; each addition guards against a failure that ``core.handoff``
-lets through (Lab 5 runs them):
+The handle is the core's plus who exported it; each addition guards against a failure of the core (Lab 5 runs them):
 
 - a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer whose memory
   already holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``; ``Receiver.drop``, which first waits for the copies on each handle's own GPU;
-  ``Exporter.release``, which waits for the acks up to a deadline): the owner freeing memory that a receiver still
-  reads, or waiting for ever on one that never acks;
-- the exporter's liveness (a lock that the kernel drops when it dies) and a sweep of its files: a handle from a
-  crashed trainer, and its files left in ``/dev/shm``;
-- the host's boot id in each handle, and errors naming the GPUs a process sees: a handle used on another machine,
-  or on a GPU this process cannot see, failing obscurely;
-- names, dtypes and shapes checked before any write, bad input refused before anything is allocated: a
-  half-written inference copy, or a failure deep in torch;
+- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each handle's GPU;
+  ``Exporter.release`` waits for the acks up to a deadline): the owner freeing memory that a receiver still reads,
+  or waiting for ever on one that never acks;
+- the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead removes its files):
+  a handle from a crashed trainer, and its files left in ``/dev/shm``;
+- the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another machine, or on
+  a GPU this process cannot see, failing obscurely;
+- names, dtypes, shapes checked before any write (a half-written inference copy), bad input before any allocation;
 - ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a tensor itself:
   the per-handle cost paid on every update, and a copy where none is needed.
 
@@ -25,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import os
 import secrets
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
 from labsupport.core import buckets, handoff
@@ -50,8 +49,7 @@ class IpcError(RuntimeError):
 
 @dataclass(frozen=True)
 class Handle(handoff.Handle):
-    """The core's handle plus who exported it and whether that export is live: slot ``slot`` of the exporter's
-    guard file holds ``serial`` until the export is released."""
+    """The core's handle plus who exported it; slot ``slot`` of the exporter's guard holds ``serial`` until released."""
     host: str  # the kernel's boot id
     pid: int  # the exporter's process
     guard: str  # the exporter's guard file
@@ -166,6 +164,10 @@ class Exporter:
             time.sleep(0.01)
         self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
         for path in shm.acks(self._guard.path, handle.serial):
+            if path.endswith(f"-{os.getpid()}.ack") and exp.keep.is_cuda:
+                # read here, opening no IPC handle: give CUDA IPC's count back as torch's rebuild would (or it leaks)
+                slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("ref_counter_handle")
+                torch.UntypedStorage._release_ipc_counter_cuda(*handle.where[slot: slot + 2])
             shm.unlink(path)
         del self._live[handle.serial]
         on_gpu, exp.keep = exp.keep.is_cuda, None  # close() still holds exp: drop the memory itself

@@ -5,8 +5,8 @@ An exporter makes two kinds of file in ``core.handoff.SHM_DIR``, both named ``la
 ``MAP_SHARED`` (the CPU stand-in for GPU memory shared over CUDA IPC), and one *guard* (``....guard``): an int64
 serial per export slot (0 = released) and an exclusive advisory lock that the exporter holds and the kernel drops
 when it dies. Reading a slot and probing the lock tell a receiver, in microseconds, whether an export is still
-live. A receiver that has finished with an export leaves an empty *ack* file (``...-<serial>-<receiver pid>.ack``),
-which the exporter counts before it releases (CUDA handles too: their guard lives here as well).
+live (the first to find its exporter dead removes its files). A receiver that has finished with an export leaves an
+empty *ack* file (``...-<serial>-<pid>.ack``), which the exporter counts before it releases (CUDA handles too).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def guard_serial(path: str, slot: int) -> int:
         if not _unlocked(fd):
             return struct.unpack_from("q", mm, 8 * slot)[0]
         _forget(path)
+    sweep_stale(0.0, only=path)  # a dead exporter's files go now, not at some later Exporter's sweep
     raise ProcessLookupError(f"the exporter of guard {path} has exited")
 
 
@@ -119,8 +120,8 @@ def files(guard_path: str) -> list[str]:
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove the files of exporters that died without cleaning up (their lock is free); returns their names.
-    Guards younger than ``min_age_s`` are spared (an exporter locks its guard just after creating it)."""
+    """Remove the files of exporters that died without cleaning up (their lock is free), with a dead process's torch
+    and CUDA IPC files; returns their names. Guards younger than ``min_age_s`` are spared (locked just after made)."""
     removed, now = [], time.time()
     for path in [only] if only else glob.glob(os.path.join(handoff.SHM_DIR, f"{PREFIX}*.guard")):
         try:
@@ -135,7 +136,9 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
             continue  # its exporter is alive
         finally:
             os.close(fd)
-        for stale in [path, *files(path)]:
+        pid = int(os.path.basename(path).removeprefix(PREFIX).split("-")[0])
+        theirs = [] if os.path.exists(f"/proc/{pid}") else [f"torch_{pid}_*", f"cuda.shm.*.{pid:x}.*"]
+        for stale in [path, *files(path), *(f for pat in theirs for f in glob.glob(f"{handoff.SHM_DIR}/{pat}"))]:
             unlink(stale)
             removed.append(os.path.basename(stale))
     return removed

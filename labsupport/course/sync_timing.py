@@ -129,7 +129,7 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
                 side = Sender(group, src=src, mode=mode, bucket_bytes=bucket, verify=verify)
                 times = _timed(group, lambda: last.append(side.send(model)), iters, warmup)
             else:
-                side = Receiver(group, src=src, expected=exp, load=load, into=model if in_place else None)
+                side = Receiver(group, src=src, expected=exp, load=load, into=model if in_place else None, staged=False)
                 times = _timed(group, lambda: last.append(side.receive()), iters, warmup)
             return times, last[-1]
 
