@@ -31,10 +31,8 @@ from typing import Any
 import torch
 
 from labsupport import vllm_ext
-from labsupport.course import models
+from labsupport.course import models, vllm_engine
 from labsupport.rl import grpo
-
-LETTERS = models.LETTERS
 
 
 class UpdateWhileGenerating(RuntimeError):
@@ -64,9 +62,9 @@ def long_prompts(n: int, length: int = 80, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        noise = "".join(rng.choice(LETTERS) for _ in range(length - length // 2))
+        noise = "".join(rng.choice(models.LETTERS) for _ in range(length - length // 2))
         start = rng.randrange(26)
-        out.append(noise + "".join(LETTERS[(start + i) % 26] for i in range(length // 2)))
+        out.append(noise + "".join(models.LETTERS[(start + i) % 26] for i in range(length // 2)))
     return out
 
 
@@ -276,17 +274,7 @@ def sample(llm: Any, prompts: list[str], n: int, max_tokens: int, *, temperature
     from vllm import SamplingParams
 
     sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed, ignore_eos=True)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    rows = [(list(o.prompt_token_ids), c) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
-    ids = torch.full((len(rows), max_tokens), models.PAD_ID, dtype=torch.long)
-    lps = torch.zeros(ids.shape)
-    mask = torch.zeros(ids.shape, dtype=torch.bool)
-    for i, (_, c) in enumerate(rows):
-        t = list(c.token_ids)[:max_tokens]
-        ids[i, :len(t)] = torch.tensor(t)
-        lps[i, :len(t)] = torch.tensor([c.logprobs[j][tok].logprob for j, tok in enumerate(t)])
-        mask[i, :len(t)] = True
-    return {"prompt_ids": [p for p, _ in rows], "completion_ids": ids, "engine_logprobs": lps, "mask": mask}
+    return vllm_engine.outputs_to_tensors(llm.generate(prompts, sp, use_tqdm=False), max_tokens)
 
 
 @torch.no_grad()

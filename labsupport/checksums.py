@@ -49,12 +49,6 @@ def cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return u8[0] if len(u8) == 1 else torch.cat(u8)
 
 
-def reserve(device: torch.device, nbytes: int) -> None:
-    """Make the multipliers for checksums of up to ``nbytes`` (even read as single bytes) now, on the current
-    stream: side streams that checksum later see them ready, and never make them while another reads them."""
-    _row_weights(device, nbytes // ROW + 1)
-
-
 def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
     """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown when a larger one comes)."""
     w = _WEIGHTS.get(device)

