@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from labsupport.rl.config import ARCHS, RLConfig
 from labsupport.rl.loop import run
-from labsupport.rl.report import peak_memory, plot_breakdown, plot_curves, plot_timelines, runs_table, summary
+from labsupport.rl.report import (peak_memory, plot_breakdown, plot_curves, plot_timelines, runs_table, sleep_peaks,
+                                  summary)
 
 __all__ = ["ARCHS", "RLConfig", "run", "peak_memory", "plot_breakdown", "plot_curves", "plot_timelines",
-           "runs_table", "summary"]
+           "runs_table", "sleep_peaks", "summary"]

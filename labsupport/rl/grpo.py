@@ -92,7 +92,8 @@ class GRPOTrainer:
         self.correction, self.is_cap, self.precision = correction, is_cap, precision
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        cuda = next(model.parameters()).is_cuda  # one fused kernel per step on a GPU (as transformers' default)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True if cuda else None)
         self.beta, self.clip_eps = beta, clip_eps
         self.version = 0  # bumped by each optimizer step
 

@@ -132,6 +132,14 @@ def peak_memory(data: dict[str, Any]) -> dict[str, dict[str, int]]:
     return {"device_used": used, "trainer_allocated": alloc}
 
 
+def sleep_peaks(data: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The :func:`peak_memory` records of a co-located GPU run with the engine asleep and awake, as ``python -m
+    labsupport rl`` records them: the main run's, and its second, short run's with the other sleep setting."""
+    main, slept = data.get("peak_memory"), data.get("engine_sleeps", True)
+    other = (data.get("no_sleep") if slept else data.get("asleep")) or {}
+    return (main, other.get("peak_memory")) if slept else (other.get("peak_memory"), main)
+
+
 def runs_table(results: dict[str, dict[str, Any]]) -> str:
     """One line per architecture: time per step, where it goes, and the accuracy reached."""
     head = (f"{'arch':14s} {'engine':12s} {'ms/step':>8s} {'gen':>6s} {'train':>6s} {'sync':>6s} {'t.idle':>6s} "
