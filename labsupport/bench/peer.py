@@ -43,6 +43,8 @@ EQUAL = {
                  "(TRL's bf16=True through accelerate; the capstone's precision='bf16')",
     "activation checkpointing": "off in both (TRL defaults to on; at 0.5B nothing needs it)",
     "engine": "vLLM in bfloat16 with the same share of GPU memory (--engine-share) and context length (64)",
+    "evaluation": "the same greedy held-out check, between steps and not timed, in the trainer's precision (TRL's "
+                  "model under accelerate's autocast, the capstone's under its own)",
 }
 # Settings that differ, and why (the chapter names each); run-specific ones are added by _unequal()
 UNEQUAL = {
@@ -57,7 +59,6 @@ UNEQUAL = {
                            "a step fits one batch either way)",
     "prompt order and random streams": "TRL's sampler shuffles the same prompts in its own order and seeds vLLM with "
                                        "0; the capstone draws its prompts with the run's seed and seeds vLLM with it",
-    "evaluation": "the same greedy held-out check for both, run between steps and not timed",
 }
 
 
@@ -168,7 +169,8 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(model=path, reward_funcs=reward, args=_trl_config(a, tmp),
                               train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Clock()])
-        curve.append({"step": 0, "eval_acc": held_out_accuracy(trainer.model)})
+        with torch.autocast("cuda", torch.bfloat16, enabled=a.precision == "bf16"):  # (accelerate's, from train())
+            curve.append({"step": 0, "eval_acc": held_out_accuracy(trainer.model)})
         t0 = time.perf_counter()
         trainer.train()
         loop_s = time.perf_counter() - t0

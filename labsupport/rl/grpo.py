@@ -97,6 +97,11 @@ class GRPOTrainer:
         self.beta, self.clip_eps = beta, clip_eps
         self.version = 0  # bumped by each optimizer step
 
+    def autocast(self) -> torch.autocast:
+        """The trainer's precision for a forward pass: bfloat16 autocast under "bf16", nothing under "fp32"."""
+        device = next(self.model.parameters()).device
+        return torch.autocast(device.type, torch.bfloat16, enabled=self.precision == "bf16")
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
 
@@ -106,7 +111,7 @@ class GRPOTrainer:
         device = next(self.model.parameters()).device
         mask = rollout.mask.to(device)
         self.model.train()
-        with torch.autocast(device.type, torch.bfloat16, enabled=self.precision == "bf16"):
+        with self.autocast():
             with torch.no_grad():
                 ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
             logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)

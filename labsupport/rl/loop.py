@@ -89,10 +89,11 @@ def _learn(r: _Run, step: int, rollout: Rollout) -> dict[str, Any]:
 
 
 def _evaluate(r: _Run, step: int) -> None:
-    """The trainer's greedy accuracy on the held-out prompts (every ``eval_every`` steps, and at the end)."""
+    """The trainer's greedy accuracy on the held-out prompts (every ``eval_every`` steps, and at the end), in the
+    trainer's precision."""
     if r.cfg.eval_every and (step % r.cfg.eval_every == 0 or step == r.cfg.steps):
         evals = eval_prompts()
-        with _phase(r, "eval", step):
+        with _phase(r, "eval", step), r.trainer.autocast():
             toks, _, mask = sample(r.trainer.model, [r.tok(p)["input_ids"] for p in evals], ANSWER_LEN, 0.0)
             texts = [r.tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
             acc = sum(reward(t, p) for t, p in zip(texts, evals)) / len(evals)
