@@ -556,7 +556,8 @@ def _move_final_norm(worker) -> bool:
 @pytest.mark.timeout(500)
 def test_vllm_mapped_sync_refuses_an_engine_parameter_moved_after_mapping(monkeypatch):
     """A parameter that vLLM's worker re-allocates after the plan was made would keep its old weights (and a CUDA
-    graph would read freed memory): the next step's sync refuses, and the run ends with that error."""
+    graph would read freed memory): the next step's sync refuses, and the run ends with that error. (The engine
+    core runs inline here, in this process, as TRL runs it: the same protocol without the engine-core process.)"""
     pytest.importorskip("vllm")
     from labsupport import vllm_ext
     from labsupport.rl import loop
@@ -570,5 +571,5 @@ def test_vllm_mapped_sync_refuses_an_engine_parameter_moved_after_mapping(monkey
 
     monkeypatch.setattr(loop, "_learn", learn_then_move)
     with pytest.raises(WeightUpdateError, match="reallocated since the plan was made"):
-        rl.run("colocated", rl.RLConfig(steps=3, prompts_per_step=4, group_size=4), engine="vllm",
-               devices=("cpu", "cpu"), verbose=False, memory=False)
+        rl.run("colocated", rl.RLConfig(steps=3, prompts_per_step=4, group_size=4, inline_engine=True),
+               engine="vllm", devices=("cpu", "cpu"), verbose=False, memory=False)

@@ -259,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"],
                    help="the trainer's, for both tools (bf16: autocast over float32 master weights; TRL's default)")
     p.add_argument("--tools", default="capstone,trl")
-    p.add_argument("--capstone-configs", default="fast,safe,no-graphs,sleep2",
+    p.add_argument("--capstone-configs", default="fast,safe,sleep2,no-graphs,inline",
                    help="capstone configurations (rl.colocated.CONFIGS, joined by '+'); the first is compared with "
                         "TRL on every seed, the rest run on the first seed only")
     p.add_argument("--ablation-steps", type=int, default=15, help="steps of each ablation run")
