@@ -136,7 +136,7 @@ def _colocated_step(r: _Run, k: int) -> dict[str, Any]:
     rec = _learn(r, k, reply["rollout"])
     if "update" in reply:  # the mapped update's own report: bytes copied, seconds of copies inside the RPC
         rec["engine_update"] = reply["update"]
-    with _phase(r, "sync", k, f"bucket refresh ({r.path.update})"):
+    with _phase(r, "sync", k, f"{r.path.update} bucket"):  # the trainer's cast of its weights into the bucket
         r.path.refresh(r.trainer.model)
     return rec
 
