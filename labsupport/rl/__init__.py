@@ -15,11 +15,12 @@ bar always goes forward: held-out accuracy starts at 0. GRPO must turn the rare 
 This mirrors a common view of RLHF: it mostly changes which of a model's behaviours comes out, not what the
 model knows.
 
-Orchestrations (:func:`~labsupport.rl.loop.run`): ``colocated`` (engine and trainer on one device; the engine frees its weights
-while the trainer runs, and gets new ones through an IPC / shared-memory bucket), ``disaggregated`` (engine
-on its own device and process; bucketed broadcast after each step) and ``async`` (the engine generates the
-batch of step k+1 while the trainer trains on step k; samples are one policy version stale and GRPO's
-ratio against the engine's own log-probabilities corrects for it). ``python -m labsupport rl -h``.
+Orchestrations (:func:`~labsupport.rl.loop.run`): ``colocated`` (engine and trainer on one device; the engine
+gets the trainer's weights through an IPC / shared-memory bucket, mapped once and copied by plan each step or
+reloaded through the safe path, and may sleep while the trainer runs: :mod:`~labsupport.rl.colocated`),
+``disaggregated`` (engine on its own device and process; bucketed broadcast after each step) and ``async`` (the
+engine generates the batch of step k+1 while the trainer trains on step k; samples are one policy version stale
+and GRPO's ratio against the engine's own log-probabilities corrects for it). ``python -m labsupport rl -h``.
 
 Reading order, one job per module:
 
@@ -30,10 +31,12 @@ Reading order, one job per module:
 5. :mod:`~labsupport.rl.grpo`: advantages, the loss (with TIS/MIS weights), ``token_logprobs``, ``GRPOTrainer``.
 6. :mod:`~labsupport.rl.spans`: where the time goes: spans per lane and phase, and the per-step breakdown.
 7. :mod:`~labsupport.rl.engine_process`: an engine driven by messages, in its own process or in the caller's.
-8. :mod:`~labsupport.rl.devices`: which devices trainer and engine use; why two NCCL ranks cannot share a GPU.
-9. :mod:`~labsupport.rl.loop`: ``RLConfig`` and ``run``, the loop in its three orchestrations.
-10. :mod:`~labsupport.rl.report`: plots, summary, peak memory and the table.
-11. :mod:`~labsupport.rl.cli`: ``python -m labsupport rl``.
+8. :mod:`~labsupport.rl.colocated`: the co-located weight path and its switches (mapped or safe update, sleep level).
+9. :mod:`~labsupport.rl.devices`: which devices trainer and engine use; why two NCCL ranks cannot share a GPU.
+10. :mod:`~labsupport.rl.config`: ``RLConfig``, the checks and memory plan before a run, starting its engine.
+11. :mod:`~labsupport.rl.loop`: ``run``, the loop in its three orchestrations.
+12. :mod:`~labsupport.rl.report`: plots, summary, peak memory and the table.
+13. :mod:`~labsupport.rl.cli`: ``python -m labsupport rl``.
 
 This package exports what running and reading the loop takes (``run``, ``RLConfig``, ``ARCHS`` and the report);
 everything else is used from its module (``from labsupport.rl import task, grpo``, then ``task.reward(...)``).
@@ -41,8 +44,10 @@ everything else is used from its module (``from labsupport.rl import task, grpo`
 
 from __future__ import annotations
 
-from labsupport.rl.loop import ARCHS, RLConfig, run
-from labsupport.rl.report import peak_memory, plot_breakdown, plot_curves, plot_timelines, runs_table, summary
+from labsupport.rl.config import ARCHS, RLConfig
+from labsupport.rl.loop import run
+from labsupport.rl.report import (peak_memory, plot_breakdown, plot_curves, plot_timelines, runs_table, sleep_peaks,
+                                  summary)
 
 __all__ = ["ARCHS", "RLConfig", "run", "peak_memory", "plot_breakdown", "plot_curves", "plot_timelines",
-           "runs_table", "summary"]
+           "runs_table", "sleep_peaks", "summary"]

@@ -11,9 +11,12 @@ from typing import Any
 import torch
 
 from labsupport.course import hardware, results
-from labsupport.rl.loop import ARCHS, RLConfig, run
-from labsupport.rl.policy import SIZES
-from labsupport.rl.report import runs_table, peak_memory, plot_curves, plot_timelines, summary
+from labsupport.rl.colocated import CONFIGS, SLEEP_LEVELS, UPDATES, config_overrides
+from labsupport.rl.config import ARCHS, RLConfig
+from labsupport.rl.grpo import PRECISIONS
+from labsupport.rl.loop import run
+from labsupport.rl.policy import OFFLOADS, SIZES
+from labsupport.rl.report import peak_memory, plot_curves, plot_timelines, runs_table, sleep_peaks, summary
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -30,27 +33,51 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--correction", default=None, choices=["tis", "mis"],
                    help="recompute behaviour log-probabilities with the trainer and correct for the engine's (TIS/MIS)")
+    p.add_argument("--precision", default=None, choices=list(PRECISIONS),
+                   help="the trainer's: fp32 (default) or bf16 autocast over float32 master weights")
+    g = p.add_argument_group("co-located mechanisms (rl.colocated; the flags below override --config)")
+    g.add_argument("--config", default="fast", help=f"a named setting, names joined by '+' ({', '.join(CONFIGS)}); "
+                                                     "fast: the defaults; safe: ipc update and sleep level 2")
+    g.add_argument("--update", default=None, choices=list(UPDATES), help="mapped (default) or ipc (safe reload)")
+    g.add_argument("--sleep-level", type=int, default=None, choices=list(SLEEP_LEVELS),
+                   help="the engine between generations: 0 awake (default), 1 weights to host, 2 weights discarded")
+    g.add_argument("--offload", default=None, choices=list(OFFLOADS),
+                   help="Adam's moments to host while the engine works (auto: only where memory needs it)")
+    g.add_argument("--cuda-graphs", default=None, action=argparse.BooleanOptionalAction,
+                   help="vLLM on a GPU: CUDA graphs (default) or --no-cuda-graphs (enforce_eager)")
+    g.add_argument("--inline-engine", default=None, action=argparse.BooleanOptionalAction,
+                   help="vLLM's engine core in the trainer's process (as TRL's colocate mode)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
     return p.parse_args(argv)
 
 
-def _awake_run(d: dict[str, Any], cfg: RLConfig, args: argparse.Namespace) -> None:
-    """Memory with the engine awake: a second, short co-located run, its peaks beside the main run's in ``d``."""
+def _switches(args: argparse.Namespace) -> dict[str, Any]:
+    """The RLConfig fields that --config and the mechanism flags set (a flag wins over the configuration)."""
+    out = config_overrides(args.config)
+    flags = {"update": args.update, "sleep_level": args.sleep_level, "offload": args.offload,
+             "cuda_graphs": args.cuda_graphs, "inline_engine": args.inline_engine, "precision": args.precision}
+    return {**out, **{k: v for k, v in flags.items() if v is not None}}
+
+
+def _other_sleep_run(d: dict[str, Any], cfg: RLConfig, args: argparse.Namespace) -> None:
+    """Memory with the engine asleep and awake: a second, short co-located run with the other setting (level 2 if
+    the main run kept the engine awake, else 0), its peaks beside the main run's in ``d`` (``report.sleep_peaks``)."""
     d["peak_memory"] = peak_memory(d)
     gc.collect()
     torch.cuda.empty_cache()  # the first run's cached blocks go back to the GPU
+    other = replace(cfg, steps=cfg.memory_steps, sleep_level=0 if cfg.sleep_level else 2)
+    key = "no_sleep" if cfg.sleep_level else "asleep"
     try:
-        awake = run("colocated", replace(cfg, steps=cfg.memory_steps), engine=args.engine, size=args.size,
-                    sleep=False, verbose=False)
+        run2 = run("colocated", other, engine=args.engine, size=args.size, verbose=False)
     except Exception as exc:  # keep the main run's result; say why the comparison is missing
-        d["no_sleep"] = {"error": f"{type(exc).__name__}: {exc}"}
-        print("no-sleep run failed:", d["no_sleep"]["error"])
+        d[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"second run ({key}) failed:", d[key]["error"])
         return
-    d["no_sleep"] = {"s_per_step": awake["s_per_step"], "mean_breakdown": awake["mean_breakdown"],
-                     "peak_memory": peak_memory(awake)}
-    for name, pm in (("sleep", d["peak_memory"]), ("no sleep", d["no_sleep"]["peak_memory"])):
+    d[key] = {"sleep_level": other.sleep_level, "s_per_step": run2["s_per_step"],
+              "mean_breakdown": run2["mean_breakdown"], "peak_memory": peak_memory(run2)}
+    for name, pm in zip(("sleep", "no sleep"), sleep_peaks(d)):
         print(f"peak GPU memory in use per phase ({name}):",
-              {k: f"{v / 1e9:.1f} GB" for k, v in pm["device_used"].items()})
+              {k: f"{v / 1e9:.1f} GB" for k, v in (pm or {}).get("device_used", {}).items()})
 
 
 def _save(out: dict[str, dict[str, Any]], cfg: RLConfig, suffix: str) -> None:
@@ -84,17 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RLConfig(steps=args.steps or (60 if gpu else 30),
                    prompts_per_step=args.prompts or (32 if big else 64 if gpu else 16),
                    group_size=args.group or (16 if gpu else 8), lr=args.lr or SIZES[args.size]["lr"], seed=args.seed,
-                   correction=args.correction)
+                   correction=args.correction, **_switches(args))
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
     if gpu and hardware.gpu_count() < 2 and set(archs) - {"colocated"}:
         print("note: only 1 GPU: disaggregated/async will share it (the lab's GPU path needs 2)")
     out: dict[str, dict[str, Any]] = {}
     for arch in archs:
         print(f"{arch}: {cfg.steps} steps, {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
-              f"size {args.size}", flush=True)
+              f"size {args.size}, precision {cfg.precision}" + (f"; update {cfg.update}, sleep level {cfg.sleep_level}, "
+                                                               f"offload {cfg.offload}, CUDA graphs {cfg.cuda_graphs}"
+                                                               if arch == "colocated" else ""), flush=True)
         out[arch] = run(arch, cfg, engine=args.engine, size=args.size)
         if arch == "colocated" and gpu and big:
-            _awake_run(out[arch], cfg, args)
+            _other_sleep_run(out[arch], cfg, args)
     print(runs_table(out))
     if {"async", "disaggregated"} <= set(out):
         a, d = out["async"], out["disaggregated"]

@@ -1,7 +1,7 @@
-"""The engine process and its protocol: a message is a list of ops (generate, wake_ipc, sleep, join, receive,
-checksums, eval) carried out by :func:`_apply_ops`; :class:`EngineProcess` runs an engine in its own (spawned)
-process, :class:`LocalEngine` in the caller's, both with send/recv/call and the engine's spans filed in a
-:class:`~labsupport.rl.spans.SpanLog`."""
+"""The engine process and its protocol: a message is a list of ops (generate, eval, map, update, load_ipc, wake,
+sleep, join, receive, checksums) carried out by :func:`_apply_ops`; :class:`EngineProcess` runs an engine in its
+own (spawned) process, :class:`LocalEngine` in the caller's, both with send/recv/call and the engine's spans filed
+in a :class:`~labsupport.rl.spans.SpanLog`, one per op, under the phase the op serves (``PHASE_OF``)."""
 
 from __future__ import annotations
 
@@ -12,46 +12,62 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, checksums
+from labsupport import broadcast
 from labsupport.course import progress, vllm_engine
 from labsupport.course.peer import Peer
 from labsupport.rl.engines import HFEngine, VllmEngine
 from labsupport.rl.spans import SpanLog
 
 
+# The phase each op's span is filed under; every other op moves weights ("sync").
+PHASE_OF = {"generate": "generate", "eval": "eval", "wake": "wake", "sleep": "sleep"}
+
+
+def _run_op(eng, op: dict[str, Any], reply: dict[str, Any]) -> None:
+    """One op on an engine; what it returns goes into ``reply``."""
+    kind = op["op"]
+    if kind == "generate":
+        r = eng.generate(op["prompts"], op["n"], op["max_new_tokens"], op["temperature"])
+        r.version = op["version"]
+        reply["rollout"] = r
+    elif kind == "eval":
+        reply["texts"] = eng.generate(op["prompts"], 1, op["max_new_tokens"], 0.0).texts
+    elif kind == "map":  # co-located: map the trainer's bucket once (checked, loaded, copies planned)
+        reply["map"] = eng.map_weights(op["handle"])
+    elif kind == "update":  # co-located, mapped: copy the mapped bucket in
+        reply["update"] = eng.sync_mapped()
+    elif kind == "load_ipc":  # co-located, the safe path: open the handle, check, load (waking first if asleep)
+        eng.load_ipc(op["handle"])
+    elif kind == "wake":
+        eng.wake(tags=op.get("tags"))
+    elif kind == "sleep":
+        eng.sleep(op.get("level", 2))
+    elif kind == "join":  # disaggregated/async: join the trainer's weight-sync group as rank 1
+        eng.join(op["address"], op["port"], op["timeout_s"])
+    elif kind == "receive":
+        try:
+            reply["sync"] = eng.receive()
+        except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
+            reply["sync_error"] = str(err)
+    elif kind == "checksums":
+        reply["checksums"] = eng.checksums()
+    else:
+        raise ValueError(f"unknown engine op {kind!r}")
+
+
 def _apply_ops(eng, ops: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Carry out one message's ops on an engine; the reply holds results and the spans they took."""
     reply: dict[str, Any] = {"events": []}
     for op in ops:
-        kind, t0 = op["op"], time.perf_counter()
-        phase = "sync"
-        if kind == "generate":
-            r = eng.generate(op["prompts"], op["n"], op["max_new_tokens"], op["temperature"])
-            r.version = op["version"]
-            reply["rollout"], phase = r, "generate"
-        elif kind == "wake_ipc":  # co-located: map the trainer's bucket (zero-copy) and load it
-            eng.load_ipc(op["handle"])
-        elif kind == "sleep":
-            eng.sleep()
-        elif kind == "join":  # disaggregated/async: join the trainer's weight-sync group as rank 1
-            eng.join(op["address"], op["port"], op["timeout_s"])
-        elif kind == "receive":
-            try:
-                reply["sync"] = eng.receive()
-            except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
-                reply["sync_error"] = str(err)
-        elif kind == "checksums":
-            reply["checksums"] = checksums.tensor_checksums(eng.params()) if hasattr(eng, "params") else None
-        elif kind == "eval":
-            reply["texts"] = eng.generate(op["prompts"], 1, op["max_new_tokens"], 0.0).texts
-            phase = "eval"
-        else:
-            raise ValueError(f"unknown engine op {kind!r}")
+        t0 = time.perf_counter()
+        _run_op(eng, op, reply)
         if eng.device.type == "cuda":
             torch.cuda.synchronize(eng.device)
             free, total = torch.cuda.mem_get_info(eng.device)  # the whole GPU: every process on it
-            reply.setdefault("device_used", []).append({"after": kind, "step": op.get("step", -1), "bytes": total - free})
-        reply["events"].append((phase, op.get("step", -1), t0, time.perf_counter(), kind))
+            reply.setdefault("device_used", []).append({"after": op["op"], "step": op.get("step", -1),
+                                                        "bytes": total - free})
+        reply["events"].append((PHASE_OF.get(op["op"], "sync"), op.get("step", -1), t0, time.perf_counter(),
+                                op["op"]))
     return reply
 
 

@@ -12,6 +12,8 @@ import torch
 
 from labsupport.rl.rollout import Rollout, left_pad
 
+PRECISIONS = ("fp32", "bf16")  # the trainer's: float32, or bfloat16 autocast over float32 master weights
+
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
     """GRPO's baseline: each reward minus its group's mean, divided by the group's std (rewards: [B, G]).
@@ -76,18 +78,29 @@ class GRPOTrainer:
     """The learning code, identical in every orchestration: one optimizer step per batch of rollouts."""
 
     def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2,
-                 correction: str | None = None, is_cap: float = 2.0) -> None:
+                 correction: str | None = None, is_cap: float = 2.0, precision: str = "fp32") -> None:
         """``correction``: None uses the engine's log-probabilities as the behaviour policy (the PPO ratio then
         corrects staleness and sampler/trainer mismatch together); "tis" or "mis" recomputes them with the
         trainer and weights each token by the engine-to-trainer ratio, truncated at ``is_cap`` (TIS) or
-        masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (:func:`token_weights`)."""
+        masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (:func:`token_weights`).
+        ``precision``: "fp32", or "bf16" mixed precision: the forward passes (policy and reference) run under
+        ``torch.autocast`` in bfloat16 while the weights, gradients and Adam stay float32 (master weights), as
+        ``accelerate``'s ``mixed_precision="bf16"`` (TRL's ``bf16=True``) does. The loss is float32 either way."""
         _check_correction(correction)
-        self.correction, self.is_cap = correction, is_cap
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.correction, self.is_cap, self.precision = correction, is_cap, precision
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        cuda = next(model.parameters()).is_cuda  # one fused kernel per step on a GPU (as transformers' default)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True if cuda else None)
         self.beta, self.clip_eps = beta, clip_eps
         self.version = 0  # bumped by each optimizer step
+
+    def autocast(self) -> torch.autocast:
+        """The trainer's precision for a forward pass: bfloat16 autocast under "bf16", nothing under "fp32"."""
+        device = next(self.model.parameters()).device
+        return torch.autocast(device.type, torch.bfloat16, enabled=self.precision == "bf16")
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
@@ -98,9 +111,10 @@ class GRPOTrainer:
         device = next(self.model.parameters()).device
         mask = rollout.mask.to(device)
         self.model.train()
-        with torch.no_grad():
-            ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
-        logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
+        with self.autocast():
+            with torch.no_grad():
+                ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
+            logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
         # with a correction, the behaviour log-probabilities are the trainer's own (these weights, before the
         # step: the forward pass just made, without its gradient), and the engine's enter through the weights
         old = logp.detach() if self.correction else None

@@ -1,8 +1,9 @@
-"""The loop: :class:`RLConfig` and :func:`run`, the GRPO loop in one of three orchestrations (``ARCHS``):
-co-located, disaggregated and asynchronous, with the same learning code in each.
+"""The loop: :func:`run`, the GRPO loop in one of three orchestrations (``ARCHS``): co-located, disaggregated
+and asynchronous, with the same learning code in each (its settings: :class:`~labsupport.rl.config.RLConfig`).
 
-``run`` sets up a :class:`_Run` (trainer, engine, span log and memory timeline, and the weight path: an IPC bucket
-or a group), runs one step function per orchestration (``STEPS``) and tears everything down in ``finally``.
+``run`` sets up a :class:`_Run` (trainer, engine, span log and memory timeline, and the weight path: the
+co-located bucket of :mod:`~labsupport.rl.colocated` or a group), runs one step function per orchestration
+(``STEPS``) and tears everything down in ``finally``.
 """
 
 from __future__ import annotations
@@ -15,41 +16,19 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, checksums, groups, ipc
+from labsupport import broadcast, groups
 from labsupport.course import hardware, models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
-from labsupport.rl.devices import pick_devices
+from labsupport.rl.colocated import ColocatedWeights
+from labsupport.rl.config import RLConfig, check_run, start_engine
 from labsupport.rl.engine_process import EngineProcess, LocalEngine
-from labsupport.rl.engines import VllmEngine
+from labsupport.rl.engines import weights_match
 from labsupport.rl.grpo import GRPOTrainer
-from labsupport.rl.policy import SIZES, check_fits, check_size, load_policy, warmstart_dir
+from labsupport.rl.policy import load_policy, warmstart_dir
 from labsupport.rl.report import draw_live
 from labsupport.rl.rollout import Rollout, sample
 from labsupport.rl.spans import PHASES, SpanLog, breakdown
 from labsupport.rl.task import ANSWER_LEN, eval_prompts, reward, train_prompts
-
-ARCHS = ("colocated", "disaggregated", "async")
-
-
-@dataclass
-class RLConfig:
-    """Hyper-parameters; the defaults take held-out accuracy from 0 to about 0.95 in 30 steps."""
-
-    steps: int = 30
-    prompts_per_step: int = 16
-    group_size: int = 8
-    lr: float = 1e-3
-    beta: float = 0.02
-    clip_eps: float = 0.2
-    correction: str | None = None  # None, "tis" or "mis" (GRPOTrainer)
-    is_cap: float = 2.0
-    temperature: float = 1.0
-    eval_every: int = 1
-    seed: int = 0
-    warmstart_steps: int = 150
-    bucket_bytes: int = 4 << 20  # the tiny model (1.4 MB) fits one bucket; a real model fills many
-    threads: int = 1  # CPU threads per process (trainer and engine each)
-    memory_steps: int = 4  # steps recorded in the trainer's memory timeline (enough to see the pattern)
 
 
 @dataclass
@@ -62,11 +41,11 @@ class _Run:
     trainer: GRPOTrainer
     spans: SpanLog
     wdtype: torch.dtype  # what the engine takes: bfloat16 for vLLM on a GPU (the trainer's float32 cast as sent)
-    sleep: bool
+    offload: bool  # Adam's moments leave the GPU while the co-located engine works (policy.plan_offload)
     mem: MemoryTimeline | None = None
     engine: EngineProcess | LocalEngine | None = None
-    exporter: ipc.Exporter | None = None  # co-located: the trainer's weights in one exported bucket
-    handle: Any = None
+    path: ColocatedWeights | None = None  # co-located: the trainer's weights in one exported bucket
+    mapping: dict[str, Any] | None = None  # co-located, mapped: the engine's report of its plan
     group: groups.StatelessGroup | None = None  # disaggregated and async: trainer rank 0, engine rank 1
     rng: random.Random = field(default_factory=random.Random)
     tok: Any = field(default_factory=models.build_tokenizer)
@@ -110,10 +89,11 @@ def _learn(r: _Run, step: int, rollout: Rollout) -> dict[str, Any]:
 
 
 def _evaluate(r: _Run, step: int) -> None:
-    """The trainer's greedy accuracy on the held-out prompts (every ``eval_every`` steps, and at the end)."""
+    """The trainer's greedy accuracy on the held-out prompts (every ``eval_every`` steps, and at the end), in the
+    trainer's precision."""
     if r.cfg.eval_every and (step % r.cfg.eval_every == 0 or step == r.cfg.steps):
         evals = eval_prompts()
-        with _phase(r, "eval", step):
+        with _phase(r, "eval", step), r.trainer.autocast():
             toks, _, mask = sample(r.trainer.model, [r.tok(p)["input_ids"] for p in evals], ANSWER_LEN, 0.0)
             texts = [r.tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
             acc = sum(reward(t, p) for t, p in zip(texts, evals)) / len(evals)
@@ -142,21 +122,22 @@ def _push(r: _Run, step: int) -> None:
 
 
 def _colocated_step(r: _Run, k: int) -> dict[str, Any]:
-    """Engine: wake (weights from the trainer's bucket), generate, sleep (free its weights); trainer: learn,
-    repack the bucket. On a GPU the trainer's optimizer state leaves the device while the engine works."""
-    offload = r.tdev.startswith("cuda")
-    if offload:
-        with _phase(r, "sync", k, "offload optimizer"):
+    """Engine: (wake,) take the trainer's bucket, generate (, sleep); trainer: learn, refresh the bucket. Adam's
+    moments leave the GPU while the engine works only where the memory plan says the phase needs it."""
+    if r.offload:
+        with _phase(r, "offload", k, "optimizer to host"):
             move_optimizer_state(r.trainer.opt, "cpu")
-    with _phase(r, "idle", k, "engine generating"):
-        ops = [{"op": "wake_ipc", "handle": r.handle, "step": k}, _gen_op(r, k)]
-        reply = r.engine.call(*ops, *([{"op": "sleep", "step": k}] if r.sleep else []))
-    if offload:
-        with _phase(r, "sync", k, "reload optimizer"):
+            torch.cuda.empty_cache()  # the freed blocks go back to the device, for the engine's wake
+    with _phase(r, "idle", k, "engine working"):
+        reply = r.engine.call(*r.path.before_generate(k), _gen_op(r, k), *r.path.after_generate(k))
+    if r.offload:
+        with _phase(r, "offload", k, "optimizer to the GPU"):
             move_optimizer_state(r.trainer.opt, r.tdev)
     rec = _learn(r, k, reply["rollout"])
-    with _phase(r, "sync", k, "ipc bucket"):
-        r.exporter.update_bucket(r.handle, r.weights())
+    if "update" in reply:  # the mapped update's own report: bytes copied, seconds of copies inside the RPC
+        rec["engine_update"] = reply["update"]
+    with _phase(r, "sync", k, f"{r.path.update} bucket"):  # the trainer's cast of its weights into the bucket
+        r.path.refresh(r.trainer.model)
     return rec
 
 
@@ -185,12 +166,11 @@ STEPS: dict[str, Callable[[_Run, int], dict[str, Any]]] = {
 
 
 def _connect(r: _Run) -> None:
-    """The weight path: co-located, one exported bucket (and the engine asleep); else a group the engine joins."""
+    """The weight path: co-located, one exported bucket (mapped by the engine, or not; the engine asleep, or not);
+    else a group the engine joins."""
     if r.arch == "colocated":
-        r.exporter = ipc.Exporter()
-        r.handle = r.exporter.export_bucket(r.weights())
-        if r.sleep:
-            r.engine.call({"op": "sleep", "step": -1})
+        r.path = ColocatedWeights(r.trainer.model, r.wdtype, r.cfg.update, r.cfg.sleep_level)
+        r.mapping = r.engine.call(*r.path.connect_ops()).get("map")
         return
     port = groups.free_port()
     r.engine.send({"op": "join", "address": "127.0.0.1", "port": port, "timeout_s": 60.0})
@@ -199,7 +179,8 @@ def _connect(r: _Run) -> None:
 
 
 def _close(r: _Run) -> None:
-    """Leave the group first (an engine stuck in a broadcast then fails at once), stop the engine, free the bucket."""
+    """Leave the group first (an engine stuck in a broadcast then fails at once), stop the engine (which unmaps the
+    trainer's bucket), free the bucket."""
     try:
         if r.group is not None:
             r.group.destroy()
@@ -208,8 +189,8 @@ def _close(r: _Run) -> None:
             if r.engine is not None:
                 r.engine.close()
         finally:
-            if r.exporter is not None:
-                r.exporter.close()
+            if r.path is not None:
+                r.path.close()
 
 
 def _show(r: _Run, rec: dict[str, Any], bar: Any, live: Any, verbose: bool) -> None:
@@ -250,15 +231,15 @@ def _train(r: _Run, engine_name: str, verbose: bool) -> None:
             _push(r, r.cfg.steps)  # the engine ends with the final weights too
 
 
-def _engine_check(r: _Run) -> tuple[float, bool | None]:
+def _engine_check(r: _Run) -> tuple[float, bool]:
     """The engine's own greedy accuracy on the held-out prompts (proof that the last update arrived), and whether
-    its weights' checksums equal the trainer's (None where the engine cannot say)."""
+    its weights' checksums equal the trainer's (for vLLM in its own layout: ``engines.weights_match``)."""
     evals = eval_prompts()
-    ops = [{"op": "wake_ipc", "handle": r.handle, "step": r.cfg.steps}] if r.arch == "colocated" else []
+    ops = r.path.before_generate(r.cfg.steps) if r.arch == "colocated" else []
     reply = r.engine.call(*ops, {"op": "eval", "prompts": evals, "max_new_tokens": ANSWER_LEN, "step": r.cfg.steps},
                           {"op": "checksums", "step": r.cfg.steps})
     acc = sum(reward(t, p) for t, p in zip(reply["texts"], evals)) / len(evals)
-    return acc, None if reply["checksums"] is None else reply["checksums"] == checksums.tensor_checksums(r.weights())
+    return acc, weights_match(reply["checksums"], r.weights(), r.trainer.model.config)
 
 
 def _result(r: _Run, info: dict[str, Any]) -> dict[str, Any]:
@@ -279,37 +260,29 @@ def _result(r: _Run, info: dict[str, Any]) -> dict[str, Any]:
             "device_memory": [u for u in r.spans.device_used if u["step"] < r.cfg.memory_steps]}
 
 
-def _devices(arch: str, engine: str, size: str, cfg: RLConfig, devices: tuple[str, str] | None) -> tuple[str, str]:
-    """Check the arguments (and on a GPU the free memory) before anything is built; the two devices."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if engine not in ("transformers", "vllm"):
-        raise ValueError(f"engine must be 'transformers' or 'vllm', got {engine!r}")
-    if engine == "vllm":
-        hardware.require("vllm", what='rl.run(engine="vllm")')
-    tdev, edev = devices or pick_devices(arch)
-    if tdev.startswith("cuda"):  # a clear error now, not an out-of-memory traceback halfway through a phase
-        check_fits(size, torch.cuda.mem_get_info(torch.device(tdev))[0], cfg.prompts_per_step * cfg.group_size)
-    else:
-        check_size(size)
-    return tdev, edev
+def _mechanisms(r: _Run, engine: str) -> dict[str, Any]:
+    """What the run's co-located path actually did (a switch without effect on this engine or device says so)."""
+    gpu_vllm = engine == "vllm" and r.tdev.startswith("cuda")
+    return {"update": r.cfg.update, "sleep_level": r.cfg.sleep_level if gpu_vllm or engine == "transformers" else 0,
+            "optimizer_offload": r.offload, "cuda_graphs": gpu_vllm and r.cfg.cuda_graphs,
+            "inline_engine": engine == "vllm" and r.cfg.inline_engine, "precision": r.cfg.precision,
+            "mapping": r.mapping} if r.arch == "colocated" else {"precision": r.cfg.precision}
 
 
 def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         devices: tuple[str, str] | None = None, verbose: bool = True, memory: bool = True,
-        size: str = "tiny", sleep: bool = True) -> dict[str, Any]:
+        size: str = "tiny") -> dict[str, Any]:
     """Run the GRPO loop in one orchestration; returns curves, per-step timings and the timeline (JSON-able).
 
     ``engine="transformers"`` runs :class:`~labsupport.rl.engines.HFEngine`, ``engine="vllm"`` runs
-    :class:`~labsupport.rl.engines.VllmEngine`: in this process when co-located (weights through IPC handles),
-    in its own process otherwise (weights over the group). A bfloat16 engine (vLLM on GPU) gets the trainer's
-    float32 weights cast as they are sent.
-    ``size`` picks the model (``SIZES``; on a GPU, checked against free memory before anything is built);
-    ``sleep=False`` keeps the co-located engine awake between generations (to compare memory with and without).
+    :class:`~labsupport.rl.engines.VllmEngine`: in this process when co-located (weights through IPC handles,
+    with the mechanisms ``cfg`` switches: :mod:`~labsupport.rl.colocated`), in its own process otherwise (weights
+    over the group). A bfloat16 engine (vLLM on GPU) gets the trainer's float32 weights cast as they are sent.
+    ``size`` picks the model (``SIZES``; on a GPU, checked against free memory before anything is built).
     Threads and the current GPU are restored, and the engine, group and bucket released, however it ends.
     """
     cfg = cfg or RLConfig()
-    tdev, edev = _devices(arch, engine, size, cfg, devices)
+    tdev, edev, offload = check_run(arch, engine, size, cfg, devices)
     model_dir = warmstart_dir(cfg.seed, cfg.warmstart_steps, size)  # built once, with all cores, then cached
     with contextlib.ExitStack() as stack:
         stack.callback(torch.set_num_threads, torch.get_num_threads())
@@ -319,16 +292,11 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         torch.manual_seed(cfg.seed)
         spans = SpanLog()
         trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
-                              correction=cfg.correction, is_cap=cfg.is_cap)
+                              correction=cfg.correction, is_cap=cfg.is_cap, precision=cfg.precision)
         wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
-        r = _Run(arch, cfg, tdev, trainer, spans, wdtype, sleep, rng=random.Random(cfg.seed))
+        r = _Run(arch, cfg, tdev, trainer, spans, wdtype, offload, rng=random.Random(cfg.seed))
         stack.callback(_close, r)
-        if engine == "vllm" and arch == "colocated":
-            r.engine = LocalEngine(VllmEngine(model_dir, edev, seed=cfg.seed, max_num_seqs=cfg.prompts_per_step *
-                                              cfg.group_size, gpu_bytes=None if size == "tiny" else
-                                              SIZES[size]["engine_bytes"]), spans)
-        else:
-            r.engine = EngineProcess(model_dir, edev, spans, seed=cfg.seed, threads=cfg.threads, engine=engine)
+        r.engine = start_engine(arch, engine, cfg, model_dir, edev, size, spans)
         if memory:
             r.mem = MemoryTimeline(tdev, name=f"trainer ({arch})")
             for role in ("weights", "gradients"):
@@ -342,7 +310,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         t_loop = spans.now()
         _train(r, engine, verbose)
         loop_s = spans.now() - t_loop
-        engine_acc, weights_match = _engine_check(r)
+        engine_acc, match = _engine_check(r)
+    mech = _mechanisms(r, engine)
     return _result(r, {"arch": arch, "engine": engine, "devices": {"trainer": tdev, "engine": edev}, "size": size,
-                       "engine_sleeps": sleep, "setup_s": setup_s, "loop_s": loop_s,
-                       "engine_final_acc": engine_acc, "weights_match": weights_match})
+                       "engine_sleeps": mech.get("sleep_level", 0) > 0, "mechanisms": mech, "setup_s": setup_s,
+                       "loop_s": loop_s, "engine_final_acc": engine_acc, "weights_match": match})

@@ -56,26 +56,53 @@ def model_params(size: str) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def memory_needed(size: str, sequences: int = 512, seq_len: int = 8) -> dict[str, float]:
+def memory_needed(size: str, sequences: int = 512, seq_len: int = 8,
+                  engine_bytes: float | None = None) -> dict[str, float]:
     """Bytes the co-located loop needs on one GPU at ``size``: the fp32 trainer (weights, gradients, Adam's two
     moments: planner.bytes_per_param("fp32"), plus the frozen reference), activations of one batch of
-    ``sequences`` (planner.activation_bytes, doubled for fp32) and the vLLM engine's budget."""
+    ``sequences`` (planner.activation_bytes, doubled for fp32) and the vLLM engine's budget (``engine_bytes``,
+    default the size's)."""
     n, c = model_params(size), models.build_config(**check_size(size)["config"])
     act = 2 * planner.activation_bytes(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, seq_len, sequences)
     return {"trainer": n * (planner.bytes_per_param("fp32").total + 4), "activations": act,
-            "engine": SIZES[size]["engine_bytes"]}
+            "engine": SIZES[size]["engine_bytes"] if engine_bytes is None else engine_bytes}
 
 
-def check_fits(size: str, free_bytes: float, sequences: int = 512) -> float:
+def check_fits(size: str, free_bytes: float, sequences: int = 512, offload: bool = False,
+               engine_bytes: float | None = None) -> float:
     """Raise InsufficientMemory, naming the need, the free bytes and the largest size that fits, unless the
-    co-located loop at ``size`` fits in ``free_bytes``; returns the bytes needed."""
-    need = sum(memory_needed(size, sequences).values())
+    co-located loop at ``size`` fits in ``free_bytes``; returns the bytes needed. ``offload``: Adam's moments
+    leave the GPU while the engine works, so they do not count against the engine's budget."""
+    def need_of(s: str) -> float:
+        need = memory_needed(s, sequences, engine_bytes=engine_bytes if s == size else None)
+        return sum(need.values()) - (model_params(s) * planner.bytes_per_param("fp32").optimizer if offload else 0)
+
+    need = need_of(size)
     if need > free_bytes:
-        fits = [s for s in SIZES if sum(memory_needed(s, sequences).values()) <= free_bytes]
+        fits = [s for s in SIZES if need_of(s) <= free_bytes]
         hint = f"size {fits[-1]!r} fits" if fits else "no size fits: free the GPU (other processes?)"
         raise InsufficientMemory(f"size {size!r} needs about {need / 1e9:.1f} GB of GPU memory (trainer, "
                                  f"activations, engine), but only {free_bytes / 1e9:.1f} GB is free; {hint}")
     return need
+
+
+OFFLOADS = ("auto", "on", "off")
+
+
+def plan_offload(size: str, free_bytes: float, sequences: int = 512, sleep_level: int = 0, offload: str = "auto",
+                 engine_bytes: float | None = None) -> bool:
+    """Whether Adam's moments leave the GPU while the co-located engine works (checked with :func:`check_fits`).
+
+    "on" and "off" as asked; "auto" only where the loop does not fit otherwise *and* the engine sleeps between
+    generations: an awake engine (sleep level 0) keeps its memory reserved, so moments moved out would free
+    nothing it could use, and where everything fits, two PCIe transfers a step buy nothing."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    if offload == "auto":
+        fits = sum(memory_needed(size, sequences, engine_bytes=engine_bytes).values()) <= free_bytes
+        offload = "off" if fits or sleep_level == 0 else "on"
+    check_fits(size, free_bytes, sequences, offload=offload == "on" and sleep_level > 0, engine_bytes=engine_bytes)
+    return offload == "on"
 
 
 def warmstart_dir(seed: int = 0, steps: int = 150, size: str = "tiny") -> Path:

@@ -8,7 +8,7 @@ from typing import Any
 from labsupport.rl.spans import PHASES
 
 COLORS = {"generate": "tab:blue", "score": "tab:purple", "train": "tab:orange", "sync": "tab:red",
-          "idle": "0.85", "eval": "0.6"}
+          "wake": "tab:green", "sleep": "tab:olive", "offload": "tab:brown", "idle": "0.85", "eval": "0.6"}
 
 
 def plot_curves(results: dict[str, dict[str, Any]], x: str = "step", ax=None):
@@ -95,7 +95,7 @@ def plot_breakdown(results: dict[str, dict[str, Any]], ax=None):
         for lane in ("trainer", "engine"):
             b = 0.0
             for p in PHASES:
-                v = d["mean_breakdown"][lane][p] * 1e3
+                v = d["mean_breakdown"][lane].get(p, 0.0) * 1e3  # (runs recorded before a phase existed)
                 ax.bar(i, v, bottom=b, color=COLORS[p], label=p if i == 0 else None, edgecolor="k", linewidth=0.3)
                 b += v
             labels.append(f"{arch}\n{lane}")
@@ -114,7 +114,7 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
             "loop_s": data["loop_s"], "setup_s": data["setup_s"], "initial_acc": data["initial_acc"],
             "final_acc": data["final_acc"], "engine_final_acc": data["engine_final_acc"],
             "mean_staleness": data["mean_staleness"],
-            **{f"trainer_{p}_s": b["trainer"][p] for p in PHASES}, **{f"engine_{p}_s": b["engine"][p] for p in PHASES}}
+            **{f"{lane}_{p}_s": b[lane].get(p, 0.0) for lane in ("trainer", "engine") for p in PHASES}}
 
 
 def peak_memory(data: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -130,6 +130,14 @@ def peak_memory(data: dict[str, Any]) -> dict[str, dict[str, int]]:
         if ph.get("peak_allocated") is not None:
             alloc[ph["name"]] = max(alloc.get(ph["name"], 0), ph["peak_allocated"])
     return {"device_used": used, "trainer_allocated": alloc}
+
+
+def sleep_peaks(data: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The :func:`peak_memory` records of a co-located GPU run with the engine asleep and awake, as ``python -m
+    labsupport rl`` records them: the main run's, and its second, short run's with the other sleep setting."""
+    main, slept = data.get("peak_memory"), data.get("engine_sleeps", True)
+    other = (data.get("no_sleep") if slept else data.get("asleep")) or {}
+    return (main, other.get("peak_memory")) if slept else (other.get("peak_memory"), main)
 
 
 def runs_table(results: dict[str, dict[str, Any]]) -> str:

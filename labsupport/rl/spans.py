@@ -8,7 +8,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-PHASES = ("generate", "score", "train", "sync", "idle", "eval")
+# wake, sleep: the co-located engine's memory coming back and going (vLLM sleep mode); offload: Adam's moments
+# leaving the GPU and coming back; sync: weights into the engine (both sides' parts); idle: what no span covers
+PHASES = ("generate", "score", "train", "sync", "wake", "sleep", "offload", "idle", "eval")
 
 
 class SpanLog:

@@ -1,0 +1,110 @@
+"""The co-located weight path: the trainer's weights in one exported bucket, in the engine's dtype, and the engine
+ops that bring them into an engine on the same device every step (Chapters 3 and 5), with each mechanism a switch.
+
+- ``update="mapped"`` (default): the engine maps the bucket once (``fast_update``'s ``map_trainer_weights``:
+  checked, loaded once, the copy plan made and verified); then every step the trainer refreshes the bucket in
+  place (one grouped cast-copy of its float32 weights, nothing allocated) and the engine runs one RPC of device
+  copies (``sync_mapped_weights``). ``update="ipc"``: every step the trainer repacks the bucket (names, dtypes and
+  shapes checked) and the engine opens the handle, checks it and loads it through vLLM's layerwise reload
+  (``update_weights_from_ipc``): the safe path, as TRL loads its weights (``load_weights`` per parameter).
+- ``sleep_level`` (vLLM's): 0 keeps the engine awake between generations (its weights and KV cache stay
+  resident: the fastest, where both fit); 1 copies the weights to host memory and discards the KV cache; 2
+  discards both, so the update after the wake refills the weights. Asleep, a step's engine ops are: wake the
+  weights, update them, wake the KV cache, generate, sleep.
+
+``CONFIGS`` names the switch settings that the capstone's command line and ``bench peer`` compare (``"fast"``:
+the defaults; ``"safe"``: the capstone set up as TRL sets itself up, the safe reload path and sleep level 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from labsupport import ipc
+from labsupport.core.buckets import unpack
+from labsupport.course import hardware
+from labsupport.vllm_weights import WeightUpdateError
+
+UPDATES = ("mapped", "ipc")
+SLEEP_LEVELS = (0, 1, 2)
+
+# One name per switch setting (RLConfig fields); a configuration joins names with "+", e.g. "sleep2+no-graphs".
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fast": {},  # the defaults: mapped update, engine awake, CUDA graphs, offload only where memory needs it
+    "safe": {"update": "ipc", "sleep_level": 2},  # as TRL's colocate mode with sleep: reload path, level 2
+    "mapped": {"update": "mapped"}, "ipc": {"update": "ipc"},
+    "sleep0": {"sleep_level": 0}, "sleep1": {"sleep_level": 1}, "sleep2": {"sleep_level": 2},
+    "graphs": {"cuda_graphs": True}, "no-graphs": {"cuda_graphs": False},
+    "offload": {"offload": "on"}, "no-offload": {"offload": "off"},
+    "inline": {"inline_engine": True},  # vLLM's engine core in the trainer's process, as TRL's colocate mode runs it
+    "fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"},
+}
+
+
+def config_overrides(name: str) -> dict[str, Any]:
+    """The RLConfig fields that configuration ``name`` ("fast", or names of ``CONFIGS`` joined by "+") sets."""
+    out: dict[str, Any] = {}
+    for part in name.split("+"):
+        if part not in CONFIGS:
+            raise ValueError(f"unknown capstone configuration {part!r} in {name!r}; known: {', '.join(CONFIGS)}")
+        out.update(CONFIGS[part])
+    return out
+
+
+class ColocatedWeights:
+    """The trainer's end of the co-located weight path (see the module docstring), and the engine ops of a step.
+
+    ``model``: the trainer's model (its float32 weights); ``dtype``: the engine's (bfloat16 for vLLM on a GPU).
+    The bucket is exported once, here; :meth:`close` releases it (after the engine has unmapped it)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, update: str = "mapped", sleep_level: int = 0) -> None:
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+        if sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
+        self.update, self.sleep_level, self.dtype = update, sleep_level, dtype
+        named = [(n, p.detach().to(dtype)) for n, p in model.named_parameters()]
+        self.exporter = ipc.Exporter()
+        self.handle = self.exporter.export_bucket(named)
+        self.names = [n for n, _ in named]
+        self.views = [v for _, v in unpack(self.exporter.buffer(self.handle), self.handle.entries)]
+        self.device = named[0][1].device
+
+    def connect_ops(self) -> list[dict[str, Any]]:
+        """Before the first step: the engine maps the bucket (mapped), then goes to sleep (if it sleeps)."""
+        ops = [{"op": "map", "handle": self.handle, "step": -1}] if self.update == "mapped" else []
+        return ops + self.after_generate(-1)
+
+    def before_generate(self, step: int) -> list[dict[str, Any]]:
+        """The engine's ops before it generates: the update, between waking the weights and the KV cache if asleep."""
+        update = ({"op": "update", "step": step} if self.update == "mapped"
+                  else {"op": "load_ipc", "handle": self.handle, "step": step})
+        if not self.sleep_level:
+            return [update]
+        return [{"op": "wake", "tags": ["weights"], "step": step}, update,
+                {"op": "wake", "tags": ["kv_cache"], "step": step}]
+
+    def after_generate(self, step: int) -> list[dict[str, Any]]:
+        return [{"op": "sleep", "level": self.sleep_level, "step": step}] if self.sleep_level else []
+
+    @torch.no_grad()
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Trainer side, after its optimizer step: the new weights into the exported bucket, then wait for the
+        copies (the engine reads the bucket next). Mapped: one grouped cast-copy into the bucket's views, after
+        checking that the model still has the parameters it was exported with (a copy into a view of another shape
+        would broadcast silently). IPC: ``Exporter.update_bucket`` (checked, packed)."""
+        named = list(model.named_parameters())
+        if self.update == "ipc":
+            self.exporter.update_bucket(self.handle, [(n, p.detach().to(self.dtype)) for n, p in named])
+            return
+        if [n for n, _ in named] != self.names or any(p.shape != v.shape for (_, p), v in zip(named, self.views)):
+            raise WeightUpdateError("the trainer's model no longer has the parameters its bucket was exported with "
+                                    "(names or shapes changed): nothing was sent; export a new bucket and map it")
+        torch._foreach_copy_(self.views, [p.detach() for _, p in named])
+        hardware.synchronize(self.device)
+
+    def close(self) -> None:
+        """Release the bucket (the engine has unmapped it when it closed; any other mapping is forced)."""
+        self.exporter.close()
