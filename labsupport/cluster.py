@@ -242,7 +242,7 @@ class EngineActor(RayWorker):
         return [o.outputs[0].text for o in self.llm.generate(prompts, sp, use_tqdm=False)]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-                       timeout: float | None = None) -> list[Any]:
+                       timeout: float = vllm_ext.TIMEOUT_S) -> list[Any]:
         """Call ``method`` on every vLLM worker (a worker-extension method name, or a function); a worker that
         failed raises ``WeightUpdateError`` naming it (``vllm_ext.call``)."""
         return vllm_ext.call(self.llm, method, *args, kwargs=kwargs, timeout=timeout)

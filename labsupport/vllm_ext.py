@@ -82,9 +82,10 @@ def _name(method: str | Callable[..., Any]) -> str:
 
 
 def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
-         timeout: float = TIMEOUT_S) -> list[Any]:
+         timeout: float | None = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
     the per-rank results; ``WeightUpdateError`` naming each failed worker; ``TimeoutError``; ``EngineDead``."""
+    timeout = TIMEOUT_S if timeout is None else timeout  # None (as vLLM's own clients call): the default deadline
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
     rpc = llm.collective_rpc
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline, given a little more

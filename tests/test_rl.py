@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labsupport import rl
-from labsupport.course import models, planner
+from labsupport.course import models, planner, vllm_engine
 from labsupport.rl import colocated, engines, grpo, policy, rollout, spans, task
 from labsupport.vllm_weights import WeightUpdateError
 
@@ -469,8 +469,10 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
 
     gpu = hardware.gpu_count() > 0
     device, tol = ("cuda:0", 0.1) if gpu else ("cpu", 1e-3)
-    # what VllmEngine sets for vLLM's start (vLLM sets VLLM_WORKER_MULTIPROC_METHOD itself when it must spawn)
-    ours = ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
+    # what VllmEngine sets for vLLM's start only (vLLM sets VLLM_WORKER_MULTIPROC_METHOD itself when it must spawn;
+    # vllm_engine.PROCESS_WIDE stays set on purpose: this process pickles too)
+    ours = [k for k in vllm_engine.ENV if k not in vllm_engine.PROCESS_WIDE]
+    assert ours
     env = {k: os.environ.get(k) for k in ours}
     eng = engines.VllmEngine(policy_dir, device, max_num_seqs=16)
     try:
