@@ -303,7 +303,12 @@ def _child(argv: list[str], tool: str, config: str | None, seed: int, timeout: f
         cmd = [sys.executable, "-m", "labsupport", "bench", "peer", *argv, "--worker", tool, "--seed", str(seed),
                "--out", f.name, *(["--config", config] if config else [])]
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, timeout=timeout, env={**os.environ, "LABSUPPORT_PROGRESS": "0"})
+        # TRL's colocate mode starts a one-rank torch.distributed group at MASTER_PORT (29500 unless set): a free
+        # port, so that two runs side by side (one per GPU) do not collide
+        from labsupport.groups import free_port
+
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **os.environ, "LABSUPPORT_PROGRESS": "0"}
+        subprocess.run(cmd, check=True, timeout=timeout, env=env)
         return {"wall_s": time.perf_counter() - t0, **json.loads(Path(f.name).read_text())}
 
 
