@@ -443,7 +443,7 @@ def plot(data: dict[str, Any]):
         d = data["shapes"][shape]
         ax.bar([k + i * width for k in range(len(names))], [d["modes"][n]["gbps"] for n in names], width,
                label=f"{shape} ({d['model_bytes'] / 1e9:.1f} GB); raw broadcast {d['raw_broadcast_gbps'] or 0:.0f}, "
-                     f"device copy {d['device_copy_gbps'] / 2:.0f} GB/s (bytes copied)")  # the JSON keeps read + write
+                     f"device copy {d['device_copy_gbps']:.0f} GB/s (bytes copied)")
     ax.set_xticks([k + width * (len(shapes) - 1) / 2 for k in range(len(names))], names)
     ax.set_ylabel("GB/s, send to first generation")
     where = f"TP={data['tp']}" if data["tp"] else "co-located only, one GPU"
@@ -459,7 +459,7 @@ def plot(data: dict[str, Any]):
             bottom = [b + m for b, m in zip(bottom, ms)]
     rest = [last["modes"][n]["update_s"] * 1e3 - b for n, b in zip(co, bottom)]  # modes not broken down
     bx.bar(co, [max(r, 0.0) for r in rest], bottom=bottom, label="not broken down (vLLM's engine)", color="0.75")
-    floor = last["model_bytes"] * 2 / (last["device_copy_gbps"] * 1e9) * 1e3
+    floor = last["model_bytes"] / (last["device_copy_gbps"] * 1e9) * 1e3
     bx.axhline(floor, color="k", ls="--", lw=1, label=f"one device copy: {floor:.1f} ms")
     bx.set_ylabel(f"ms per update, {shapes[-1]}")
     bx.set_title("Where a co-located update's time goes")
@@ -511,14 +511,14 @@ def main(argv: list[str] | None = None) -> int:
         if n_gpus >= 2:  # with one GPU only the co-located modes run
             modes, raw_gbps, version = disaggregated(model, folder, tp, version)
         co_modes, sleep, version = colocated(model, folder, version)
-        copy_gbps = 2 * nbytes / device_copy(nbytes) / 1e9  # read + write, as the copy bandwidth is quoted
+        copy_gbps = nbytes / device_copy(nbytes) / 1e9  # device copy: bytes copied per second (the glossary's unit)
         modes.update(co_modes)
         for name, row in modes.items():
             row["gbps"] = nbytes / row["seconds"] / 1e9
             row["fraction_of_raw"] = row["gbps"] / raw_gbps if raw_gbps else None
             if name in co_modes:
-                row["fraction_of_copy"] = 2 * row["gbps"] / copy_gbps  # the update reads and writes each byte once
-                row["update_fraction_of_copy"] = 2 * nbytes / (copy_gbps * 1e9) / row["update_s"]  # update alone
+                row["fraction_of_copy"] = row["gbps"] / copy_gbps
+                row["update_fraction_of_copy"] = nbytes / (copy_gbps * 1e9) / row["update_s"]  # the update alone
         data["shapes"][shape] = {"model_bytes": nbytes, "raw_broadcast_gbps": raw_gbps, "device_copy_gbps": copy_gbps,
                                  "modes": modes, "sleep": sleep}
         del model
