@@ -59,7 +59,8 @@ vLLM engines and their updates (Chapters 4 to 8, Labs 4, 6, 7, 8):
 
 After the update, and the capstone (Chapters 9 and 11, Labs 9 and 10):
 
-- ``rl.rollout``: what an engine returns (completions with log-probabilities), and the sampler
+- ``rl.task``: the capstone's task: its prompts, held-out prompts and reward
+- ``rl.rollout``: what an engine returns (completions with log-probabilities), the sampler, the held-out accuracy
 - ``rl.grpo``: the GRPO loss with group advantages, and its TIS/MIS correction for a sampler that is not the trainer
 - ``after_update``: what goes wrong once new weights are in: stale prefix cache, requests in flight, logprob gaps
 - ``rl``: the capstone: a small GRPO loop in three orchestrations, side by side

@@ -62,17 +62,6 @@ UNEQUAL = {
 }
 
 
-def held_out_accuracy(model) -> float:
-    """Greedy answers of ``model`` to the held-out prompts, scored by the task's reward (as the capstone's loop)."""
-    from labsupport.course import models
-    from labsupport.rl import rollout, task
-
-    tok, prompts = models.build_tokenizer(), task.eval_prompts()
-    toks, _, mask = rollout.sample(model, [tok(p)["input_ids"] for p in prompts], task.ANSWER_LEN, 0.0)
-    texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
-    return sum(task.reward(t, p) for t, p in zip(texts, prompts)) / len(prompts)
-
-
 # ---- the capstone's configurations and TRL's settings ------------------------------------------------------------
 
 def capstone_switches(name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +124,7 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from labsupport.rl import policy, task
+    from labsupport.rl import policy, rollout, task
 
     path = str(policy.warmstart_dir(seed=a.seed, size=a.size))
     parts: list[tuple[str, float]] = []
@@ -163,14 +152,14 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
             wall = time.perf_counter() - self.t0
             steps.append({"step": state.global_step, "wall_s": wall, **_trl_parts(parts, wall)})
             if state.global_step % a.eval_every == 0 or state.global_step == a.steps:
-                curve.append({"step": state.global_step, "eval_acc": held_out_accuracy(model)})
+                curve.append({"step": state.global_step, "eval_acc": rollout.held_out_accuracy(model)})
 
     prompts = task.train_prompts(a.steps * a.prompts, random.Random(a.seed))
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(model=path, reward_funcs=reward, args=_trl_config(a, tmp),
                               train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Clock()])
         with torch.autocast("cuda", torch.bfloat16, enabled=a.precision == "bf16"):  # (accelerate's, from train())
-            curve.append({"step": 0, "eval_acc": held_out_accuracy(trainer.model)})
+            curve.append({"step": 0, "eval_acc": rollout.held_out_accuracy(trainer.model)})
         t0 = time.perf_counter()
         trainer.train()
         loop_s = time.perf_counter() - t0

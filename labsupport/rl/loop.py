@@ -26,7 +26,7 @@ from labsupport.rl.engines import weights_match
 from labsupport.rl.grpo import GRPOTrainer
 from labsupport.rl.policy import load_policy, warmstart_dir
 from labsupport.rl.report import draw_live
-from labsupport.rl.rollout import Rollout, sample
+from labsupport.rl.rollout import Rollout, held_out_accuracy
 from labsupport.rl.spans import PHASES, SpanLog, breakdown
 from labsupport.rl.task import ANSWER_LEN, eval_prompts, reward, train_prompts
 
@@ -92,11 +92,8 @@ def _evaluate(r: _Run, step: int) -> None:
     """The trainer's greedy accuracy on the held-out prompts (every ``eval_every`` steps, and at the end), in the
     trainer's precision."""
     if r.cfg.eval_every and (step % r.cfg.eval_every == 0 or step == r.cfg.steps):
-        evals = eval_prompts()
         with _phase(r, "eval", step), r.trainer.autocast():
-            toks, _, mask = sample(r.trainer.model, [r.tok(p)["input_ids"] for p in evals], ANSWER_LEN, 0.0)
-            texts = [r.tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
-            acc = sum(reward(t, p) for t, p in zip(texts, evals)) / len(evals)
+            acc = held_out_accuracy(r.trainer.model, r.tok)
         r.curve.append({"step": step, "t": r.spans.now(), "eval_acc": acc})
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from labsupport.course import models
+from labsupport.rl import task
 
 
 @dataclass
@@ -73,3 +75,12 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temp
         out = model(input_ids=nxt[:, None], attention_mask=att, position_ids=pos,
                     past_key_values=out.past_key_values, use_cache=True)
     return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).cpu(), torch.stack(masks, 1).cpu()
+
+
+def held_out_accuracy(model: torch.nn.Module, tok: Any = None) -> float:
+    """The policy's greedy accuracy on the task's held-out prompts, scored by the task's reward: the one measure of
+    learning that the capstone's loop and ``bench peer`` share."""
+    tok, prompts = tok or models.build_tokenizer(), task.eval_prompts()
+    toks, _, mask = sample(model, [tok(p)["input_ids"] for p in prompts], task.ANSWER_LEN, 0.0)
+    texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
+    return sum(task.reward(t, p) for t, p in zip(texts, prompts)) / len(prompts)
