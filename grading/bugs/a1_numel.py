@@ -8,6 +8,8 @@ import torch
 from grading.reference import a1 as ref
 
 LOSES = {"test_bytes_by_role_at_every_phase_edge"}
+# on a GPU the timeline is also checked against the allocator's count, which a bfloat16 model's numel misses too
+LOSES_ON_GPU = {"test_gpu_timeline_reads_the_allocator"}
 
 
 class Timeline(ref.Timeline):
