@@ -38,14 +38,19 @@ log = logging.getLogger(__name__)
 
 # ---- Trainer side ----------------------------------------------------------------------------------
 
+def export_order(named: Any) -> list[tuple[str, torch.Tensor]]:
+    """``named`` tensors in the order to export them: weights, then biases (a stable sort), so that what vLLM fuses
+    (q, k, v weights; gate and up; q, k, v biases) lies side by side and the plan fills each parameter in one copy."""
+    return sorted(named, key=lambda item: item[0].endswith(".bias"))
+
+
 class SharedWeights:
     """A model whose parameters live in one exported buffer. Create it before the optimizer; then every
     in-place update (``optimizer.step()``, ``p.copy_(...)``) writes the memory that an engine has mapped."""
 
     def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None) -> None:
         self.exporter, self.model = exporter or ipc.Exporter(), model
-        # weights, then biases (a stable sort): q, k, v weights side by side, gate and up, q, k, v biases
-        named = sorted(model.named_parameters(), key=lambda item: item[0].endswith(".bias"))
+        named = export_order(model.named_parameters())
         self.handle = self.exporter.export_bucket(named)  # one copy into the new buffer, once
         params = dict(named)
         with torch.no_grad():

@@ -380,7 +380,9 @@ def test_mapped_refresh_casts_into_the_same_bucket_and_refuses_a_changed_model()
                 p.add_(0.5)
         path.refresh(model)
         assert [v.data_ptr() for v in path.views] == where  # in place: the engine's mapping stays valid
-        assert all(torch.equal(v, p.detach().to(torch.bfloat16)) for v, p in zip(path.views, model.parameters()))
+        params = dict(model.named_parameters())  # (the bucket holds them in fast_update's export order)
+        assert sorted(path.names) == sorted(params) and len(path.views) == len(params)
+        assert all(torch.equal(v, params[n].detach().to(torch.bfloat16)) for n, v in zip(path.names, path.views))
         model.lm_head.weight = torch.nn.Parameter(torch.zeros(3, 3))  # another shape: a copy would broadcast
         with pytest.raises(WeightUpdateError, match="no longer has the parameters"):
             path.refresh(model)

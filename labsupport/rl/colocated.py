@@ -25,6 +25,7 @@ import torch
 from labsupport import ipc
 from labsupport.core.buckets import unpack
 from labsupport.course import hardware
+from labsupport.fast_update import export_order
 from labsupport.vllm_weights import WeightUpdateError
 
 UPDATES = ("mapped", "ipc")
@@ -65,7 +66,7 @@ class ColocatedWeights:
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         self.update, self.sleep_level, self.dtype = update, sleep_level, dtype
-        named = [(n, p.detach().to(dtype)) for n, p in model.named_parameters()]
+        named = [(n, p.detach().to(dtype)) for n, p in export_order(model.named_parameters())]
         self.exporter = ipc.Exporter()
         self.handle = self.exporter.export_bucket(named)
         self.names = [n for n, _ in named]
@@ -95,7 +96,7 @@ class ColocatedWeights:
         copies (the engine reads the bucket next). Mapped: one grouped cast-copy into the bucket's views, after
         checking that the model still has the parameters it was exported with (a copy into a view of another shape
         would broadcast silently). IPC: ``Exporter.update_bucket`` (checked, packed)."""
-        named = list(model.named_parameters())
+        named = export_order(model.named_parameters())  # the bucket's order
         if self.update == "ipc":
             self.exporter.update_bucket(self.handle, [(n, p.detach().to(self.dtype)) for n, p in named])
             return
