@@ -46,14 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    have = _gpu_count()
-    for item in items:
-        marker = item.get_closest_marker("gpu")
-        if marker is None:
-            continue
-        need = int(marker.args[0]) if marker.args else 1
-        if have < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), this machine has {have}"))
+    from labsupport.course.hardware import skip_gpu_tests
+
+    skip_gpu_tests(items)
 
 
 def _lab_min_gpus(md_path: Path) -> int:

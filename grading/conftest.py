@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from grading import impl as impls
+from labsupport.course.hardware import skip_gpu_tests
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -87,21 +88,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     missing = [i.nodeid for i in graded if i.get_closest_marker("points") is None]
     if missing:
         raise pytest.UsageError("graded tests without @pytest.mark.points(n): " + ", ".join(missing))
-    skip_smaller_machines(graded)
-
-
-def skip_smaller_machines(items: list[pytest.Item]) -> None:
-    """Skip each test marked ``gpu(n)`` on a machine with fewer than ``n`` GPUs, with the reason. The grader
-    does this itself (as the repository's root conftest does for its tests), so that a test that needs two
-    GPUs is skipped wherever the graded tests run, with or without that conftest."""
-    from labsupport.course.hardware import gpu_count
-
-    have = None
-    for item in items:
-        marker = item.get_closest_marker("gpu")
-        if marker is None:
-            continue
-        have = gpu_count() if have is None else have
-        need = int(marker.args[0]) if marker.args else 1
-        if have < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), this machine has {have}"))
+    skip_gpu_tests(graded)  # here too: the grader may run without the repository's conftest
