@@ -55,7 +55,7 @@ for step in $STEPS; do
     vllm_bench1) run vllm_bench1 540 python3 -m labsupport bench vllm-update ;;
     lora_bench) run lora_bench 300 python3 -m labsupport bench lora ;;
     vllm_tests1) run vllm_tests1 450 python3 -m pytest tests/test_vllm_lora.py tests/test_vllm_fast_update.py tests/test_rl.py::test_vllm_engine_logprobs_and_ipc_weight_update -v -rA --tb=short -p no:cacheprovider --timeout=280 --junitxml="$OUT/logs/gpu_tests_vllm1.xml" ;;
-    labs1) run labs1 420 python3 -m pytest -v -p no:cacheprovider --timeout=300 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_05_cuda_ipc.md labs/lab_08_lora_updates.md --junitxml="$OUT/logs/gpu_labs_1_2_5_8.xml" ;;
+    labs1) run labs1 900 python3 -m pytest -v -p no:cacheprovider --timeout=300 labs/lab_01_environment.md labs/lab_02_memory_timeline.md labs/lab_05_cuda_ipc.md labs/lab_08_lora_updates.md --junitxml="$OUT/logs/gpu_labs_1_2_5_8.xml" ;;
     vllm_rl1) run vllm_rl1_test 270 python3 -m pytest tests/test_rl.py -k "vllm_engine_logprobs" -v -rA --tb=short -p no:cacheprovider --timeout=260 --junitxml="$OUT/logs/gpu_tests_vllm_rl1.xml"
               run vllm_rl1 300 python3 -m labsupport rl --arch colocated --engine vllm ;;
     # one GPU, vLLM kit: lab 6's one-GPU path, the capstone at 0.5B (results/capstone_colocated_vllm_0.5b.<machine>.json) and lab 10's 1-GPU path

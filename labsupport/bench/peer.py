@@ -42,7 +42,8 @@ EQUAL = {
     "precision": "the same trainer precision (--precision): fp32, or bf16 autocast over float32 master weights "
                  "(TRL's bf16=True through accelerate; the capstone's precision='bf16')",
     "activation checkpointing": "off in both (TRL defaults to on; at 0.5B nothing needs it)",
-    "engine": "vLLM in bfloat16 with the same share of GPU memory (--engine-share) and context length (64)",
+    "engine": "vLLM in bfloat16 with the same share of GPU memory (--engine-share) and context length (64), asked "
+              "for token ids only (detokenize=False: each tool decodes the reward's texts itself)",
     "evaluation": "the same greedy held-out check, between steps and not timed, in the trainer's precision (TRL's "
                   "model under accelerate's autocast, the capstone's under its own)",
 }
@@ -84,7 +85,7 @@ def trl_mechanisms(a: argparse.Namespace) -> dict[str, Any]:
     """TRL's co-located mechanisms, read in its source (trl 1.16: generation/vllm_generation.py)."""
     return {"update": "load_weights per parameter (model_runner.model.load_weights), then reset_prefix_cache",
             "sleep_level": 2 if trl_sleeps(a) else 0, "optimizer_offload": False,
-            "cuda_graphs": True, "inline_engine": True, "precision": a.precision}
+            "cuda_graphs": True, "inline_engine": True, "precision": a.precision, "compile": False}
 
 
 def _trl_config(a: argparse.Namespace, out_dir: str):
@@ -97,6 +98,7 @@ def _trl_config(a: argparse.Namespace, out_dir: str):
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, bf16=a.precision == "bf16", fp16=False,
         gradient_checkpointing=False, seed=a.seed, use_vllm=True, vllm_mode="colocate",
         vllm_enable_sleep_mode=trl_sleeps(a), vllm_gpu_memory_utilization=a.engine_share, vllm_max_model_length=64,
+        generation_kwargs={"detokenize": False},  # token ids only, as the capstone asks (TRL decodes them itself)
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
 
 
@@ -248,7 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"],
                    help="the trainer's, for both tools (bf16: autocast over float32 master weights; TRL's default)")
     p.add_argument("--tools", default="capstone,trl")
-    p.add_argument("--capstone-configs", default="fast,safe,sleep2,no-graphs,inline",
+    p.add_argument("--capstone-configs",
+                   default="fastest,fast,fastest+no-compile,fastest+safe,fastest+sleep2,fastest+no-graphs",
                    help="capstone configurations (rl.colocated.CONFIGS, joined by '+'); the first is compared with "
                         "TRL on every seed, the rest run on the first seed only")
     p.add_argument("--ablation-steps", type=int, default=15, help="steps of each ablation run")
@@ -257,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
                         "configuration sleeps)")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     p.add_argument("--timeout", type=float, default=1500, help="seconds for one tool's run")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="runs side by side, one per visible GPU (TRL and the capstone of a seed start together)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -276,6 +281,13 @@ def _unequal(a: argparse.Namespace) -> dict[str, str]:
                         f"{' to match the compared configuration' if trl_level and a.trl_sleep == 'auto' else ''}; "
                         f"capstone configuration(s) {', '.join(other)} use another sleep level (an ablation "
                         "compares with the capstone's own default, not with TRL)")
+    compiled = [c for c in a.configs if rl.RLConfig(**capstone_switches(c, a)).compile]
+    if compiled:
+        out["compiled forward passes"] = (
+            f"capstone configuration(s) {', '.join(compiled)} run the trainer's scoring forward passes through "
+            "torch.compile; TRL's torch_compile (a transformers TrainingArguments flag) is off by default and kept "
+            "off: the comparison is with TRL as it is set up out of the box, and a no-compile ablation shows what "
+            "compiling gives the capstone")
     return out
 
 
@@ -287,7 +299,8 @@ def _jobs(a: argparse.Namespace) -> list[tuple[str, str | None, int]]:
     return jobs + [("capstone", c, seeds[0]) for c in a.configs[1:] if "capstone" in tools]
 
 
-def _child(argv: list[str], tool: str, config: str | None, seed: int, timeout: float) -> dict[str, Any]:
+def _child(argv: list[str], tool: str, config: str | None, seed: int, timeout: float,
+           gpu: str | None) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "labsupport", "bench", "peer", *argv, "--worker", tool, "--seed", str(seed),
                "--out", f.name, *(["--config", config] if config else [])]
@@ -296,9 +309,41 @@ def _child(argv: list[str], tool: str, config: str | None, seed: int, timeout: f
         # port, so that two runs side by side (one per GPU) do not collide
         from labsupport.groups import free_port
 
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **os.environ, "LABSUPPORT_PROGRESS": "0"}
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **os.environ, "LABSUPPORT_PROGRESS": "0",
+               **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
         subprocess.run(cmd, check=True, timeout=timeout, env=env)
         return {"wall_s": time.perf_counter() - t0, **json.loads(Path(f.name).read_text())}
+
+
+def _run_jobs(argv: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every job of :func:`_jobs`, ``--gpus`` at a time, each child on a GPU of its own (``CUDA_VISIBLE_DEVICES``)."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(a.gpus)]
+    if a.gpus > len(ids):
+        raise ValueError(f"--gpus {a.gpus}, but only {len(ids)} GPU(s) are visible ({visible})")
+    free: queue.Queue[str | None] = queue.Queue()
+    for i in ids[:a.gpus]:
+        free.put(i if a.gpus > 1 else visible)  # one at a time: the GPUs as they are
+
+    def one(job: tuple[str, str | None, int]) -> dict[str, Any]:
+        tool, config, seed = job
+        gpu = free.get()
+        try:
+            print(f"== {tool}{' ' + config if config else ''}, seed {seed}", flush=True)
+            r = {"tool": tool, "config": config, "compared_config": a.configs[0], "seed": seed,
+                 **_child(argv, tool, config, seed, a.timeout, gpu)}
+        finally:
+            free.put(gpu)
+        r["summary"] = summarize(r, a.skip)
+        print(json.dumps({"tool": tool, "config": config, "seed": seed,
+                          **{k: round(v, 3) for k, v in r["summary"].items()}}), flush=True)
+        return r
+
+    with ThreadPoolExecutor(a.gpus) as pool:  # each job's child has its own deadline (--timeout)
+        return list(pool.map(one, _jobs(a)))
 
 
 def _ratios(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
@@ -326,15 +371,7 @@ def main(argv: list[str]) -> int:
         return 0
     from labsupport.course import results
 
-    runs = []
-    for tool, config, seed in _jobs(a):
-        print(f"== {tool}{' ' + config if config else ''}, seed {seed}", flush=True)
-        r = {"tool": tool, "config": config, "compared_config": a.configs[0], "seed": seed,
-             **_child(argv, tool, config, seed, a.timeout)}
-        r["summary"] = summarize(r, a.skip)
-        runs.append(r)
-        print(json.dumps({"tool": tool, "config": config, "seed": seed,
-                          **{k: round(v, 3) for k, v in r["summary"].items()}}), flush=True)
+    runs = _run_jobs(argv, a)
     ratio = _ratios(runs, a)
     head = "".join(f"{p[:8]:>9s}" for p in PARTS)
     print(f"{'run':26s} {'seed':>4s} {'ms/step':>8s}{head} {'acc':>5s}")
@@ -349,7 +386,7 @@ def main(argv: list[str]) -> int:
 
     matplotlib.use("Agg")
     keys = ("steps", "prompts", "group", "lr", "beta", "clip", "size", "eval_every", "engine_share", "precision",
-            "skip", "ablation_steps", "trl_sleep", "capstone_configs")
+            "skip", "ablation_steps", "trl_sleep", "capstone_configs", "gpus")
     data = {"settings": {k: getattr(a, k) for k in keys}, "completion_tokens": a.answer_len,
             "compared_config": a.configs[0], "equal": EQUAL, "unequal": _unequal(a), "parts": list(PARTS),
             "runs": runs, "capstone_over_trl": ratio["mean"], "capstone_over_trl_per_seed": ratio["per_seed"]}

@@ -181,12 +181,10 @@ def outputs_to_tensors(outputs: Iterable[Any], max_tokens: int, pad_id: int = mo
     per sample (requests in order, their samples by index): ``prompt_ids`` (lists), and [N, ``max_tokens``]
     ``completion_ids`` (``pad_id`` after the end), ``engine_logprobs`` of the sampled tokens, and ``mask``."""
     rows = [(list(o.prompt_token_ids), c) for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
-    ids = torch.full((len(rows), max_tokens), pad_id, dtype=torch.long)
-    lps = torch.zeros(ids.shape)
-    mask = torch.zeros(ids.shape, dtype=torch.bool)
-    for i, (_, c) in enumerate(rows):
-        t = list(c.token_ids)[:max_tokens]
-        ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        lps[i, :len(t)] = torch.tensor([c.logprobs[j][tok].logprob for j, tok in enumerate(t)])
-        mask[i, :len(t)] = True
+    toks = [list(c.token_ids)[:max_tokens] for _, c in rows]
+    pad = [[pad_id] * (max_tokens - len(t)) for t in toks]  # lists first, then one tensor each: no per-row copies
+    ids = torch.tensor([t + p for t, p in zip(toks, pad)], dtype=torch.long).view(len(rows), max_tokens)
+    lps = torch.tensor([[c.logprobs[j][tok].logprob for j, tok in enumerate(t)] + [0.0] * len(p)
+                        for (_, c), t, p in zip(rows, toks, pad)]).view(ids.shape)
+    mask = torch.tensor([[True] * len(t) + [False] * len(p) for t, p in zip(toks, pad)]).view(ids.shape)
     return {"prompt_ids": [p for p, _ in rows], "completion_ids": ids, "engine_logprobs": lps, "mask": mask}

@@ -47,6 +47,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="vLLM on a GPU: CUDA graphs (default) or --no-cuda-graphs (enforce_eager)")
     g.add_argument("--inline-engine", default=None, action=argparse.BooleanOptionalAction,
                    help="vLLM's engine core in the trainer's process (as TRL's colocate mode)")
+    g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                   help="the trainer's scoring forward passes through torch.compile (default: off)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
     return p.parse_args(argv)
 
@@ -55,7 +57,8 @@ def _switches(args: argparse.Namespace) -> dict[str, Any]:
     """The RLConfig fields that --config and the mechanism flags set (a flag wins over the configuration)."""
     out = config_overrides(args.config)
     flags = {"update": args.update, "sleep_level": args.sleep_level, "offload": args.offload,
-             "cuda_graphs": args.cuda_graphs, "inline_engine": args.inline_engine, "precision": args.precision}
+             "cuda_graphs": args.cuda_graphs, "inline_engine": args.inline_engine, "precision": args.precision,
+             "compile": args.compile}
     return {**out, **{k: v for k, v in flags.items() if v is not None}}
 
 

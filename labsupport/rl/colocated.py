@@ -40,6 +40,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "graphs": {"cuda_graphs": True}, "no-graphs": {"cuda_graphs": False},
     "offload": {"offload": "on"}, "no-offload": {"offload": "off"},
     "inline": {"inline_engine": True},  # vLLM's engine core in the trainer's process, as TRL's colocate mode runs it
+    "compile": {"compile": True}, "no-compile": {"compile": False},
+    # the fastest on one GPU: the defaults, the engine core inline and the trainer's forward passes compiled
+    "fastest": {"inline_engine": True, "compile": True},
     "fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"},
 }
 

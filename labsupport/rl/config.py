@@ -47,6 +47,7 @@ class RLConfig:
     offload: str = "auto"  # Adam's moments to host while the engine works: "auto" (only if memory needs it), on, off
     cuda_graphs: bool = True  # vLLM on a GPU: compile and capture CUDA graphs (False: enforce_eager)
     inline_engine: bool = False  # vLLM's engine core in the trainer's process (as TRL's colocate mode runs it)
+    compile: bool = False  # the trainer's scoring forward passes through torch.compile (grpo.GRPOTrainer)
     engine_share: float | None = None  # vLLM's share of the GPU's memory (None: the size's budget, rl.SIZES)
 
 

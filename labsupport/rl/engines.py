@@ -200,26 +200,17 @@ class VllmEngine:
         return [self.tokenizer(p)["input_ids"] for p in prompts]
 
     def generate(self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float = 1.0) -> Rollout:
-        """``n`` samples per prompt from vLLM, with the sampled tokens' log-probabilities (``logprobs=0``)."""
+        """``n`` samples per prompt from vLLM, with the sampled tokens' log-probabilities (``logprobs=0``). vLLM
+        returns token ids only (``detokenize=False``): the reward's texts are decoded here, in one batch."""
         from vllm import SamplingParams
 
-        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, logprobs=0)
-        ids = self.encode(prompts)
-        outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
-        toks = torch.full((len(prompts) * n, max_new_tokens), models.PAD_ID, dtype=torch.long)
-        lps = torch.zeros(toks.shape)
-        mask = torch.zeros(toks.shape, dtype=torch.bool)
-        pids, texts, row = [], [], 0
-        for x, out in zip(ids, outs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                t = list(c.token_ids)[:max_new_tokens]
-                toks[row, :len(t)] = torch.tensor(t)
-                mask[row, :len(t)] = True
-                lps[row, :len(t)] = torch.tensor([c.logprobs[j][tok].logprob for j, tok in enumerate(t)])
-                texts.append(self.tokenizer.decode(t, skip_special_tokens=True))
-                pids.append(list(x))
-                row += 1
-        return Rollout(list(prompts), n, pids, toks, lps, mask, texts, engine=self.name)
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, logprobs=0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": x} for x in self.encode(prompts)], sp, use_tqdm=False)
+        t = vllm_engine.outputs_to_tensors(outs, max_new_tokens)
+        texts = self.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["completion_ids"], t["mask"])],
+                                            skip_special_tokens=True)
+        return Rollout(list(prompts), n, t["prompt_ids"], t["completion_ids"], t["engine_logprobs"], t["mask"],
+                       texts, engine=self.name)
 
     def load_ipc(self, handle) -> int:
         """The safe path: every worker maps the bucket exported for its device, checks it and loads it through

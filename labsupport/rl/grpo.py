@@ -78,20 +78,26 @@ class GRPOTrainer:
     """The learning code, identical in every orchestration: one optimizer step per batch of rollouts."""
 
     def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2,
-                 correction: str | None = None, is_cap: float = 2.0, precision: str = "fp32") -> None:
+                 correction: str | None = None, is_cap: float = 2.0, precision: str = "fp32",
+                 compile: bool = False) -> None:
         """``correction``: None uses the engine's log-probabilities as the behaviour policy (the PPO ratio then
         corrects staleness and sampler/trainer mismatch together); "tis" or "mis" recomputes them with the
         trainer and weights each token by the engine-to-trainer ratio, truncated at ``is_cap`` (TIS) or
         masked outside [1/is_cap, is_cap] (MIS), as verl and TRL do (:func:`token_weights`).
         ``precision``: "fp32", or "bf16" mixed precision: the forward passes (policy and reference) run under
         ``torch.autocast`` in bfloat16 while the weights, gradients and Adam stay float32 (master weights), as
-        ``accelerate``'s ``mixed_precision="bf16"`` (TRL's ``bf16=True``) does. The loss is float32 either way."""
+        ``accelerate``'s ``mixed_precision="bf16"`` (TRL's ``bf16=True``) does. The loss is float32 either way.
+        ``compile``: the scoring forward passes (policy and reference) run through ``torch.compile``, each compiled
+        once for the step's fixed shapes on the first step. At a small model's size a step's forward and backward
+        passes are bound by launching thousands of small kernels from Python; the compiled graphs fuse them. The
+        weights, the optimizer and the held-out check (the model itself) are unchanged."""
         _check_correction(correction)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.correction, self.is_cap, self.precision = correction, is_cap, precision
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        self.scorers = tuple(torch.compile(m, dynamic=False) if compile else m for m in (model, self.ref))
         cuda = next(model.parameters()).is_cuda  # one fused kernel per step on a GPU (as transformers' default)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True if cuda else None)
         self.beta, self.clip_eps = beta, clip_eps
@@ -113,8 +119,8 @@ class GRPOTrainer:
         self.model.train()
         with self.autocast():
             with torch.no_grad():
-                ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids)
-            logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids)
+                ref = token_logprobs(self.scorers[1], rollout.prompt_ids, rollout.completion_ids)
+            logp = token_logprobs(self.scorers[0], rollout.prompt_ids, rollout.completion_ids)
         # with a correction, the behaviour log-probabilities are the trainer's own (these weights, before the
         # step: the forward pass just made, without its gradient), and the engine's enter through the weights
         old = logp.detach() if self.correction else None

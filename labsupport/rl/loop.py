@@ -263,6 +263,7 @@ def _mechanisms(r: _Run, engine: str) -> dict[str, Any]:
     return {"update": r.cfg.update, "sleep_level": r.cfg.sleep_level if gpu_vllm or engine == "transformers" else 0,
             "optimizer_offload": r.offload, "cuda_graphs": gpu_vllm and r.cfg.cuda_graphs,
             "inline_engine": engine == "vllm" and r.cfg.inline_engine, "precision": r.cfg.precision,
+            "compile": r.cfg.compile,
             "mapping": r.mapping} if r.arch == "colocated" else {"precision": r.cfg.precision}
 
 
@@ -289,7 +290,8 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         torch.manual_seed(cfg.seed)
         spans = SpanLog()
         trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
-                              correction=cfg.correction, is_cap=cfg.is_cap, precision=cfg.precision)
+                              correction=cfg.correction, is_cap=cfg.is_cap, precision=cfg.precision,
+                              compile=cfg.compile)
         wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
         r = _Run(arch, cfg, tdev, trainer, spans, wdtype, offload, rng=random.Random(cfg.seed))
         stack.callback(_close, r)
