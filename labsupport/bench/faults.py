@@ -131,10 +131,15 @@ def _gpu_used() -> int:
 
 
 class Watch:
-    """Left behind by a row: child processes that outlive it, ``/dev/shm`` files that a process of this tree
-    created or mapped and that remain, and GPU memory above the level before. A sampler thread notes every
-    process of the tree and the shared-memory files it maps or holds open while the row runs (other users of
-    the machine have files there too: only ours count)."""
+    """Left behind by a row: child processes that outlive it, ``/dev/shm`` files that appeared during the row,
+    belong to this process tree and remain, and GPU memory above the level before. A sampler thread notes every
+    process of the tree and the shared-memory files it maps or holds open while the row runs; a file also belongs
+    to the tree when its name carries one of those pids (labsupport's ``-<pid>-``, torch's ``torch_<pid>_``, the
+    CUDA driver's ``cuda.shm.*.<pid in hex>.*``). Other users of the machine have files there too: only ours
+    count. On the GPU, this process's CUDA IPC bookkeeping is settled first (``torch.cuda.ipc_collect``): torch
+    keeps an emptied ref-count file ``torch_<pid>_*`` for the next share until then, which is a cache, not a leak;
+    one that survives it counts memory still waiting in torch's limbo, which is. Each file left is reported with
+    the living processes that still map or hold it (``shm_held``: none means orphaned)."""
 
     def __init__(self, gpu: bool) -> None:
         import psutil
@@ -157,15 +162,11 @@ class Watch:
         with contextlib.suppress(Exception):
             self.pids |= {p.pid for p in self.me.children(recursive=True)}
         for pid in list(self.pids):
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/maps") as f:
-                    self.touched |= {ln.split()[-1] for ln in f if f" {handoff.SHM_DIR}/" in ln}
-                fds = f"/proc/{pid}/fd"
-                for fd in os.listdir(fds):
-                    with contextlib.suppress(OSError):
-                        target = os.readlink(f"{fds}/{fd}")
-                        if target.startswith(handoff.SHM_DIR + "/"):
-                            self.touched.add(target)
+            self.touched |= shm_held_by(pid)
+
+    def _ours(self, name: str) -> bool:
+        return name in self.touched or any(f"-{pid}-" in name or f"-{pid}." in name or name.startswith(
+            f"torch_{pid}_") or (name.startswith("cuda.shm.") and f".{pid:x}." in name) for pid in self.pids)
 
     def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
         """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains."""
@@ -179,11 +180,26 @@ class Watch:
             if not left or time.monotonic() > end:
                 break
             time.sleep(0.2)
-        names = {os.path.basename(p.removesuffix(" (deleted)")) for p in self.touched}
-        new = set(os.listdir(handoff.SHM_DIR)) - self.files
-        ours = sorted(f for f in new if f in names or any(f"-{pid}-" in f or f"-{pid}." in f for pid in self.pids))
-        gpu = _gpu_used() - self.gpu_before if self.gpu else None
-        return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "gpu_bytes": gpu}
+        gpu = _gpu_used() - self.gpu_before if self.gpu else None  # (first: it settles CUDA IPC's files)
+        ours = sorted(f for f in set(os.listdir(handoff.SHM_DIR)) - self.files if self._ours(f))
+        living = [p.pid for p in [self.me, *self.me.children(recursive=True)] if p.pid in self.pids]
+        holders = {pid: shm_held_by(pid) for pid in living}
+        held = {f: [pid for pid, names in holders.items() if f in names] for f in ours}
+        return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "shm_held": held,
+                "gpu_bytes": gpu}
+
+
+def shm_held_by(pid: int) -> set[str]:
+    """The names of the ``/dev/shm`` files that process ``pid`` maps or holds open now (deleted ones included)."""
+    paths: set[str] = set()
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/maps") as f:
+            paths |= {ln.split(maxsplit=5)[-1].strip() for ln in f if f" {handoff.SHM_DIR}/" in ln}
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            with contextlib.suppress(OSError):
+                paths.add(os.readlink(f"{fds}/{fd}"))
+    return {os.path.basename(p.removesuffix(" (deleted)")) for p in paths if p.startswith(handoff.SHM_DIR + "/")}
 
 
 def _name(p: Any) -> str:
