@@ -203,8 +203,9 @@ class Exporter:
         return named
 
     def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int, nbytes: int) -> Handle:
-        if flat.is_cuda:
-            _return_torch_count(where)
+        if flat.is_cuda:  # torch's count of receivers' releases goes back now (unopened, its block stays till exit)
+            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("ref_counter_handle")
+            torch.UntypedStorage._release_ipc_counter_cuda(*where[slot: slot + 2])  # (the acks decide instead)
         serial = next(self._ids)
         handle = Handle(gpu_uuid(flat.device.index) if flat.is_cuda else None, where, entries, host_id(),
                         os.getpid(), self._guard.path, self._guard.take(serial), serial)
@@ -226,15 +227,6 @@ class Exporter:
         guard.close()
         for path in shm.files(guard.path):  # segments still exported, acks of forced releases or late ones
             shm.unlink(path)
-
-
-def _return_torch_count(where: tuple) -> None:
-    """Hand back at once the one release that torch's CUDA IPC expects of a receiver for this share: the acks
-    and the guard decide when the memory goes, not torch's count. Else a forced release of a handle that no other
-    process opened (or that only this process read) parks the block in torch's limbo, with its ref-count file
-    ``/dev/shm/torch_<pid>_*``, until this process exits; a receiver's own release later only takes it below 0."""
-    slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("ref_counter_handle")
-    torch.UntypedStorage._release_ipc_counter_cuda(*where[slot: slot + 2])
 
 
 # ---- Receiving side -------------------------------------------------------------------------------
