@@ -88,7 +88,6 @@ class Fault:
     run: Callable[["Context"], Outcome]
     deadline_s: float = DEADLINE_S
     gpus: int = 0  # GPUs its GPU path needs (NCCL: one rank per GPU)
-    cpu_only: str = ""  # why it does not run on the GPU path ("" = it does)
 
 
 FAULTS: dict[str, Fault] = {}
@@ -123,11 +122,13 @@ def marked(path: str) -> float:
 # ---------------------------------------------------------------------------- what is left behind
 
 def _gpu_used() -> int:
-    torch.cuda.synchronize()
+    """Bytes in use on every visible GPU, by any process (a row's ranks run on GPUs 1.. too), once this process
+    has settled its own caches and CUDA IPC bookkeeping."""
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
     torch.cuda.empty_cache()
     torch.cuda.ipc_collect()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count())))
 
 
 class Watch:
@@ -241,8 +242,6 @@ class Context:
 
     def skip(self, f: Fault) -> str:
         """Why ``f`` cannot run here ("" if it can)."""
-        if self.gpu and f.cpu_only:
-            return f.cpu_only
         have = hardware.gpu_count()
         if self.gpu and f.gpus > have:
             return f"needs {f.gpus} GPUs (NCCL: one rank per GPU); this machine has {have}"
@@ -792,8 +791,7 @@ def _busy(worker: Any, seconds: float) -> float:
        "over the group (push_weights, group deadline 5 s)",
        "Every wait on a worker needs a deadline, including the wait for the worker's reply after the trainer's "
        "own send failed; otherwise the trainer's error waits for the hung worker.",
-       ("SyncTimeout", "WeightUpdateError"), "engine",
-       cpu_only="the group joins the trainer and the engine's worker, which shares the trainer's GPU here")
+       ("SyncTimeout", "WeightUpdateError"), "engine", gpus=2)
 def hung_rpc(ctx: Context) -> Outcome:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -802,15 +800,16 @@ def hung_rpc(ctx: Context) -> Outcome:
     eng = ctx.engine()
     eng.reset()
     port = groups.free_port()
+    dev = torch.device("cuda", 1) if ctx.gpu else torch.device("cpu")  # NCCL: one rank per GPU (the worker has 0)
     group, _ = vllm_ext.alongside(
         lambda: vllm_ext.call(eng, "init_weight_update_group", "127.0.0.1", port, 1, 2, DEADLINE_S),
-        lambda: groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S), timeout=120)
+        lambda: groups.create_group("127.0.0.1", port, 0, 2, device=dev, timeout_s=DEADLINE_S), timeout=120)
+    update = [(n, t.to(dev)) for n, t in eng.named("trained")]
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(vllm_ext.call, eng, _busy, 20.0)
         time.sleep(1.0)  # the worker is now inside _busy
         t = time.time()
-        err = attempt(lambda: vllm_ext.push_weights(group, eng.named("trained"), eng,
-                                                    mode="bucketed"))
+        err = attempt(lambda: vllm_ext.push_weights(group, update, eng, mode="bucketed"))
         busy.result(timeout=120)
     group.destroy()
     vllm_ext.call(eng, "destroy_weight_update_group")
