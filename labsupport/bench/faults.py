@@ -314,6 +314,8 @@ def _sync_rank(rank: int, world: int, port: int, device_kind: str, how: str, pat
     ``copy_into``), with the fault ``how`` injected by a receiver once its first bucket is in (``load_fails``: in
     ``load``). On the core (``where`` "core") the receiver stages: it keeps each bucket, loads after ``receive``."""
     dev = _rank_device(device_kind, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # one rank per GPU, as a launcher sets it (no context of every rank on GPU 0)
     g = groups.create_group("127.0.0.1", port, rank, world, device=dev, timeout_s=DEADLINE_S)
     pids = g.all_gather_object(os.getpid())
     old, new = _weights(0, dev), _weights(1, dev)
@@ -358,6 +360,7 @@ def at_first_bucket(g: groups.StatelessGroup, fault: Callable[[], None]) -> None
         wait(work, what)
         if what in ("bucket broadcast", "broadcast") and not done:
             done.append(1)
+            g.synchronize("the first bucket")  # NCCL: wait_work only queued the wait; now the bucket is here
             fault()
 
     g.wait_work = wait_then_fault
