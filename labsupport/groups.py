@@ -137,7 +137,7 @@ class StatelessGroup:
 
     def synchronize(self, what: str = "work", timeout_s: float | None = None) -> None:
         """Block the host until the device work queued so far is done, at most ``timeout_s`` (default: the group's):
-        NCCL kernels waiting on a dead peer spin forever, so we poll an event, then abort and raise ``GroupTimeout``."""
+        NCCL kernels waiting on a dead peer spin forever: poll an event, abort, raise ``GroupTimeout`` (or if NCCL did)."""
         if self.backend != "nccl":
             return  # (on gloo every collective has already waited on the host)
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -150,6 +150,8 @@ class StatelessGroup:
                 time.sleep(0.001)
             if now - start > limit:
                 raise _lost(self, what, waited_s=limit)
+        if (error := self.pg.get_error().name if hasattr(self.pg, "get_error") else "SUCCESS") != "SUCCESS":
+            raise _lost(self, what, RuntimeError(f"NCCL's error handling aborted the communicator ({error})"))
 
     def _check_args(self, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:
         """A closed group; programming errors (a rank out of range, a tensor on another device), at once."""

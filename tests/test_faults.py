@@ -10,6 +10,8 @@ that a pending fix addresses is marked xfail (strict) with the review's hazard n
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from labsupport.bench import faults
@@ -63,3 +65,35 @@ def test_fault_surfaces_named_in_time_and_leaves_no_mix_and_nothing_behind(ctx, 
     assert row["in_time"], f"{got} after {row['seconds']:.1f} s; deadline {row['deadline_s']} + {faults.GRACE_S} s"
     assert row["consistent"], f"state after the fault: {row['state']} ({row['detail']})"
     assert row["leak_free"], f"left behind: {row['leaks']}"
+
+
+def test_watch_counts_the_shm_files_of_this_tree_that_remain_and_says_who_holds_them():
+    import mmap
+    import os
+    import secrets
+
+    from labsupport.core import handoff
+
+    tag = secrets.token_hex(4)
+    path = lambda name: os.path.join(handoff.SHM_DIR, name)  # noqa: E731
+    mapped, named = f"faults-test-{tag}.map", f"torch_{os.getpid()}_{tag}_0"  # ours: we map it; our pid's name
+    gone, foreign = f"faults-test-{tag}.gone", f"torch_1_{tag}_0"  # removed in the row; another process's name
+    w = faults.Watch(gpu=False)
+    try:
+        for name in (mapped, named, gone):
+            with open(path(name), "wb") as f:
+                f.truncate(4096)
+        with open(path(mapped), "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 4096)
+        os.unlink(path(gone))
+        w._stop.set()
+        w._thread.join()  # (the sampler stops: the foreign file is made outside the row's watch)
+        os.close(os.open(path(foreign), os.O_CREAT | os.O_WRONLY, 0o600))
+        left = w.finish(grace_s=0)
+        assert left["shm_files"] == sorted([mapped, named])
+        assert left["shm_held"] == {mapped: [os.getpid()], named: []}  # still mapped here / orphaned
+        mm.close()
+    finally:
+        for name in (mapped, named, gone, foreign):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path(name))

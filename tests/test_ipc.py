@@ -469,6 +469,22 @@ def test_cuda_release_frees_memory_and_kills_the_handle():
 
 @needs_gpus(1)
 @pytest.mark.timeout(180)
+def test_cuda_forced_release_of_a_handle_nobody_opened_frees_it_and_torchs_count_file():
+    """Torch's CUDA IPC count expects one receiver's release per share: unreturned, the block and its
+    ``/dev/shm/torch_<pid>_*`` file would stay until this process exits (the fault table's stale_handle)."""
+    mine = lambda: {f for f in os.listdir(handoff.SHM_DIR) if f.startswith(f"torch_{os.getpid()}_")}
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    before, a0 = mine(), torch.cuda.memory_allocated(0)
+    with ipc.Exporter() as ex:
+        handle = ex.export_bucket([("w", torch.ones(8 << 20, dtype=torch.uint8, device="cuda:0"))])
+        ex.release(handle, force=True)
+        assert torch.cuda.memory_allocated(0) <= a0, "the released bucket is still allocated (torch's IPC limbo)"
+    assert mine() <= before, f"torch's ref-count file(s) {sorted(mine() - before)} outlive the release"
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(180)
 def test_cuda_receiver_drop_waits_on_the_handles_gpu(monkeypatch):
     """drop() waits for the copies on the GPU of each handle it mapped, not on whichever device is current."""
     synced = []

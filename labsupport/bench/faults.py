@@ -88,7 +88,6 @@ class Fault:
     run: Callable[["Context"], Outcome]
     deadline_s: float = DEADLINE_S
     gpus: int = 0  # GPUs its GPU path needs (NCCL: one rank per GPU)
-    cpu_only: str = ""  # why it does not run on the GPU path ("" = it does)
 
 
 FAULTS: dict[str, Fault] = {}
@@ -123,18 +122,25 @@ def marked(path: str) -> float:
 # ---------------------------------------------------------------------------- what is left behind
 
 def _gpu_used() -> int:
-    torch.cuda.synchronize()
+    """Bytes in use on every visible GPU, by any process (a row's ranks run on GPUs 1.. too), once this process
+    has settled its own caches and CUDA IPC bookkeeping."""
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
     torch.cuda.empty_cache()
     torch.cuda.ipc_collect()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count())))
 
 
 class Watch:
-    """Left behind by a row: child processes that outlive it, ``/dev/shm`` files that a process of this tree
-    created or mapped and that remain, and GPU memory above the level before. A sampler thread notes every
-    process of the tree and the shared-memory files it maps or holds open while the row runs (other users of
-    the machine have files there too: only ours count)."""
+    """Left behind by a row: child processes that outlive it, ``/dev/shm`` files that appeared during the row,
+    belong to this process tree and remain, and GPU memory above the level before. A sampler thread notes every
+    process of the tree and the shared-memory files it maps or holds open while the row runs; a file also belongs
+    to the tree when its name carries one of those pids (labsupport's ``-<pid>-``, torch's ``torch_<pid>_``, the
+    CUDA driver's ``cuda.shm.*.<pid in hex>.*``). Other users of the machine have files there too: only ours
+    count. On the GPU, this process's CUDA IPC bookkeeping is settled first (``torch.cuda.ipc_collect``): torch
+    keeps an emptied ref-count file ``torch_<pid>_*`` for the next share until then, which is a cache, not a leak;
+    one that survives it counts memory still waiting in torch's limbo, which is. Each file left is reported with
+    the living processes that still map or hold it (``shm_held``: none means orphaned)."""
 
     def __init__(self, gpu: bool) -> None:
         import psutil
@@ -157,15 +163,11 @@ class Watch:
         with contextlib.suppress(Exception):
             self.pids |= {p.pid for p in self.me.children(recursive=True)}
         for pid in list(self.pids):
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/maps") as f:
-                    self.touched |= {ln.split()[-1] for ln in f if f" {handoff.SHM_DIR}/" in ln}
-                fds = f"/proc/{pid}/fd"
-                for fd in os.listdir(fds):
-                    with contextlib.suppress(OSError):
-                        target = os.readlink(f"{fds}/{fd}")
-                        if target.startswith(handoff.SHM_DIR + "/"):
-                            self.touched.add(target)
+            self.touched |= shm_held_by(pid)
+
+    def _ours(self, name: str) -> bool:
+        return name in self.touched or any(f"-{pid}-" in name or f"-{pid}." in name or name.startswith(
+            f"torch_{pid}_") or (name.startswith("cuda.shm.") and f".{pid:x}." in name) for pid in self.pids)
 
     def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
         """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains."""
@@ -179,11 +181,26 @@ class Watch:
             if not left or time.monotonic() > end:
                 break
             time.sleep(0.2)
-        names = {os.path.basename(p.removesuffix(" (deleted)")) for p in self.touched}
-        new = set(os.listdir(handoff.SHM_DIR)) - self.files
-        ours = sorted(f for f in new if f in names or any(f"-{pid}-" in f or f"-{pid}." in f for pid in self.pids))
-        gpu = _gpu_used() - self.gpu_before if self.gpu else None
-        return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "gpu_bytes": gpu}
+        gpu = _gpu_used() - self.gpu_before if self.gpu else None  # (first: it settles CUDA IPC's files)
+        ours = sorted(f for f in set(os.listdir(handoff.SHM_DIR)) - self.files if self._ours(f))
+        living = [p.pid for p in [self.me, *self.me.children(recursive=True)] if p.pid in self.pids]
+        holders = {pid: shm_held_by(pid) for pid in living}
+        held = {f: [pid for pid, names in holders.items() if f in names] for f in ours}
+        return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "shm_held": held,
+                "gpu_bytes": gpu}
+
+
+def shm_held_by(pid: int) -> set[str]:
+    """The names of the ``/dev/shm`` files that process ``pid`` maps or holds open now (deleted ones included)."""
+    paths: set[str] = set()
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/maps") as f:
+            paths |= {ln.split(maxsplit=5)[-1].strip() for ln in f if f" {handoff.SHM_DIR}/" in ln}
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            with contextlib.suppress(OSError):
+                paths.add(os.readlink(f"{fds}/{fd}"))
+    return {os.path.basename(p.removesuffix(" (deleted)")) for p in paths if p.startswith(handoff.SHM_DIR + "/")}
 
 
 def _name(p: Any) -> str:
@@ -225,8 +242,6 @@ class Context:
 
     def skip(self, f: Fault) -> str:
         """Why ``f`` cannot run here ("" if it can)."""
-        if self.gpu and f.cpu_only:
-            return f.cpu_only
         have = hardware.gpu_count()
         if self.gpu and f.gpus > have:
             return f"needs {f.gpus} GPUs (NCCL: one rank per GPU); this machine has {have}"
@@ -299,6 +314,8 @@ def _sync_rank(rank: int, world: int, port: int, device_kind: str, how: str, pat
     ``copy_into``), with the fault ``how`` injected by a receiver once its first bucket is in (``load_fails``: in
     ``load``). On the core (``where`` "core") the receiver stages: it keeps each bucket, loads after ``receive``."""
     dev = _rank_device(device_kind, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # one rank per GPU, as a launcher sets it (no context of every rank on GPU 0)
     g = groups.create_group("127.0.0.1", port, rank, world, device=dev, timeout_s=DEADLINE_S)
     pids = g.all_gather_object(os.getpid())
     old, new = _weights(0, dev), _weights(1, dev)
@@ -343,6 +360,7 @@ def at_first_bucket(g: groups.StatelessGroup, fault: Callable[[], None]) -> None
         wait(work, what)
         if what in ("bucket broadcast", "broadcast") and not done:
             done.append(1)
+            g.synchronize("the first bucket")  # NCCL: wait_work only queued the wait; now the bucket is here
             fault()
 
     g.wait_work = wait_then_fault
@@ -776,8 +794,7 @@ def _busy(worker: Any, seconds: float) -> float:
        "over the group (push_weights, group deadline 5 s)",
        "Every wait on a worker needs a deadline, including the wait for the worker's reply after the trainer's "
        "own send failed; otherwise the trainer's error waits for the hung worker.",
-       ("SyncTimeout", "WeightUpdateError"), "engine",
-       cpu_only="the group joins the trainer and the engine's worker, which shares the trainer's GPU here")
+       ("SyncTimeout", "WeightUpdateError"), "engine", gpus=2)
 def hung_rpc(ctx: Context) -> Outcome:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -786,15 +803,16 @@ def hung_rpc(ctx: Context) -> Outcome:
     eng = ctx.engine()
     eng.reset()
     port = groups.free_port()
+    dev = torch.device("cuda", 1) if ctx.gpu else torch.device("cpu")  # NCCL: one rank per GPU (the worker has 0)
     group, _ = vllm_ext.alongside(
         lambda: vllm_ext.call(eng, "init_weight_update_group", "127.0.0.1", port, 1, 2, DEADLINE_S),
-        lambda: groups.create_group("127.0.0.1", port, 0, 2, timeout_s=DEADLINE_S), timeout=120)
+        lambda: groups.create_group("127.0.0.1", port, 0, 2, device=dev, timeout_s=DEADLINE_S), timeout=120)
+    update = [(n, t.to(dev)) for n, t in eng.named("trained")]
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(vllm_ext.call, eng, _busy, 20.0)
         time.sleep(1.0)  # the worker is now inside _busy
         t = time.time()
-        err = attempt(lambda: vllm_ext.push_weights(group, eng.named("trained"), eng,
-                                                    mode="bucketed"))
+        err = attempt(lambda: vllm_ext.push_weights(group, update, eng, mode="bucketed"))
         busy.result(timeout=120)
     group.destroy()
     vllm_ext.call(eng, "destroy_weight_update_group")
