@@ -73,7 +73,7 @@ for step in $STEPS; do
     lab9gpu) run lab9gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_09_after_the_update.md --junitxml="$OUT/logs/gpu_lab09_after_update.xml" ;;
     fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
     # any GPUs, vLLM kit: the fault table (results/faults.<machine>.json, book/faults.md); rows needing more GPUs skip
-    faults) run faults 590 python3 -m labsupport bench faults --device cuda ;;
+    faults) run faults 900 python3 -m labsupport bench faults --device cuda ;;
     rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --correction tis ;;  # bf16 engine vs fp32 trainer
     # one GPU, vLLM kit + TRL's wheels (.whl): the capstone against TRL's GRPOTrainer (results/bench_peer.<machine>.json):
     # per seed (0,1) TRL and the capstone's default configuration, then the ablations on seed 0 (--capstone-configs);
