@@ -51,10 +51,11 @@ class SharedWeights:
         """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported."""
         now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
         if moved := sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n)):
-            raise WeightUpdateError(f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
-                                    f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., "
-                                    "model.to(...) or load_state_dict(assign=True) replaced their memory; nothing was "
-                                    "sent. Write parameters in place, or map again (close, SharedWeights, map_engine).")
+            raise WeightUpdateError(
+                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer ({', '.join(moved[:3])}"
+                f"{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
+                "replaced their memory, and the engine would serve the stale buffer. Nothing was sent. Write parameters "
+                "in place, or map again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
 
     def packed(self) -> bytes:
         """The handle for ``map_trainer_weights``, keyed by its device (``report_device_id``)."""
@@ -195,7 +196,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         """Copy the trainer's mapped weights into the engine's per the plan; safe-load the layers that fell back."""
         st = worker_state(self)
         if st.mapped is None:
-            raise WeightUpdateError("no mapped trainer weights: call map_trainer_weights first (fast_update.map_engine)")
+            raise WeightUpdateError("no mapped trainer weights: map them first (fast_update.map_engine)")
         buckets, plan = st.mapped
         for b in buckets:
             ipc.check_handle(b)  # exporter alive, export not released (microseconds)
