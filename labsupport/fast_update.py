@@ -1,14 +1,12 @@
 """Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
 
-The trainer's parameters live in one exported buffer (``SharedWeights``). The engine maps it and keeps it mapped,
-checks every name, dtype and shape, loads once through the safe path, and plans from ``reshard.qwen2_layout`` the
-copies that fill its parameters, adjacent slices merged; a layer vLLM does not compute from as loaded (quantized,
-repacked, LoRA-wrapped) keeps the safe path, with its reason. An update is then one RPC: the copies, a synchronize.
+The trainer's parameters live in one exported buffer (``SharedWeights``). The engine maps it once, checks it, loads
+it once through the safe path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters; a layer
+vLLM does not compute from as loaded keeps the safe path, with its reason. An update is then one RPC of copies.
 
-What it adds against the failures the copy floor invites: the trainer refuses to sync once a parameter has left the
-buffer (``p.data = ...``: the engine would serve stale weights); the engine refuses a plan that disagrees with
-vLLM's loader, parameters moved since the plan, and a released or dead export; ``unmap_engine`` lets the trainer
-free the buffer. vLLM serves an RPC between two model steps (Chapter 9): write no parameter until ``sync`` returns.
+Against the failures the copy floor invites: the trainer refuses to sync once a parameter has left the buffer (the
+engine would serve stale weights); the engine refuses a plan that disagrees with vLLM's loader, parameters moved
+since the plan, and a released or dead export. Write no parameter until ``sync`` returns (Chapter 9).
 """
 
 from __future__ import annotations
