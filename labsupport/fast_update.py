@@ -1,21 +1,12 @@
 """Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
 
-The safe co-located path (``vllm_ext.push_ipc``) packs, exports, maps, checks every name and reloads layer by
-layer on every update. Here those steps run once. The trainer's parameters live in one exported buffer
-(:class:`SharedWeights`; weights before biases, so that the tensors vLLM fuses lie side by side). The engine maps
-it and keeps it mapped (``map_trainer_weights``), checks every name, dtype and shape, loads once through the safe
-path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters: slices adjacent in both
-memories become one copy (one per fused ``qkv_proj``), and the plan must write exactly the bytes that vLLM's
-loader wrote. A layer that vLLM does not compute from as loaded (quantized, repacked, LoRA-wrapped) keeps the
-safe path, with its reason. An update (``sync_mapped_weights``) is then one RPC: the planned copies and a
-synchronize. At the end the engine lets go (``unmap_trainer_weights``), so that the trainer can free the buffer.
+The trainer's parameters live in one exported buffer (``SharedWeights``). The engine maps it once, checks it, loads
+it once through the safe path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters; a layer
+vLLM does not compute from as loaded keeps the safe path, with its reason. An update is then one RPC of copies.
 
-What it adds against the failure that the copy floor invites: before every ``sync`` the trainer checks that its
-parameters still live in the exported buffer (after ``p.data = ...``, ``model.to(...)`` or
-``load_state_dict(assign=True)`` the engine would serve the stale buffer with no error); the engine checks that
-its parameters are where the plan found them and that the exporter is alive. vLLM serves an RPC between two
-model steps, so no forward pass reads half-copied weights (Chapter 9); the trainer must not write its parameters
-until the RPC returns.
+Against the failures the copy floor invites: the trainer refuses to sync once a parameter has left the buffer (the
+engine would serve stale weights); the engine refuses a plan that disagrees with vLLM's loader, parameters moved
+since the plan, and a released or dead export. Write no parameter until ``sync`` returns (Chapter 9).
 """
 
 from __future__ import annotations
@@ -29,106 +20,85 @@ from typing import Any
 import torch
 
 from labsupport import ipc, reshard, vllm_ext
-from labsupport.core.buckets import Meta, unpack
+from labsupport.core.buckets import Meta
 from labsupport.course import hardware
 from labsupport.vllm_weights import WeightUpdateError, WorkerState, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 
 
-# ---- Trainer side ----------------------------------------------------------------------------------
-
 def export_order(named: Any) -> list[tuple[str, torch.Tensor]]:
-    """``named`` tensors in the order to export them: weights, then biases (a stable sort), so that what vLLM fuses
-    (q, k, v weights; gate and up; q, k, v biases) lies side by side and the plan fills each parameter in one copy."""
+    """Weights, then biases (a stable sort): what vLLM fuses (q, k, v; gate, up) lies side by side, one copy each."""
     return sorted(named, key=lambda item: item[0].endswith(".bias"))
 
 
 class SharedWeights:
-    """A model whose parameters live in one exported buffer. Create it before the optimizer; then every
-    in-place update (``optimizer.step()``, ``p.copy_(...)``) writes the memory that an engine has mapped."""
+    """A model whose parameters live in one exported buffer: create it before the optimizer, write in place."""
 
     def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None) -> None:
         self.exporter, self.model = exporter or ipc.Exporter(), model
         named = export_order(model.named_parameters())
-        self.handle = self.exporter.export_bucket(named)  # one copy into the new buffer, once
-        params = dict(named)
+        self.handle, params = self.exporter.export_bucket(named), dict(named)  # one copy into the buffer, once
         with torch.no_grad():
-            for name, view in unpack(self.exporter.buffer(self.handle), self.handle.entries):
-                params[name].data = view  # the parameter now lives in the exported buffer (its old memory is freed)
+            for name, view in ipc.rebuild(self.handle):
+                params[name].data = view  # the parameter now lives in the exported buffer
         self.device = named[0][1].device
         self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where each one must stay
 
     def check(self) -> None:
-        """Raise ``WeightUpdateError`` if any parameter of the model no longer lives where it was exported."""
+        """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported."""
         now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
-        moved = sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n))
-        if moved:
+        if moved := sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n)):
             raise WeightUpdateError(
-                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
-                f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or "
-                "load_state_dict(assign=True) replaced their memory, and the engine would keep serving the old buffer. "
-                "Nothing was sent. Write parameters in place, or map again: shared.close(); "
-                "shared = SharedWeights(model); map_engine(llm, shared).")
+                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer ({', '.join(moved[:3])}"
+                f"{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
+                "replaced their memory, and the engine would serve the stale buffer. Nothing was sent. Write parameters "
+                "in place, or map again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
 
     def packed(self) -> bytes:
-        """The handle for ``map_trainer_weights``, keyed by the device it lives on: only engine workers on that
-        device (``report_device_id``) find it."""
+        """The handle for ``map_trainer_weights``, keyed by its device (``report_device_id``)."""
         self.check()
         return vllm_ext.pack_ipc_handles({vllm_ext.device_id(self.device): self.handle})
 
     def close(self) -> None:
-        """Release the export (engines that still map it get an error on their next sync)."""
+        """Release the export (an engine that still maps it gets an error on its next sync)."""
         self.exporter.close()
 
 
 def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
-    """Have every worker of a co-located engine (on the trainer's GPU: TP=1; on CPU any TP) map ``shared`` and
-    plan its updates; returns each worker's report (``planned_params``, ``copies``, ``fallback`` with reasons,
-    timings). Raises ``WeightUpdateError`` if a worker refuses (wrong names, dtypes or shapes; another device)."""
+    """Every worker of a co-located engine maps ``shared`` and plans its updates; returns their reports."""
     return vllm_ext.call(llm, "map_trainer_weights", shared.packed())
 
 
 def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
-    """Push the trainer's current weights into the engine: check that they still live in the export, wait for the
-    trainer's queued writes, then one RPC. Returns each worker's report (``version``, ``copy_s``, ``fallback_s``,
-    ``copied_bytes``, ``copies``)."""
+    """The trainer's current weights into the engine: check, wait for the trainer's queued writes, one RPC."""
     shared.check()
     hardware.synchronize(shared.device)
     return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
 
 
 def unmap_engine(llm: Any) -> None:
-    """Have every worker drop its mapping of the trainer's weights (then ``shared.close()`` frees them)."""
+    """Every worker drops its mapping of the trainer's weights (then ``shared.close()`` frees them)."""
     vllm_ext.call(llm, "unmap_trainer_weights")
 
-
-# ---- The plan ----------------------------------------------------------------------------------------
 
 @dataclass
 class Plan:
     """What one update does: copy each ``(dst, src)`` of ``copies``, and safe-load ``fallback_items``."""
-
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # each planned parameter, its address
     fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it keeps the safe path
     fallback_items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-
-    @property
-    def copied_bytes(self) -> int:
-        return sum(src.nbytes for _, src in self.copies)
+    copied_bytes = property(lambda self: sum(src.nbytes for _, src in self.copies))
 
 
 def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: Mapping[str, torch.Tensor],
               module_of: Mapping[str, str]) -> Plan:
-    """The copies that fill TP rank ``rank``'s parameters from the mapped checkpoint ``views``, for every module
-    that qualifies, adjacent slices merged; the other modules' checkpoint tensors go to ``fallback_items``.
-    Vocabulary padding is not planned: vLLM's loader zeroed it once and nothing changes it."""
+    """The copies that fill TP rank ``rank``'s parameters from ``views``, adjacent slices merged (padding: zeros)."""
     plan, params = Plan(), dict(model.named_parameters())
     dtype = next(iter(views.values())).dtype
     for (r, param), shape in layout.engine.items():
-        reason = _why_not_planned(model, params, param, shape, dtype) if r == rank else ""
-        if reason:
+        if r == rank and (reason := _why_not_planned(model, params, param, shape, dtype)):
             plan.fallback[param.rpartition(".")[0]] = reason
     for piece in layout.pieces:
         if piece.rank != rank or piece.name is None or piece.param.rpartition(".")[0] in plan.fallback:
@@ -146,8 +116,7 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: 
 
 
 def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """If each tensor of ``new`` starts in the same memory right where its partner in ``last`` ends (all contiguous):
-    the bytes of both, as one flat view per side. Else None."""
+    """Both as one flat byte view per side, if each of ``new`` starts right where its partner in ``last`` ends."""
     if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(last, new)):
         return tuple(a.reshape(-1).view(torch.uint8).as_strided((a.nbytes + b.nbytes,), (1,))
@@ -171,14 +140,20 @@ def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor],
     return ""
 
 
-# ---- Engine side ---------------------------------------------------------------------------------------
-
 @dataclass
 class MappedState(WorkerState):
-    """``WorkerState`` plus the trainer's mapped buckets with the copy plan cut from them, and the syncs served."""
-
+    """``WorkerState`` plus the trainer's mapped buckets with the plan cut from them, and the syncs served."""
     mapped: tuple[list[ipc.Handle], Plan] | None = None
     version: int = 0
+
+    def unmap(self) -> bool:
+        """Drop the plan's views (the last references to the mapped memory), then ack; True if mapped."""
+        if self.mapped is None:
+            return False
+        buckets, self.mapped = self.mapped[0], None
+        for b in buckets:
+            ipc.ack(b)  # (waits for this process's queued reads first)
+        return True
 
 
 class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
@@ -192,7 +167,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         t0, st = time.perf_counter(), worker_state(self)
         buckets, ew = vllm_ext.buckets_for(self.device, handles), st.weights
         ew.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries])
-        _unmap(st)  # a previous mapping first
+        st.unmap()  # a previous mapping first
         views = dict(v for b in buckets for v in ipc.rebuild(b))
         t1 = time.perf_counter()
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
@@ -202,8 +177,8 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         if getattr(cfg, "model_type", "") == "qwen2":  # the one layout reshard knows
             plan = make_plan(ew.model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views, ew.module_of)
         else:
-            why = f"no layout for model type {getattr(cfg, 'model_type', '?')!r} in reshard"
-            plan = Plan(fallback={"<model>": why}, fallback_items=list(views.items()))
+            plan = Plan(fallback={"<model>": f"no layout for {getattr(cfg, 'model_type', '?')!r} in reshard"},
+                        fallback_items=list(views.items()))
         if not all(torch.equal(dst, src) for dst, src in plan.copies):  # does it write what vLLM's loader wrote?
             raise WeightUpdateError("the copy plan disagrees with vLLM's loader (a layout bug): refusing the "
                                     "fast path; use update_weights_from_ipc")
@@ -216,17 +191,15 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
 
     @worker_rpc
     def sync_mapped_weights(self) -> dict[str, Any]:
-        """Copy the trainer's mapped weights into the engine's, per the plan; safe-load the layers that fell back."""
+        """Copy the trainer's mapped weights into the engine's per the plan; safe-load the layers that fell back."""
         st = worker_state(self)
         if st.mapped is None:
-            raise WeightUpdateError("no mapped trainer weights: call map_trainer_weights first (trainer side: "
-                                    "fast_update.map_engine)")
+            raise WeightUpdateError("no mapped trainer weights: map them first (fast_update.map_engine)")
         buckets, plan = st.mapped
         for b in buckets:
             ipc.check_handle(b)  # exporter alive, export not released (microseconds)
         if any(p.data_ptr() != ptr for p, ptr in plan.owners):
-            raise WeightUpdateError("engine parameters were reallocated since the plan was made; map again "
-                                    "(map_trainer_weights)")
+            raise WeightUpdateError("engine parameters were reallocated since the plan was made: map again")
         t0 = time.perf_counter()
         if plan.fallback_items:
             st.weights.load(plan.fallback_items)
@@ -241,15 +214,5 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
 
     @worker_rpc
     def unmap_trainer_weights(self) -> bool:
-        """Drop the mapping of the trainer's weights and ack it, so that the trainer may free them; True if mapped."""
-        return _unmap(worker_state(self))
-
-
-def _unmap(st: MappedState) -> bool:
-    if st.mapped is None:
-        return False
-    buckets, _ = st.mapped
-    st.mapped = None  # the plan's views were the last references to the mapped memory
-    for b in buckets:
-        ipc.ack(b)  # (waits for this process's queued reads first)
-    return True
+        """Drop the mapping and ack it, so that the trainer may free its buffer; True if there was one."""
+        return worker_state(self).unmap()

@@ -74,7 +74,6 @@ def _show(dtype: str, shape: tuple[int, ...]) -> str:
 
 
 # ---- Exporter: the owner's side -------------------------------------------------------------------
-
 @dataclass
 class _Export:
     handle: Handle
@@ -230,7 +229,6 @@ class Exporter:
 
 
 # ---- Receiving side -------------------------------------------------------------------------------
-
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     """``handoff.rebuild`` of a live handle (:func:`check_handle` first): ``[(name, view)]`` over the exporter's
     memory, zero-copy, on the GPU the handle names (looked up by UUID)."""
@@ -299,7 +297,6 @@ def ack(handle: Handle) -> bool:
 
 
 # ---- Where am I, and is the export still there? -----------------------------------------------------
-
 @functools.cache
 def host_id() -> str:
     """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""

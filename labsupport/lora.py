@@ -34,8 +34,6 @@ class AdapterError(ValueError):
 
 
 # ----------------------------------------------------------------------------- trainer side
-
-
 def train(model, tokenizer, steps: int, *, step: int = 1, lr: float = 1e-2, batch_size: int = 16,
           seed: int = 0) -> list[float]:
     """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."), where the model
@@ -89,8 +87,6 @@ def merged_weights(peft_model, dtype: torch.dtype | None = None) -> list[tuple[s
 
 
 # ----------------------------------------------------------------------------- engine side
-
-
 def adapter_spec(hf_config: Any, max_rank: int) -> dict[str, Any]:
     """What an engine with this model config accepts: ``max_rank`` and the ``(out, in)`` shape of every module
     with a LoRA slot: the decoder layers' linear projections (vLLM's fused ``qkv_proj`` / ``gate_up_proj``

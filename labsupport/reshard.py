@@ -1,15 +1,11 @@
 """Resharding: from a trainer's FSDP shards to an inference engine's tensor-parallel layout (Chapter 7, Lab 7).
 
-A trainer sharded with FSDP2 (``fully_shard``) keeps on each of its N ranks a block of rows (``Shard(0)``)
-of every tensor, under its Hugging Face name. A vLLM engine with tensor parallelism TP keeps on each of its
-ranks a slice of *fused* parameters: ``qkv_proj`` = [q_t; k_t; v_t] and ``gate_up_proj`` = [gate_t; up_t]
-(column parallel: rows split), ``o_proj`` and ``down_proj`` split along columns (row parallel),
-``embed_tokens`` and ``lm_head`` split along the vocabulary padded to a multiple of 64, norms replicated.
-This module is the arithmetic, checked before anything moves: :func:`qwen2_layout` says where every box of
-every checkpoint tensor lands (written once); :func:`make_plan` cuts those pieces by the rows each trainer
-rank owns into transfers, refused with :class:`PlanError` unless every engine element is written exactly
-once; :func:`trainer_problems`, :func:`engine_problems` and :func:`vote` refuse a plan that does not match what
-the ranks hold, on every rank. ``labsupport.vllm_reshard`` moves the bytes, three ways.
+The arithmetic, checked before anything moves: :func:`qwen2_layout` says where every box of every checkpoint
+tensor lands in a TP engine's fused parameters (``qkv_proj``, ``gate_up_proj``; row- and column-parallel splits; the
+vocabulary padded to a multiple of 64); :func:`make_plan` cuts those pieces by the rows each FSDP trainer rank owns
+into transfers, refused with :class:`PlanError` unless every engine element is written exactly once;
+:func:`trainer_problems`, :func:`engine_problems` and :func:`vote` refuse a plan that does not match what the ranks
+hold, on every rank. ``labsupport.vllm_reshard`` moves the bytes, three ways.
 """
 
 from __future__ import annotations
@@ -33,8 +29,6 @@ class PlanError(ValueError):
 
 
 # ----------------------------------------------------------------------------- 1. the layout
-
-
 @dataclass(frozen=True)
 class Piece:
     """Box ``src`` of checkpoint tensor ``name`` goes to box ``dst`` of engine parameter ``param`` on TP rank
@@ -139,8 +133,6 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
 
 
 # ----------------------------------------------------------------------------- 2. the plan
-
-
 @dataclass(frozen=True)
 class Transfer:
     """Box ``src`` of trainer rank ``trainer``'s local shard of ``name`` -> box ``dst`` of ``param`` on ``engine``."""

@@ -43,7 +43,6 @@ GRACE_S = 2.0  # after the trainer's side failed: how long to wait for the engin
 
 
 # ---- Trainer side: calls with a deadline ------------------------------------------------------------
-
 def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
     """``fn()`` on a daemon thread (an executor's threads are joined at exit: a hung RPC would hang the exit)."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -202,7 +201,6 @@ def engine_sums(llm: Any, timeout: float = TIMEOUT_S) -> list[dict[str, int]]:
 
 
 # ---- Worker side ---------------------------------------------------------------------------------------
-
 class _ExtensionBase:
     state_type: ClassVar[type] = WorkerState
 

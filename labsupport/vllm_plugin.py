@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 
 # ---- Worker side ---------------------------------------------------------------------------------------
-
 @dataclass
 class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     """Worker-side init info (the trainer engine fills it in; the fields of vLLM's NCCL one)."""
@@ -120,7 +119,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
 
 
 # ---- Trainer side --------------------------------------------------------------------------------------
-
 @dataclass
 class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     """Trainer-side init info for ``labsupport_gloo`` (like vLLM's ``NCCLTrainerInitInfo``)."""
@@ -201,7 +199,6 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
 
 
 # ---- Registration --------------------------------------------------------------------------------------
-
 def register_plugin() -> None:
     """Register ``labsupport_gloo`` with both of vLLM's factories (which record the module path only); the
     ``vllm.general_plugins`` entry point. Idempotent: vLLM may call it more than once per process, and so may we."""
@@ -214,7 +211,6 @@ def register_plugin() -> None:
 
 
 # ---- The trainer's end, on either vLLM ----------------------------------------------------------------------
-
 def native_backend(device: str | torch.device) -> str:
     """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
     return "nccl" if torch.device(device).type == "cuda" else GLOO_BACKEND

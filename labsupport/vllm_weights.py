@@ -179,7 +179,6 @@ def worker_rank(vllm_config: Any, rank_offset: int) -> int:
 
 
 # ---- a worker between update calls: its state, and how it replies with an error -------------------------
-
 class WorkerFailed:
     """A worker's error on its way to the caller, what a :func:`worker_rpc` method replies instead of raising:
     ``vllm_ext.call`` raises it, and so does any use of it as an answer (truth, comparison, indexing, iteration)."""

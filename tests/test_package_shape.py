@@ -17,9 +17,11 @@ PKG = Path(labsupport.__file__).parent
 # core/ and the hardened mechanisms together (not course/, rl/, bench/). The target is 4,000; the redesign took them
 # from 5,435 to 4,788 lines while adding the deadlines and fault checks, a pass that removed duplicates and dead code
 # to 4,744, then the fault table's fixes (staged loading, a store-liveness deadline, EngineDead, a dead exporter's
-# files swept) added about 80 and a tightening of their prose took most back: 4,753. The rest of the way to 4,000
-# would remove taught features, not duplication. Lower this as modules shrink; raise it only with a reason here.
-MECHANISM_LINES = 4760
+# files swept) added about 80 and a tightening of their prose took most back: 4,759. A pass on fast_update (255 ->
+# 218: its own export mapped with ipc.rebuild, the unmap on its state, prose Chapter 5 says) and on docstrings that
+# restated their chapters took them to 4,669. The rest of the way to 4,000 would remove taught features, deadlines
+# or fault checks, not duplication. Lower this as modules shrink; raise it only with a reason here.
+MECHANISM_LINES = 4675
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 
