@@ -5,8 +5,9 @@ The handle is the core's plus who exported it; each addition guards against a fa
 - a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer whose memory
   already holds other tensors (garbage weights, no error);
 - release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each handle's GPU;
-  ``Exporter.release`` waits for the acks up to a deadline; torch's CUDA IPC count is handed back at export): the
-  owner freeing memory that a receiver still reads, waiting for ever on one that never acks, or never freeing it;
+  ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count back where no other
+  process acked): the owner freeing memory that a receiver still reads, waiting for ever on one that never acks,
+  or never freeing it;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead removes its files):
   a handle from a crashed trainer, and its files left in ``/dev/shm``;
 - the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another machine, or on
@@ -162,7 +163,14 @@ class Exporter:
                                "ipc.ack(handle) (or Receiver.drop()) after its last read; or release(force=True).")
             time.sleep(0.01)
         self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
-        for path in shm.acks(self._guard.path, handle.serial):
+        acks = shm.acks(self._guard.path, handle.serial)
+        if exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
+            # no other process acked: none will give torch's CUDA IPC count back (read here without opening the
+            # handle, never opened, or opened by a receiver that died), so its block would wait until exit; a
+            # receiver that opened the handle gives the count back itself when it drops its views
+            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("ref_counter_handle")
+            torch.UntypedStorage._release_ipc_counter_cuda(*handle.where[slot: slot + 2])
+        for path in acks:
             shm.unlink(path)
         del self._live[handle.serial]
         on_gpu, exp.keep = exp.keep.is_cuda, None  # close() still holds exp: drop the memory itself
@@ -202,9 +210,6 @@ class Exporter:
         return named
 
     def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int, nbytes: int) -> Handle:
-        if flat.is_cuda:  # torch's count of receivers' releases goes back now (unopened, its block stays till exit)
-            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("ref_counter_handle")
-            torch.UntypedStorage._release_ipc_counter_cuda(*where[slot: slot + 2])  # (the acks decide instead)
         serial = next(self._ids)
         handle = Handle(gpu_uuid(flat.device.index) if flat.is_cuda else None, where, entries, host_id(),
                         os.getpid(), self._guard.path, self._guard.take(serial), serial)
