@@ -16,6 +16,12 @@ TB, TB/s, MB, % or nats) in prose that is none of:
 - **code**: code cells, code blocks and inline code (settings such as ``size_mib=256`` read as code).
 
 ``EXCEPTIONS`` lists the few figures that are none of these, each with its reason.
+
+The same pages carry no provenance either: a run's machine details, date, versions, command and commit are shown
+in one place, the Reference runs page (and the headers of the labs' GPU-run pages), both generated from
+``results/``. A chapter or lab may name the machine a number came from by its tag (``1xH100``, read from the
+file), nothing more: it calls no ``results.describe`` and reads no ``date``, ``commit``, ``command`` or package
+version from a result, and its prose holds no ISO date or commit hash.
 """
 
 from __future__ import annotations
@@ -137,3 +143,46 @@ def test_the_check_catches_a_typed_number(tmp_path: Path) -> None:
             assert bool(unmarked_figures(page)) == flagged, src
     finally:
         page.unlink(missing_ok=True)
+
+
+# Chapters, appendices and labs: the pages that may name a run's machine tag but not its provenance.
+LEARNER_PAGES = sorted((ROOT / "book").glob("ch[0-9][0-9]_*.md")) + sorted((ROOT / "book").glob("appendix_*.md")) \
+    + sorted((ROOT / "labs").glob("lab_*.md"))
+PROVENANCE = re.compile(
+    r"\bresults\.describe\(|(?<![\w.])describe\(|\bimport\b[^\n]*\bdescribe\b"  # machine, date, torch, NCCL
+    r"|\[\s*['\"](?:date|commit|command)['\"]\s*\]|\.get\(\s*['\"](?:date|commit|command)['\"]"
+    r"|\[\s*['\"]versions['\"]\s*\]\s*(?:\[|\.get\()\s*['\"]"
+    r"(?:python|torch|cuda|nccl|transformers|vllm|ray|labsupport)['\"]"
+    r"|\.get\(\s*['\"]versions['\"]|labsupport_recording"
+    r"|\b20\d\d-[01]\d-[0-3]\d\b|\bcommit [0-9a-f]{7,40}\b")
+
+
+def provenance(path: Path) -> list[str]:
+    """Lines of a page that print or state where and when a run was made (see this module's docstring)."""
+    return [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if PROVENANCE.search(line)]
+
+
+@pytest.mark.parametrize("page", LEARNER_PAGES, ids=lambda p: p.name)
+def test_no_provenance_on_learner_pages(page: Path) -> None:
+    bad = provenance(page)
+    assert not bad, ("provenance (machine details, date, versions, command, commit) belongs on the Reference "
+                     "runs page; a chapter or lab names at most the run's machine tag:\n" + "\n".join(bad))
+
+
+def test_the_provenance_check_catches_a_describe_call() -> None:
+    """Positive and negative controls."""
+    cases = {
+        'print("Reference run:", results.describe(ref))': True,
+        "from labsupport.course.results import describe": True,
+        'print(f"measured {ref[\'date\'][:10]}")': True,
+        'print(rec.get("commit"))': True,
+        'print(run["versions"]["vllm"])': True,
+        "The run of 2026-11-27 at commit 1a2b3c4d.": True,
+        'print("Reference run on", ref["machine_tag"])': False,
+        "print(placement.describe())": False,
+        'old, new = rep["versions"]': False,
+        "summary = frame.describe()": False,
+    }
+    for src, flagged in cases.items():
+        assert bool(PROVENANCE.search(src)) == flagged, src

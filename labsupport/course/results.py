@@ -156,8 +156,9 @@ _LOG_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?(WARNING|INFO|DEBUG|\d{4}-\d\d-\d\d
 
 def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None = None) -> tuple[str, str] | None:
     """What a lab printed in its newest GPU recording (``results/notebooks/<lab>.<machine>.ipynb``, written by the
-    GPU reference run): the standard output of the first code cell whose source contains ``marker``, without
-    vLLM's log lines, and a caption saying where and when it ran. ``None`` if the lab has no recording."""
+    GPU reference run): the recording's machine tag (``1xH100``) and the standard output of the first code cell
+    whose source contains ``marker``, without vLLM's log lines. ``None`` if the lab has no recording. Its date,
+    versions and commit are in the recording's page header and on the Reference runs page."""
     folder = Path(results_dir) if results_dir else REPO_ROOT / "results"
     recs = [json.loads(p.read_text()) | {"path": p} for p in (folder / "notebooks").glob(f"{lab}.*.ipynb")]
     if not recs:
@@ -167,8 +168,5 @@ def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None
         if cell["cell_type"] == "code" and marker in "".join(cell["source"]):
             text = "".join("".join(o["text"]) for o in cell.get("outputs", []) if o.get("name") == "stdout")
             lines = [ln for ln in text.splitlines() if ln.strip() and not _LOG_LINE.match(ln)]
-            info = rec["metadata"]["labsupport_recording"]  # machine, date and versions, as a result records them
-            caption = (f"{describe(info)}, vLLM {info['versions'].get('vllm')}, commit {info['commit']}\n"
-                       f"({rec['path'].relative_to(folder.parent)})")
-            return caption, "\n".join(lines)
+            return rec["metadata"]["labsupport_recording"]["machine_tag"], "\n".join(lines)
     raise KeyError(f"no code cell of {rec['path'].name} contains {marker!r}")
