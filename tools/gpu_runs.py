@@ -86,14 +86,19 @@ def recording_freshness(recording: nbformat.NotebookNode, lab_text: str) -> Fres
     return freshness(code_cells(recording), code_cells(jupytext.reads(lab_text, fmt="md:myst")))
 
 
+def status(info: dict, fresh: Freshness) -> str:
+    """Whether a recording shows this code (and which cells failed): the lab page says this much."""
+    failed = f"; failed cells {info['failed_cells']}" if info.get("failed_cells") else ""
+    return ("**stale**: " + ", ".join(fresh.changed) + " since, so the recording shows what ran then, not this "
+            "code" if fresh.stale else "**current**: the lab's code cells are those that ran") + failed
+
+
 def label(info: dict, fresh: Freshness) -> str:
-    """One line for a recording, the same on the lab page and on the recording's page."""
+    """A recording's provenance (machine, date, commit, cells run) and status: the recording's own page only."""
     gpus = info["machine"].get("gpus") or [{"name": "no GPU"}]
-    status = ("**stale**: " + ", ".join(fresh.changed) + " since, so the recording shows what ran then, not this "
-              "code") if fresh.stale else "**current**: the lab's code cells are those that ran"
-    failed = f", failed cells {info['failed_cells']}" if info.get("failed_cells") else ""
     return (f"{info['machine']['gpu_count']}x {gpus[0]['name']}, {info['date'][:10]} (commit {info['commit']}, "
-            f"{info['path']} path, {info['cells_run']} of {info['code_cells']} code cells ran{failed}); {status}")
+            f"{info['path']} path, {info['cells_run']} of {info['code_cells']} code cells ran); "
+            f"{status(info, fresh)}")
 
 
 def _box(title: str, klass: str, body: str) -> str:
@@ -136,7 +141,7 @@ def lab_note(text: str, lab: str, recordings: list[Path]) -> str:
             stale |= fresh.stale
             info = nb.metadata["labsupport_recording"]
             lines.append(f"- {{doc}}`GPU run on {info['machine_tag']} <../{RECORDINGS.as_posix()}/{path.stem}>`: "
-                         f"{label(info, fresh)}.")
+                         f"{status(info, fresh)}.")
         box = _box(f"Recorded GPU run{'s' if len(lines) > 1 else ''} ({'stale' if stale else 'current'})",
                    "warning" if stale else "tip",
                    "The outputs on this page come from the CPU path of this build. What this lab printed and drew "

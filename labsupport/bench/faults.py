@@ -934,9 +934,9 @@ def page(records: list[dict[str, Any]]) -> str:
     out = []
     for rec in sorted(records, key=lambda r: (r.get("machine_tag") == "cpu", r.get("machine_tag", ""))):
         rows, c = rec["data"]["rows"], rec["data"]["counts"]
-        where = results.describe(rec)
         skipped = f"; skipped: {c['skipped']}" if c["skipped"] else ""
-        out += [f"**{rec['machine_tag']}**: {where[0].upper()}{where[1:]}. Faults tried: {c['tried']}; surfaced as "
+        out += [f"**{rec['machine_tag']}** (device {rec['data']['device']}; its machine and date are on the "
+                f"Reference runs page). Faults tried: {c['tried']}; surfaced as "
                 f"a named exception within deadline + {rec['data']['grace_s']:.0f} s: {c['surfaced_in_time']}; "
                 f"state consistent: {c['state_consistent']}; nothing left behind: {c['leak_free']}; all three: "
                 f"{c['all_met']}{skipped}.", ""]
