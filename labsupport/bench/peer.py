@@ -2,7 +2,8 @@
 
 Both train the capstone's 0.5B policy (built offline, the same warm start per seed) on the same task and reward,
 with the same group size, prompts per step, completion length, learning rate, KL weight, clip range, trainer
-precision and number of steps, each in its own child process on the same GPU (one process tree, one run). Per
+precision and number of steps, each in its own child process on one GPU (one process tree, one run; ``--gpus N``
+runs N of them side by side, each on a GPU of its own, TRL and the capstone of a seed together). Per
 step it records the wall time and its parts, and every ``--eval-every`` steps the held-out accuracy, computed the
 same way for both: greedy answers of the trainer's own weights to the 64 held-out prompts (outside the timed step).
 

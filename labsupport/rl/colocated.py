@@ -13,7 +13,8 @@ ops that bring them into an engine on the same device every step (Chapters 3 and
   weights, update them, wake the KV cache, generate, sleep.
 
 ``CONFIGS`` names the switch settings that the capstone's command line and ``bench peer`` compare (``"fast"``:
-the defaults; ``"safe"``: the capstone set up as TRL sets itself up, the safe reload path and sleep level 2).
+the defaults; ``"fastest"``: the defaults with the engine core inline and the trainer's scoring forward passes
+compiled; ``"safe"``: the capstone set up as TRL sets itself up, the safe reload path and sleep level 2).
 """
 
 from __future__ import annotations
