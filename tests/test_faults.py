@@ -11,6 +11,7 @@ that a pending fix addresses is marked xfail (strict) with the review's hazard n
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 
@@ -97,3 +98,19 @@ def test_watch_counts_the_shm_files_of_this_tree_that_remain_and_says_who_holds_
         for name in (mapped, named, gone, foreign):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path(name))
+
+
+def _stuck(rank: int, world: int) -> int:
+    if rank == 1:
+        threading.Event().wait()  # a collective that never returns
+    return rank
+
+
+def test_a_hung_rank_is_killed_and_reported_with_where_it_hung():
+    from labsupport.course.ranks import run_ranks
+
+    out = run_ranks(_stuck, 2, timeout_s=5)
+    assert out[0] == (True, 0)
+    got = faults.launched(*out[1])["error"]
+    assert got["type"] == "hang" and "still running after 5 s" in got["message"]
+    assert "test_faults.py" in got["message"] and "_stuck" in got["message"]  # the frame it hung in

@@ -3,6 +3,8 @@ log-probabilities, the step-time breakdown, and short runs of the real loop in s
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import os
 import random
@@ -36,6 +38,15 @@ def test_held_out_prompts_never_used_for_training():
     assert len(set(drawn)) == 676 - 64  # every other prompt shows up
     first = task.train_prompts(26, random.Random(1))
     assert sorted(p[1] for p in first) == list(task.LETTERS)  # each letter once per round
+
+
+def test_steps_continue_one_prompt_stream():
+    """The capstone's steps take 32 prompts each from one stream: together they are the run's prompt list (what
+    bench peer gives TRL, in order), and over 13 steps (16 rounds) every letter is asked 16 times."""
+    stream = task.prompt_stream(random.Random(3))
+    steps = [list(itertools.islice(stream, 32)) for _ in range(13)]
+    assert sum(steps, []) == task.train_prompts(13 * 32, random.Random(3))
+    assert collections.Counter(p[1] for p in sum(steps, [])) == {c: 16 for c in task.LETTERS}
 
 
 # ----------------------------------------------------------------------------- GRPO

@@ -62,7 +62,7 @@ for step in $STEPS; do
     lab6gpu) run lab6gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_lab06_colocated.xml" ;;
     # (every memory-saving switch on, as ch11's 0.5B section describes it; the fast defaults are bench peer's)
     rl05) run rl05 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --config safe+offload+no-graphs ;;
-    lab10gpu) run lab10gpu 590 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone.xml" ;;
+    lab10gpu) run lab10gpu 1200 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone.xml" ;;
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
     vllm_reshard) run vllm_reshard 900 python3 -m labsupport bench reshard ;;
     # 2-4 GPUs, vLLM kit: the labs that need several GPUs (3: 3 GPUs, 4: 2, 7: 4), one junit and recording each
@@ -73,7 +73,7 @@ for step in $STEPS; do
     lab9gpu) run lab9gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_09_after_the_update.md --junitxml="$OUT/logs/gpu_lab09_after_update.xml" ;;
     fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
     # any GPUs, vLLM kit: the fault table (results/faults.<machine>.json, book/faults.md); rows needing more GPUs skip
-    faults) run faults 900 python3 -m labsupport bench faults --device cuda ;;
+    faults) run faults 900 python3 -m labsupport bench faults --device cuda ${FAULTS_ARGS:-} ;;
     rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --correction tis ;;  # bf16 engine vs fp32 trainer
     # one GPU, vLLM kit + TRL's wheels (.whl): the capstone against TRL's GRPOTrainer (results/bench_peer.<machine>.json):
     # per seed (0,1) TRL and the capstone's default configuration, then the ablations on seed 0 (--capstone-configs);

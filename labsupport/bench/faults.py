@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import re
 import signal
 import socket
 import tempfile
@@ -349,7 +350,9 @@ def launched(ok: bool, res: Any) -> dict:
     if ok:
         return res
     kind = {"Timeout": "hang", "Died": "died"}.get(res[0], res[0])
-    return {"error": {"type": kind, "classes": [kind], "message": res[1], "t": time.time()}, "state": "n/a"}
+    where = re.findall(r'File "[^"]*?([^/"]+)", line (\d+) in (\w+)', res[2].split("Current thread")[-1])[:3]
+    hung = f" (hung in {', '.join(f'{f}:{n} {fn}' for f, n, fn in where)})" if kind == "hang" and where else ""
+    return {"error": {"type": kind, "classes": [kind], "message": res[1] + hung, "t": time.time()}, "state": "n/a"}
 
 
 def at_first_bucket(g: groups.StatelessGroup, fault: Callable[[], None]) -> None:

@@ -36,6 +36,8 @@ PARTS = ("generate", "sync", "wake", "sleep", "offload", "score", "logprobs", "t
 # Settings both runs share (stated, so that the chapter can say what is equal)
 EQUAL = {
     "model and task": "the capstone's warm-started 0.5B policy per seed, its prompts, rule reward and held-out set",
+    "prompts": "the same prompts in the same order, step by step: the capstone's stream for the run's seed (TRL's "
+               "sampler keeps the dataset's order: shuffle_dataset=False)",
     "batch": "prompts per step x samples per prompt in one generation call and one optimizer step (TRL: "
              "per_device_train_batch_size = prompts x group, steps_per_generation 1, vLLM max_num_seqs the same)",
     "optimization": "AdamW at the same learning rate (constant, no warm-up, no weight decay), gradient clipping at "
@@ -59,8 +61,7 @@ UNEQUAL = {
                       "its worker by RPC, unless its configuration says 'inline'",
     "vLLM batching limit": "TRL sets max_num_batched_tokens=4096; the capstone keeps vLLM's default (every prompt of "
                            "a step fits one batch either way)",
-    "prompt order and random streams": "TRL's sampler shuffles the same prompts in its own order and seeds vLLM with "
-                                       "0; the capstone draws its prompts with the run's seed and seeds vLLM with it",
+    "random streams": "TRL seeds vLLM's sampler with 0, the capstone with the run's seed",
 }
 
 
@@ -97,7 +98,7 @@ def _trl_config(a: argparse.Namespace, out_dir: str):
         num_generations=a.group, max_completion_length=a.answer_len, learning_rate=a.lr, beta=a.beta,
         epsilon=a.clip, temperature=1.0, loss_type="grpo", scale_rewards="group", lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, bf16=a.precision == "bf16", fp16=False,
-        gradient_checkpointing=False, seed=a.seed, use_vllm=True, vllm_mode="colocate",
+        gradient_checkpointing=False, seed=a.seed, shuffle_dataset=False, use_vllm=True, vllm_mode="colocate",
         vllm_enable_sleep_mode=trl_sleeps(a), vllm_gpu_memory_utilization=a.engine_share, vllm_max_model_length=64,
         generation_kwargs={"detokenize": False},  # token ids only, as the capstone asks (TRL decodes them itself)
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
@@ -157,7 +158,7 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
             if state.global_step % a.eval_every == 0 or state.global_step == a.steps:
                 curve.append({"step": state.global_step, "eval_acc": rollout.held_out_accuracy(model)})
 
-    prompts = task.train_prompts(a.steps * a.prompts, random.Random(a.seed))
+    prompts = task.train_prompts(a.steps * a.prompts, random.Random(a.seed))  # the capstone's, step by step
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(model=path, reward_funcs=reward, args=_trl_config(a, tmp),
                               train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Clock()])

@@ -2,13 +2,18 @@
 
 Not a mechanism the book teaches (trainers use torchrun, Ray or vLLM's own launchers), but what lets a
 benchmark or a test start a trainer and its receivers on one machine and never hang: a rank that dies
-silently or outlives the deadline is reported (and killed), not waited for.
+silently or outlives the deadline is reported (and killed), not waited for, with the Python stack it hung in.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
 import pickle
 import queue as queues
+import signal
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -20,13 +25,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
               cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
     """Run ``fn(rank, world_size, *args)`` in fresh processes (forked from a forkserver that imported torch once);
     return ``[(ok, result)]`` by rank. A failure gives ``(False, (type name, message, traceback))``: "Died" for a
-    silent exit, "Timeout" for a rank killed after ``timeout_s`` (a hung collective never hangs the caller)."""
+    silent exit, "Timeout" for a rank killed after ``timeout_s`` (a hung collective never hangs the caller; the
+    traceback is every thread's stack at the deadline, where it hung)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "labsupport.broadcast"])
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads), daemon=True)
+    queue, stacks = ctx.Queue(), tempfile.mkdtemp(prefix="ranks-")
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads, stacks), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -48,15 +54,34 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
     finally:
         for r, p in enumerate(procs):
             p.join(timeout=5 if r in results else 0.1)
+            stack = _stack(p, f"{stacks}/{r}") if p.is_alive() and r not in results else ""
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-            results.setdefault(r, (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", "")))
+            results.setdefault(r, (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", stack)))
+        for r in range(world_size):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{stacks}/{r}")
+        os.rmdir(stacks)
     return [results[r] for r in range(world_size)]
 
 
+def _stack(p: Any, path: str) -> str:
+    """The stacks of a hung rank's threads (faulthandler writes them on SIGUSR1), read once they stop growing."""
+    os.kill(p.pid, signal.SIGUSR1)
+    text = ""
+    for _ in range(20):  # (at most 2 s)
+        time.sleep(0.1)
+        with contextlib.suppress(OSError), open(path) as f:
+            if (now := f.read()) and now == text:
+                break
+            text = now
+    return text
+
+
 def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, queue: Any,
-                cpu_threads: int | None) -> None:
+                cpu_threads: int | None, stacks: str) -> None:
+    faulthandler.register(signal.SIGUSR1, file=open(f"{stacks}/{rank}", "w"), all_threads=True)  # (kept open)
     if cpu_threads:
         torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
     try:  # (pickled here, so that a result that cannot be pickled is reported as this rank's failure)

@@ -9,6 +9,7 @@ co-located bucket of :mod:`~labsupport.rl.colocated` or a group), runs one step 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ from labsupport.rl.policy import load_policy, warmstart_dir
 from labsupport.rl.report import draw_live
 from labsupport.rl.rollout import Rollout, held_out_accuracy
 from labsupport.rl.spans import PHASES, SpanLog, breakdown
-from labsupport.rl.task import ANSWER_LEN, eval_prompts, reward, train_prompts
+from labsupport.rl.task import ANSWER_LEN, eval_prompts, prompt_stream, reward
 
 
 @dataclass
@@ -47,7 +48,7 @@ class _Run:
     path: ColocatedWeights | None = None  # co-located: the trainer's weights in one exported bucket
     mapping: dict[str, Any] | None = None  # co-located, mapped: the engine's report of its plan
     group: groups.StatelessGroup | None = None  # disaggregated and async: trainer rank 0, engine rank 1
-    rng: random.Random = field(default_factory=random.Random)
+    prompts: Iterator[str] = field(default_factory=lambda: prompt_stream(random.Random()))  # the run's prompts
     tok: Any = field(default_factory=models.build_tokenizer)
     steps: list[dict[str, Any]] = field(default_factory=list)
     curve: list[dict[str, float]] = field(default_factory=list)
@@ -74,7 +75,7 @@ def _phase(r: _Run, name: str, step: int, detail: str = "") -> Iterator[None]:
 
 
 def _gen_op(r: _Run, step: int) -> dict[str, Any]:
-    return {"op": "generate", "prompts": train_prompts(r.cfg.prompts_per_step, r.rng), "n": r.cfg.group_size,
+    return {"op": "generate", "prompts": list(itertools.islice(r.prompts, r.cfg.prompts_per_step)), "n": r.cfg.group_size,
             "max_new_tokens": ANSWER_LEN, "temperature": r.cfg.temperature, "version": r.trainer.version,
             "step": step}
 
@@ -293,7 +294,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
                               correction=cfg.correction, is_cap=cfg.is_cap, precision=cfg.precision,
                               compile=cfg.compile)
         wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
-        r = _Run(arch, cfg, tdev, trainer, spans, wdtype, offload, rng=random.Random(cfg.seed))
+        r = _Run(arch, cfg, tdev, trainer, spans, wdtype, offload, prompts=prompt_stream(random.Random(cfg.seed)))
         stack.callback(_close, r)
         r.engine = start_engine(arch, engine, cfg, model_dir, edev, size, spans)
         if memory:

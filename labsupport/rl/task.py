@@ -3,8 +3,10 @@ prompts used only for evaluation, and the warm start's pre-training text (see th
 
 from __future__ import annotations
 
+import itertools
 import random
 import string
+from collections.abc import Iterator
 
 LETTERS = string.ascii_lowercase
 ANSWER_LEN = 3
@@ -32,17 +34,23 @@ def reward(completion: str, prompt: str) -> float:
     return float(completion[:ANSWER_LEN] == answer_of(prompt))
 
 
-def train_prompts(n: int, rng: random.Random) -> list[str]:
-    """``n`` RL prompts (never held-out ones): every letter in front of the bar once per round of 26, shuffled."""
-    out: list[str] = []
-    while len(out) < n:
+def prompt_stream(rng: random.Random) -> Iterator[str]:
+    """RL prompts without end (never held-out ones): every letter in front of the bar once per round of 26, in an
+    order shuffled each round. The capstone takes each step's prompts from one stream, so that steps continue the
+    rounds and over a run every letter is asked equally often."""
+    while True:
         letters = list(LETTERS)
         rng.shuffle(letters)
         for b in letters:
             while (p := prompt_of(rng.choice(LETTERS), b)) in HELD_OUT:
                 pass
-            out.append(p)
-    return out[:n]
+            yield p
+
+
+def train_prompts(n: int, rng: random.Random) -> list[str]:
+    """The first ``n`` prompts of :func:`prompt_stream` (a run's prompts, step after step, for ``n`` = steps x
+    prompts per step)."""
+    return list(itertools.islice(prompt_stream(rng), n))
 
 
 def eval_prompts() -> list[str]:
