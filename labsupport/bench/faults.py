@@ -975,6 +975,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(table_rows([row])[0]), flush=True)
         if row.get("detail"):
             print("   ", row["detail"], flush=True)
+        if not row.get("ok"):  # what the caller got, in full (a hang: the stack it hung in)
+            print("   ", row.get("message", ""), flush=True)
 
     rows = run_table(device, only or None, progress=say)
     print()
