@@ -10,9 +10,8 @@ closing wait) plus what production needs, each against a failure the core lets t
   rank; a last vote reports a failed ``load`` (a sender dying mid-update leaving old and new weights mixed;
   corrupted bytes; a failed load nobody notices). ``staged=False`` saves the copy: buckets land in ``into`` or two
   reused buffers, each loaded as the next arrives (and a dead sender leaves that mix);
-- deadlines: every wait is bounded; a dead peer becomes ``SyncTimeout`` naming it (one dead rank hanging all);
-- kernels loaded first (``checksums.load_kernels``): a kernel's first launch behind a broadcast that spins on a
-  dead peer would block the host in the driver, where no deadline reaches it.
+- deadlines: every wait is bounded; a dead peer becomes ``SyncTimeout`` naming it (one dead rank hanging all), and
+  kernels are loaded before a transfer (``checksums.load_kernels``: one loaded behind it could block the host).
 """
 
 from __future__ import annotations
@@ -61,12 +60,11 @@ class SyncStats:
     verified: bool = False
 
     @property
-    def gbps(self) -> float:
-        """Payload bandwidth in GB/s (1e9 bytes per second)."""
+    def gbps(self) -> float:  # payload bandwidth in GB/s (1e9 bytes per second)
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gb_per_s": self.gbps}  # (with the bandwidth: for JSON)
+    def as_dict(self) -> dict[str, Any]:  # (with the bandwidth: for JSON)
+        return {**asdict(self), "gb_per_s": self.gbps}
 
     def __str__(self) -> str:
         return (f"{self.mode}{f', bucket {self.bucket_bytes / 2**20:g} MiB' if self.mode == 'bucketed' else ''}: "
@@ -119,7 +117,6 @@ class _Side:
 
     def __init__(self, group: StatelessGroup, src: int, timeout_s: float | None) -> None:
         self.group, self.src, self.timeout_s = group, src, timeout_s
-        checksums.load_kernels(group.device)
         self.agreed: tuple[int, list[Meta]] | None = None  # (key, metas) of the layout every rank accepted last
         self.plan: tuple[tuple, list[Bucket], Any] | None = None  # ((key, mode, bucket size), plan, landing)
         self.buffers: list[torch.Tensor] = []  # two staging buffers, grown to the largest bucket that needs one
@@ -148,7 +145,7 @@ class _Side:
             plan = plan_buckets(metas, bucket_bytes, MODES[mode])
             self.plan = ((key, mode, bucket_bytes), plan, None if header else self._landing(plan))
         _, plan, land = self.plan
-        checksums.load_kernels(self.group.device, {m.dtype for m in metas})  # (packing and landing copies)
+        checksums.load_kernels(self.group.device, {m.dtype for m in metas})  # (launched while broadcasts may spin)
         with torch.no_grad(), guard(self.group, "the transfer"):
             sums, errors = self._transfer(plan, land, bool(verify), payload)
         _vote(self.group, "the verification vote", version, errors, self.timeout_s, sums, plan, self.src)

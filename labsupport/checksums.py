@@ -62,21 +62,17 @@ _LOADED: set[tuple[torch.device, str]] = set()
 
 
 def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
-    """Launch, once per device, the kernels of checksums and of a vote on them (stack, cat, negate), and a
-    multi-tensor copy of each of ``dtypes``, on a few bytes. PyTorch has CUDA load a kernel at its first launch
-    (``CUDA_MODULE_LOADING=LAZY``), and loading waits for the device: behind a collective that spins on a dead
-    peer, a first launch would block the host in the driver, where no deadline reaches it (``broadcast``)."""
+    """Launch once per device the kernels of checksums and of a vote on them (stack, cat, negate), and a multi-tensor
+    copy of each of ``dtypes``. CUDA loads a kernel at its first launch (PyTorch sets ``CUDA_MODULE_LOADING=LAZY``),
+    and loading waits for the device: behind a collective that spins on a dead peer, it would block the host in the
+    driver, where no deadline reaches it (``broadcast``)."""
     todo = [d for d in ("checksums", *dtypes) if (device, d) not in _LOADED] if device.type == "cuda" else []
-    with torch.no_grad():
-        for d in todo:
-            if d != "checksums":
-                x = torch.zeros(2, dtype=getattr(torch, d), device=device)
-                torch._foreach_copy_([x[:1]], [x[1:]])
-                continue
-            # every word width of_bytes reads, an odd address (cloned), a bucket of two tensors (joined)
+    for d in todo:
+        if d == "checksums":  # every word width of_bytes reads, an odd address (cloned), two tensors (joined)
             u8 = [torch.zeros(w * (2 * ROW + 1), dtype=torch.uint8, device=device) for w in (8, 4, 2, 1)]
             sums = torch.stack([of_bytes(t) for t in u8 + [u8[0][1:17], cat_bytes(u8[-2:])]])
             torch.cat([torch.full((1,), 0, dtype=torch.int64, device=device), sums, -sums]).tolist()
-    if todo:
-        torch.cuda.synchronize(device)
-        _LOADED.update((device, d) for d in todo)
+        else:
+            x = torch.zeros(2, dtype=getattr(torch, d), device=device)
+            torch._foreach_copy_([x[:1]], [x[1:]])
+        _LOADED.add((device, d))

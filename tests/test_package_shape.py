@@ -20,8 +20,11 @@ PKG = Path(labsupport.__file__).parent
 # files swept) added about 80 and a tightening of their prose took most back: 4,759. A pass on fast_update (255 ->
 # 218: its own export mapped with ipc.rebuild, the unmap on its state, prose Chapter 5 says) and on docstrings that
 # restated their chapters took them to 4,669. The rest of the way to 4,000 would remove taught features, deadlines
-# or fault checks, not duplication. Lower this as modules shrink; raise it only with a reason here.
-MECHANISM_LINES = 4675
+# or fault checks, not duplication. Then the NCCL rows trainer_killed and trainer_hangs hung a receiver in the CUDA
+# driver: a kernel's first launch (lazy loading) waited behind a broadcast spinning on the dead trainer.
+# checksums.load_kernels, which loads them before a transfer, added 23: 4,696. Lower this as modules shrink; raise
+# it only with a reason here.
+MECHANISM_LINES = 4700
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 

@@ -197,11 +197,13 @@ def run_capstone(a: argparse.Namespace) -> dict[str, Any]:
 # ---- the parent: runs, summary, table, plot ---------------------------------------------------------------------
 
 def summarize(run: dict[str, Any], skip: int) -> dict[str, float]:
-    """Median ms per step and mean ms of each part, over the steps after the first ``skip`` (warm-up)."""
+    """The median ms per step and the median ms of each part, over the steps after the first ``skip`` (warm-up),
+    and the mean step (which a rare slow step, such as a garbage collection inside a phase, moves)."""
     body = run["steps"][skip:] or run["steps"]
     keys = [k for k in body[0] if k not in ("step", "wall_s")]
     return {"ms_per_step": 1e3 * statistics.median(s["wall_s"] for s in body),
-            **{f"{k}_ms": 1e3 * statistics.fmean(s[k] for s in body) for k in keys},
+            **{f"{k}_ms": 1e3 * statistics.median(s[k] for s in body) for k in keys},
+            "mean_ms_per_step": 1e3 * statistics.fmean(s["wall_s"] for s in body),
             "final_acc": run["curve"][-1]["eval_acc"]}
 
 
@@ -226,7 +228,7 @@ def plot(runs: list[dict[str, Any]]):
                    "--" if r["tool"] == "trl" else "-" if compared else ":", label=f"{label(r)} (seed {r['seed']})")
     left.set_xticks(range(len(runs)), [f"{label(r)}\nseed {r['seed']}".replace("capstone ", "capstone\n")
                                        for r in runs], fontsize=7)
-    left.set_ylabel("ms per step (mean of the parts)")
+    left.set_ylabel("ms per step (median of each part)")
     left.legend(fontsize=7)
     right.set_xlabel("step")
     right.set_ylabel("held-out accuracy")
@@ -264,6 +266,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1500, help="seconds for one tool's run")
     p.add_argument("--gpus", type=int, default=1,
                    help="runs side by side, one per visible GPU (TRL and the capstone of a seed start together)")
+    p.add_argument("--summarize", default=None, metavar="JSON",
+                   help="recompute a saved result's summaries, ratios and figure from its recorded steps (no run)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -373,6 +377,8 @@ def main(argv: list[str]) -> int:
         return 0
     from labsupport.course import results
 
+    if a.summarize:
+        return resummarize(Path(a.summarize))
     runs = _run_jobs(argv, a)
     ratio = _ratios(runs, a)
     head = "".join(f"{p[:8]:>9s}" for p in PARTS)
@@ -392,5 +398,31 @@ def main(argv: list[str]) -> int:
     data = {"settings": {k: getattr(a, k) for k in keys}, "completion_tokens": a.answer_len,
             "compared_config": a.configs[0], "equal": EQUAL, "unequal": _unequal(a), "parts": list(PARTS),
             "runs": runs, "capstone_over_trl": ratio["mean"], "capstone_over_trl_per_seed": ratio["per_seed"]}
+    if a.gpus > 1:  # (what one run after the other on one GPU avoids)
+        data["shared_host"] = (f"{a.gpus} runs at a time, each on a GPU of its own, sharing the host's CPUs: TRL and "
+                               "the capstone of a seed started together, one run's start-up (vLLM's and the "
+                               "trainer's compilation) overlapped another's timed steps, and generation, bound by "
+                               "the host's work per request, is slowed by what runs beside it")
     print("wrote", results.save_result("bench_peer", data, figure=plot(runs)))
+    return 0
+
+
+def resummarize(path: Path) -> int:
+    """Rewrite a saved ``bench_peer`` result's summaries, ratios and figure with this module's ``summarize``, from
+    the steps it recorded (the run's settings, steps and accuracies stay as measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rec = json.loads(path.read_text())
+    data, settings = rec["data"], rec["data"]["settings"]
+    a = argparse.Namespace(configs=settings["capstone_configs"].split(","))
+    for r in data["runs"]:
+        r["summary"] = summarize(r, settings["skip"])
+    ratio = _ratios(data["runs"], a)
+    data["capstone_over_trl"], data["capstone_over_trl_per_seed"] = ratio["mean"], ratio["per_seed"]
+    rec["summarized"] = "python -m labsupport bench peer --summarize " + path.name
+    path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    plot(data["runs"]).savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    print("rewrote", path, "and its figure; capstone / TRL per seed:",
+          ", ".join(f"{k}: {v:.2f}" for k, v in ratio["per_seed"].items()))
     return 0
