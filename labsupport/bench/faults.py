@@ -405,7 +405,10 @@ def receiver_killed(ctx: Context) -> Outcome:
 @fault("trainer_killed", "the trainer is killed (SIGKILL) once a receiver has its first bucket",
        "Rank 0 hosts the group's store, so receivers see it vanish and raise SyncTimeout. The receiver stages: "
        "every bucket lands in a staging area and nothing is loaded before all arrived and the checksum vote "
-       "passed, so it keeps its old weights whole (one that loads bucket by bucket would keep a mix).",
+       "passed, so it keeps its old weights whole (one that loads bucket by bucket would keep a mix). On NCCL "
+       "the receiver's GPU is still busy with a broadcast that waits for the dead trainer, and a kernel launched "
+       "for the first time then (CUDA loads kernels lazily, and loading waits for the device) blocks the host "
+       "where no deadline reaches it: the receiver launches each kernel of the transfer once before it starts.",
        ("SyncTimeout",), "ranks", gpus=2)
 def trainer_killed(ctx: Context) -> Outcome:
     return _sync_row(ctx, "trainer_dies", 2, caller=1)
@@ -942,7 +945,8 @@ def page(records: list[dict[str, Any]]) -> str:
                 f"Reference runs page). Faults tried: {c['tried']}; surfaced as "
                 f"a named exception within deadline + {rec['data']['grace_s']:.0f} s: {c['surfaced_in_time']}; "
                 f"state consistent: {c['state_consistent']}; nothing left behind: {c['leak_free']}; all three: "
-                f"{c['all_met']}{skipped}.", ""]
+                f"{c['all_met']}{skipped}." + (f" *Since this run:* {rec['data']['note']}" if rec["data"].get("note")
+                                               else ""), ""]
         out += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in table_rows(rows)]
         out += [""]
