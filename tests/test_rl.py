@@ -4,6 +4,7 @@ log-probabilities, the step-time breakdown, and short runs of the real loop in s
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import math
 import os
@@ -468,6 +469,7 @@ def test_every_colocated_switch_ends_with_the_trainers_bytes(update, sleep_level
     assert d["mechanisms"]["update"] == update and d["engine_sleeps"] is (sleep_level > 0)
     phases = {e["phase"] for e in d["events"] if e["lane"] == "engine" and 0 <= e["step"] < cfg.steps}
     assert phases == ({"generate", "sync", "wake", "sleep"} if sleep_level else {"generate", "sync"})
+    assert gc.get_freeze_count() == 0  # the heap the run froze after its first step is collectable again
 
 
 # ----------------------------------------------------------------------------- GPU path

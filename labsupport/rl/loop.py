@@ -9,6 +9,7 @@ co-located bucket of :mod:`~labsupport.rl.colocated` or a group), runs one step 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import random
 from collections.abc import Callable, Iterator
@@ -179,6 +180,7 @@ def _connect(r: _Run) -> None:
 def _close(r: _Run) -> None:
     """Leave the group first (an engine stuck in a broadcast then fails at once), stop the engine (which unmaps the
     trainer's bucket), free the bucket."""
+    gc.unfreeze()  # (frozen objects are never collected: an engine deleted in this process would keep its memory)
     try:
         if r.group is not None:
             r.group.destroy()
@@ -222,6 +224,9 @@ def _train(r: _Run, engine_name: str, verbose: bool) -> None:
             r.windows.append((w0, w1))
             rec["wall_s"] = w1 - w0
             r.steps.append(rec)
+            if k == 0:  # the first step compiled and warmed caches: freeze what exists, as vLLM freezes its
+                gc.collect()  # start-up heap, so that no later step stalls on a full collection (_close unfreezes)
+                gc.freeze()
             _evaluate(r, k + 1)
             _show(r, rec, bar, live, verbose)
             w0 = r.spans.now()
