@@ -132,6 +132,20 @@ def _gpu_used() -> int:
     return sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count())))
 
 
+def _gpu_by_process() -> dict[int, int]:
+    """Bytes each process holds on the GPUs, by pid (``nvidia-smi``; empty where it is missing)."""
+    import subprocess
+
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        held: dict[int, int] = {}
+        for pid, mib in (ln.split(",") for ln in out.splitlines() if "," in ln):
+            held[int(pid)] = held.get(int(pid), 0) + int(mib) * 2**20
+        return held
+    return {}
+
+
 class Watch:
     """Left behind by a row: child processes that outlive it, ``/dev/shm`` files that appeared during the row,
     belong to this process tree and remain, and GPU memory above the level before. A sampler thread notes every
@@ -150,6 +164,7 @@ class Watch:
         self.children = {p.pid for p in self.me.children(recursive=True)}
         self.files = set(os.listdir(handoff.SHM_DIR))
         self.gpu_before = _gpu_used() if gpu else None
+        self.held_before = _gpu_by_process() if gpu else {}
         self.pids, self.touched = {self.me.pid}, set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -171,7 +186,10 @@ class Watch:
             f"torch_{pid}_") or (name.startswith("cuda.shm.") and f".{pid:x}." in name) for pid in self.pids)
 
     def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
-        """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains."""
+        """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains (on the GPUs also
+        which processes hold more than before: ``gpu_held``)."""
+        import psutil
+
         self._stop.set()
         self._thread.join()
         self._note()
@@ -187,8 +205,10 @@ class Watch:
         living = [p.pid for p in [self.me, *self.me.children(recursive=True)] if p.pid in self.pids]
         holders = {pid: shm_held_by(pid) for pid in living}
         held = {f: [pid for pid, names in holders.items() if f in names] for f in ours}
+        grown = {pid: n - self.held_before.get(pid, 0) for pid, n in (_gpu_by_process() if self.gpu else {}).items()}
         return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "shm_held": held,
-                "gpu_bytes": gpu}
+                "gpu_bytes": gpu, "gpu_held": {f"{pid} {_name(psutil.Process(pid)) if psutil.pid_exists(pid) else '?'}":
+                                               n for pid, n in grown.items() if n > GPU_SLACK}}
 
 
 def shm_held_by(pid: int) -> set[str]:
@@ -979,8 +999,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(table_rows([row])[0]), flush=True)
         if row.get("detail"):
             print("   ", row["detail"], flush=True)
-        if not row.get("ok"):  # what the caller got, in full (a hang: the stack it hung in)
-            print("   ", row.get("message", ""), flush=True)
+        if not row.get("ok"):  # what the caller got, in full (a hang: the stack it hung in), and what remains
+            print("   ", row.get("message", ""), "| left:", row.get("leaks"), flush=True)
 
     rows = run_table(device, only or None, progress=say)
     print()
