@@ -188,8 +188,6 @@ class Watch:
     def finish(self, grace_s: float = EXIT_S) -> dict[str, Any]:
         """Stop watching; wait up to ``grace_s`` for new children to exit; return what remains (on the GPUs also
         which processes hold more than before: ``gpu_held``)."""
-        import psutil
-
         self._stop.set()
         self._thread.join()
         self._note()
@@ -205,10 +203,10 @@ class Watch:
         living = [p.pid for p in [self.me, *self.me.children(recursive=True)] if p.pid in self.pids]
         holders = {pid: shm_held_by(pid) for pid in living}
         held = {f: [pid for pid, names in holders.items() if f in names] for f in ours}
-        grown = {pid: n - self.held_before.get(pid, 0) for pid, n in (_gpu_by_process() if self.gpu else {}).items()}
+        now = _gpu_by_process() if self.gpu else {}
+        grown = {f"{pid} {_name(pid)}": n - self.held_before.get(pid, 0) for pid, n in now.items()}
         return {"children": [f"{p.pid} {_name(p)}" for p in left], "shm_files": ours, "shm_held": held,
-                "gpu_bytes": gpu, "gpu_held": {f"{pid} {_name(psutil.Process(pid)) if psutil.pid_exists(pid) else '?'}":
-                                               n for pid, n in grown.items() if n > GPU_SLACK}}
+                "gpu_bytes": gpu, "gpu_held": {who: n for who, n in grown.items() if n > GPU_SLACK}}
 
 
 def shm_held_by(pid: int) -> set[str]:
@@ -225,7 +223,11 @@ def shm_held_by(pid: int) -> set[str]:
 
 
 def _name(p: Any) -> str:
+    """A process's command line, short (``p``: a ``psutil.Process`` or a pid); "?" once it has gone."""
+    import psutil
+
     with contextlib.suppress(Exception):
+        p = psutil.Process(p) if isinstance(p, int) else p
         return " ".join(p.cmdline()[:3])[:80] or p.name()
     return "?"
 

@@ -352,11 +352,11 @@ def _run_jobs(argv: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
         return list(pool.map(one, _jobs(a)))
 
 
-def _ratios(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
-    """Capstone (compared configuration) over TRL in ms per step: per seed, and the mean over seeds."""
+def _ratios(runs: list[dict[str, Any]], compared: str) -> dict[str, Any]:
+    """Capstone (configuration ``compared``) over TRL in ms per step: per seed, and the mean over seeds."""
     per_seed = {}
     for seed in sorted({r["seed"] for r in runs}):
-        cap = [r for r in runs if r["seed"] == seed and r["tool"] == "capstone" and r["config"] == a.configs[0]]
+        cap = [r for r in runs if r["seed"] == seed and r["tool"] == "capstone" and r["config"] == compared]
         trl = [r for r in runs if r["seed"] == seed and r["tool"] == "trl"]
         if cap and trl:
             per_seed[str(seed)] = cap[0]["summary"]["ms_per_step"] / trl[0]["summary"]["ms_per_step"]
@@ -380,7 +380,7 @@ def main(argv: list[str]) -> int:
     if a.summarize:
         return resummarize(Path(a.summarize))
     runs = _run_jobs(argv, a)
-    ratio = _ratios(runs, a)
+    ratio = _ratios(runs, a.configs[0])
     head = "".join(f"{p[:8]:>9s}" for p in PARTS)
     print(f"{'run':26s} {'seed':>4s} {'ms/step':>8s}{head} {'acc':>5s}")
     for r in runs:
@@ -413,16 +413,16 @@ def resummarize(path: Path) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
+    from labsupport.course import results
+
     rec = json.loads(path.read_text())
-    data, settings = rec["data"], rec["data"]["settings"]
-    a = argparse.Namespace(configs=settings["capstone_configs"].split(","))
+    data = rec["data"]
     for r in data["runs"]:
-        r["summary"] = summarize(r, settings["skip"])
-    ratio = _ratios(data["runs"], a)
+        r["summary"] = summarize(r, data["settings"]["skip"])
+    ratio = _ratios(data["runs"], data["compared_config"])
     data["capstone_over_trl"], data["capstone_over_trl_per_seed"] = ratio["mean"], ratio["per_seed"]
     rec["summarized"] = "python -m labsupport bench peer --summarize " + path.name
-    path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    plot(data["runs"]).savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    results.write_record(path, rec, plot(data["runs"]))
     print("rewrote", path, "and its figure; capstone / TRL per seed:",
           ", ".join(f"{k}: {v:.2f}" for k, v in ratio["per_seed"].items()))
     return 0

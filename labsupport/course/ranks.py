@@ -58,7 +58,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-            results.setdefault(r, (False, ("Timeout", f"rank {r} still running after {timeout_s:.0f} s; killed", stack)))
+            hung = f"rank {r} still running after {timeout_s:.0f} s; killed"
+            results.setdefault(r, (False, ("Timeout", hung, stack)))
         for r in range(world_size):
             with contextlib.suppress(OSError):
                 os.unlink(f"{stacks}/{r}")

@@ -93,7 +93,11 @@ def save_result(name: str, data: dict[str, Any], *, command: str | None = None, 
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "data": data,
     }
-    path = out / f"{name}.{tag}.json"
+    return write_record(out / f"{name}.{tag}.json", record, figure)
+
+
+def write_record(path: Path, record: dict[str, Any], figure: Any = None) -> Path:
+    """Write a result record as JSON (and its figure beside it as ``.png``); ``save_result`` makes new ones."""
     path.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
     if figure is not None:
         figure.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")

@@ -76,9 +76,9 @@ def _phase(r: _Run, name: str, step: int, detail: str = "") -> Iterator[None]:
 
 
 def _gen_op(r: _Run, step: int) -> dict[str, Any]:
-    return {"op": "generate", "prompts": list(itertools.islice(r.prompts, r.cfg.prompts_per_step)), "n": r.cfg.group_size,
-            "max_new_tokens": ANSWER_LEN, "temperature": r.cfg.temperature, "version": r.trainer.version,
-            "step": step}
+    return {"op": "generate", "prompts": list(itertools.islice(r.prompts, r.cfg.prompts_per_step)),
+            "n": r.cfg.group_size, "max_new_tokens": ANSWER_LEN, "temperature": r.cfg.temperature,
+            "version": r.trainer.version, "step": step}
 
 
 def _learn(r: _Run, step: int, rollout: Rollout) -> dict[str, Any]:
