@@ -48,7 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--inline-engine", default=None, action=argparse.BooleanOptionalAction,
                    help="vLLM's engine core in the trainer's process (as TRL's colocate mode)")
     g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                   help="the trainer's scoring forward passes through torch.compile (default: off)")
+                   help="the trainer's scoring passes compiled, layer by layer (CUDA graphs on a GPU; default: off)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
     return p.parse_args(argv)
 

@@ -39,6 +39,13 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor
     ``token_weights`` ([N, T], no gradient) multiply each token's surrogate: the TIS/MIS correction of
     :class:`GRPOTrainer` when ``logp_old`` is the trainer's own and the engine's log-probabilities differ.
     """
+    loss, stats = _loss(logp, logp_old, logp_ref, advantages, mask, clip_eps, beta, token_weights)
+    return loss, _floats(stats)
+
+
+def _loss(logp, logp_old, logp_ref, advantages, mask, clip_eps, beta, token_weights):
+    """:func:`grpo_loss` with its statistics left on the device (read once, after the optimizer step: a read
+    in between would make the host wait for the forward pass before it could queue the backward pass)."""
     mask = mask.to(logp.dtype)
     adv = advantages[:, None].to(logp.dtype)
     ratio = torch.exp(logp - logp_old)
@@ -53,25 +60,54 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         clipped = ((ratio - 1).abs() > clip_eps).to(mask.dtype)
-        stats = {"loss": loss.item(), "kl": ((kl * mask).sum() / n).item(),
-                 "ratio_mean": ((ratio * mask).sum() / n).item(),
-                 "ratio_max": ratio[mask.bool()].max().item() if mask.any() else 1.0,
-                 "clip_frac": ((clipped * mask).sum() / n).item()}
+        stats = {"loss": loss.detach(), "kl": (kl * mask).sum() / n, "ratio_mean": (ratio * mask).sum() / n,
+                 "ratio_max": _masked_max(ratio, mask.bool(), 1.0), "clip_frac": (clipped * mask).sum() / n}
     return loss, stats
 
 
-def token_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability under ``model`` of each completion token given its prompt: [N, T]."""
-    device = next(model.parameters()).device
+def _masked_max(x: torch.Tensor, mask: torch.Tensor, empty: float) -> torch.Tensor:
+    """The largest of ``x`` where ``mask`` is set (``empty`` if none is), without a read to the host."""
+    top = torch.where(mask, x, torch.full_like(x, -torch.inf)).max()
+    return torch.where(mask.any(), top, torch.full_like(top, empty))
+
+
+def _floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Scalar tensors as floats, in one read from the device."""
+    return dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))
+
+
+def scoring_inputs(prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    """The model inputs that score completions: each prompt left-padded, then its completion, with the attention
+    mask and positions (built once a step, for the policy's and the reference's pass)."""
     ids, att = left_pad(prompt_ids, device)
     comp = completion_ids.to(device)
-    width = ids.shape[1]
-    full = torch.cat([ids, comp], 1)
     att = torch.cat([att, torch.ones_like(comp)], 1)
-    pos = (att.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=full, attention_mask=att, position_ids=pos).logits
-    logits = logits[:, width - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, comp[..., None]).squeeze(-1)
+    return {"input_ids": torch.cat([ids, comp], 1), "attention_mask": att,
+            "position_ids": (att.cumsum(-1) - 1).clamp(min=0)}
+
+
+def token_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor,
+                   inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Log-probability under ``model`` of each completion token given its prompt: [N, T] (``inputs``:
+    :func:`scoring_inputs`' of these, if already built). No KV cache is built: nothing decodes after it."""
+    inputs = inputs or scoring_inputs(prompt_ids, completion_ids, next(model.parameters()).device)
+    width = completion_ids.shape[1]
+    logits = model(**inputs, use_cache=False).logits[:, -width - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, inputs["input_ids"][:, -width:, None]).squeeze(-1)
+
+
+def compile_layers(model, graphs: bool = False) -> None:
+    """Regional compilation: each decoder layer of a transformers model compiled in place for fixed shapes. The
+    layers share their code, so one compilation serves them all, and a first step compiles one layer, not the
+    whole model. ``graphs``: the compiled layers are also recorded as CUDA graphs and replayed
+    (``mode="reduce-overhead"``), forward and backward: one launch per layer instead of one per kernel. A replay
+    reuses its output memory, so a training step begins with ``torch.compiler.cudagraph_mark_step_begin()``.
+    Attention becomes the plain composition of matrix products and softmax, compiled with the rest of the
+    layer: with a few tokens per sequence and hundreds of sequences, torch's fused attention kernels (cuDNN's
+    first, on recent GPUs) spent more GPU time than the whole composition."""
+    model.set_attn_implementation("eager")
+    for layer in model.model.layers:
+        layer.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
 
 
 class GRPOTrainer:
@@ -87,18 +123,21 @@ class GRPOTrainer:
         ``precision``: "fp32", or "bf16" mixed precision: the forward passes (policy and reference) run under
         ``torch.autocast`` in bfloat16 while the weights, gradients and Adam stay float32 (master weights), as
         ``accelerate``'s ``mixed_precision="bf16"`` (TRL's ``bf16=True``) does. The loss is float32 either way.
-        ``compile``: the scoring forward passes (policy and reference) run through ``torch.compile``, each compiled
-        once for the step's fixed shapes on the first step. At a small model's size a step's forward and backward
-        passes are bound by launching thousands of small kernels from Python; the compiled graphs fuse them. The
-        weights, the optimizer and the held-out check (the model itself) are unchanged."""
+        ``compile``: the scoring passes (policy and reference, forward and backward) run compiled. At a small
+        model's size they are bound by launching thousands of small kernels from Python; see :func:`compile_layers`.
+        The weights, the optimizer and the held-out check (eager: :func:`~labsupport.rl.rollout.sample`) are
+        unchanged."""
         _check_correction(correction)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.correction, self.is_cap, self.precision = correction, is_cap, precision
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.scorers = tuple(torch.compile(m, dynamic=False) if compile else m for m in (model, self.ref))
         cuda = next(model.parameters()).is_cuda  # one fused kernel per step on a GPU (as transformers' default)
+        self.graphs = compile and cuda
+        if compile:
+            for m in (model, self.ref):
+                compile_layers(m, graphs=self.graphs)
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True if cuda else None)
         self.beta, self.clip_eps = beta, clip_eps
         self.version = 0  # bumped by each optimizer step
@@ -116,29 +155,33 @@ class GRPOTrainer:
         adv = group_advantages(rewards.view(-1, rollout.n)).view(-1)
         device = next(self.model.parameters()).device
         mask = rollout.mask.to(device)
+        inputs = scoring_inputs(rollout.prompt_ids, rollout.completion_ids, device)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs may be reused
         self.model.train()
         with self.autocast():
             with torch.no_grad():
-                ref = token_logprobs(self.scorers[1], rollout.prompt_ids, rollout.completion_ids)
-            logp = token_logprobs(self.scorers[0], rollout.prompt_ids, rollout.completion_ids)
+                ref = token_logprobs(self.ref, rollout.prompt_ids, rollout.completion_ids, inputs)
+            logp = token_logprobs(self.model, rollout.prompt_ids, rollout.completion_ids, inputs)
         # with a correction, the behaviour log-probabilities are the trainer's own (these weights, before the
         # step: the forward pass just made, without its gradient), and the engine's enter through the weights
         old = logp.detach() if self.correction else None
         engine_lp = rollout.logprobs.to(device)
         weights = None if old is None else token_weights(old, engine_lp, self.correction, self.is_cap)
-        loss, stats = grpo_loss(logp, engine_lp if old is None else old, ref, adv.to(device), mask,
-                                clip_eps=self.clip_eps, beta=self.beta, token_weights=weights)
+        loss, stats = _loss(logp, engine_lp if old is None else old, ref, adv.to(device), mask, self.clip_eps,
+                            self.beta, weights)
         if old is not None:
-            m = mask.bool()
-            ratio = torch.exp(old - engine_lp)[m]
-            affected = ratio > self.is_cap if self.correction == "tis" else mis_mask(old, engine_lp, self.is_cap)[m] == 0
-            stats.update(is_ratio_max=ratio.max().item(), is_weight_mean=weights[m].mean().item(),
-                         is_affected=affected.float().mean().item())
-        self.opt.zero_grad(set_to_none=True)
+            m, ratio = mask.bool(), torch.exp(old - engine_lp)
+            affected = ratio > self.is_cap if self.correction == "tis" else mis_mask(old, engine_lp, self.is_cap) == 0
+            n = m.sum().clamp(min=1)
+            stats.update(is_ratio_max=_masked_max(ratio, m, 1.0), is_weight_mean=(weights * m).sum() / n,
+                         is_affected=(affected & m).sum() / n)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
+        self.opt.zero_grad(set_to_none=True)  # the gradients' memory is free while the engine works
         self.model.eval()
+        stats = _floats(stats)  # the step's one read from the device, after everything is queued
         stats["staleness"] = self.version - rollout.version
         self.version += 1
         return stats
