@@ -62,6 +62,9 @@ UNEQUAL = {
     "vLLM batching limit": "TRL sets max_num_batched_tokens=4096; the capstone keeps vLLM's default (every prompt of "
                            "a step fits one batch either way)",
     "random streams": "TRL seeds vLLM's sampler with 0, the capstone with the run's seed",
+    "vLLM requests": "TRL's colocate mode sends vLLM one request per sample (each prompt repeated, n=1); the capstone "
+                     "sends each prompt once and asks for its group (n = samples per prompt): TRL's default, kept "
+                     "(its server mode asks as the capstone does)",
 }
 
 
@@ -290,8 +293,8 @@ def _unequal(a: argparse.Namespace) -> dict[str, str]:
     compiled = [c for c in a.configs if rl.RLConfig(**capstone_switches(c, a)).compile]
     if compiled:
         out["compiled forward passes"] = (
-            f"capstone configuration(s) {', '.join(compiled)} run the trainer's scoring forward passes through "
-            "torch.compile; TRL's torch_compile (a transformers TrainingArguments flag) is off by default and kept "
+            f"capstone configuration(s) {', '.join(compiled)} run the trainer's scoring passes compiled "
+            "(grpo.compile_layers: layer by layer, replayed as CUDA graphs); TRL's torch_compile (a transformers TrainingArguments flag) is off by default and kept "
             "off: the comparison is with TRL as it is set up out of the box, and a no-compile ablation shows what "
             "compiling gives the capstone")
     return out
