@@ -76,7 +76,8 @@ def _floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))
 
 
-def scoring_inputs(prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor, device) -> dict[str, torch.Tensor]:
+def scoring_inputs(prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor,
+                   device) -> dict[str, torch.Tensor]:
     """The model inputs that score completions: each prompt left-padded, then its completion, with the attention
     mask and positions (built once a step, for the policy's and the reference's pass)."""
     ids, att = left_pad(prompt_ids, device)
