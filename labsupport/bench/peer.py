@@ -295,8 +295,8 @@ def _unequal(a: argparse.Namespace) -> dict[str, str]:
         out["compiled forward passes"] = (
             f"capstone configuration(s) {', '.join(compiled)} run the trainer's scoring passes compiled "
             "(grpo.compile_layers: layer by layer, replayed as CUDA graphs); TRL's torch_compile (a transformers "
-            "TrainingArguments flag) is off by default and kept off: the comparison is with TRL as it is set up out of the box, and a no-compile ablation shows what "
-            "compiling gives the capstone")
+            "TrainingArguments flag) is off by default and kept off: the comparison is with TRL as it is set up out "
+            "of the box, and a no-compile ablation shows what compiling gives the capstone")
     return out
 
 
