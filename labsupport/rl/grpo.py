@@ -105,7 +105,7 @@ def compile_layers(model, graphs: bool = False) -> None:
     reuses its output memory, so a training step begins with ``torch.compiler.cudagraph_mark_step_begin()``.
     Attention becomes the plain composition of matrix products and softmax, compiled with the rest of the
     layer: with a few tokens per sequence and hundreds of sequences, torch's fused attention kernels (cuDNN's
-    first, on recent GPUs) spent more GPU time than the whole composition."""
+    first, on recent GPUs) made the step slower than the composition does."""
     model.set_attn_implementation("eager")
     for layer in model.model.layers:
         layer.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
