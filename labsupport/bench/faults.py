@@ -872,6 +872,45 @@ def hung_rpc(ctx: Context) -> Outcome:
     return Outcome(err, t, eng.state())
 
 
+class _BusyBeforeUpdate:
+    """``eng`` as ``push_ipc`` sees it, except that the worker is put into a 12 s RPC just before the first
+    ``update_weights_from_ipc`` goes out, so that the update's request waits behind it."""
+
+    def __init__(self, eng: "Engine", pool: Any) -> None:
+        self.eng, self.pool, self.engine_core, self.t_sent = eng, pool, eng.engine_core, 0.0
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        from labsupport import vllm_ext
+
+        if method == "update_weights_from_ipc" and not self.t_sent:
+            self.t_sent = time.time()  # (the fault: from here the update's RPC waits behind the held worker)
+            self.busy = self.pool.submit(vllm_ext.call, self.eng, _busy, 12.0)
+            time.sleep(1.0)  # the worker is now inside _busy
+        return self.eng.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+
+@fault("hung_rpc_ipc", "the engine's worker is held in another RPC (12 s) just as the co-located trainer sends "
+       "its update's IPC handles (push_ipc, 5 s deadline on each RPC)",
+       "On one GPU an update is a handle passed in an RPC, so the RPC's deadline is what ends the trainer's wait "
+       "(TimeoutError naming the call). Giving up releases the export: when the worker reaches the late request, "
+       "the handle is refused as released, and no byte is read from memory the trainer may have reused.",
+       ("TimeoutError",), "engine")
+def hung_rpc_ipc(ctx: Context) -> Outcome:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from labsupport import vllm_ext
+
+    eng = ctx.engine()
+    eng.reset()
+    with ThreadPoolExecutor(1) as pool:
+        held = _BusyBeforeUpdate(eng, pool)
+        err = attempt(lambda: vllm_ext.push_ipc(held, eng.named("trained"), timeout=DEADLINE_S))
+        held.busy.result(timeout=120)
+    state = eng.state()  # (runs after the late request: the engine serves its calls in order)
+    return Outcome(err, held.t_sent, state, "after the worker ran the late request")
+
+
 def _die_in_load(worker: Any, after: int) -> bool:
     """Runs in the engine's worker: its model's ``load_weights`` kills the process on call ``after`` + 1, so
     the worker dies with some layers of an update loaded and the rest not."""
