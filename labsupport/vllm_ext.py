@@ -5,7 +5,8 @@ vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cl
 handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
 
 - ``call``: a worker's error raises at the caller, naming every failed rank, and the next call still gets its own
-  replies; every call has a deadline, and a dead engine raises ``EngineDead`` at once (its calls never answer);
+  replies; every call has a deadline (``EngineTimeout`` names the call), and a dead engine raises ``EngineDead`` at
+  once (its calls never answer);
 - ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
 - every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
 
@@ -60,6 +61,11 @@ class EngineDead(broadcast.WeightSyncError):
     """The engine's process died (vLLM marked it dead): no call on it will answer; start a new engine."""
 
 
+class EngineTimeout(broadcast.WeightSyncError, TimeoutError):
+    """An engine call did not return within its deadline (the message names the call). The engine may still run
+    it later: an update's IPC handles are released by then (``push_ipc``), so the worker refuses them."""
+
+
 def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
     """``fut``'s result within ``timeout`` s; ``EngineDead`` once vLLM marks ``llm``'s engine core dead (its calls
     then never answer, or fail with a bare error just before). ``LLM``: ``llm_engine.engine_core``."""
@@ -67,7 +73,7 @@ def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any 
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:
-            raise TimeoutError(f"{what} did not return within {timeout:.0f} s")
+            raise EngineTimeout(f"{what} did not return within {timeout:.0f} s")
     grace = time.monotonic() + (GRACE_S if marks is not None and fut.done() and fut.exception() else 0.0)
     while not dead() and time.monotonic() < grace:
         time.sleep(0.1)  # (vLLM marks the engine dead a moment after its calls fail)
@@ -83,7 +89,7 @@ def _name(method: str | Callable[..., Any]) -> str:
 def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
          timeout: float | None = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
-    the per-rank results; ``WeightUpdateError`` naming each failed worker; ``TimeoutError``; ``EngineDead``."""
+    the per-rank results; ``WeightUpdateError`` naming each failed worker; ``EngineTimeout``; ``EngineDead``."""
     timeout = TIMEOUT_S if timeout is None else timeout  # None (as vLLM's own clients call): the default deadline
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
     rpc = llm.collective_rpc
@@ -113,7 +119,7 @@ def _failure(reply: Any) -> WorkerFailed | None:  # (a plain dict where vLLM cou
 def alongside(rpc: Callable[[], Any], send: Callable[[], Any], timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
     """``send()`` here while ``rpc()`` (an engine call that waits for the trainer) runs on a thread; returns both
     results. A ``send`` error is raised with the engine's outcome attached as a note (waited for up to ``GRACE_S``);
-    an engine silent ``timeout`` s after ``send`` returned raises ``TimeoutError``."""
+    an engine silent ``timeout`` s after ``send`` returned raises ``EngineTimeout``."""
     engine = _in_thread(rpc)
     try:
         sent = send()

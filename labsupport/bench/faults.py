@@ -893,9 +893,9 @@ class _BusyBeforeUpdate:
 @fault("hung_rpc_ipc", "the engine's worker is held in another RPC (12 s) just as the co-located trainer sends "
        "its update's IPC handles (push_ipc, 5 s deadline on each RPC)",
        "On one GPU an update is a handle passed in an RPC, so the RPC's deadline is what ends the trainer's wait "
-       "(TimeoutError naming the call). Giving up releases the export: when the worker reaches the late request, "
+       "(EngineTimeout naming the call). Giving up releases the export: when the worker reaches the late request, "
        "the handle is refused as released, and no byte is read from memory the trainer may have reused.",
-       ("TimeoutError",), "engine")
+       ("EngineTimeout",), "engine")
 def hung_rpc_ipc(ctx: Context) -> Outcome:
     from concurrent.futures import ThreadPoolExecutor
 
