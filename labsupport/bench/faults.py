@@ -51,7 +51,8 @@ CONSISTENT = ("old", "new", "n/a", "stopped")  # states that are not a mix: "mix
 
 def caught(exc: BaseException) -> dict[str, Any]:
     """What a caller got: the exception's type, the names of its classes, its message, and when."""
-    text = str(exc).strip()
+    cause = getattr(exc, "cause", None)  # Ray's RayTaskError: the task's own error, without Ray's traceback
+    text = str(cause if isinstance(cause, BaseException) else exc).strip()
     return {"type": type(exc).__name__, "classes": [c.__name__ for c in type(exc).__mro__],
             "message": text[:600], "t": time.time()}
 
@@ -1018,12 +1019,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return fmt(table_rows(rows), HEADER)
 
 
+def _said(message: str) -> str:
+    """A message on one line, at most 240 characters; of a remote traceback (a record made before ``caught`` kept
+    only Ray's cause), the exception's own line."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", message).splitlines() if ln.strip()]
+    if any(ln.startswith('File "') for ln in lines):
+        lines = lines[max(i for i, ln in enumerate(lines) if re.match(r"[\w.]+(Error|Timeout|Exception): ", ln)):]
+        lines[0] = lines[0].split(": ", 1)[1]
+    return " / ".join(lines)[:240]
+
+
 def page(records: list[dict[str, Any]]) -> str:
     """The book's page body (Markdown) from ``results/faults.*.json`` records, GPU runs first: per run, where it
-    ran, the goal's counts, the table, and for each row what was done, what the caller read and what it teaches."""
+    ran, the goal's counts, the table and what the caller read in each row; then, once, what each fault is and
+    what it teaches."""
     if not records:
         return "*(no run of `python -m labsupport bench faults` in `results/` yet)*"
-    out = []
+    out, seen = [], {}
     for rec in sorted(records, key=lambda r: (r.get("machine_tag") == "cpu", r.get("machine_tag", ""))):
         rows, c = rec["data"]["rows"], rec["data"]["counts"]
         skipped = f"; skipped: {c['skipped']}" if c["skipped"] else ""
@@ -1035,15 +1047,19 @@ def page(records: list[dict[str, Any]]) -> str:
                                                else ""), ""]
         out += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in table_rows(rows)]
-        out += [""]
+        out += ["", "What the caller read:", ""]
         for r in rows:
-            teaches = FAULTS[r["fault"]].teaches if r["fault"] in FAULTS else r["teaches"]
-            said = r.get("skipped") or (r["detail"] if r.get("harness_error") else " / ".join(
-                ln.strip() for ln in r["message"].splitlines() if ln.strip())[:240]) or "(no error: the call returned)"
-            out.append(f"- **{r['fault']}**: {r['what']}. *Caller read:* `{said.replace('`', chr(39))}`. "
-                       f"*Teaches:* {teaches}")
+            seen.setdefault(r["fault"], r)
+            if "skipped" in r:
+                continue
+            said = r["detail"] if r.get("harness_error") else _said(r["message"])
+            out.append(f"- **{r['fault']}**: `{(said or '(no error: the call returned)').replace('`', chr(39))}`")
         out.append("")
-    return "\n".join(out)
+    out += ["**What each fault is, and what it teaches:**", ""]
+    for name, r in seen.items():
+        f = FAULTS.get(name)
+        out.append(f"- **{name}**: {f.what if f else r['what']}. *Teaches:* {f.teaches if f else r['teaches']}")
+    return "\n".join(out + [""])
 
 
 def main(argv: list[str] | None = None) -> int:
