@@ -4,9 +4,8 @@ vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cl
 ``llm.collective_rpc``: ``WorkerExtension`` receives over a stateless group, ``ColocateWorkerExtension`` maps IPC
 handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
 
-- ``call``: a worker's error raises at the caller, naming every failed rank, and the next call still gets its own
-  replies; every call has a deadline (``EngineTimeout`` names the call), and a dead engine raises ``EngineDead`` at
-  once (its calls never answer);
+- ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets its own replies;
+  every call has a deadline (``EngineTimeout``), and a dead engine raises ``EngineDead`` at once;
 - ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
 - every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
 
@@ -62,8 +61,7 @@ class EngineDead(broadcast.WeightSyncError):
 
 
 class EngineTimeout(broadcast.WeightSyncError, TimeoutError):
-    """An engine call did not return within its deadline (the message names the call). The engine may still run
-    it later: an update's IPC handles are released by then (``push_ipc``), so the worker refuses them."""
+    """An engine call missed its deadline (named); if the engine runs it later, ``push_ipc``'s handles are dead."""
 
 
 def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
@@ -253,8 +251,7 @@ class WorkerExtension(_ExtensionBase):
         ew.flush(only_complete=True)
 
     @worker_rpc
-    def pending_weight_names(self) -> list[str]:
-        """Tensors received per tensor but not loaded yet, because the rest of their layer has not arrived."""
+    def pending_weight_names(self) -> list[str]:  # received per tensor, waiting for the rest of their layer
         return sorted(worker_state(self).weights.pending)
 
     @worker_rpc
@@ -309,8 +306,7 @@ class ColocateWorkerExtension(_ExtensionBase):
 
     @worker_rpc
     def last_update_timing(self) -> dict[str, float]:
-        """The last ``update_weights_from_ipc``'s ``check_s`` (unpickle, names), ``open_s`` (handles opened) and
-        ``load_s`` (layerwise reload, post-processing included)."""
+        """The last IPC update's ``check_s`` (unpickle, names), ``open_s`` (handles) and ``load_s`` (layerwise)."""
         return dict(worker_state(self).timing)
 
 
