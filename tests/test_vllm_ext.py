@@ -528,7 +528,8 @@ def test_call_has_a_deadline():
     """``call`` on an engine whose workers never answer raises EngineTimeout (a TimeoutError) naming the call."""
     hung = SimpleNamespace(collective_rpc=lambda *a, **k: threading.Event().wait())
     t0 = time.perf_counter()
-    with pytest.raises(vllm_ext.EngineTimeout, match=r"collective_rpc\('check_weights_changed'\) did not return within 1 s"):
+    with pytest.raises(vllm_ext.EngineTimeout,
+                       match=r"collective_rpc\('check_weights_changed'\) did not return within 1 s"):
         vllm_ext.call(hung, "check_weights_changed", timeout=1.0)
     assert time.perf_counter() - t0 < 5
 

@@ -878,7 +878,7 @@ class _BusyBeforeUpdate:
     ``update_weights_from_ipc`` goes out, so that the update's request waits behind it."""
 
     def __init__(self, eng: "Engine", pool: Any) -> None:
-        self.eng, self.pool, self.engine_core, self.t_sent = eng, pool, eng.engine_core, 0.0
+        self.eng, self.pool, self.engine_core, self.t_sent, self.busy = eng, pool, eng.engine_core, 0.0, None
 
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list[Any]:
@@ -907,7 +907,8 @@ def hung_rpc_ipc(ctx: Context) -> Outcome:
     with ThreadPoolExecutor(1) as pool:
         held = _BusyBeforeUpdate(eng, pool)
         err = attempt(lambda: vllm_ext.push_ipc(held, eng.named("trained"), timeout=DEADLINE_S))
-        held.busy.result(timeout=120)
+        if held.busy is not None:
+            held.busy.result(timeout=120)
     state = eng.state()  # (runs after the late request: the engine serves its calls in order)
     return Outcome(err, held.t_sent, state, "after the worker ran the late request")
 
@@ -1023,9 +1024,9 @@ def _said(message: str) -> str:
     """A message on one line, at most 240 characters; of a remote traceback (a record made before ``caught`` kept
     only Ray's cause), the exception's own line."""
     lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", message).splitlines() if ln.strip()]
-    if any(ln.startswith('File "') for ln in lines):
-        lines = lines[max(i for i, ln in enumerate(lines) if re.match(r"[\w.]+(Error|Timeout|Exception): ", ln)):]
-        lines[0] = lines[0].split(": ", 1)[1]
+    own = [i for i, ln in enumerate(lines) if re.match(r"[\w.]+(Error|Timeout|Exception): ", ln)]
+    if own and any(ln.startswith('File "') for ln in lines):
+        lines = [lines[own[-1]].split(": ", 1)[1], *lines[own[-1] + 1:]]
     return " / ".join(lines)[:240]
 
 
