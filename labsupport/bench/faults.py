@@ -999,7 +999,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     out = []
     for r in rows:
         if "skipped" in r:
-            out.append([r["fault"], "skipped", "", "", r["skipped"], ""])
+            out.append([r["fault"], f"skipped: {r['skipped'].split(' (')[0].split(';')[0]}", "", "", "", ""])
             continue
         exc = (r["exception"] or "none (returned)") + ("" if r["named"] or not r["exception"] else " (not named)")
         hung = r["exception"] in ("hang", "Hung")  # the table gave up waiting: the time is a lower bound
@@ -1048,6 +1048,12 @@ def page(records: list[dict[str, Any]]) -> str:
                                                else ""), ""]
         out += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         out += ["| " + " | ".join(cell.replace("|", "/") for cell in line) + " |" for line in table_rows(rows)]
+        why: dict[str, list[str]] = {}
+        for r in rows:
+            if "skipped" in r:
+                why.setdefault(r["skipped"], []).append(r["fault"])
+        for reason, names in why.items():
+            out += ["", f"Skipped ({', '.join(names)}): {reason}."]
         out += ["", "What the caller read:", ""]
         for r in rows:
             seen.setdefault(r["fault"], r)
