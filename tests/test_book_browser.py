@@ -5,8 +5,9 @@ second build) is served on localhost and every page of the table of contents is 
 Chromium (``tests/browser.py``). Every request to another host is refused, as with no network. On each page:
 no console error, no failed or refused request, every math element typeset by MathJax (an ``mjx-container``)
 and no raw TeX left in the text, every image loaded, every figure's SVG (Graphviz, ``tests/test_figures.py``)
-loaded and within the page column, every same-site link answering (anchors included), and every solution
-dropdown closed until its title is clicked, open after; no Markdown table shown as text. A control page (a chapter whose MathJax
+loaded and within the page column, every same-site link answering (anchors included), every solution
+dropdown closed until its title is clicked, open after, and no Markdown table shown as text (a cell's output
+parsed as CommonMark; the executed book has them: ``BOOK_HTML`` below). A control page (a chapter whose MathJax
 comes from a CDN, as Sphinx's default does) must fail the same checks. About 30 s.
 
 The screenshots it saves, ``results/book_chapter.png``, ``results/book_lab.png``, ``results/book_gpu_run.png``
