@@ -53,9 +53,9 @@ def test_the_page_gives_each_run_its_table_and_each_fault_its_lesson_once():
            "leaks": {"children": [], "shm_files": [], "gpu_bytes": None}, "leak_free": True, "ok": True,
            "message": "\x1b[36mray::Worker.run()\x1b[39m (pid=1)\n  File \"x.py\", line 1, in f\n"
                       "labsupport.groups.GroupTimeout: rank 0: the vote did not finish\nwithin 5 s", "detail": ""}
-    run = lambda tag: {"machine_tag": tag, "data": {"device": tag, "grace_s": 10.0, "rows": [row], "counts": {  # noqa: E731
-        "tried": 1, "surfaced_in_time": 1, "state_consistent": 1, "leak_free": 1, "all_met": 1, "skipped": 0}}}
-    text = faults.page([run("cpu"), run("1xH200")])
+    counts = {"tried": 1, "surfaced_in_time": 1, "state_consistent": 1, "leak_free": 1, "all_met": 1, "skipped": 0}
+    text = faults.page([{"machine_tag": tag, "data": {"device": tag, "grace_s": 10.0, "rows": [row], "counts": counts}}
+                        for tag in ("cpu", "1xH200")])
     assert text.index("**1xH200**") < text.index("**cpu**")  # GPU runs first
     assert text.count("*Teaches:*") == 1 and faults.FAULTS["wrong_name"].teaches in text
     assert text.count("- **wrong_name**: `rank 0: the vote did not finish / within 5 s`") == 2  # the cause's line
