@@ -28,13 +28,14 @@ BENCHES = {
     "fp8-update": "labsupport.bench.fp8_update:main",
     "peer": "labsupport.bench.peer:main",
     "faults": "labsupport.bench.faults:main",
+    "soak": "labsupport.bench.soak:main",
 }
 
 USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora|fp8-update|peer|faults
+  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora|fp8-update|peer|faults|soak
                        benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)

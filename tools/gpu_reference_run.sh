@@ -83,6 +83,11 @@ for step in $STEPS; do
     # one GPU, vLLM kit: the diagnosis labs' every variant on the GPU path, and the grader (reference, stubs, seeded bugs)
     diag1) run diag1 560 python3 -m pytest tests/test_diagnosis.py -m gpu -v -rA -p no:cacheprovider --timeout=540 --junitxml="$OUT/results/gpu_diagnosis.xml" ;;
     grade1) run grade1 590 python3 -m grading --impl reference,stubs,bugs --save grade_gpu ;;
+    # one GPU, vLLM kit: the capstone's crash on fresh machines, reproduced (tools/repro_cublas_workspace.py), and
+    # the soak of fresh capstone runs (results/bench_soak*.<machine>.json; SOAK_ARGS: bench soak's arguments)
+    repro_torch) run repro_torch 300 python3 tools/repro_cublas_workspace.py torch ;;
+    repro_vllm) run repro_vllm 600 python3 tools/repro_cublas_workspace.py vllm ;;
+    soak) run soak 1700 python3 -m labsupport bench soak ${SOAK_ARGS:-} ;;
     *) echo "unknown step $step" ;;
   esac
 done

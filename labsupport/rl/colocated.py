@@ -58,6 +58,18 @@ def config_overrides(name: str) -> dict[str, Any]:
     return out
 
 
+def trainer_graphs(arch: str, engine: str, cfg: Any) -> bool:
+    """Whether the trainer's compiled passes may also replay as CUDA graphs (``cfg.compile`` on a GPU): not beside
+    an engine whose own CUDA graphs live in this process (co-located vLLM with ``inline_engine`` and
+    ``cuda_graphs``). Torch's CUDA-graph trees free the process's cuBLAS workspaces around every recording
+    (``torch._inductor.cudagraph_trees.clear_cublass_cache``) and each recording empties the allocator's cache
+    (``torch.cuda.graph``); a vLLM graph captured over the old workspace then replays into freed memory: an
+    illegal memory access once the memory has gone back to the driver, another tensor's bytes overwritten before.
+    (This was the ``fastest`` configuration's crash on fresh machines; ``tools/repro_cublas_workspace.py``.)"""
+    in_process = arch == "colocated" and engine == "vllm" and cfg.inline_engine and cfg.cuda_graphs
+    return not in_process
+
+
 class ColocatedWeights:
     """The trainer's end of the co-located weight path (see the module docstring), and the engine ops of a step.
 

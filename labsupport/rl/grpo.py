@@ -116,7 +116,7 @@ class GRPOTrainer:
 
     def __init__(self, model, *, lr: float = 2e-3, beta: float = 0.02, clip_eps: float = 0.2,
                  correction: str | None = None, is_cap: float = 2.0, precision: str = "fp32",
-                 compile: bool = False) -> None:
+                 compile: bool = False, graphs: bool = True) -> None:
         """``correction``: None uses the engine's log-probabilities as the behaviour policy (the PPO ratio then
         corrects staleness and sampler/trainer mismatch together); "tis" or "mis" recomputes them with the
         trainer and weights each token by the engine-to-trainer ratio, truncated at ``is_cap`` (TIS) or
@@ -126,6 +126,8 @@ class GRPOTrainer:
         ``accelerate``'s ``mixed_precision="bf16"`` (TRL's ``bf16=True``) does. The loss is float32 either way.
         ``compile``: the scoring passes (policy and reference, forward and backward) run compiled. At a small
         model's size they are bound by launching thousands of small kernels from Python; see :func:`compile_layers`.
+        ``graphs``: on a GPU the compiled passes also replay as CUDA graphs, unless False (``rl.loop`` says False
+        beside an engine whose own CUDA graphs live in this process: :func:`labsupport.rl.colocated.trainer_graphs`).
         The weights, the optimizer and the held-out check (eager: :func:`~labsupport.rl.rollout.sample`) are
         unchanged."""
         _check_correction(correction)
@@ -135,7 +137,7 @@ class GRPOTrainer:
         self.model = model
         self.ref = copy.deepcopy(model).eval().requires_grad_(False)
         cuda = next(model.parameters()).is_cuda  # one fused kernel per step on a GPU (as transformers' default)
-        self.graphs = compile and cuda
+        self.graphs = compile and cuda and graphs
         if compile:
             for m in (model, self.ref):
                 compile_layers(m, graphs=self.graphs)

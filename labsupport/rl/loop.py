@@ -21,7 +21,7 @@ import torch
 from labsupport import broadcast, groups
 from labsupport.course import hardware, models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
-from labsupport.rl.colocated import ColocatedWeights
+from labsupport.rl.colocated import ColocatedWeights, trainer_graphs
 from labsupport.rl.config import RLConfig, check_run, start_engine
 from labsupport.rl.engine_process import EngineProcess, LocalEngine
 from labsupport.rl.engines import weights_match
@@ -269,7 +269,7 @@ def _mechanisms(r: _Run, engine: str) -> dict[str, Any]:
     return {"update": r.cfg.update, "sleep_level": r.cfg.sleep_level if gpu_vllm or engine == "transformers" else 0,
             "optimizer_offload": r.offload, "cuda_graphs": gpu_vllm and r.cfg.cuda_graphs,
             "inline_engine": engine == "vllm" and r.cfg.inline_engine, "precision": r.cfg.precision,
-            "compile": r.cfg.compile,
+            "compile": r.cfg.compile, "trainer_cuda_graphs": r.trainer.graphs,
             "mapping": r.mapping} if r.arch == "colocated" else {"precision": r.cfg.precision}
 
 
@@ -297,7 +297,7 @@ def run(arch: str, cfg: RLConfig | None = None, *, engine: str = "transformers",
         spans = SpanLog()
         trainer = GRPOTrainer(load_policy(model_dir, tdev), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
                               correction=cfg.correction, is_cap=cfg.is_cap, precision=cfg.precision,
-                              compile=cfg.compile)
+                              compile=cfg.compile, graphs=trainer_graphs(arch, engine, cfg))
         wdtype = torch.bfloat16 if engine == "vllm" and edev.startswith("cuda") else torch.float32
         r = _Run(arch, cfg, tdev, trainer, spans, wdtype, offload, prompts=prompt_stream(random.Random(cfg.seed)))
         stack.callback(_close, r)
