@@ -114,11 +114,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set in every run")
     p.add_argument("--peer-args", default="", help="more arguments for bench peer's worker (its settings)")
     p.add_argument("--tag", default=None, help="a name for this soak in the results file (bench_soak-TAG)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: merge soaks that ran side by side (one per lane of GPUs) into one record")
+    p.add_argument("--machine-tag", default=None, help="with --merge: the whole machine's tag (e.g. 4xH200)")
     return p
+
+
+def merge(paths: list[str], tag: str | None) -> int:
+    """One record of several soaks that ran side by side on one machine (each lane saw its own GPUs): every run
+    with its lane's command, the summary over all of them; written as ``results/bench_soak.<tag>.json``."""
+    from labsupport.course import results
+
+    recs = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [{**r, "lane": rec["data"]["settings"].get("tag")} for rec in recs for r in rec["data"]["runs"]]
+    first = recs[0]
+    gpus = [g for rec in recs for g in rec["machine"]["gpus"]]
+    record = {**first, "machine": {**first["machine"], "gpus": gpus, "gpu_count": len(gpus)},
+              "machine_tag": tag or first["machine_tag"], "command": [rec["command"] for rec in recs],
+              "date": max(rec["date"] for rec in recs),
+              "data": {"lanes": [{"command": rec["command"], "settings": rec["data"]["settings"],
+                                  "env": rec["data"]["env"]} for rec in recs],
+                       "runs": runs, "summary": summary(runs)}}
+    out = Path(os.environ.get("LABSUPPORT_RESULTS_DIR", results.RESULTS_DIR)) / f"bench_soak.{record['machine_tag']}.json"
+    print("wrote", results.write_record(out, record))
+    return 0
 
 
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
+    if a.merge:
+        return merge(a.merge, a.machine_tag)
     from labsupport.course import hardware, results
     from labsupport.rl.colocated import config_overrides
 
