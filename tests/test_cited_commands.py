@@ -25,7 +25,7 @@ READS = re.compile(r"(?:load_result|list_results)\(\s*[\"']([\w.]+)[\"']")
 
 
 def _flat(text: str) -> str:
-    return " ".join(text.replace("`", " ").replace('"\n', " ").replace('" "', "").split())
+    return " ".join(text.replace("\\\n", " ").replace("`", " ").split())
 
 
 def missing_commands(page: Path, results_dir: Path = ROOT / "results") -> list[str]:
