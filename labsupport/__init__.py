@@ -12,6 +12,7 @@ Read it in this order: every module comes after the modules it imports. Three ki
 The apparatus the rest stands on:
 
 - ``course.results``: reference results under results/, each with its machine, versions, command and date
+- ``course.compare``: comparisons of measured values (rankings, closeness, shares) as phrases for the book
 - ``course.progress``: progress on long work, the same in a terminal and in a notebook
 - ``course.hardware``: what this machine has, and the one place that picks the GPU path or the CPU stand-in
 - ``course.versions``: every difference between the vLLM and torch versions the course runs

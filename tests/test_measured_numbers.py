@@ -186,3 +186,75 @@ def test_the_provenance_check_catches_a_describe_call() -> None:
     }
     for src, flagged in cases.items():
         assert bool(PROVENANCE.search(src)) == flagged, src
+
+
+# A comparison of measured numbers is a measured claim too: next to a glued number it is computed from the same
+# result (labsupport.course.compare) and glued, never typed. The scan is a heuristic: a comparison word within
+# NEAR characters of a glue role, in the same sentence. COMPARISON_ALLOWED lists true statements that are not
+# measured comparisons (a definition, a design fact, a comparison the glued phrase itself computes), each with
+# its reason.
+NEAR = 100
+COMPARISON = re.compile(r"\b(?:the same(?! (?:\w+ )?(?:prompts|order|seed|share|task|model|policy|code|warm|GPU|"
+                        r"device|process|bytes|weights|steps?|loop|interface|group|batch|run|worker|way|sizes))|same amount|tens of|"
+                        r"hundreds of|a few times|several times|many times|most of|mostly|nearly all|almost all|"
+                        r"faster|slower|largest|smallest|twice|half of|barely|far (?:more|less|above|below)|"
+                        r"then (?:the|generation|training))\b", re.I)
+COMPARISON_ALLOWED: list[tuple[str, str, str]] = [
+    ("book/ch04_disaggregated.md", "two largest models", "which models: the benchmark's list, not a measurement"),
+    ("labs/lab_03_nccl_weight_sync.md", "two largest models", "which models: the benchmark's list"),
+    ("book/ch05_hybrid_engine.md", "copy moves twice its rate", "a copy reads and writes each byte: a definition"),
+    ("book/ch05_hybrid_engine.md", "predicts a first level-1 sleep far below",
+     "a prediction from vLLM's source, stated as one; the glued values after it are the measurement"),
+    ("book/ch11_capstone.md", "from the largest: {glue:text}`c11_phases`", "the glued ranking is computed"),
+    ("labs/lab_08_lora_updates.md", "slower rollout of many seconds",
+     "LoRA's per-token cost, a design fact (cited), not the glued update time"),
+]
+
+
+def hand_comparisons(path: Path) -> list[str]:
+    """Comparison words typed within NEAR characters of a glue role in the same sentence."""
+    text = path.read_text()
+    if text.startswith("---\n"):
+        text = text.split("\n---\n", 1)[1]
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    found = []
+    allowed = [(page, phrase) for page, phrase, _ in COMPARISON_ALLOWED]
+    for block, _ in _blocks(text):
+        for sentence in [block] if block.startswith("| ") else _sentences(block):
+            glued = [m.span() for m in re.finditer(r"\{glue(?::\w+)?\}`[^`]*`", sentence)]
+            if not glued:
+                continue
+            for m in COMPARISON.finditer(sentence):
+                near = any(m.start() - e <= NEAR and s - m.end() <= NEAR for s, e in glued)
+                if near and not any(page == str(path.relative_to(ROOT)) and phrase in sentence
+                                    for page, phrase in allowed):
+                    found.append(f"{path.relative_to(ROOT)}: {m.group(0)!r} in: {sentence[:200]}")
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_hand_typed_comparison_next_to_a_glued_number(page: Path) -> None:
+    bad = hand_comparisons(page)
+    assert not bad, ("a comparison typed next to a glued number (compute it from the result with "
+                     "labsupport.course.compare and glue it, or add a non-measured statement to "
+                     "COMPARISON_ALLOWED with its reason):\n" + "\n".join(bad))
+
+
+def test_the_comparison_check_catches_a_typed_comparison() -> None:
+    """Positive and negative controls on a made-up page."""
+    page = ROOT / "book" / "_probe_comparison.md"
+    cases = {
+        "A reset took {glue:text}`x_ms`, tens of milliseconds.": True,
+        "Asleep, the GPU held {glue:text}`a` and {glue:text}`b`: the same amount.": True,
+        "Training was the largest phase ({glue:text}`t`).": True,
+        "Its phases, from the largest: {glue:text}`ranked`.": True,  # allowed only where COMPARISON_ALLOWED says
+        "The same prompts ran in both, and the step took {glue:text}`t`.": False,
+        "Tens of milliseconds is typical for a reset. " + "x" * 120 + " It took {glue:text}`t`.": False,
+        "Training was the largest phase, as Chapter 2 predicts.": False,
+    }
+    try:
+        for src, flagged in cases.items():
+            page.write_text(src + "\n")
+            assert bool(hand_comparisons(page)) == flagged, src
+    finally:
+        page.unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """The course's apparatus: what makes the labs run, not a mechanism a chapter teaches.
 
 - ``results``: reference results under results/, each with its machine, versions, command and date
+- ``compare``: comparisons of measured values as phrases for the book's prose
 - ``hardware``: what this machine has, and the one place that picks the GPU path or the CPU stand-in
 - ``progress``: progress on long work, the same in a terminal and in a notebook
 - ``models``: the tiny language model and tokenizer, built and trained offline

@@ -174,3 +174,32 @@ def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None
             lines = [ln for ln in text.splitlines() if ln.strip() and not _LOG_LINE.match(ln)]
             return rec["metadata"]["labsupport_recording"]["machine_tag"], "\n".join(lines)
     raise KeyError(f"no code cell of {rec['path'].name} contains {marker!r}")
+
+
+# Runs recorded before the co-located switches existed (``rl --config``): their defaults then were the checked
+# IPC reload, sleep level 2, Adam's moments offloaded on a GPU and vLLM without CUDA graphs. Today's defaults
+# differ, so the command that reproduces each is its recorded one with that configuration named.
+_OLD_COLOCATED = {"capstone": "safe+offload", "capstone_colocated": "safe+offload", "capstone_async": "safe+offload",
+                  "capstone_disaggregated": "safe+offload", "capstone_colocated_vllm": "safe+offload+no-graphs",
+                  "capstone_colocated_vllm_0.5b": "safe+offload+no-graphs",
+                  "capstone_colocated_vllm_0.5b_tis": "safe+offload+no-graphs"}
+_SWITCHES_SINCE = "2026-11-27T22:06"  # the first commit with RLConfig's switches (a83cafe)
+_PACKAGE = re.compile(r"^python3? \S*labsupport/__main__\.py")
+
+
+def reader_commands(record: dict) -> list[str]:
+    """The command(s) a reader types to make ``record``'s run again at this code: the recorded command with the
+    run's own path to the package read as ``python -m labsupport``, without its ``--timeout`` (a deadline, not a
+    setting), split where one file records two commands (``a (at X); b (at Y)``), and for a co-located run made
+    before the switches existed, with the ``--config`` that sets what the defaults were then."""
+    out = []
+    for part in str(record.get("command", "")).split(";"):
+        cmd = re.sub(r"\s*\(at [^)]*\)?.*$", "", part.strip())  # "(at <commit>, why)" notes
+        cmd = re.sub(r"\s--timeout\s+\S+", "", _PACKAGE.sub("python -m labsupport", cmd))
+        cmd = " ".join(cmd.split())
+        old = _OLD_COLOCATED.get(record.get("name", ""))
+        if old and record.get("date", "") < _SWITCHES_SINCE and " rl " in f" {cmd} ":
+            cmd += f" --config {old}"
+        if cmd:
+            out.append(cmd)
+    return out
