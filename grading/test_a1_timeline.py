@@ -61,13 +61,13 @@ def check_bytes(tl, w: int) -> None:
         assert g == e, f"at {e[0]}/{e[1]}: expected bytes by role {e[2]}, got {g[0]}/{g[1]} {g[2]}"
 
 
-@pytest.mark.points(6)
+@pytest.mark.points(4)
 def test_bytes_by_role_at_every_phase_edge(impl):
     tl, w = one_step(impl)
     check_bytes(tl, w)
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(2)
 def test_samples_and_phases(impl):
     tl, _ = one_step(impl)
     want = ["generate", "free_kv", "train", "optimizer_step"]
@@ -78,7 +78,7 @@ def test_samples_and_phases(impl):
     assert all(list(s["roles"]) == ROLES for s in tl.samples), "expected every role, in the order tracked"
 
 
-@pytest.mark.points(6)
+@pytest.mark.points(4)
 def test_plot_stacks_the_roles(impl):
     tl, _ = one_step(impl)
     ax = impl.plot(tl, unit=1e3)
@@ -144,7 +144,8 @@ def test_a_view_counts_its_own_bytes_and_roles_are_read_at_each_sample(impl):
     with tl.phase("a"):
         held.append(torch.zeros(25, dtype=torch.float64))  # 200 more
     got = [s["roles"]["shard"] for s in tl.samples]
-    assert got == [400, 600], f"expected the shard's bytes [400, 600] (a view's own bytes, read at each sample), got {got}"
+    assert got == [400, 600], \
+        f"expected the shard's bytes [400, 600] (a view's own bytes, read at each sample), got {got}"
 
 
 @pytest.mark.points(1)

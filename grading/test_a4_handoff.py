@@ -111,7 +111,7 @@ def observed(impl, what: str):
     return out[what]
 
 
-@pytest.mark.points(6)
+@pytest.mark.points(4)
 def test_receiver_loads_every_byte(impl):
     got, want = observed(impl, "take"), handoff(impl.name, impl.key)
     wrong = sorted(n for n in want["state"] if got["own"].get(n) != want["state"][n])
@@ -119,7 +119,7 @@ def test_receiver_loads_every_byte(impl):
     assert got["bytes"] == want["bytes"], f"expected load to return {want['bytes']} bytes, got {got['bytes']}"
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_rebuild_maps_the_owners_memory(impl):
     assert observed(impl, "owner_sees"), \
         "expected the receiver's write through a view to land in the owner's buffer (mapped, not copied)"
@@ -188,7 +188,7 @@ UUIDS = ["GPU-0a0a0a0a-0000-0000-0000-000000000000", "GPU-1b1b1b1b-1111-1111-111
          "GPU-2c2c2c2c-2222-2222-2222-222222222222"]
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_local_index_looks_the_gpu_up_by_uuid(impl, monkeypatch):
     fake_gpus(monkeypatch, [UUIDS[2], UUIDS[0], UUIDS[1]])  # CUDA_VISIBLE_DEVICES=2,0,1
     got = [impl.local_index(u) for u in UUIDS]
@@ -199,7 +199,7 @@ def test_local_index_looks_the_gpu_up_by_uuid(impl, monkeypatch):
         f"expected the error to name the GPUs this process sees ({UUIDS}), got: {err.value}"
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_rebuild_opens_the_handle_on_this_process_index(impl, monkeypatch):
     """The owner exported from its cuda:0, which this process sees as cuda:2: rebuild must pass 2."""
     from torch.multiprocessing import reductions

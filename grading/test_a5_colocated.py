@@ -152,14 +152,14 @@ def observed(impl, what: str):
     return out
 
 
-@pytest.mark.points(6)
+@pytest.mark.points(5)
 def test_engine_writes_the_trained_continuation(impl):
     out = observed(impl, "after")
     assert out["before"] != out["expected"], "the engine already wrote the continuation before the turn"
     assert out["after"] == out["expected"], f"expected the engine to write {out['expected']}, got {out['after']}"
 
 
-@pytest.mark.points(5)
+@pytest.mark.points(4)
 def test_cached_prompts_are_answered_with_the_new_weights(impl):
     out = observed(impl, "cached")
     tol = max(2 * out["baseline"], 1e-3)
@@ -183,7 +183,7 @@ def events(calls: list[tuple]) -> list[str]:
     return out
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_the_cycle_runs_in_order(impl):
     got = events(observed(impl, "calls")["calls"])
     want = ["sleep", "train", "wake(weights)", "update", "wake(kv_cache)", "reset"]
