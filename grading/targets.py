@@ -150,12 +150,12 @@ def handoff_ratio(name: str, key: str) -> float:
 
 
 TARGETS = [
-    Target("a2", "pack of 256 MB of weights / one device copy of the same bytes", "at most 2x a device copy", 2.0, 1,
-           pack_ratio),
+    Target("a2", "pack of 256 MB of weights / one device copy of the same bytes",
+           "at most 2x one device-to-device copy of the same bytes", 2.0, 1, pack_ratio),
     Target("a3", "sync of 256 MB in 64 MB buckets over NCCL / one raw broadcast of the same bytes, 2 GPUs",
-           "at most 1.5x a raw broadcast", 1.5, 2, sync_ratio),
+           "at most 1.5x one raw broadcast of the same bytes", 1.5, 2, sync_ratio),
     Target("a4", "handoff of 256 MB to another process (export, rebuild, load, release) / one device copy",
-           "at most 4x a device copy", 4.0, 1, handoff_ratio),
+           "at most 4x one device-to-device copy of the same bytes", 4.0, 1, handoff_ratio),
 ]
 
 
