@@ -1,12 +1,20 @@
 """Assignment 1: a memory timeline of one RLHF step by role, and its plot.
 
-The caller says which tensors play which role (``tl.track("weights", lambda: list(model.parameters()))``);
-each ``with tl.phase("generate"):`` block records one sample as it begins and one as it ends: the seconds since
-the timeline was made, the phase, the event ("begin" or "end"), the bytes each role holds on the timeline's
-device, and on a GPU what PyTorch's caching allocator has allocated. On the CPU there is no allocator to ask:
-the role bytes are the timeline.
+Problem: an RLHF step runs out of memory in one phase and not in the others, and the fix depends on which
+phase holds the peak and which role (weights, gradients, optimizer state, KV cache) fills it. Build the
+instrument that answers this: the caller names the roles, marks the phases, and reads the bytes back.
 
-Graded by ``grading/test_a1_timeline.py``; Lab 2 shows the step this records.
+Contract (what the grader checks, ``grading/test_a1_timeline.py``):
+
+- every phase leaves exactly two samples, one as it begins and one as it ends, also when the phase raises (the
+  error reaches the caller unchanged: an out-of-memory error is when the timeline is read);
+- a role's bytes are the bytes of the tensors it holds *at that sample* and that live on the timeline's
+  device: a view counts its own elements, not the storage it is a view of;
+- times are seconds since the timeline was made, never decreasing;
+- on a GPU, each sample also has the bytes the caching allocator has *allocated* (not reserved) once the
+  work queued before the sample has finished; on the CPU there is no allocator, and that field is None.
+
+Lab 2 runs the course's own timeline first and shows the step this records.
 """
 
 from __future__ import annotations
@@ -27,24 +35,28 @@ class Timeline:
     """
 
     def __init__(self, device: str | torch.device) -> None:
-        """A timeline of ``device`` ("cpu", "cuda", "cuda:1"; "cuda" means the current GPU)."""
+        """A timeline of ``device`` ("cpu", "cuda", "cuda:1"; "cuda" means the current GPU). Its clock starts
+        now: every sample's ``t`` is measured from here."""
         raise NotImplementedError
 
     def track(self, role: str, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
-        """At every sample, count under ``role`` the bytes of the tensors that ``tensors()`` returns *then*
-        that live on this timeline's device (tensors elsewhere, e.g. offloaded to the CPU, do not count)."""
+        """From now on, every sample counts under ``role`` the bytes of the tensors that ``tensors()`` returns
+        at that sample (the list may change between samples) and that live on this timeline's device (tensors
+        elsewhere, e.g. offloaded to the CPU, do not count). Roles appear in samples in the order tracked."""
         raise NotImplementedError
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Mark a phase of the step: one sample as it begins, one as it ends (on a GPU, after the queued work
-        has finished, so that the allocator's count is the one of the work done)."""
+        """A context manager marking one phase: ``name`` joins ``phases``, and the timeline gains a "begin"
+        sample before the block and an "end" sample after it, whether the block returns or raises (an exception
+        propagates unchanged). On a GPU a sample reflects the work queued before it, finished."""
         raise NotImplementedError
 
 
 def plot(tl: Timeline, unit: float = 1e6, ax: Any = None) -> Any:
-    """Draw ``tl`` on ``ax`` (a new figure if None) and return ``ax``: one stacked bar per sample, in order, with
-    one segment per role (``ax.bar(x, height, bottom=..., label=role)``, heights in ``unit`` bytes, roles in
-    the order tracked, each stacked on the ones before), each phase's name written over its two samples
-    (``ax.text``, one text per phase, in order), a legend, and on a GPU the allocator's count as a marker."""
+    """Draw ``tl`` on ``ax`` (a new figure if None) and return ``ax``. A reader must see, per sample in order,
+    the total bytes as one bar whose segments are the roles (heights in ``unit`` bytes, one bar series per role
+    labelled with the role, stacked in the order tracked: the bar's top is the total), each phase's name once
+    over its two samples (as the axes' texts, in order), a legend naming the roles, and on a GPU the
+    allocator's count. The grader reads the bars' heights and bottoms, the texts and the legend."""
     raise NotImplementedError

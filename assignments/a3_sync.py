@@ -1,21 +1,24 @@
-"""Assignment 3: a weight sync over a stateless group: metadata, then one broadcast per bucket, then load.
+"""Assignment 3: a weight sync over a stateless group: the trainer's tensors into every inference rank.
 
-The trainer (rank ``src``) calls ``send``; every inference rank calls ``receive`` at the same time, in the same
-group (``labsupport.groups.create_group``: NCCL between GPUs, gloo on the CPU; the same calls on both). In order:
+Problem: after each optimizer step the trainer (rank ``src``) must get its weights into every inference rank,
+which then loads them into its model. Every rank calls in at the same time, in the same group
+(``labsupport.groups.create_group``: NCCL between GPUs, gloo on the CPU; the same calls on both). Only the
+trainer knows what it sends; the receivers learn the names, dtypes and shapes from it.
 
-1. metadata: the trainer sends every tensor's meta and the bucket size as one small object
-   (``group.broadcast_object(obj, src)``, which returns the object on every rank);
-2. buckets: both sides split the metas into the same buckets (Assignment 2's ``split``); per bucket the trainer
-   packs its tensors into one ``uint8`` buffer on ``group.device`` and broadcasts it (``group.broadcast(buf,
-   src)``, in place), and each receiver receives into an empty buffer of the same size;
-3. load: the receiver slices each bucket back into named views and hands them to ``load``, bucket by bucket,
-   once the bucket has arrived (a vLLM worker would call ``model.load_weights(weights=...)``);
-4. done: both sides end with one ``group.all_reduce(torch.ones(1, device=group.device))`` and
-   ``group.synchronize("the weight sync")``, so that no rank returns (and no host moves on) before every
-   bucket reached every rank, and a dead peer is an error within the group's deadline, not a hang.
+Contract (``grading/test_a3_sync.py``: a trainer and two receivers over gloo, on 2+ GPUs over NCCL):
 
-Given: ``labsupport.core.buckets`` (Assignment 2's functions: the course's, or yours in the student copy).
-Graded by ``grading/test_a3_sync.py`` (3 processes over gloo; on 2+ GPUs also over NCCL).
+- every receiver's own tensors end up holding the trainer's bytes; the trainer's tensors are unchanged;
+- the cost is one small object and then one broadcast per bucket (Assignment 2's ``split`` of the trainer's
+  tensors, in the trainer's order, at the trainer's ``bucket_bytes``), never one per tensor;
+- ``load`` is called once per bucket, with that bucket's tensors, only once they have arrived;
+- no rank returns before every rank has every bucket, and none waits forever: a dead or stuck peer is an
+  error (an exception) within the group's deadline. Over NCCL a collective only queues work on the GPU:
+  the host must wait for it with a deadline (``group.synchronize`` does that);
+- any rank may be the trainer (``src``), and the same group serves one sync after another.
+
+Given: ``labsupport.core.buckets`` (Assignment 2's functions: the course's, or yours in the student copy) and
+the group's methods (``broadcast_object``, ``broadcast``, ``all_reduce``, ``synchronize``). Lab 3 runs the
+course's own sync first; Chapter 4 explains the design.
 """
 
 from __future__ import annotations
@@ -32,18 +35,22 @@ Batch = list[tuple[str, torch.Tensor]]
 
 def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20,
          src: int = 0) -> int:
-    """Trainer side: broadcast ``state`` (name -> tensor, in its order) to every other rank with one
-    ``broadcast_object`` and then exactly one ``broadcast`` per bucket; returns the tensors' bytes (unpadded)."""
+    """Trainer side (this rank is ``src``): get ``state`` (name -> tensor, in its order) to every other rank,
+    in buckets of at most ``bucket_bytes``. Returns the tensors' bytes (unpadded) once every rank has every
+    bucket; raises if a peer fails or the group's deadline passes. ``state`` is left unchanged."""
     raise NotImplementedError
 
 
 def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0) -> int:
-    """Receiver side: receive one update from ``src``, calling ``load`` once per bucket with that bucket's
-    ``[(name, view)]`` after it has arrived; returns the bytes received (as ``send`` counts them)."""
+    """Receiver side: take one update from rank ``src``, calling ``load`` once per bucket with that bucket's
+    ``[(name, tensor)]`` after it has arrived (the tensors may be views into a buffer reused afterwards).
+    Returns the bytes received, as ``send`` counts them, once every rank has every bucket; raises if a peer
+    fails or the group's deadline passes."""
     raise NotImplementedError
 
 
 def copy_into(state: Mapping[str, torch.Tensor]) -> Callable[[Batch], None]:
-    """A ``load`` that copies each received tensor into ``state[name]`` *in place*: the receiver's own tensors
-    (a model's parameters) change, and nothing keeps a view into the bucket, which the next bucket may reuse."""
+    """A ``load`` that writes each received tensor into the tensor ``state[name]`` *in place*: the receiver's
+    own tensor objects (a model's parameters, which its kernels hold) change, the mapping's entries stay the
+    same objects, and nothing keeps a reference into the bucket, which the next bucket may reuse."""
     raise NotImplementedError

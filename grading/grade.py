@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", metavar="NAME", help="also record them as results/NAME.<machine>.json, with the "
                     "machine, versions, command and date (LABSUPPORT_RESULTS_DIR: elsewhere)")
     ap.add_argument("--tb", action="store_true", help="show pytest's tracebacks of failing tests")
+    ap.add_argument("--record", type=Path, default=Path("grade_record.json"), metavar="FILE",
+                    help="grading one implementation: measure the GPU performance targets this machine can and "
+                    "write the leaderboard record here (default: grade_record.json)")
+    ap.add_argument("--no-targets", action="store_true", help="neither measure the targets nor write the record")
     a = ap.parse_args(argv)
     import os
 
@@ -196,9 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     data = grade(impls, a.keys, ["--tb=short"] if a.tb else [])
     if a.json:
         a.json.write_text(json.dumps(data, indent=1))
+    command = "python -m grading " + " ".join(sys.argv[1:] if argv is None else argv)
+    if len(impls) == 1 and not a.no_targets:
+        leaderboard(impls[0], data, a.keys, a.record, command)
     if a.save:
         from labsupport.course.results import save_result
 
-        command = "python -m grading " + " ".join(sys.argv[1:] if argv is None else argv)
         print(f"recorded in {save_result(a.save, data, command=command)}", file=sys.stderr)  # (last line: the score)
     return 0
+
+
+def leaderboard(impl: str, data: dict, keys: list[str], path: Path, command: str) -> None:
+    """Measure the performance targets (``grading/targets.py``) this machine has the GPUs for, print them, and
+    write the record of ``impl``'s score and targets that a class puts on a leaderboard."""
+    from grading import targets
+
+    rows = targets.measure(impl, keys)
+    print("\n".join(targets.report(rows)), file=sys.stderr)  # (stdout's last line stays the score)
+    out = targets.write(path, targets.record(impl, data, rows, command))
+    print(f"leaderboard record: {out}", file=sys.stderr)

@@ -152,14 +152,14 @@ def observed(impl, what: str):
     return out
 
 
-@pytest.mark.points(6)
+@pytest.mark.points(5)
 def test_engine_writes_the_trained_continuation(impl):
     out = observed(impl, "after")
     assert out["before"] != out["expected"], "the engine already wrote the continuation before the turn"
     assert out["after"] == out["expected"], f"expected the engine to write {out['expected']}, got {out['after']}"
 
 
-@pytest.mark.points(5)
+@pytest.mark.points(4)
 def test_cached_prompts_are_answered_with_the_new_weights(impl):
     out = observed(impl, "cached")
     tol = max(2 * out["baseline"], 1e-3)
@@ -183,7 +183,7 @@ def events(calls: list[tuple]) -> list[str]:
     return out
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(3)
 def test_the_cycle_runs_in_order(impl):
     got = events(observed(impl, "calls")["calls"])
     want = ["sleep", "train", "wake(weights)", "update", "wake(kv_cache)", "reset"]
@@ -200,3 +200,75 @@ def test_sleep_frees_gpu_memory_for_training(impl):
     freed = out["freed"] or 0
     assert freed > 1 << 30, \
         f"expected at least 1 GiB of GPU memory freed while the trainer trains, got {freed / 2**20:.0f} MiB"
+
+
+class FakeEngine:
+    """A stand-in for a bfloat16 engine with sleep mode (no vLLM): it records the cycle's calls and maps and reads
+    the IPC buckets it is sent, as the worker extension would, recording each tensor's dtype and values."""
+
+    def __init__(self) -> None:
+        import types
+
+        self.calls: list[tuple] = []
+        self.received: dict[str, torch.Tensor] = {}
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16))
+
+    def sleep(self, level: int = 1, **kw):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else ("weights", "kv_cache")))
+
+    def reset_prefix_cache(self, *args, **kw):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        from labsupport import ipc, vllm_ext
+
+        name = method if isinstance(method, str) else getattr(method, "__name__", "function")
+        self.calls.append(("rpc", name))
+        if name == "report_device_id":
+            return [vllm_ext.device_id(torch.device("cpu"))]
+        if name == "update_weights_from_ipc":
+            count = 0
+            for bucket in vllm_ext.buckets_for(torch.device("cpu"), args[0]):
+                views = ipc.rebuild(bucket)
+                self.received.update((n, v.clone()) for n, v in views)
+                count += len(views)
+                del views
+                ipc.ack(bucket)
+            return [count]
+        raise AssertionError(f"expected only the calls of vllm_ext.push_ipc on the engine, got {name!r}")
+
+
+@pytest.mark.points(3)
+def test_the_step_at_another_level_sends_the_trained_weights_in_the_engines_dtype(impl):
+    """A bfloat16 engine asked to sleep at level 2 (no vLLM needed): the level is the one asked for, ``train``
+    runs once, and every parameter reaches the engine after training, in the engine's dtype."""
+    from labsupport.course import models
+
+    require_implemented(impl.colocated_step)
+    model = models.build_model(seed=0)
+    trained = models.build_model(seed=1).state_dict()
+    fake, trains = FakeEngine(), []
+
+    def train(m):
+        trains.append(1)
+        fake.calls.append(("train",))
+        m.load_state_dict(trained)
+
+    impl.colocated_step(fake, model, train, level=2)
+    levels = [c[1] for c in fake.calls if c[0] == "sleep"]
+    assert levels == [2], f"expected one sleep at the level asked for (2), got levels {levels}"
+    assert len(trains) == 1, f"expected train called once, got {len(trains)} calls"
+    got = events(fake.calls)
+    want = ["sleep", "train", "wake(weights)", "update", "wake(kv_cache)", "reset"]
+    assert got in (want, want[:4] + ["reset", "wake(kv_cache)"]), f"expected the steps {want}, got {got}"
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(fake.received) == sorted(names), \
+        f"expected every parameter of the model sent, {len(names)} of them; got {sorted(fake.received)[:8]}..."
+    for n, p in model.named_parameters():
+        t = fake.received[n]
+        assert t.dtype == torch.bfloat16, f"{n}: expected it sent in the engine's dtype bfloat16, got {t.dtype}"
+        assert torch.equal(t, p.detach().to(torch.bfloat16)), f"{n}: expected the trained weights, got others"

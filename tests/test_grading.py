@@ -174,3 +174,49 @@ def test_recorded_gpu_grading_runs_hold():
             want = _loses(bug, gpus) & {r["test"] for r in ran}
             assert failed and failed == want, f"{where}: {bug} failed {sorted(failed)}, expected {sorted(want)}"
             assert data["scores"][bug]["points"] < data["scores"]["reference"]["points"], f"{where}: {bug}"
+
+
+def test_handout_pages_state_the_points_and_targets_the_grader_carries():
+    """Each assignment's handout page (book/assignments/<file>.md, in _toc.yml) states the points its tests carry
+    and the goal of each of its performance targets, so that neither can drift from the grader."""
+    from grading.grade import points
+    from grading.targets import TARGETS
+
+    toc = (ROOT / "_toc.yml").read_text()
+    carried = points()
+    for key, module in impls.files().items():
+        assert f"book/assignments/{module}" in toc, f"book/assignments/{module}.md is not in _toc.yml"
+        page = (ROOT / "book" / "assignments" / f"{module}.md").read_text()
+        m = re.search(r"\*\*Points\.\*\* (\d+) on a CPU(?:, (\d+) more on a machine with (\d+) GPU)?", page)
+        assert m, f"{module}.md: no '**Points.** N on a CPU[, M more on a machine with K GPU...]'"
+        stated = {"cpu": int(m.group(1)), "gpu": int(m.group(2) or 0)}
+        assert stated == carried[key], f"{module}.md states {stated}; the tests carry {carried[key]}"
+        for t in TARGETS:
+            if t.key == key:
+                assert f"**{t.goal}" in page, f"{module}.md does not state the target's goal '{t.goal}'"
+
+
+def test_make_grade_writes_the_leaderboard_record(tmp_path):
+    """Grading one implementation writes the record a class puts on a leaderboard: the score per part, each
+    performance target (on a CPU: skipped, with the reason), the machine, the versions, the command, the date."""
+    from grading.targets import TARGETS
+
+    rec_path = tmp_path / "record.json"
+    cmd = [sys.executable, "-m", "grading", "--impl", "reference", "--record", str(rec_path), "a2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rec = json.loads(rec_path.read_text())
+    assert {"impl", "score", "parts", "targets", "machine", "machine_tag", "versions", "command", "date"} <= set(rec)
+    assert rec["impl"] == "reference" and rec["score"]["points"] == rec["score"]["possible"] > 0, rec["score"]
+    assert rec["parts"] == {"a2": rec["score"]}, rec["parts"]
+    (row,) = rec["targets"]  # a2's only
+    want = next(t for t in TARGETS if t.key == "a2")
+    assert {k: row[k] for k in ("key", "goal", "limit", "gpus")} == \
+        {"key": "a2", "goal": want.goal, "limit": want.limit, "gpus": want.gpus}, row
+    if gpu_count() < want.gpus:
+        assert row["status"] == "skipped" and row["ratio"] is None and row["met"] is None, row
+        assert f"needs {want.gpus} GPU(s), this machine has {gpu_count()}" in row["reason"], row
+        assert f"skipped: needs {want.gpus} GPU(s)" in done.stderr, done.stderr[-2000:]
+    else:
+        assert row["status"] == "measured" and row["ratio"] > 0 and isinstance(row["met"], bool), row
+    assert rec["machine"]["gpu_count"] == gpu_count() and rec["versions"]["torch"], rec["machine"]

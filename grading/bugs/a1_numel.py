@@ -7,7 +7,9 @@ import torch
 
 from grading.reference import a1 as ref
 
-LOSES = {"test_bytes_by_role_at_every_phase_edge"}
+LOSES = {"test_bytes_by_role_at_every_phase_edge",
+         "test_a_phase_that_raises_is_still_closed",
+         "test_a_view_counts_its_own_bytes_and_roles_are_read_at_each_sample"}
 # on a GPU the timeline is also checked against the allocator's count, which a bfloat16 model's numel misses too
 LOSES_ON_GPU = {"test_gpu_timeline_reads_the_allocator"}
 

@@ -6,7 +6,10 @@ from grading.reference import a2 as ref
 LOSES = {"test_round_trip_keeps_every_byte",
          "test_layout_is_aligned_and_tight",
          "test_unpack_returns_views_not_copies",
-         "test_split_keeps_order_and_the_limit"}
+         "test_split_keeps_order_and_the_limit",
+         "test_layout_rounds_every_end_up",
+         "test_pack_and_unpack_in_a_slice_of_a_larger_buffer",
+         "test_split_at_its_boundaries"}
 
 
 def layout(metas):

@@ -5,7 +5,9 @@ import torch
 
 from grading.reference import a2 as buckets
 
-LOSES = {"test_receivers_hold_the_trainers_bytes", "test_each_bucket_is_loaded_after_it_arrived"}
+LOSES = {"test_receivers_hold_the_trainers_bytes",
+         "test_each_bucket_is_loaded_after_it_arrived",
+         "test_any_rank_can_be_the_source"}
 
 
 def receive(group, load, src=0):

@@ -5,7 +5,10 @@ import torch
 
 from grading.reference import a2 as buckets
 
-LOSES = {"test_each_bucket_is_loaded_after_it_arrived", "test_one_object_then_one_broadcast_per_bucket"}
+LOSES = {"test_each_bucket_is_loaded_after_it_arrived",
+         "test_one_object_then_one_broadcast_per_bucket",
+         "test_any_rank_can_be_the_source",
+         "test_no_rank_returns_before_every_rank_has_every_bucket"}
 
 
 def send(group, state, bucket_bytes=64 << 20, src=0):

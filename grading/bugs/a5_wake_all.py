@@ -4,7 +4,8 @@ exists to avoid (an out-of-memory error at scale)."""
 
 from labsupport import vllm_ext
 
-LOSES = {"test_the_cycle_runs_in_order"}
+LOSES = {"test_the_cycle_runs_in_order",
+         "test_the_step_at_another_level_sends_the_trained_weights_in_the_engines_dtype"}
 
 
 def colocated_step(llm, model, train, *, level=1):

@@ -3,7 +3,9 @@ pushes the policy away from what was rewarded, while the loss still goes down.""
 
 from grading.reference import a6 as ref
 
-LOSES = {"test_group_advantages", "test_grpo_learns_the_rewarded_action"}
+LOSES = {"test_group_advantages",
+         "test_grpo_learns_the_rewarded_action",
+         "test_group_advantages_eps_and_dtype"}
 
 
 def group_advantages(rewards, eps=1e-6, scale=True):

@@ -3,7 +3,8 @@ found unlikely and the trainer likely gets a huge weight, and the gradient's var
 
 import torch
 
-LOSES = {"test_tis_weights_and_mis_mask"}
+LOSES = {"test_tis_weights_and_mis_mask",
+         "test_tis_and_mis_at_the_cap_and_in_other_dtypes"}
 
 
 def tis_weights(logp_trainer, logp_engine, cap=2.0):

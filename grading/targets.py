@@ -1,0 +1,214 @@
+"""The performance targets of the assignments, measured on GPUs, and the record a class puts on a leaderboard.
+
+Each target is a ratio against what the hardware does without the learner's code (a device copy, a raw
+broadcast of the same bytes), so that it means the same on any GPU; its goal is stated here and on the
+assignment's handout page. ``make grade`` (one implementation) measures the targets that this machine has the
+GPUs for, reports the others as skipped with the reason, and writes ``grade_record.json``: the score, the
+targets, the machine, the versions and the date.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+MB = 1 << 20
+STATE_BYTES = 256 * MB  # the state moved by each target: large enough that fixed costs are a small share
+REPEATS = 5
+
+
+@dataclass
+class Target:
+    key: str  # "a3"
+    name: str  # what is measured
+    goal: str  # the goal, in words
+    limit: float  # the ratio must be at most this
+    gpus: int  # GPUs it needs
+    measure: Callable[[str, str], float]  # (implementation, key) -> the ratio
+
+    def row(self, status: str, ratio: float | None = None, reason: str = "") -> dict[str, Any]:
+        met = None if ratio is None else ratio <= self.limit
+        return {"key": self.key, "name": self.name, "goal": self.goal, "limit": self.limit, "gpus": self.gpus,
+                "status": status, "ratio": ratio, "met": met, "reason": reason}
+
+
+def big_state(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """About ``STATE_BYTES`` of weights: bfloat16 and float32 matrices, every fourth one transposed."""
+    g = torch.Generator().manual_seed(seed)
+    out, total, i = {}, 0, 0
+    while total < STATE_BYTES:
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        t = torch.randn(1024, 1024, generator=g).to(dtype).to(device)
+        out[f"w{i}"] = t.t() if i % 4 == 3 else t
+        total, i = total + t.nbytes, i + 1
+    return out
+
+
+def timed(fn: Callable[[], Any], device: str) -> float:
+    """The median seconds of ``fn`` over ``REPEATS`` runs after one warm-up, the GPU's work included."""
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_time(nbytes: int, device: str) -> float:
+    """One device-to-device copy of ``nbytes``: what the hardware does without the learner's code."""
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                   device=device)
+    return timed(lambda: dst.copy_(src), device)
+
+
+def pack_ratio(name: str, key: str) -> float:
+    from grading.impl import load
+
+    impl, dev = load(name, key), "cuda:0"
+    state = big_state(dev)
+    entries, size = impl.layout([impl.meta(n, t) for n, t in state.items()])
+    buf = torch.empty(size, dtype=torch.uint8, device=dev)
+    return timed(lambda: impl.pack(buf, entries, list(state.values())), dev) / copy_time(size, dev)
+
+
+def _sync_rank(rank: int, world: int, port: int, name: str, key: str) -> float:
+    """One rank of the sync target: the learner's sync, then a raw broadcast of the same bytes; rank 0's ratio."""
+    from grading.impl import load
+    from labsupport.groups import create_group
+
+    impl, dev = load(name, key), f"cuda:{rank}"
+    torch.cuda.set_device(dev)
+    group = create_group("127.0.0.1", port, rank, world, device=dev, timeout_s=120)
+    try:
+        state = big_state(dev, seed=rank)
+        nbytes = sum(t.nbytes for t in state.values())
+        if rank == 0:
+            sync = timed(lambda: impl.send(group, state, bucket_bytes=64 * MB), dev)
+        else:
+            sync = timed(lambda: impl.receive(group, impl.copy_into(state)), dev)
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+        def broadcast():
+            group.broadcast(raw, 0)
+            group.synchronize("the raw broadcast")
+
+        return sync / timed(broadcast, dev)
+    finally:
+        group.destroy()
+
+
+def sync_ratio(name: str, key: str) -> float:
+    from labsupport.course.ranks import run_ranks
+    from labsupport.groups import free_port
+
+    (ok, res), *rest = run_ranks(_sync_rank, 2, (free_port(), name, key), timeout_s=600, cpu_threads=None)
+    for good, r in [(ok, res), *rest]:
+        if not good:
+            raise RuntimeError(f"{r[0]}: {r[1]}")
+    return res
+
+
+def _handoff_receiver(inbox, outbox) -> None:
+    """The target's receiving process: rebuild and load into tensors it keeps, on request."""
+    from grading.impl import load
+
+    own = None
+    while (msg := inbox.get()) is not None:
+        name, key, handle = msg
+        impl = load(name, key)
+        views = impl.rebuild(handle)
+        own = own or {n: torch.empty_like(v) for n, v in views}
+        impl.load(own, views)
+        del views
+        outbox.put("loaded")
+
+
+def handoff_ratio(name: str, key: str) -> float:
+    from grading.impl import load
+    from labsupport.course.peer import Peer
+
+    impl, dev = load(name, key), "cuda:0"
+    state = list(big_state(dev).items())
+    nbytes = sum(t.nbytes for _, t in state)
+    with Peer(_handoff_receiver) as peer:
+        def handoff():
+            buf, handle = impl.export(state)
+            assert peer.call((name, key, handle), 300) == "loaded"
+            del buf
+            impl.release(handle)
+
+        return timed(handoff, dev) / copy_time(nbytes, dev)
+
+
+TARGETS = [
+    Target("a2", "pack of 256 MB of weights / one device copy of the same bytes",
+           "at most 2x one device-to-device copy of the same bytes", 2.0, 1, pack_ratio),
+    Target("a3", "sync of 256 MB in 64 MB buckets over NCCL / one raw broadcast of the same bytes, 2 GPUs",
+           "at most 1.5x one raw broadcast of the same bytes", 1.5, 2, sync_ratio),
+    Target("a4", "handoff of 256 MB to another process (export, rebuild, load, release) / one device copy",
+           "at most 4x one device-to-device copy of the same bytes", 4.0, 1, handoff_ratio),
+]
+
+
+def measure(name: str, keys: list[str] | None = None) -> list[dict[str, Any]]:
+    """Each target of ``keys`` (all by default) on implementation ``name``: measured, or skipped with the reason."""
+    from grading import impl as impls
+    from labsupport.course.hardware import gpu_count
+
+    have, rows = gpu_count(), []
+    for t in TARGETS:
+        if keys and t.key not in keys:
+            continue
+        if have < t.gpus:
+            rows.append(t.row("skipped", reason=f"needs {t.gpus} GPU(s), this machine has {have}"))
+            continue
+        try:
+            rows.append(t.row("measured", t.measure(impls.effective(name, t.key), t.key)))
+        except Exception as exc:  # a learner's error is a result, not a crash of the grader
+            rows.append(t.row("failed", reason=f"{type(exc).__name__}: {exc}"[:300]))
+    return rows
+
+
+def record(name: str, data: dict, targets: list[dict], command: str) -> dict[str, Any]:
+    """The leaderboard record of one graded implementation."""
+    from labsupport.course.results import machine_info, machine_tag, versions
+
+    from grading.impl import effective
+
+    parts: dict[str, dict[str, int]] = {}
+    for r in data["results"]:
+        if r["outcome"] == "skipped" or r["impl"] not in (None, effective(name, r["key"])):
+            continue
+        p = parts.setdefault(r["key"], {"points": 0, "possible": 0})
+        p["possible"] += r["points"]
+        p["points"] += r["points"] if r["outcome"] == "passed" else 0
+    info = machine_info()
+    return {"impl": name, "score": data["scores"][name], "parts": parts, "targets": targets, "machine": info,
+            "machine_tag": machine_tag(info), "versions": versions(), "command": command,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def report(targets: list[dict]) -> list[str]:
+    """The lines ``make grade`` prints for the targets."""
+    lines = ["Performance targets (GPU)"]
+    for t in targets:
+        what = {"measured": lambda: f"{t['ratio']:.2f} ({'met' if t['met'] else 'not met'}; goal: {t['goal']})",
+                "skipped": lambda: f"skipped: {t['reason']}", "failed": lambda: f"failed: {t['reason']}"}
+        lines.append(f"  {t['key']} {t['name']}: {what[t['status']]()}")
+    return lines
+
+
+def write(path: Path, rec: dict) -> Path:
+    import json
+
+    path.write_text(json.dumps(rec, indent=1, default=str))
+    return path
