@@ -31,13 +31,14 @@ Batch = list[tuple[str, torch.Tensor]]
 
 
 def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20,
-         src: int = 0) -> int:
+         src: int = 0, *, timeout_s: float | None = None) -> int:
     """Trainer side: broadcast ``state`` (name -> tensor, in its order) to every other rank with one
     ``broadcast_object`` and then exactly one ``broadcast`` per bucket; returns the tensors' bytes (unpadded)."""
     raise NotImplementedError
 
 
-def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0) -> int:
+def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0, *,
+            timeout_s: float | None = None) -> int:
     """Receiver side: receive one update from ``src``, calling ``load`` once per bucket with that bucket's
     ``[(name, view)]`` after it has arrived; returns the bytes received (as ``send`` counts them)."""
     raise NotImplementedError

@@ -34,7 +34,7 @@ from labsupport.core.handoff import SHM_DIR, Handle  # noqa: F401  (given)
 from labsupport.course.hardware import gpu_uuid  # noqa: F401  (given)
 
 
-def export(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Handle]:
+def export(named: list[tuple[str, torch.Tensor]], path: str | None = None) -> tuple[torch.Tensor, Handle]:
     """Owner side: pack ``named`` into a new shared buffer on their device (a new ``/dev/shm`` file on the CPU);
     returns the buffer (the owner keeps it alive until ``release``) and its handle, safe to send at once."""
     raise NotImplementedError
