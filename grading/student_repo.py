@@ -149,7 +149,7 @@ def build(dest: Path) -> list[str]:
             target.write_text(replace(target.read_text(), name, delegate(module, key)))
             changed.add(str(src.relative_to(ROOT)))
         path = dest / "assignments" / f"{module}.py"
-        path.write_text(stub_source(path.read_text()))
+        path.write_text(stub_source(path.read_text(), module))
     reference = dest / "grading" / "reference.py"
     reference.write_text(reference.read_text() + unwrapping({k: asked(m) for k, m in impls.files().items()}))
     for f in changed | {f"assignments/{m}.py" for m in impls.files().values()}:
@@ -186,7 +186,7 @@ def solved_source(key: str, module: str) -> str:
     """``assignments/<module>.py`` as handed out, with the reference pasted in: each function's body (after the
     stub's docstring) and each class whole, plus imports of what they read from the reference's module (its
     private helpers, which stay in the student copy)."""
-    source = stub_source((impls.ASSIGNMENTS / f"{module}.py").read_text())
+    source = stub_source((impls.ASSIGNMENTS / f"{module}.py").read_text(), module)
     ref, imports = impls.load("reference", key), []
     for name in asked(module):
         obj = inspect.unwrap(getattr(ref, name))
