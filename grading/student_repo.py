@@ -2,11 +2,14 @@
 assignments ask.
 
 Every file that git tracks (or would track) is copied, except the seeded bugs (``grading/bugs/``: each is a
-reference with one mistake) and their proof (``tests/test_grading.py``). Then each function or class that an
-assignment asks for is found where ``grading/reference.py`` says its reference lives, and its body is replaced
-by a call to the learner's ``assignments/`` (a class by an import of the learner's): the package, the labs and
-``IMPL=reference`` all run on the learner's code, and score 0 until it is written. The assignment files are
-written as stubs (every body ``raise NotImplementedError``), whatever this checkout's hold.
+reference with one mistake), the instructor's hidden tests (``grading/hidden/``; ``grading/hidden.py``) and the
+tests that prove the grader and the copy (``tests/test_grading.py``, ``tests/test_student_repo.py``). Then each
+function or class that an assignment asks for is found where ``grading/reference.py`` says its reference lives,
+and its body is replaced by a call to the learner's ``assignments/`` (a class by an import of the learner's): the
+package, the labs and ``IMPL=reference`` all run on the learner's code, and score 0 until it is written. So each
+stub must take the parameters its reference takes (``check_signatures``). The assignment files are written as
+stubs (every body ``raise NotImplementedError``, naming its assignment), whatever this checkout's hold.
+``--solved`` pastes the reference into the copy's ``assignments/``, to check the copy (``tests/test_student_repo.py``).
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import importlib
 import inspect
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from grading import hidden
 from grading import impl as impls
 from grading.impl import body_start, first_line, stub_source
 
 ROOT = impls.ROOT
-LEFT_OUT = ("grading/bugs/", "tests/test_grading.py")
+LEFT_OUT = ("grading/bugs/", hidden.FOLDER, "tests/test_grading.py", "tests/test_student_repo.py")
 
 
 def tracked_files(root: Path = ROOT) -> list[str]:
@@ -206,14 +211,17 @@ def solved_source(key: str, module: str) -> str:
             alias = "" if not inspect.ismodule(value) or value.__name__ == free else f" as {free}"
             imports.append(f"import {value.__name__}{alias}\n" if inspect.ismodule(value)
                            else f"from {home.__name__} import {free}\n")
-    tail = ["\n", "# the reference's helpers, which the student copy keeps\n", *dict.fromkeys(imports)] if imports else []
-    return source + "".join(tail)
+    tail = ["\n", "# the reference's helpers, which the student copy keeps\n", *dict.fromkeys(imports)]
+    return source + "".join(tail if imports else [])
 
 
 def solve(dest: Path) -> None:
     """Paste the reference into the student copy at ``dest`` (its ``assignments/``): what a learner who got every
     assignment right hands in. The copy must then grade full marks and run the labs (tests/test_student_repo.py);
     an instructor can check a copy so before handing it out. Never hand out a solved copy."""
+    if hasattr(importlib.import_module("grading.reference"), "_ASKED"):
+        raise SystemExit("this is a student copy: its reference is the learner's code; run --solved in the course's "
+                         "repository")
     for key, module in impls.files().items():
         (dest / "assignments" / f"{module}.py").write_text(solved_source(key, module))
 
