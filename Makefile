@@ -6,7 +6,7 @@
 #   make lab        JupyterLab on the labs (a double-click opens a lab .md as a notebook, via jupytext)
 #   make student    the student edition (solutions removed) into _student/html
 #   make grade      grade your assignments (assignments/*.py) with their public tests; IMPL=reference grades the
-#                   course's own code (grading/README.md)
+#                   course's own code; HIDDEN=dir adds an instructor's hidden tests (grading/README.md)
 #   make student-repo DEST=dir   a copy of the repository to hand out, without the assignments' reference bodies
 #   make doctor     what this machine has and which labs take their GPU path
 #   make graphviz   Graphviz's `dot`, which draws the book's figures (apt, as root); test/book/student run it
@@ -105,9 +105,10 @@ student: $(SETUP) graphviz
 	@echo "Open $(CURDIR)/_student/html/index.html"
 
 # IMPL: assignments (yours), reference, stubs, or a seeded bug of grading/bugs/; several comma-separated
+# HIDDEN: a folder of the instructor's hidden graded tests (grading/hidden.py), counted in the same report
 IMPL ?= assignments
 grade: $(SETUP)
-	$(PY) -m grading --impl $(IMPL)
+	$(PY) -m grading --impl $(IMPL) $(if $(HIDDEN),--hidden "$(HIDDEN)")
 
 student-repo: $(SETUP)
 	@test -n "$(DEST)" || { echo "usage: make student-repo DEST=../rlhf-course-student"; exit 2; }

@@ -34,18 +34,20 @@ Batch = list[tuple[str, torch.Tensor]]
 
 
 def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20,
-         src: int = 0) -> int:
+         src: int = 0, *, timeout_s: float | None = None) -> int:
     """Trainer side (this rank is ``src``): get ``state`` (name -> tensor, in its order) to every other rank,
     in buckets of at most ``bucket_bytes``. Returns the tensors' bytes (unpadded) once every rank has every
-    bucket; raises if a peer fails or the group's deadline passes. ``state`` is left unchanged."""
+    bucket; raises if a peer fails or the deadline passes: ``timeout_s`` seconds for the final wait (None: the
+    group's own deadline). ``state`` is left unchanged."""
     raise NotImplementedError
 
 
-def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0) -> int:
+def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0, *,
+            timeout_s: float | None = None) -> int:
     """Receiver side: take one update from rank ``src``, calling ``load`` once per bucket with that bucket's
     ``[(name, tensor)]`` after it has arrived (the tensors may be views into a buffer reused afterwards).
     Returns the bytes received, as ``send`` counts them, once every rank has every bucket; raises if a peer
-    fails or the group's deadline passes."""
+    fails or the deadline passes (``timeout_s`` as in ``send``)."""
     raise NotImplementedError
 
 

@@ -42,10 +42,11 @@ from labsupport.core.handoff import SHM_DIR, Handle  # noqa: F401  (given)
 from labsupport.course.hardware import gpu_uuid  # noqa: F401  (given)
 
 
-def export(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Handle]:
+def export(named: list[tuple[str, torch.Tensor]], path: str | None = None) -> tuple[torch.Tensor, Handle]:
     """Owner side: ``named`` (tensors on one device) in a new shareable buffer on that device, and its handle.
     Returns ``(buffer, handle)``: the owner keeps the buffer alive until ``release``; the handle may be pickled
-    and sent at once, and another export may follow before this one is released."""
+    and sent at once, and another export may follow before this one is released. On the CPU the buffer is the
+    shared-memory file ``path`` (None: a new name in ``SHM_DIR``); on a GPU ``path`` is not used."""
     raise NotImplementedError
 
 

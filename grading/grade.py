@@ -1,7 +1,7 @@
 """``make grade``: run the graded tests on one or more implementations and print the points.
 
-``python -m grading [--impl IMPL[,IMPL...]] [--json FILE] [--save NAME] [KEY ...]`` (KEY: ``a1``, ``a2``, ...;
-default all).
+``python -m grading [--impl IMPL[,IMPL...]] [--hidden DIR] [--json FILE] [--save NAME] [KEY ...]`` (KEY: ``a1``,
+``a2``, ...; default all).
 Per part: the tests passed, the points, and for each failing test what it expected; tests that need a GPU are
 reported as skipped where there is none and count in neither number. The last line is ``score: X / Y``.
 
@@ -18,6 +18,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grading.hidden import is_hidden, staged
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -30,6 +32,7 @@ class Result:
     points: int
     outcome: str  # "passed", "failed", "skipped"
     message: str = ""
+    hidden: bool = False  # one of the instructor's hidden tests (--hidden DIR; grading/hidden.py)
 
 
 def test_files(keys: list[str]) -> list[Path]:
@@ -74,12 +77,12 @@ class Collector:
 
     def pytest_runtest_logreport(self, report) -> None:
         item_path = Path(report.nodeid.split("::")[0])
-        if item_path.parent.name != HERE.name:
+        if HERE.name not in item_path.parts[:-1]:  # (grading/, or the hidden tests under it)
             return
         props = dict(report.user_properties)
         r = self.results.get(report.nodeid) or Result(
             item_path.stem.removeprefix("test_").split("_")[0], item_path.name, props.get("test", report.nodeid),
-            props.get("impl"), props.get("points", 0), "passed")
+            props.get("impl"), props.get("points", 0), "passed", hidden=is_hidden(item_path))
         if report.skipped and r.outcome == "passed":
             r.outcome = "skipped"
             r.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"
@@ -118,7 +121,7 @@ def titles(files: list[Path]) -> dict[str, str]:
     out = {}
     for p in files:
         doc = ast.get_docstring(ast.parse(p.read_text())) or p.stem
-        out[p.stem.removeprefix("test_").split("_")[0]] = doc.splitlines()[0].rstrip(".")
+        out.setdefault(p.stem.removeprefix("test_").split("_")[0], doc.splitlines()[0].rstrip("."))
     return out
 
 
@@ -136,7 +139,7 @@ def report(impl: str, results: list[Result], names: dict[str, str], effective) -
         lines.append(f"  {passed}/{len(ran)} tests passed, {got}/{worth} points")
         for r in ran:
             if r.outcome == "failed":
-                lines.append(f"    FAILED {r.test} ({r.points} points): {r.message}")
+                lines.append(f"    FAILED {'hidden ' * r.hidden}{r.test} ({r.points} points): {r.message}")
         for r in mine:
             if r.outcome == "skipped":
                 lines.append(f"    skipped {r.test} ({r.points} points): {r.message}")
@@ -144,26 +147,28 @@ def report(impl: str, results: list[Result], names: dict[str, str], effective) -
 
 
 def grade(impls: list[str], keys: list[str] | None = None, pytest_args: list[str] | None = None,
-          out=sys.stdout) -> dict:
-    """Run the graded tests of ``keys`` (all by default) on ``impls``; print the report; return it as a dict."""
+          out=sys.stdout, hidden: Path | None = None) -> dict:
+    """Run the graded tests of ``keys`` (all by default) on ``impls``, and those of the folder ``hidden``; print
+    the report; return it as a dict."""
     import pytest
 
     from grading import impl as impl_mod
 
     for name in impls:
         impl_mod.check(name)
-    files = test_files(keys or [])
-    if not files:
-        raise SystemExit(f"no graded tests for {keys} in {HERE}")
     collector = Collector()
-    args = [str(p) for p in files] + [f"--impl={','.join(impls)}", "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
-                                      "--disable-warnings", *(pytest_args or [])]
-    code = pytest.main(args, plugins=[collector])
+    with staged(hidden) as extra:
+        files = test_files(keys or []) + [p for p in extra if not keys or p.stem.split("_")[1] in keys]
+        if not files:
+            raise SystemExit(f"no graded tests for {keys} in {HERE}")
+        args = [str(p) for p in files] + [f"--impl={','.join(impls)}", "-q", "--tb=no", "-rN", "-p",
+                                          "no:cacheprovider", "--disable-warnings", *(pytest_args or [])]
+        code = pytest.main(args, plugins=[collector])
+        names = titles(files)  # (while the hidden files are there)
     results = list(collector.results.values())
     if code not in (0, 1) or not results:  # 1: some tests failed, which is a grade; anything else is not
         raise SystemExit(f"the graded tests could not run (pytest exit code {int(code)}); "
                          f"see the output above, or: python -m pytest {' '.join(str(p) for p in files)}")
-    names = titles(files)
     scores = {}
     for name in impls:
         total, possible, lines = report(name, results, names, impl_mod.effective)
@@ -186,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--save", metavar="NAME", help="also record them as results/NAME.<machine>.json, with the "
                     "machine, versions, command and date (LABSUPPORT_RESULTS_DIR: elsewhere)")
+    ap.add_argument("--hidden", type=Path, metavar="DIR", help="also run the graded tests in DIR, the instructor's "
+                    "hidden tests (grading/hidden.py)")
     ap.add_argument("--tb", action="store_true", help="show pytest's tracebacks of failing tests")
     ap.add_argument("--record", type=Path, default=Path("grade_record.json"), metavar="FILE",
                     help="grading one implementation: measure the GPU performance targets this machine can and "
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from grading import impl as impl_mod
 
     impls = impl_mod.expand(a.impl or os.environ.get("IMPL") or "assignments")
-    data = grade(impls, a.keys, ["--tb=short"] if a.tb else [])
+    data = grade(impls, a.keys, ["--tb=short"] if a.tb else [], hidden=a.hidden)
     if a.json:
         a.json.write_text(json.dumps(data, indent=1))
     command = "python -m grading " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -80,7 +80,7 @@ def _stubs(module: str) -> types.ModuleType:
     full = f"grading.stubs.{module}"
     if full not in sys.modules:
         path = ASSIGNMENTS / f"{module}.py"
-        source = stub_source(path.read_text())
+        source = stub_source(path.read_text(), module)
         mod = types.ModuleType(full, ast.get_docstring(ast.parse(source)))
         mod.__file__ = str(path)
         sys.modules[full] = mod
@@ -100,15 +100,21 @@ def body_start(node: ast.FunctionDef) -> int:
     return first_line(node.body[1]) if len(node.body) > 1 else node.body[0].end_lineno + 1
 
 
-def stub_source(source: str) -> str:
-    """An assignment file with every function's and method's body ``raise NotImplementedError``."""
+def stub_source(source: str, module: str | None = None) -> str:
+    """An assignment file with every function's and method's body ``raise NotImplementedError``; given its
+    ``module`` (``a4_handoff``), the error names the file, the function and the assignment, so that a lab that
+    reaches a function not written yet says which."""
     tree = ast.parse(source)
     funcs = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
                    key=lambda n: -n.lineno)  # bottom up: line numbers above stay valid
     lines = source.splitlines(keepends=True)
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
     for n in funcs:
         if any(n is not m and m.lineno <= n.lineno <= m.end_lineno for m in funcs if m.lineno < n.lineno):
             continue  # nested in a function that is stubbed whole
         indent = " " * n.body[0].col_offset
-        lines[body_start(n) - 1:n.end_lineno] = [f"{indent}raise NotImplementedError\n"]
+        owner = [c.name for c in classes if c.lineno <= n.lineno <= c.end_lineno]
+        name = ".".join(owner[-1:] + [n.name])
+        why = f'("Assignment {module.split("_")[0][1:]} (assignments/{module}.py): {name}")' if module else ""
+        lines[body_start(n) - 1:n.end_lineno] = [f"{indent}raise NotImplementedError{why}\n"]
     return "".join(lines)

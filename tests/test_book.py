@@ -272,9 +272,30 @@ def test_student_config_removes_solutions_and_sources() -> None:
     assert sphinx["hide_solutions"] is True and sphinx["html_copy_source"] is False
     assert sphinx["html_theme_options"]["use_download_button"] is False
     assert "sphinx.ext.viewcode" not in cfg["sphinx"]["extra_extensions"]  # no source: the assignments' solutions
+    assert cfg["html"]["use_repository_button"] is False  # nor a button to the public repository, which has them
     assert cfg["execute"]["execute_notebooks"] == "off"
     base = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert cfg["bibtex_bibfiles"] == base["bibtex_bibfiles"]  # everything else is the instructor config
+
+
+def test_a_class_reads_the_student_edition_which_links_no_reference_code() -> None:
+    """The full edition (the published book, for readers who study alone) links the package's source, where the
+    assignments' references live; the student edition, which book/instructors.md tells a class to read, has no
+    [source] links, and the modules that hold the references are among those the API page documents."""
+    import inspect
+
+    from grading import impl as impls
+    from grading.student_repo import asked
+
+    full, student = se.edition_config(student=False, execute=False), se.edition_config(student=True, execute=False)
+    assert "sphinx.ext.viewcode" in full["sphinx"]["extra_extensions"]
+    assert not [e for e in student["sphinx"]["extra_extensions"] if "viewcode" in e or "linkcode" in e]
+    documented = set(re.findall(r"automodule:: ([\w.]+)", (ROOT / "book" / "api.md").read_text()))
+    homes = {inspect.getmodule(inspect.unwrap(getattr(impls.load("reference", key), name))).__name__
+             for key, module in impls.files().items() for name in asked(module)}
+    assert homes - {"grading.reference"} <= documented, homes - documented  # (what [source] would link)
+    page = (ROOT / "book" / "instructors.md").read_text()
+    assert "A class reads the **student edition**" in page and "`make student`" in page
 
 
 CODE_WIDTH = 100  # characters: at the book's code font, what the page column shows without a scroll bar

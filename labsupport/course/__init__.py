@@ -12,9 +12,11 @@
 - ``sync_timing``, ``ipc_timing``: a sync or an IPC update timed here and now, as Labs 3 and 5 do
 
 and ``implementation(name)``: a core module, or with ``LABSUPPORT_IMPL=assignments`` the learner's assignment
-that replaces it (the labs' one switch to run on a learner's code).
+that replaces it (the labs' one switch to run on a learner's code); ``student_copy_note()``: in a student copy,
+whose cores call the learner's code, which assignments are not written yet.
 """
 
+import ast
 import importlib
 import os
 from pathlib import Path
@@ -38,3 +40,25 @@ def implementation(name: str) -> ModuleType:
                                   "`make setup` (it reinstalls the course, assignments/ included)") from None
     print(f"LABSUPPORT_IMPL=assignments: core.{name} is your assignments/{found[0].name}")
     return module
+
+
+def _stub(node: ast.FunctionDef) -> bool:
+    """Whether a function's body (after its docstring) is only ``raise NotImplementedError``."""
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    if len(body) != 1 or not isinstance(body[0], ast.Raise):
+        return False
+    exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def student_copy_note() -> str | None:
+    """In a student copy (``make student-repo``: the cores call the learner's ``assignments/``), a line saying so
+    and which assignments still hold stubs, for a lab's banner; None in the course's repository."""
+    root = Path(__file__).resolve().parents[2]
+    if not any("# student copy: your Assignment" in p.read_text() for p in (root / "labsupport" / "core").glob("*.py")):
+        return None
+    todo = [p.name for p in sorted((root / "assignments").glob("a[0-9]*_*.py"))
+            if any(isinstance(n, ast.FunctionDef) and _stub(n) for n in ast.walk(ast.parse(p.read_text())))]
+    state = ("not written yet: " + ", ".join(todo) + "; a cell that reaches one stops with NotImplementedError "
+             "naming it") if todo else "all written"
+    return f"Student copy: labsupport's cores run your assignments/ ({state}). make grade checks them."

