@@ -52,8 +52,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
                          wait_for_workers=False)
     except Exception as exc:
         raise _no_store(exc, rank, address, timeout_s) from exc
-    # Arrival: each rank registers once and states the world size it expects.
-    if store.add(f"join/{rank}", 1) > 1:
+    if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank registers once, with the world size it expects
         raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
     store.set(f"world/{rank}", str(world_size))
     try:
@@ -62,10 +61,8 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
         _linger(store, rank, world_size, timeout_s, exc)
         raise
     group = StatelessGroup(store, rank, world_size, device, timeout_s, address)
-    # The backend and one tiny collective (NCCL builds its communicator there, not in the first timed sync), under
-    # the deadline: gloo's connect and NCCL's lazy init wait with none of theirs for a rank that died after arriving.
-    done = _bounded(group._start, timeout_s + 1.0)
-    if not done or _peer_gone(done[0]):
+    # The backend's start under our deadline (gloo's connect, NCCL's lazy init: none of theirs for a rank now dead)
+    if not (done := _bounded(group._start, timeout_s + 1.0)) or _peer_gone(done[0]):
         raise _lost(group, "the group's start", *((done[0], None) if done else (None, timeout_s)))
     if done[0] is not None:
         raise done[0]
@@ -94,13 +91,12 @@ class StatelessGroup:
         return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={str(self.device)!r}, master={self.address})")
 
-    def _start(self) -> None:  # (create_group runs it on a thread, under the deadline)
+    def _start(self) -> None:  # the backend, and one tiny collective: NCCL builds its communicator there
         self.pg = _make_backend(PrefixStore("pg", self.store), self.rank, self.world_size, self.backend, self.timeout_s)
         self.pg._set_sequence_number_for_group()  # as torch does for its groups (flight-recorder bookkeeping)
         self.all_reduce(torch.full((1,), self.rank, dtype=torch.int32, device=self.device), "sum")
         self.synchronize("group warm-up")
 
-    # ------------------------------------------------------------------ tensor collectives (backend)
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from ``src`` (on NCCL ordered after the current stream's work)."""
         self.wait_work(self.broadcast_many([tensor], src), "broadcast")
@@ -137,8 +133,7 @@ class StatelessGroup:
             raise ValueError(f"all_reduce op must be one of ['sum', 'max', 'min'], got {op!r}")
         self._check_args([tensor], "all_reduce")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = getattr(dist.ReduceOp, op.upper())
-        what = f"all_reduce({op})"
+        opts.reduceOp, what = getattr(dist.ReduceOp, op.upper()), f"all_reduce({op})"
         self.wait_work(self._launch([lambda: self.pg.allreduce([tensor], opts)], what), what)
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
@@ -176,8 +171,7 @@ class StatelessGroup:
 
     @contextlib.contextmanager
     def _step(self, what: str, store: bool = False) -> Iterator[None]:
-        """Run backend (or ``store``) calls on the group's device. A peer lost (gloo's timeout, a closed connection,
-        an aborted communicator, any store error) becomes ``GroupTimeout``; other errors are raised as they are."""
+        """Run backend (or ``store``) calls on the group's device; a lost peer (or any store error) -> GroupTimeout."""
         try:
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 yield
@@ -186,7 +180,6 @@ class StatelessGroup:
                 raise
             raise _lost(self, what, exc) from exc
 
-    # ------------------------------------------------------------------ object collectives (store)
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
         self._check_args([], "broadcast_object", src)
@@ -226,7 +219,6 @@ class StatelessGroup:
                     self._obj.delete_key(k)
         return [obj if r == self.rank else pickle.loads(got[r]) for r in writers]
 
-    # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
         """Tear the backend down without waiting for peers (after an error); the group is unusable after."""
         self._close("abort", "shutdown")
@@ -275,24 +267,20 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
             raise GroupError(f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank "
                              f"0 probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
         if wrong := {r: w for r, w in seen.items() if w != world_size}:
-            raise GroupError(
-                f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
-                + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
-                + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
+            raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, "
+                             "but " + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
+                             + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
         if len(seen) == world_size:
             return
         if time.monotonic() > deadline:
-            raise GroupTimeout(
-                f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined group "
-                f"{address} within {timeout_s:.0f} s (world_size={world_size}). Start them with the same "
-                "address/port, or raise timeout_s.")
+            raise GroupTimeout(f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined "
+                               f"group {address} within {timeout_s:.0f} s (world_size={world_size}). Start them with "
+                               "the same address/port, or raise timeout_s.")
         time.sleep(0.02)
 
 
-# ---------------------------------------------------------------------------- failure diagnosis
 def _peer_gone(exc: BaseException | None) -> bool:
-    """A lost peer: the store's or network's own errors, or a backend's plain RuntimeError saying so; never a
-    programming error (ValueError, TypeError, a RuntimeError subclass such as GroupError), whatever its text."""
+    """A lost peer: the store's or network's errors, a backend's plain RuntimeError saying so; never a bug's error."""
     return isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or (
         type(exc) in (RuntimeError, dist.DistBackendError) and bool(_PEER_GONE.search(str(exc))))
 
@@ -339,10 +327,10 @@ def _unresponsive(group: StatelessGroup) -> list[int] | None:
     limit, gone = min(group.timeout_s + 1.0, 8.0), []
 
     def check_in() -> None:
-        group.store.set(f"alive/{group.rank}", "1")
+        (store := group.store).set(f"alive/{group.rank}", "1")
         end = time.monotonic() + limit
         while not gone or gone[-1] and time.monotonic() < end:
-            gone.append([r for r in range(group.world_size) if r != group.rank and not group.store.check([f"alive/{r}"])])
+            gone.append([r for r in range(group.world_size) if r != group.rank and not store.check([f"alive/{r}"])])
             time.sleep(0.05)
     done = _bounded(check_in, limit + 1.0)  # an error: rank 0, the store's host, is gone (ranks found missing stay)
     return gone[-1] if done and (done[0] is None or gone and 0 not in gone[-1]) else None
