@@ -16,10 +16,9 @@ Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape): a ``core.
 
 def problems(found: Iterable[Found], expected: Mapping[str, tuple], *,
              partial: bool = False) -> list[tuple[str, str, Any, Any]]:
-    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what`` is
-    ``"twice"`` (a name sent again), ``"unknown"`` (not in ``expected``), ``"dtype"``, ``"shape"`` (``expected``
-    maps a name to its ``(dtype name, shape)`` or ``Meta``: the last two fields count), or ``"missing"`` (expected,
-    not sent: an update is complete unless the caller says it is ``partial``: a filtered one would mix weights)."""
+    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what``:
+    ``"twice"`` (sent again), ``"unknown"`` (not in ``expected``), ``"dtype"``, ``"shape"`` (``expected`` maps a name
+    to ``(dtype name, shape)`` or a ``Meta``), ``"missing"`` (not sent, unless the caller says ``partial``)."""
     out, seen = [], set()
     for name, dtype, shape in found:
         if name in seen:
@@ -41,8 +40,7 @@ def describe(found: Iterable[Found], expected: Mapping[str, tuple], *, partial: 
     out = []
     for name, what, want, got in problems(found, expected, partial=partial):
         if what in ("twice", "missing"):
-            out.append(f"'{name}': " + ("sent twice" if what == "twice" else "missing from the update (send every "
-                                        "tensor, or say the update is partial: partial=True)"))
+            out.append(f"'{name}': " + ("sent twice" if what == "twice" else "missing (send it, or say partial=True)"))
         elif what == "unknown":
             close = difflib.get_close_matches(name, list(expected), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -75,8 +75,7 @@ class EngineWeights:
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False) -> None:
-        """Raise ``WeightUpdateError`` listing every problem of an update's metadata (a weight missing, unless
-        ``partial``: a subset on purpose); nothing is touched."""
+        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight unless ``partial``); no change."""
         probs, seen = [], {m.name for m in metas}
         found = [(m.name, m.dtype, m.shape) for m in metas]
         for name, what, want, got in metadata.problems(found, self._expected, partial=partial):

@@ -25,8 +25,7 @@ def test_a_missing_name_is_refused_unless_the_update_says_it_is_partial():
     expected = {"a": ("float32", (2,)), "b": ("float32", (2,)), "c": ("float32", (2,))}
     sent = [("a", "float32", (2,)), ("c", "float32", (2,))]
     assert metadata.problems(sent, expected) == [("b", "missing", None, None)]
-    assert metadata.describe(sent, expected) == ["'b': missing from the update (send every tensor, or say the "
-                                                 "update is partial: partial=True)"]
+    assert metadata.describe(sent, expected) == ["'b': missing (send it, or say partial=True)"]
     assert metadata.problems(sent, expected, partial=True) == []
 
 
@@ -40,4 +39,4 @@ def test_describe_names_the_bad_tensor_against_a_receivers_own_tensors():
         "'layer.0.q.wieght': unknown name, expected one of this receiver's 2 tensors (did you mean 'layer.0.q.weight'?)",
         "'layer.0.q.wieght': sent twice", "'layer.0.q.wieght': unknown name, expected one of this receiver's 2 "
         "tensors (did you mean 'layer.0.q.weight'?)", "'norm': sent twice",
-        "'layer.0.q.weight': missing from the update (send every tensor, or say the update is partial: partial=True)"]
+        "'layer.0.q.weight': missing (send it, or say partial=True)"]
