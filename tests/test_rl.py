@@ -205,6 +205,17 @@ def test_engine_update_rejects_bad_weights_and_changes_nothing(policy_dir):
     assert all(p.abs().sum() == 0 for p in eng.params().values())
 
 
+def test_a_reply_waits_longer_than_the_engine_deadlines_it_wraps():
+    """Review 2026-11-28 M7: a 120 s reply wait around a 300 s engine RPC reported a slow receive as a silent peer
+    (and closed the engine) instead of the engine's own EngineTimeout."""
+    import inspect
+
+    from labsupport import vllm_ext
+    from labsupport.rl.engine_process import EngineProcess
+
+    assert inspect.signature(EngineProcess).parameters["timeout_s"].default > vllm_ext.TIMEOUT_S
+
+
 def test_engine_sleep_frees_and_wake_restores(policy_dir):
     eng = engines.HFEngine(policy_dir)
     weights = [(n, p.detach().clone()) for n, p in eng.params().items()]
