@@ -540,8 +540,11 @@ def _review_rank(rank: int, world: int, port: int, device_kind: str, how: str, p
     dev = _rank_device(device_kind, rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if how == "dies_before_backend" and rank == world - 1:
-        groups._make_backend = lambda *a: (mark(path), os._exit(9))
+    if how == "dies_before_backend" and rank == world - 1:  # torch's backend classes replaced: it dies building one
+        dist = torch.distributed
+        for name in [n for n in ("ProcessGroupGloo", "ProcessGroupNCCL") if hasattr(dist, n)]:
+            setattr(dist, name, type(name, (), {"Options": getattr(getattr(dist, name), "Options", None),
+                                                "__new__": lambda *a: (mark(path), os._exit(9))}))
     elif rank == 0:
         mark(path)
     box: list[groups.StatelessGroup] = []
