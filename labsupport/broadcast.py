@@ -1,8 +1,8 @@
 """Weight sync, hardened: ``labsupport.core.sync`` (metadata, buckets in the ``core.buckets`` layout, load, a timed
 closing wait) plus what production needs, each against a failure the core lets through (Lab 3's table):
 
-- handshake and metadata vote: every receiver checks names, dtypes and shapes against its own tensors and all
-  ranks vote before a byte moves (a renamed or transposed tensor loaded as garbage, or on one receiver only);
+- handshake and metadata vote: every receiver checks names, dtypes and shapes (none missing unless ``partial``)
+  and all ranks vote before a byte moves (a renamed, transposed or dropped tensor, or on one receiver only);
   the metadata travels only when some rank lacks it, and a ``Sender``/``Receiver`` keep it (a round trip a step);
 - grouped launches: a bucket leaves as one launch from the trainer's tensors, only small ones packed (copies
   competing with NCCL for memory bandwidth);
@@ -116,7 +116,7 @@ class _Side:
     """One side of a run of updates, and what it keeps from one to the next: the last plan, two staging buffers."""
 
     def __init__(self, group: StatelessGroup, src: int, timeout_s: float | None) -> None:
-        self.group, self.src, self.timeout_s = group, src, timeout_s
+        self.group, self.src, self.timeout_s, self.expected = group, src, timeout_s, None
         self.agreed: tuple[int, list[Meta]] | None = None  # (key, metas) of the layout every rank accepted last
         self.plan: tuple[tuple, list[Bucket], Any] | None = None  # ((key, mode, bucket size), plan, landing)
         self.buffers: list[torch.Tensor] = []  # two staging buffers, grown to the largest bucket that needs one
@@ -133,13 +133,13 @@ class _Side:
         vals = torch.tensor((header or [NONE] * 4) + [key, -key], dtype=torch.int64)
         if self.group.backend == "nccl":
             vals = vals.pin_memory().to(self.group.device, non_blocking=True)
-        version, mode, bucket_bytes, verify, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
-                                                                          self.timeout_s)
+        version, mode, bucket_bytes, flags, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
+                                                                         self.timeout_s)
         if top != -neg:  # some rank lacks this layout: the trainer sends it, every receiver checks it, all vote
             self.agreed = None
             with guard(self.group, "the handshake"):
                 key, metas = self.group.broadcast_object((key, metas) if header else None, self.src)
-            _vote(self.group, "the metadata vote", version, [] if header else self._problems(metas), self.timeout_s)
+            _vote(self.group, "the metadata vote", version, self._problems(metas, flags & 2), self.timeout_s)
         self.agreed, t_hand = (key, metas), time.perf_counter() - t0
         if self.plan is None or self.plan[0] != (key, mode, bucket_bytes):
             plan = plan_buckets(metas, bucket_bytes, MODES[mode])
@@ -147,13 +147,16 @@ class _Side:
         _, plan, land = self.plan
         checksums.load_kernels(self.group.device, {m.dtype for m in metas})  # (launched while broadcasts may spin)
         with torch.no_grad(), guard(self.group, "the transfer"):
-            sums, errors = self._transfer(plan, land, bool(verify), payload)
+            sums, errors = self._transfer(plan, land, bool(flags & 1), payload)
         _vote(self.group, "the verification vote", version, errors, self.timeout_s, sums, plan, self.src)
         with torch.no_grad():  # (a staged receiver's update goes in only now)
             _vote(self.group, "the load vote", version, [] if header else self._commit(land), self.timeout_s)
         launches = sum(1 if b.packed or self.group.backend == "nccl" else len(b.entries) for b in plan)
         return SyncStats(sum(buckets.nbytes(m) for m in metas), time.perf_counter() - t0, launches, MODES[mode],
-                         bucket_bytes, len(metas), version, t_hand, bool(verify))
+                         bucket_bytes, len(metas), version, t_hand, bool(flags & 1))
+
+    def _problems(self, metas: list[Meta], partial: int) -> list[str]:  # (the sender's expected is None)
+        return metadata.describe(metas, self.expected, partial=bool(partial)) if self.expected is not None else []
 
     def _staging(self, nbytes: int) -> list[torch.Tensor]:
         if nbytes and (not self.buffers or self.buffers[0].numel() < nbytes):
@@ -175,21 +178,21 @@ class Sender(_Side):
         self.mode, self.bucket_bytes, self.verify = mode, bucket_bytes, verify
         self.layout: tuple[list, list[Meta], int] | None = None  # (signature, metas, key) of the tensors sent last
 
-    def send(self, named_tensors: NamedTensors, *, version: int = 0) -> SyncStats:
+    def send(self, named_tensors: NamedTensors, *, version: int = 0, partial: bool = False) -> SyncStats:
         """Broadcast named tensors to every other rank; returns once every receiver has loaded them. Raises
-        ``WeightSyncError`` on rejected metadata (nothing loaded anywhere), a checksum mismatch or a failed ``load``;
-        ``SyncTimeout`` if a peer stops answering within the deadline."""
+        ``WeightSyncError`` on rejected metadata (nothing loaded anywhere; a tensor a receiver expects is missing
+        unless ``partial``), a checksum mismatch or a failed ``load``; ``SyncTimeout`` if a peer stops answering."""
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        sig = [(n, t.dtype, t.shape, t.device) for n, t in items]
+        sig = [(n, t.dtype, t.shape, t.device) for n, t in items] + [partial]  # (partial: in the key, voted again)
         if self.layout is None or self.layout[0] != sig:  # (the metadata and its key, made again on a change)
             dev, name = self.group.device, next((n for n, t in items if t.device != self.group.device), None)
             if name is not None:  # (refused here: in the transfer, the receivers would wait for it in vain)
                 raise WeightSyncError(f"tensor '{name}' is on {dict(items)[name].device}, but this group sends from "
                                       f"{dev}; move the model to {dev} first.")
             metas = buckets.metas(items)
-            digest = hashlib.sha256(repr(metas).encode()).digest()
+            digest = hashlib.sha256(repr((metas, partial)).encode()).digest()
             self.layout = (sig, metas, int.from_bytes(digest[:8], "little") >> 2 | 1)  # (never 0: "no layout")
-        header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify)]
+        header = [version, MODES.index(self.mode), self.bucket_bytes, int(self.verify) | 2 * partial]  # flags
         return self._update(header, self.layout[2], self.layout[1], dict(items))
 
     def _transfer(self, plan: list[Bucket], _: Any, verify: bool, tensors: Mapping[str, torch.Tensor]) -> tuple:
@@ -232,9 +235,6 @@ class Receiver(_Side):
     def receive(self) -> SyncStats:
         """Receive one update (voting on its metadata if not accepted yet); raises as ``Sender.send``, on every rank."""
         return self._update(None, *(self.agreed or (0, None)), None)
-
-    def _problems(self, metas: list[Meta]) -> list[str]:
-        return metadata.describe(metas, self.expected) if self.expected is not None else []
 
     def _landing(self, plan: list[Bucket]) -> list[list[torch.Tensor | None]]:
         """Per bucket, the tensor of ``into`` each entry lands in where it can (None: it goes to ``load``)."""
@@ -295,11 +295,11 @@ class Receiver(_Side):
 
 
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",
-         bucket_bytes: int = 256 << 20, version: int = 0, verify: bool = True,
-         timeout_s: float | None = None) -> SyncStats:
+         bucket_bytes: int = 256 << 20, version: int = 0, verify: bool = True, timeout_s: float | None = None,
+         partial: bool = False) -> SyncStats:
     """One update from a one-shot ``Sender``: the metadata goes again, and the buffers go with it."""
     return Sender(group, src=src, mode=mode, bucket_bytes=bucket_bytes, verify=verify,
-                  timeout_s=timeout_s).send(named_tensors, version=version)
+                  timeout_s=timeout_s).send(named_tensors, version=version, partial=partial)
 
 
 def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Meta] | None,
@@ -314,7 +314,7 @@ def receive(group: StatelessGroup, *, src: int = 0, expected: Mapping[str, Meta]
 # ---------------------------------------------------------------------------- handshake and votes
 _VERDICTS = {  # what a failed vote says: its heading, and what the caller should do
     "the metadata vote": ("rejected before any weight changed", "Nothing was loaded on any receiver. Fix the "
-                          "names/dtypes/shapes (or the receiver's expected metadata) and send again."),
+                          "names/dtypes/shapes (or expected; partial=True for a subset on purpose), send again."),
     "the verification vote": ("failed on a receiver", "Staged receivers changed nothing: send again."),
     "the load vote": ("failed to load on a receiver", "The others hold it, that one what its load left: send again."),
 }

@@ -3,7 +3,8 @@
 Trainers own a default process group and vLLM builds its own; the weight-sync group must coexist with both. So a
 TCPStore does the rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it,
 as vLLM's ``stateless_init_torch_distributed_process_group`` does. Every wait has a deadline: the store's waits and
-gloo's collectives time out themselves, NCCL's at ``synchronize()``. A failure names the rank that went missing.
+gloo's collectives time out themselves, NCCL's at ``synchronize()``, the backend's start on a thread. A failure
+names the rank that went missing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
+_ENV_LOCK = threading.Lock()  # (around the NCCL constructor's environment, see _make_backend)
+_PEER_GONE = re.compile(r"\babort|remote process exited|network error|system error|Broken pipe|"  # (_peer_gone)
+                        r"Connection (reset|closed|refused)|closed by peer|timed? ?out|timeout", re.I)
+
 
 class GroupError(RuntimeError):
     """The group could not be formed or used (port in use, world sizes disagree, duplicate rank, ...)."""
@@ -39,17 +44,15 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
     device = torch.device(device if device is not None else "cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":  # (never torch.cuda.set_device: the caller's current device stays as it was)
-        device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index is None:  # (no torch.cuda.set_device: the caller's current one stays)
+        device = torch.device("cuda", torch.cuda.current_device())
     address = f"{master_address}:{master_port}"
     try:
         store = TCPStore(master_address, master_port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
     except Exception as exc:
         raise _no_store(exc, rank, address, timeout_s) from exc
-    # Arrival: each rank registers once and states the world size it expects.
-    if store.add(f"join/{rank}", 1) > 1:
+    if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank registers once, with the world size it expects
         raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct rank.")
     store.set(f"world/{rank}", str(world_size))
     try:
@@ -57,12 +60,12 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     except GroupError as exc:
         _linger(store, rank, world_size, timeout_s, exc)
         raise
-    pg = _make_backend(PrefixStore("pg", store), rank, world_size, backend, timeout_s)
-    pg._set_sequence_number_for_group()  # as torch does for its own groups (debug/flight-recorder bookkeeping)
-    group = StatelessGroup(store, pg, rank, world_size, backend, device, timeout_s, address)
-    # One tiny collective now: NCCL builds its communicator here rather than inside the first timed sync.
-    group.all_reduce(torch.full((1,), rank, dtype=torch.int32, device=device), "sum")
-    group.synchronize("group warm-up")
+    group = StatelessGroup(store, rank, world_size, device, timeout_s, address)
+    # The backend's start under our deadline (gloo's connect, NCCL's lazy init: none of theirs for a rank now dead)
+    if not (done := _bounded(group._start, timeout_s + 1.0)) or _peer_gone(done[0]):
+        raise _lost(group, "the group's start", *((done[0], None) if done else (None, timeout_s)))
+    if done[0] is not None:
+        raise done[0]
     return group
 
 
@@ -76,10 +79,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class StatelessGroup:
     """Trainer + receivers: tensor collectives on the backend, small Python objects through rank 0's TCPStore."""
 
-    def __init__(self, store: TCPStore, pg: Any, rank: int, world_size: int, backend: str, device: torch.device,
-                 timeout_s: float, address: str) -> None:
-        self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
-        self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address  # "host:port"
+    def __init__(self, store: TCPStore, rank: int, world_size: int, device: torch.device, timeout_s: float,
+                 address: str) -> None:
+        self.store, self.pg, self.rank, self.world_size = store, None, rank, world_size  # pg: made by _start
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.device, self.timeout_s, self.address = device, timeout_s, address  # address: "host:port"
         self._obj = PrefixStore("obj", store)  # object collectives' keys (the last reader of each deletes it)
         self._seq, self.closed = 0, False  # closed: destroyed, or aborted after a lost peer (collectives then raise)
 
@@ -87,11 +91,15 @@ class StatelessGroup:
         return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={str(self.device)!r}, master={self.address})")
 
-    # ------------------------------------------------------------------ tensor collectives (backend)
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
-        """Broadcast ``tensor`` in place from ``src``, on NCCL ordered after ``stream`` (default: the current one)."""
-        with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
-            self.wait_work(self.broadcast_many([tensor], src), "broadcast")
+    def _start(self) -> None:  # the backend, and one tiny collective: NCCL builds its communicator there
+        self.pg = _make_backend(PrefixStore("pg", self.store), self.rank, self.world_size, self.backend, self.timeout_s)
+        self.pg._set_sequence_number_for_group()  # as torch does for its groups (flight-recorder bookkeeping)
+        self.all_reduce(torch.full((1,), self.rank, dtype=torch.int32, device=self.device), "sum")
+        self.synchronize("group warm-up")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast ``tensor`` in place from ``src`` (on NCCL ordered after the current stream's work)."""
+        self.wait_work(self.broadcast_many([tensor], src), "broadcast")
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
         """Start one launch (an NCCL group) broadcasting tensors from ``src``; returns what ``wait_work`` takes."""
@@ -106,12 +114,13 @@ class StatelessGroup:
         for kind, t, peer, _ in ops:
             self._check_args([t], kind, peer)
         return self._launch([lambda k=k, t=t, p=p, g=g: (self.pg.send if k == "send" else self.pg.recv)([t], p, g)
-                             for k, t, p, g in ops], "send/recv")
+                             for k, t, p, g in ops], "send/recv", p2p=True)
 
-    def _launch(self, calls: list[Callable[[], Any]], what: str) -> Any:
-        """Start the backend calls as one launch: an NCCL group (gloo cannot group: a Work per call)."""
+    def _launch(self, calls: list[Callable[[], Any]], what: str, p2p: bool = False) -> Any:
+        """Start the backend calls as one launch: an NCCL group (gloo cannot group: a Work per call); ``p2p`` even
+        alone (torch gives a lone send/recv a 2-rank communicator, a peer's grouped ones the group's: both hang)."""
         with self._step(what):
-            if self.backend != "nccl" or len(calls) <= 1:
+            if self.backend != "nccl" or (len(calls) <= 1 and not p2p):
                 return [c() for c in calls]
             self.pg._start_coalescing()
             for c in calls:
@@ -124,10 +133,8 @@ class StatelessGroup:
             raise ValueError(f"all_reduce op must be one of ['sum', 'max', 'min'], got {op!r}")
         self._check_args([tensor], "all_reduce")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = getattr(dist.ReduceOp, op.upper())
-        with self._step(f"all_reduce({op})"):
-            work = self.pg.allreduce([tensor], opts)
-        self.wait_work(work, f"all_reduce({op})")
+        opts.reduceOp, what = getattr(dist.ReduceOp, op.upper()), f"all_reduce({op})"
+        self.wait_work(self._launch([lambda: self.pg.allreduce([tensor], opts)], what), what)
 
     def wait_work(self, work: Any, what: str = "collective") -> None:
         """Wait for a Work (or a list): on NCCL the current stream waits, on gloo the host (with a timeout)."""
@@ -140,10 +147,8 @@ class StatelessGroup:
         NCCL kernels waiting on a dead peer spin forever: poll an event, abort, raise ``GroupTimeout`` (or if NCCL did)."""
         if self.backend != "nccl":
             return  # (on gloo every collective has already waited on the host)
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))  # this group's device, whatever the current one is
-        start = time.monotonic()
+        limit, start = (self.timeout_s if timeout_s is None else timeout_s), time.monotonic()
+        (event := torch.cuda.Event()).record(torch.cuda.current_stream(self.device))  # the group's device's stream
         while not event.query():
             now = time.monotonic()
             if now - start > 0.5:  # spin first (accurate timings), then poll gently
@@ -166,17 +171,15 @@ class StatelessGroup:
 
     @contextlib.contextmanager
     def _step(self, what: str, store: bool = False) -> Iterator[None]:
-        """Run backend (or ``store``) calls on the group's device. A peer lost (gloo's timeout, a closed connection,
-        an aborted communicator, any store error) becomes ``GroupTimeout``; other errors are raised as they are."""
+        """Run backend (or ``store``) calls on the group's device; a lost peer (or any store error) -> GroupTimeout."""
         try:
-            with torch.cuda.device(self.device) if self.backend == "nccl" else contextlib.nullcontext():
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 yield
         except Exception as exc:
-            if not (store or isinstance(exc, dist.DistNetworkError) or _PEER_GONE.search(str(exc))):
+            if not (store or _peer_gone(exc)):
                 raise
             raise _lost(self, what, exc) from exc
 
-    # ------------------------------------------------------------------ object collectives (store)
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
         self._check_args([], "broadcast_object", src)
@@ -216,7 +219,6 @@ class StatelessGroup:
                     self._obj.delete_key(k)
         return [obj if r == self.rank else pickle.loads(got[r]) for r in writers]
 
-    # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
         """Tear the backend down without waiting for peers (after an error); the group is unusable after."""
         self._close("abort", "shutdown")
@@ -234,9 +236,6 @@ class StatelessGroup:
                 getattr(self.pg, way)()
                 break
         self.closed = True
-
-
-_ENV_LOCK = threading.Lock()
 
 
 def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
@@ -267,26 +266,23 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
         except Exception as exc:
             raise GroupError(f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank "
                              f"0 probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
-        wrong = {r: w for r, w in seen.items() if w != world_size}
-        if wrong:
-            raise GroupError(
-                f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
-                + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
-                + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
+        if wrong := {r: w for r, w in seen.items() if w != world_size}:
+            raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, "
+                             "but " + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
+                             + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
         if len(seen) == world_size:
             return
         if time.monotonic() > deadline:
-            raise GroupTimeout(
-                f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined group "
-                f"{address} within {timeout_s:.0f} s (world_size={world_size}). Start them with the same "
-                "address/port, or raise timeout_s.")
+            raise GroupTimeout(f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined "
+                               f"group {address} within {timeout_s:.0f} s (world_size={world_size}). Start them with "
+                               "the same address/port, or raise timeout_s.")
         time.sleep(0.02)
 
 
-# ---------------------------------------------------------------------------- failure diagnosis
-# What a backend says when a peer died or stopped answering; anything else is a programming error, raised as is.
-_PEER_GONE = re.compile(r"abort|remote process exited|network error|system error|Broken pipe|"
-                        r"Connection (reset|closed|refused)|closed by peer|timed? ?out|timeout", re.I)
+def _peer_gone(exc: BaseException | None) -> bool:
+    """A lost peer: the store's or network's errors, a backend's plain RuntimeError saying so; never a bug's error."""
+    return isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or (
+        type(exc) in (RuntimeError, dist.DistBackendError) and bool(_PEER_GONE.search(str(exc))))
 
 
 def _no_store(exc: Exception, rank: int, address: str, timeout_s: float) -> GroupError:
@@ -318,12 +314,9 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
     cause = f"did not finish within {waited_s:.0f} s" if waited_s is not None else (
         f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else "failed")
     gone = _unresponsive(group)
-    if gone is None:
-        who = "rank 0 vanished or stopped (it hosts the group's store, which no longer answers)"
-    elif gone:
-        who = f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)"
-    else:
-        who = "every peer still answers, so one of them probably called a different collective"
+    who = ("rank 0 vanished or stopped (it hosts the group's store, which no longer answers)" if gone is None else
+           f"rank(s) {gone} did not answer a liveness check through the store (dead or hung)" if gone else
+           "every peer still answers, so one of them probably called a different collective")
     return GroupTimeout(f"rank {group.rank}: {what} on group {group.address} {cause}: {who}. "
                         "The group was aborted; check those ranks' logs, then create a new group.")
 
@@ -331,20 +324,27 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
 def _unresponsive(group: StatelessGroup) -> list[int] | None:
     """Ranks that do not check in through the store within timeout + 1 s (at most 8 s: the error comes within the
     deadline + 10 s); None: rank 0 is gone or stopped (its store may never answer: the check runs on a thread)."""
-    limit, found = min(group.timeout_s + 1.0, 8.0), []
-    (check := threading.Thread(target=lambda: found.append(_check_in(group, limit)), daemon=True)).start()
-    check.join(limit + 1.0)
-    return found[0] if found else None
+    limit, gone = min(group.timeout_s + 1.0, 8.0), []
 
-
-def _check_in(group: StatelessGroup, limit: float) -> list[int] | None:
-    gone, deadline = None, time.monotonic() + limit
-    try:
-        group.store.set(f"alive/{group.rank}", "1")
-        while True:
-            gone = [r for r in range(group.world_size) if r != group.rank and not group.store.check([f"alive/{r}"])]
-            if not gone or time.monotonic() > deadline:
-                return gone
+    def check_in() -> None:
+        (store := group.store).set(f"alive/{group.rank}", "1")
+        end = time.monotonic() + limit
+        while not gone or gone[-1] and time.monotonic() < end:
+            gone.append([r for r in range(group.world_size) if r != group.rank and not store.check([f"alive/{r}"])])
             time.sleep(0.05)
-    except Exception:  # the store's host (rank 0) is gone, now or from the start (ranks found missing before stay)
-        return gone if gone is not None and 0 not in gone else None
+    done = _bounded(check_in, limit + 1.0)  # an error: rank 0, the store's host, is gone (ranks found missing stay)
+    return gone[-1] if done and (done[0] is None or gone and 0 not in gone[-1]) else None
+
+
+def _bounded(fn: Callable[[], Any], limit: float) -> list[Any]:
+    """``fn()`` on a daemon thread for at most ``limit`` s: ``[what it returned or raised]``, ``[]``: still running."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # (handed to the caller's thread)
+            out.append(exc)
+    (thread := threading.Thread(target=run, daemon=True)).start()
+    thread.join(limit)
+    return out

@@ -14,10 +14,11 @@ from typing import Any, Iterable, Mapping
 Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape): a ``core.buckets.Meta`` or a plain tuple
 
 
-def problems(found: Iterable[Found], expected: Mapping[str, tuple]) -> list[tuple[str, str, Any, Any]]:
-    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what`` is
-    ``"twice"`` (a name sent again), ``"unknown"`` (not in ``expected``), ``"dtype"`` or ``"shape"``
-    (``expected`` maps a name to its ``(dtype name, shape)``, or to its ``Meta``: the last two fields count)."""
+def problems(found: Iterable[Found], expected: Mapping[str, tuple], *,
+             partial: bool = False) -> list[tuple[str, str, Any, Any]]:
+    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what``:
+    ``"twice"`` (sent again), ``"unknown"`` (not in ``expected``), ``"dtype"``, ``"shape"`` (``expected`` maps a name
+    to ``(dtype name, shape)`` or a ``Meta``), ``"missing"`` (not sent, unless the caller says ``partial``)."""
     out, seen = [], set()
     for name, dtype, shape in found:
         if name in seen:
@@ -31,15 +32,15 @@ def problems(found: Iterable[Found], expected: Mapping[str, tuple]) -> list[tupl
             out.append((name, "dtype", e_dtype, dtype))
         elif tuple(shape) != tuple(e_shape):
             out.append((name, "shape", tuple(e_shape), tuple(shape)))
-    return out
+    return out + ([] if partial else [(n, "missing", None, None) for n in expected if n not in seen])
 
 
-def describe(found: Iterable[Found], expected: Mapping[str, tuple]) -> list[str]:
+def describe(found: Iterable[Found], expected: Mapping[str, tuple], *, partial: bool = False) -> list[str]:
     """``problems`` as one line each, for a reader who holds the ``expected`` tensors (empty list: accept)."""
     out = []
-    for name, what, want, got in problems(found, expected):
-        if what == "twice":
-            out.append(f"'{name}': sent twice")
+    for name, what, want, got in problems(found, expected, partial=partial):
+        if what in ("twice", "missing"):
+            out.append(f"'{name}': " + ("sent twice" if what == "twice" else "missing (send it, or say partial=True)"))
         elif what == "unknown":
             close = difflib.get_close_matches(name, list(expected), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""

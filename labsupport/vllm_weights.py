@@ -74,12 +74,13 @@ class EngineWeights:
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
-    def check(self, metas: Sequence[Meta], *, whole_layers: bool = True) -> None:
-        """Raise ``WeightUpdateError`` listing every problem of an update's metadata; nothing is touched."""
+    def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False) -> None:
+        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight unless ``partial``); no change."""
         probs, seen = [], {m.name for m in metas}
-        for name, what, want, got in metadata.problems([(m.name, m.dtype, m.shape) for m in metas], self._expected):
-            if what == "twice":
-                probs.append(f"'{name}': sent twice")
+        found = [(m.name, m.dtype, m.shape) for m in metas]
+        for name, what, want, got in metadata.problems(found, self._expected, partial=partial):
+            if what in ("twice", "missing"):
+                probs.append(f"'{name}': " + ("sent twice" if what == "twice" else "missing from the update"))
             elif what == "unknown":
                 close = difflib.get_close_matches(name, list(self.expected), n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -99,7 +100,7 @@ class EngineWeights:
             raise WeightUpdateError(
                 f"weight update refused, no weight was changed:\n  {shown}\n"
                 "Send the trainer's model.named_parameters() (HF names, full unsharded shapes) in the engine's "
-                "dtype, and every tensor of a layer in the same update.")
+                "dtype, and every tensor of a layer in the same update (all layers, unless it is partial=True).")
 
     def loader(self, names: Sequence[str], dtype_names: Sequence[str],
                shapes: Sequence[Sequence[int]]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:

@@ -572,3 +572,36 @@ def _large_state(rank: int, world_size: int, port: int) -> dict:
         st = B.receive(g, expected=B.expected_from(model), load=sync.copy_into(model))
     torch.cuda.synchronize()
     return {"sums": checksums.tensor_checksums(model), "n_tensors": st.n_tensors}
+
+
+def _partial(rank: int, world_size: int, port: int) -> dict:
+    g = create_group("127.0.0.1", port, rank, world_size, timeout_s=30)
+    model, new = _model(0, "cpu"), _model(7, "cpu")
+    subset = {k: v for k, v in new.items() if k != "head.weight"}  # a filtered state dict: one tensor dropped
+    before, out = {k: _sha(v) for k, v in model.items()}, {}
+    for partial in (False, True):
+        try:
+            if rank == 0:
+                B.send(g, subset, partial=partial)
+            else:
+                B.receive(g, expected=B.expected_from(model), load=sync.copy_into(model))
+            out[partial] = None
+        except B.WeightSyncError as exc:
+            out[partial] = str(exc)
+        out[f"sums {partial}"] = {k: _sha(v) for k, v in model.items()}
+    g.destroy()
+    return {**out, "before": before, "new": {k: _sha(v) for k, v in new.items()}}
+
+
+@pytest.mark.timeout(90)
+def test_a_missing_tensor_is_refused_unless_the_sender_says_partial():
+    """Review 2026-11-28 M4: a filtered state dict is refused on every rank before a byte moves (the receivers
+    keep their old weights whole); said to be partial, it lands, and the dropped tensor keeps its old value."""
+    res = run_ranks(_partial, 2, (free_port(),), timeout_s=60)
+    for ok, out in res:
+        assert ok, out
+        assert "'head.weight': missing (send it" in out[False] and "rejected before" in out[False], out
+        assert out[True] is None, out
+    recv = res[1][1]
+    assert recv["sums False"] == recv["before"]
+    assert recv["sums True"] == {**recv["new"], "head.weight": recv["before"]["head.weight"]}

@@ -322,3 +322,141 @@ def test_nccl_error_mode_is_set_for_the_constructor_only_even_from_threads(monke
         t.join()
     assert seen == ["2"] * 4
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+# ---------------------------------------------------------------------------- review 2026-11-28: H1, H2, L4
+
+class _RecordingBackend:
+    """Stands in for ProcessGroupNCCL (which needs GPUs): records what a launch calls, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def _start_coalescing(self) -> None:
+        self.calls.append("start")
+
+    def _end_coalescing(self) -> str:
+        self.calls.append("end")
+        return "grouped work"
+
+    def send(self, tensors, peer, tag):
+        self.calls.append(("send", peer, tag))
+        return "work"
+
+    def recv(self, tensors, peer, tag):
+        self.calls.append(("recv", peer, tag))
+        return "work"
+
+    def broadcast(self, tensors, opts):
+        self.calls.append(("broadcast", opts.rootRank))
+        return "work"
+
+
+def _nccl_path(world_size: int = 3):
+    from labsupport import groups
+
+    g = groups.StatelessGroup(torch.distributed.HashStore(), 0, world_size, torch.device("cpu"), 1.0, "local")
+    g.backend, g.pg = "nccl", _RecordingBackend()  # the NCCL code path, on CPU tensors
+    return g
+
+
+def test_nccl_groups_even_a_single_send_or_recv():
+    """H1: a lone send/recv must be grouped too. Torch gives an ungrouped point-to-point op a 2-rank communicator of
+    its own while its peer's grouped ops use the group's: all ranks waited for ever (4xH200, 3 ranks)."""
+    g = _nccl_path()
+    assert g.exchange([("send", torch.zeros(2), 1, 0)]) == "grouped work"
+    assert g.pg.calls == ["start", ("send", 1, 0), "end"]
+    g.pg.calls.clear()
+    assert g.exchange([("recv", torch.zeros(2), 1, 0), ("recv", torch.zeros(2), 2, 0)]) == "grouped work"
+    assert g.pg.calls == ["start", ("recv", 1, 0), ("recv", 2, 0), "end"]
+    g.pg.calls.clear()
+    assert g.broadcast_many([torch.zeros(2)], src=0) == ["work"]  # a lone collective uses the group's communicator
+    assert g.pg.calls == [("broadcast", 0)]
+
+
+def _asymmetric_p2p(rank: int, world_size: int, port: int, kind: str) -> list:
+    """Rank 0 receives from ranks 1 and 2 (two ops in its launch); ranks 1 and 2 send one tensor each (one op)."""
+    dev = _device(kind, rank)
+    if kind == "cuda":
+        torch.cuda.set_device(rank)
+    g = create_group("127.0.0.1", port, rank, world_size, device=dev, timeout_s=20)
+    if rank == 0:
+        got = [torch.zeros(1 << 16, device=dev) for _ in range(2)]
+        g.wait_work(g.exchange([("recv", got[0], 1, 0), ("recv", got[1], 2, 0)]), "recv")
+    else:
+        got = [torch.full((1 << 16,), float(rank), device=dev)]
+        g.wait_work(g.exchange([("send", got[0], 0, 0)]), "send")
+    g.synchronize("p2p")
+    out = [float(t.sum()) for t in got]
+    g.destroy()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_asymmetric_p2p_batch_on_gloo():
+    res = run_ranks(_asymmetric_p2p, 3, (free_port(), "cpu"), timeout_s=60)
+    assert res == [(True, [float(1 << 16), float(2 << 16)]), (True, [float(1 << 16)]), (True, [float(2 << 16)])]
+
+
+@pytest.mark.gpu(3)
+@pytest.mark.timeout(120)
+def test_nccl_asymmetric_p2p_batch_finishes():
+    """H1 on NCCL: one rank's launch holds two receives, its peers' one send each; it hung before (alive at 75 s)."""
+    t0 = time.monotonic()
+    res = run_ranks(_asymmetric_p2p, 3, (free_port(), "cuda"), timeout_s=60)
+    assert res == [(True, [float(1 << 16), float(2 << 16)]), (True, [float(1 << 16)]), (True, [float(2 << 16)])]
+    assert time.monotonic() - t0 < 60
+
+
+def _dies_before_backend(rank: int, world_size: int, port: int, kind: str) -> dict:
+    """The last rank arrives at the store, then dies before its backend starts (a bad device, an OOM, ...)."""
+    from labsupport import groups
+
+    if rank == world_size - 1:
+        groups._make_backend = lambda *a: os._exit(3)
+    t0 = time.monotonic()
+    try:
+        create_group("127.0.0.1", port, rank, world_size, device=_device(kind, rank), timeout_s=3).destroy()
+        return {"error": None, "s": time.monotonic() - t0}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
+
+
+def _check_dies_before_backend(res: list, world_size: int, limit_s: float) -> None:
+    for ok, out in res[:-1]:
+        assert ok and out["error"] == "GroupTimeout", out
+        assert f"rank(s) [{world_size - 1}] did not answer" in out["message"], out
+        assert out["s"] < limit_s, out
+    assert res[-1] == (False, ("Died", f"rank {world_size - 1} exited with code 3", ""))
+
+
+@pytest.mark.timeout(90)
+def test_rank_dying_between_store_and_backend_is_named_in_time():
+    """H2: a rank that arrived and died before the backend started: the others raise GroupTimeout naming it within
+    the deadline + 10 s (gloo's connect raised a bare DistStoreError; NCCL's lazy init waited for ever)."""
+    _check_dies_before_backend(run_ranks(_dies_before_backend, 3, (free_port(), "cpu"), timeout_s=60), 3, 13)
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.timeout(120)
+def test_nccl_rank_dying_between_store_and_backend_is_named_in_time():
+    _check_dies_before_backend(run_ranks(_dies_before_backend, 2, (free_port(), "cuda"), timeout_s=90), 2, 13)
+
+
+def test_only_a_lost_peer_aborts_the_group_not_a_programming_error_that_says_timeout():
+    """L4: the text of an error decides only for the backend's own (plain RuntimeError, DistError) errors."""
+    def raised(exc: Exception) -> Exception:
+        g = _nccl_path()
+        try:
+            with g._step("a step"):
+                raise exc
+        except Exception as got:
+            return got, g.closed
+
+    for programming in (ValueError("timeout must be positive"), TypeError("abort() takes no arguments"),
+                        NotImplementedError("timed out waiting: not implemented")):
+        assert raised(programming) == (programming, False)
+    for lost in (RuntimeError("Connection closed by peer [127.0.0.1]:1234"),
+                 torch.distributed.DistStoreError("wait timeout after 3000ms")):
+        got, closed = raised(lost)
+        assert isinstance(got, GroupTimeout) and closed and "a step" in str(got), got

@@ -16,7 +16,17 @@ def test_problems_names_each_mismatch_in_order():
         ("x", "unknown", None, None),
         ("a", "twice", None, None),  # sent again, this time right
     ]
-    assert metadata.problems([("a", "float32", [2, 3]), ("c", "int64", ())], expected) == []  # a subset is fine
+    subset = [("a", "float32", [2, 3]), ("c", "int64", ())]
+    assert metadata.problems(subset, expected, partial=True) == []  # a subset, said to be one, is fine
+
+
+def test_a_missing_name_is_refused_unless_the_update_says_it_is_partial():
+    """Review 2026-11-28 M4: a filtered state dict (a layer dropped) must not load as if whole."""
+    expected = {"a": ("float32", (2,)), "b": ("float32", (2,)), "c": ("float32", (2,))}
+    sent = [("a", "float32", (2,)), ("c", "float32", (2,))]
+    assert metadata.problems(sent, expected) == [("b", "missing", None, None)]
+    assert metadata.describe(sent, expected) == ["'b': missing (send it, or say partial=True)"]
+    assert metadata.problems(sent, expected, partial=True) == []
 
 
 def test_describe_names_the_bad_tensor_against_a_receivers_own_tensors():
@@ -28,4 +38,5 @@ def test_describe_names_the_bad_tensor_against_a_receivers_own_tensors():
     assert metadata.describe(renamed, exp) == [
         "'layer.0.q.wieght': unknown name, expected one of this receiver's 2 tensors (did you mean 'layer.0.q.weight'?)",
         "'layer.0.q.wieght': sent twice", "'layer.0.q.wieght': unknown name, expected one of this receiver's 2 "
-        "tensors (did you mean 'layer.0.q.weight'?)", "'norm': sent twice"]
+        "tensors (did you mean 'layer.0.q.weight'?)", "'norm': sent twice",
+        "'layer.0.q.weight': missing (send it, or say partial=True)"]

@@ -196,8 +196,24 @@ def test_engine_update_rejects_bad_weights_and_changes_nothing(policy_dir):
     assert all(torch.equal(p, before[n]) for n, p in eng.params().items())
     with pytest.raises(KeyError, match="no parameter"):
         eng.update_weights([("model.nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match=rf"'{good[-1][0]}': missing .*nothing was written"):
+        eng.update_weights(good[:-1])  # review 2026-11-28 M4: a filtered state dict is refused, not half-loaded
+    assert all(torch.equal(p, before[n]) for n, p in eng.params().items())
+    eng.update_weights(good[:1], partial=True)  # a subset on purpose
+    assert eng.params()[good[0][0]].abs().sum() == 0 and torch.equal(eng.params()[good[1][0]], before[good[1][0]])
     eng.update_weights(good)
     assert all(p.abs().sum() == 0 for p in eng.params().values())
+
+
+def test_a_reply_waits_longer_than_the_engine_deadlines_it_wraps():
+    """Review 2026-11-28 M7: a 120 s reply wait around a 300 s engine RPC reported a slow receive as a silent peer
+    (and closed the engine) instead of the engine's own EngineTimeout."""
+    import inspect
+
+    from labsupport import vllm_ext
+    from labsupport.rl.engine_process import EngineProcess
+
+    assert inspect.signature(EngineProcess).parameters["timeout_s"].default > vllm_ext.TIMEOUT_S
 
 
 def test_engine_sleep_frees_and_wake_restores(policy_dir):

@@ -526,6 +526,92 @@ def port_in_use(ctx: Context) -> Outcome:
     return Outcome(err, t, "n/a")
 
 
+# ---------------------------------------------------------------------------- review 2026-11-28 rows (H1, H2, M4)
+
+def _returned(t: float, detail: str) -> dict[str, Any]:
+    """For a row whose hazard is a hang: the call returned (at ``t``), which is what the row expects."""
+    return {"type": "returned", "classes": ["returned"], "message": detail, "t": t}
+
+
+def _review_rank(rank: int, world: int, port: int, device_kind: str, how: str, path: str) -> dict:
+    """One rank of the rows below: ``mixed_p2p`` (rank 0 receives from ranks 1 and 2 in one launch, each of them
+    sends one tensor: one op against two), ``dies_before_backend`` (the last rank arrives, then dies before its
+    backend starts), ``partial`` (rank 0 sends all tensors but one, unmarked as partial, to rank 1)."""
+    dev = _rank_device(device_kind, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if how == "dies_before_backend" and rank == world - 1:  # torch's backend classes replaced: it dies building one
+        dist = torch.distributed
+        for name in [n for n in ("ProcessGroupGloo", "ProcessGroupNCCL") if hasattr(dist, n)]:
+            setattr(dist, name, type(name, (), {"Options": getattr(getattr(dist, name), "Options", None),
+                                                "__new__": lambda *a: (mark(path), os._exit(9))}))
+    elif rank == 0:
+        mark(path)
+    box: list[groups.StatelessGroup] = []
+    if err := attempt(lambda: box.append(groups.create_group("127.0.0.1", port, rank, world, device=dev,
+                                                             timeout_s=DEADLINE_S))):
+        return {"error": err, "state": "n/a"}
+    g, old, new = box[0], _weights(0, dev, n=4), _weights(1, dev, n=4)
+    try:
+        if how == "mixed_p2p":  # the receiver's "old": zeros; "new": what each sender sent
+            sent = {f"from {r}": _weights(r, dev, 1)["layers.0.weight"] for r in (1, 2)}
+            mine = {n: torch.zeros_like(t) for n, t in sent.items()}
+            ops = ([("recv", mine[f"from {r}"], r, 0) for r in (1, 2)] if rank == 0
+                   else [("send", sent[f"from {rank}"], 0, 0)])
+            err = attempt(lambda: (g.wait_work(g.exchange(ops), "p2p"), g.synchronize("p2p")))
+            sums = [checksums.tensor_checksums(x) for x in (mine, {n: torch.zeros_like(t) for n, t in sent.items()},
+                                                            sent)]
+            return {"error": err or _returned(time.time(), "the batch finished"),
+                    "state": classify(*sums) if rank == 0 else "n/a"}
+        if how == "partial" and rank == 0:
+            return {"error": attempt(lambda: broadcast.send(g, dict(list(new.items())[:-1]))), "state": "n/a"}
+        mine = {n: t.clone() for n, t in old.items()}
+        err = attempt(lambda: broadcast.receive(g, expected=broadcast.expected_from(old),
+                                                load=core_sync.copy_into(mine)))
+        sums = checksums.tensor_checksums(mine)
+        return {"error": err, "state": classify(sums, checksums.tensor_checksums(old), checksums.tensor_checksums(new))}
+    finally:
+        g.destroy()
+
+
+def _review_row(ctx: Context, how: str, world: int) -> Outcome:
+    path = ctx.mark_file()
+    out = run_ranks(_review_rank, world, (groups.free_port(), ctx.device, how, path), timeout_s=LAUNCH_S)
+    got = [launched(ok, res) for ok, res in out]
+    states = [g["state"] for g in got if g["state"] != "n/a"]
+    others = "; ".join(f"rank {r}: {g['error']['type'] if g['error'] else 'returned'}, {g['state']}"
+                       for r, g in enumerate(got) if r)
+    return Outcome(got[0]["error"], marked(path) if os.path.exists(path) else time.time(),
+                   next((s for s in ("other", "mixed", "new", "old") if s in states), "n/a"), others)
+
+
+@fault("mixed_p2p_batch", "rank 0 receives from ranks 1 and 2 in one launch, while each of them sends one tensor "
+       "(one point-to-point op against two: unequal transfer counts, as vllm_reshard's trainers and engine ranks "
+       "have)", "The group groups every send/recv launch, even a lone one: torch gives an ungrouped one a 2-rank "
+       "NCCL communicator of its own while the peer's grouped ops use the group's, and every rank waited for "
+       "ever. The row expects the batch to return with the senders' exact bytes.", ("returned",), "ranks", gpus=3)
+def mixed_p2p_batch(ctx: Context) -> Outcome:
+    return _review_row(ctx, "mixed_p2p", 3)
+
+
+@fault("rank_dies_before_nccl", "one rank of two arrives at the group's store, then dies before its backend "
+       "(NCCL, or gloo's connect) starts", "create_group starts the backend and its first collective on a thread "
+       "under the group's deadline, aborts on expiry and names the rank that did not check in (GroupTimeout): "
+       "NCCL's lazy communicator start and gloo's connect have no deadline of their own for it.",
+       ("GroupTimeout",), "ranks", gpus=2)
+def rank_dies_before_nccl(ctx: Context) -> Outcome:
+    return _review_row(ctx, "dies_before_backend", 2)
+
+
+@fault("partial_update", "the trainer sends a filtered state dict (one tensor of the receiver's dropped) without "
+       "saying the update is partial", "Every receiver checks that no tensor it expects is missing (unless the "
+       "sender passes partial=True) and all ranks vote before a byte moves: the update is refused with "
+       "WeightSyncError naming the tensor, and the receiver keeps its old weights whole.",
+       ("WeightSyncError",), "ranks", gpus=2)
+def partial_update(ctx: Context) -> Outcome:
+    return _review_row(ctx, "partial", 2)
+
+
 # ---------------------------------------------------------------------------- IPC rows
 
 def _ipc_device(ctx: Context) -> torch.device:

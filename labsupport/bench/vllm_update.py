@@ -117,7 +117,7 @@ def _raw_receive(worker: Any, nbytes: int, iters: int) -> bool:
     """Runs in each vLLM worker: receive ``iters + 1`` raw broadcasts of ``nbytes`` over the extension's group."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
     for _ in range(iters + 1):
-        vllm_weights.worker_state(worker).group.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+        vllm_weights.worker_state(worker).group.broadcast(buf, src=0)
     torch.cuda.synchronize()
     return bool(buf[-1].item() == 7)
 

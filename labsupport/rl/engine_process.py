@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast
+from labsupport import broadcast, vllm_ext
 from labsupport.course import progress, vllm_engine
 from labsupport.course.peer import Peer
 from labsupport.rl.engines import HFEngine, VllmEngine
 from labsupport.rl.spans import SpanLog
 
 
+# A reply's wait wraps the engine's own deadlines (vllm_ext's RPCs): longer, so that their named error arrives.
+REPLY_S = vllm_ext.TIMEOUT_S + 60.0
 # The phase each op's span is filed under; every other op moves weights ("sync").
 PHASE_OF = {"generate": "generate", "eval": "eval", "wake": "wake", "sleep": "sleep"}
 
@@ -112,7 +114,7 @@ class EngineProcess(_EngineClient):
     """
 
     def __init__(self, model_dir: str | os.PathLike, device: str, spans: SpanLog, seed: int = 0,
-                 threads: int = 1, timeout_s: float = 120.0, engine: str = "transformers") -> None:
+                 threads: int = 1, timeout_s: float = REPLY_S, engine: str = "transformers") -> None:
         self.spans, self.timeout_s, self.device = spans, timeout_s, device
         env, stages = {}, ""
         if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process

@@ -53,18 +53,19 @@ class HFEngine:
         return dict(self.model.named_parameters())
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy new weights in; every name, dtype and shape is checked before anything is written."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False) -> int:
+        """Copy new weights in; every name, dtype and shape is checked before anything is written, and every
+        parameter must be there unless ``partial`` (a subset on purpose)."""
         items = list(named_tensors)
         params = self.params()
         expected = {n: (dtype_name(d), tuple(s)) for n, (s, d) in self.shapes.items()}
-        bad = metadata.problems([(n, dtype_name(t), tuple(t.shape)) for n, t in items], expected)  # the one check
+        found = [(n, dtype_name(t), tuple(t.shape)) for n, t in items]
+        bad = metadata.problems(found, expected, partial=partial)  # the one check
         for name, what, want, got in bad:
             if what == "unknown":
                 raise KeyError(f"engine has no parameter {name!r}; expected names like {next(iter(params))!r}")
         if bad:
-            raise ValueError("; ".join(f"{n}: {w} {e} expected, update has {g}" if e else f"{n}: sent {w}"
-                                       for n, w, e, g in bad) + "; nothing was written")
+            raise ValueError("; ".join(metadata.describe(found, expected, partial=partial)) + "; nothing was written")
         for name, t in items:
             params[name].copy_(t)
         return len(items)
