@@ -258,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the trainer's, for both tools (bf16: autocast over float32 master weights; TRL's default)")
     p.add_argument("--tools", default="capstone,trl")
     p.add_argument("--capstone-configs",
-                   default="fastest,fast,fastest+no-compile,fastest+safe,fastest+sleep2,fastest+no-graphs",
+                   default="fastest,fast,fastest+inline,fastest+safe,fastest+sleep2,fastest+no-graphs",
                    help="capstone configurations (rl.colocated.CONFIGS, joined by '+'); the first is compared with "
                         "TRL on every seed, the rest run on the first seed only")
     p.add_argument("--ablation-steps", type=int, default=15, help="steps of each ablation run")
@@ -294,7 +294,8 @@ def _unequal(a: argparse.Namespace) -> dict[str, str]:
     if compiled:
         out["compiled forward passes"] = (
             f"capstone configuration(s) {', '.join(compiled)} run the trainer's scoring passes compiled "
-            "(grpo.compile_layers: layer by layer, replayed as CUDA graphs); TRL's torch_compile (a transformers "
+            "(grpo.compile_layers: layer by layer, replayed as CUDA graphs unless the engine core is inline); "
+            "TRL's torch_compile (a transformers "
             "TrainingArguments flag) is off by default and kept off: the comparison is with TRL as it is set up out "
             "of the box, and a no-compile ablation shows what compiling gives the capstone")
     return out

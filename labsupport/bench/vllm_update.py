@@ -194,15 +194,20 @@ def against_floor(llm: Any, shared: fast_update.SharedWeights, mapping: dict[str
 
 
 def timed(fn: Any, llm: Any) -> dict[str, Any]:
-    """Run one update ``fn()``, then one greedy generation; seconds for both and for the update alone. What ``fn``
-    returns (a dict of seconds by part, or None) becomes ``parts``."""
+    """Run one update ``fn()``, then one greedy generation; seconds for both and for the update alone. Of what
+    ``fn`` returns (a dict, or None), the seconds by part (keys ending in ``_s``) become ``parts``, the rest
+    ``stats`` (e.g. ``push_weights``' counts and its workers' replies)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    parts = fn()
+    got = fn() or {}
     t1 = time.perf_counter()
     toks = engine_tokens(llm)
     t2 = time.perf_counter()
-    return {"seconds": t2 - t0, "update_s": t1 - t0, "generate_s": t2 - t1, "tokens": toks, "parts": parts or {}}
+    got = got if isinstance(got, dict) else {"returned": got}
+    parts = {k: v for k, v in got.items() if k.endswith("_s") and isinstance(v, (int, float))}
+    stats = {k: v for k, v in got.items() if k not in parts}
+    return {"seconds": t2 - t0, "update_s": t1 - t0, "generate_s": t2 - t1, "tokens": toks, "parts": parts,
+            **({"stats": stats} if stats else {})}
 
 
 def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int, tp: int,

@@ -13,8 +13,9 @@ ops that bring them into an engine on the same device every step (Chapters 3 and
   weights, update them, wake the KV cache, generate, sleep.
 
 ``CONFIGS`` names the switch settings that the capstone's command line and ``bench peer`` compare (``"fast"``:
-the defaults; ``"fastest"``: the defaults with the engine core inline and the trainer's scoring forward passes
-compiled; ``"safe"``: the capstone set up as TRL sets itself up, the safe reload path and sleep level 2).
+the defaults; ``"fastest"``: the defaults with the trainer's scoring passes compiled and replayed as CUDA graphs;
+``"safe"``: the capstone set up as TRL sets itself up, the safe reload path and sleep level 2). With the engine
+core inline (``"inline"``) the trainer compiles without CUDA graphs: see :func:`trainer_graphs`.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "offload": {"offload": "on"}, "no-offload": {"offload": "off"},
     "inline": {"inline_engine": True},  # vLLM's engine core in the trainer's process, as TRL's colocate mode runs it
     "compile": {"compile": True}, "no-compile": {"compile": False},
-    # the fastest on one GPU: the defaults, the engine core inline and the trainer's forward passes compiled
-    "fastest": {"inline_engine": True, "compile": True},
+    # the fastest on one GPU (results/bench_soak.*.json): the defaults with the trainer's passes compiled, and the
+    # engine core in its own process, so that the trainer's CUDA graphs may replay too (trainer_graphs)
+    "fastest": {"compile": True},
     "fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"},
 }
 
