@@ -5,7 +5,8 @@ vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cl
 handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
 
 - ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets its own replies;
-  every call has a deadline (``EngineTimeout``), and a dead engine raises ``EngineDead`` at once;
+  every call has a deadline (``EngineTimeout``), a dead engine raises ``EngineDead`` at once, and an engine where a
+  call timed out (and may still run: in a Ray actor, inside the same process) refuses the next (``EngineUnusable``);
 - ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
 - every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import pickle
@@ -64,6 +66,34 @@ class EngineTimeout(broadcast.WeightSyncError, TimeoutError):
     """An engine call missed its deadline (named); if the engine runs it later, ``push_ipc``'s handles are dead."""
 
 
+class EngineUnusable(EngineDead):
+    """An earlier call on this engine timed out and may still run inside it: a second call beside it would put two
+    threads into vLLM objects that are not thread-safe, so none is made; restart the engine."""
+
+
+def mark_unusable(engine: Any, why: str) -> None:
+    """Refuse every later ``call`` (and ``check_usable``) on ``engine``, saying ``why``."""
+    with contextlib.suppress(AttributeError):  # (an object that takes no attributes is left as it is)
+        engine.labsupport_unusable = why
+
+
+def check_usable(engine: Any) -> None:
+    """``EngineUnusable`` if a call on ``engine`` timed out (``mark_unusable``)."""
+    if why := getattr(engine, "labsupport_unusable", None):
+        raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run inside it; restart the "
+                             "engine (stop it and start a new one)")
+
+
+def within(fn: Callable[[], Any], timeout: float, what: str, engine: Any = None) -> Any:
+    """``fn()`` (an engine call) on a daemon thread, its result within ``timeout`` s, else ``EngineTimeout``
+    naming ``what``, and ``engine`` is marked unusable (its call may still be running)."""
+    try:
+        return _result(_in_thread(fn), timeout, what, engine)
+    except EngineTimeout as exc:
+        mark_unusable(engine, str(exc))
+        raise
+
+
 def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
     """``fut``'s result within ``timeout`` s; ``EngineDead`` once vLLM marks ``llm``'s engine core dead (its calls
     then never answer, or fail with a bare error just before). ``LLM``: ``llm_engine.engine_core``."""
@@ -88,30 +118,29 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
          timeout: float | None = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
     the per-rank results; ``WeightUpdateError`` naming each failed worker; ``EngineTimeout``; ``EngineDead``."""
+    check_usable(llm)
     timeout = TIMEOUT_S if timeout is None else timeout  # None (as vLLM's own clients call): the default deadline
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
-    rpc = llm.collective_rpc
+    rpc, what = llm.collective_rpc, f"collective_rpc({_name(method)!r})"
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline, given a little more
         ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
         fut, wait_s = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref), timeout + GRACE_S
     else:
         fut, wait_s = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs)), timeout
-    return check_replies(method, _result(fut, wait_s, f"collective_rpc({_name(method)!r})", llm))
+    try:
+        return check_replies(method, _result(fut, wait_s, what, llm))
+    except EngineTimeout as exc:  # (also an actor's own, which Ray's error class derives from)
+        mark_unusable(llm, str(exc))
+        raise
 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
     """``replies`` unchanged, or ``WeightUpdateError`` naming every rank that replied with its error."""
-    failed = [f for f in map(_failure, replies) if f is not None]
+    failed = [f for f in replies if isinstance(f, WorkerFailed)]
     if failed:
         raise WeightUpdateError(f"{_name(method)} failed on {len(failed)} of {len(replies)} workers:\n"
                                 + "\n".join(f"  worker rank {f.rank}: {f.message}" for f in failed))
     return replies
-
-
-def _failure(reply: Any) -> WorkerFailed | None:  # (a plain dict where vLLM could not pickle a WorkerFailed)
-    if isinstance(reply, dict) and "worker_failed" in reply:
-        return WorkerFailed(reply["worker_failed"], reply["error"])
-    return reply if isinstance(reply, WorkerFailed) else None
 
 
 def alongside(rpc: Callable[[], Any], send: Callable[[], Any], timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
@@ -187,12 +216,17 @@ async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
                          timeout: float = TIMEOUT_S) -> int:
     """:func:`push_ipc` into an ``AsyncLLM``: on a thread, each of its calls run on the (free) event loop."""
     loop = asyncio.get_running_loop()
+    check_usable(engine)
 
     def on_loop(method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> Any:
         coro = engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
     client = SimpleNamespace(collective_rpc=on_loop, engine_core=getattr(engine, "engine_core", None))
-    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)
+    try:
+        return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)
+    except EngineTimeout as exc:
+        mark_unusable(engine, str(exc))
+        raise
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
@@ -257,19 +291,15 @@ class WorkerExtension(_ExtensionBase):
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` into staging, loaded once all of it verified; the announced metadata lets
-        the vote refuse a bad update, so the trainer's ``send`` fails with the reason."""
+        """Receive one ``broadcast.send``, each layer loaded once whole; all or nothing on every TP rank: a failed
+        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``)."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
-        ew.pending.clear()
-        try:
-            stats = broadcast.Receiver(group, expected=ew.expected, load=ew.loader(names, dtype_names, shapes),
-                                       staged=False).receive()  # (the loader stages: one copy is enough)
-            t0 = time.perf_counter()
-            n = ew.flush(only_complete=False)
-        finally:
-            ew.pending.clear()
-        return {**stats.as_dict(), "loaded": n, "load_s": time.perf_counter() - t0}
+        ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
+        with ew.all_or_nothing():
+            stats = broadcast.Receiver(group, expected=ew.expected, staged=False,
+                                       load=ew.loader(names, dtype_names, shapes, stream=True)).receive()
+        return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak)}
 
     @worker_rpc
     def destroy_weight_update_group(self) -> None:

