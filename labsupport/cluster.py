@@ -234,10 +234,8 @@ class EngineActor(RayWorker):
         # in this process the start says what it waits for; a Ray actor's output goes to Ray's logs, not to the lab
         self._llm = vllm_engine.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
 
-    @property
-    def llm(self) -> Any:  # refused once a call timed out in it: that call may still run here (EngineUnusable)
-        vllm_ext.check_usable(self._llm)
-        return self._llm
+    llm = property(lambda self: vllm_ext.check_usable(self._llm) or self._llm,
+                   doc="The engine; refused once a call timed out in it: that call may still run here (EngineUnusable).")
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""

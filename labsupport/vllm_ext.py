@@ -5,8 +5,8 @@ vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cl
 handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
 
 - ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets its own replies;
-  every call has a deadline (``EngineTimeout``), a dead engine raises ``EngineDead`` at once, and an engine where a
-  call timed out (and may still run: in a Ray actor, inside the same process) refuses the next (``EngineUnusable``);
+  every call has a deadline (``EngineTimeout``; the engine then refuses the next call, ``EngineUnusable``), and a
+  dead engine raises ``EngineDead`` at once;
 - ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
 - every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
 
@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from labsupport import broadcast, groups, ipc, vllm_weights
+from labsupport import broadcast, checksums, groups, ipc, vllm_weights
 from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
 from labsupport.course import hardware
 from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, layer_buckets, worker_rpc, worker_state
@@ -46,11 +46,14 @@ GRACE_S = 2.0  # after the trainer's side failed: how long to wait for the engin
 
 # ---- Trainer side: calls with a deadline ------------------------------------------------------------
 def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` on a daemon thread (an executor's threads are joined at exit: a hung RPC would hang the exit)."""
+    """``fn()`` on a daemon thread (an executor's is joined at exit: a hung RPC would hang it), on this one's GPU."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
+    gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             fut.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
             fut.set_exception(exc)
@@ -67,40 +70,32 @@ class EngineTimeout(broadcast.WeightSyncError, TimeoutError):
 
 
 class EngineUnusable(EngineDead):
-    """An earlier call on this engine timed out and may still run inside it: a second call beside it would put two
-    threads into vLLM objects that are not thread-safe, so none is made; restart the engine."""
+    """A call timed out in this engine and may still run: none other runs beside it (vLLM is not thread-safe)."""
 
 
-def mark_unusable(engine: Any, why: str) -> None:
-    """Refuse every later ``call`` (and ``check_usable``) on ``engine``, saying ``why``."""
-    with contextlib.suppress(AttributeError):  # (an object that takes no attributes is left as it is)
+def mark_unusable(engine: Any, why: str) -> None:  # (an object that takes no attributes is left as it is)
+    with contextlib.suppress(AttributeError):
         engine.labsupport_unusable = why
 
 
 def check_usable(engine: Any) -> None:
-    """``EngineUnusable`` if a call on ``engine`` timed out (``mark_unusable``)."""
     if why := getattr(engine, "labsupport_unusable", None):
-        raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run inside it; restart the "
-                             "engine (stop it and start a new one)")
+        raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run in it; restart the engine")
 
 
 def within(fn: Callable[[], Any], timeout: float, what: str, engine: Any = None) -> Any:
-    """``fn()`` (an engine call) on a daemon thread, its result within ``timeout`` s, else ``EngineTimeout``
-    naming ``what``, and ``engine`` is marked unusable (its call may still be running)."""
-    try:
-        return _result(_in_thread(fn), timeout, what, engine)
-    except EngineTimeout as exc:
-        mark_unusable(engine, str(exc))
-        raise
+    """``fn()`` on a daemon thread, waited for as ``call`` waits (``engine``: the engine it calls, or None)."""
+    return _result(_in_thread(fn), timeout, what, engine)
 
 
 def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
-    """``fut``'s result within ``timeout`` s; ``EngineDead`` once vLLM marks ``llm``'s engine core dead (its calls
-    then never answer, or fail with a bare error just before). ``LLM``: ``llm_engine.engine_core``."""
+    """``fut``'s result within ``timeout`` s, else ``EngineTimeout`` (``llm`` refused after); ``EngineDead`` once vLLM
+    marks ``llm``'s engine core dead (its calls then never answer, or fail with a bare error just before)."""
     marks = getattr(getattr(getattr(llm, "llm_engine", llm), "engine_core", None), "resources", None)
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:
+            mark_unusable(llm, f"{what} did not return within {timeout:.0f} s")
             raise EngineTimeout(f"{what} did not return within {timeout:.0f} s")
     grace = time.monotonic() + (GRACE_S if marks is not None and fut.done() and fut.exception() else 0.0)
     while not dead() and time.monotonic() < grace:
@@ -118,20 +113,16 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
          timeout: float | None = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
     the per-rank results; ``WeightUpdateError`` naming each failed worker; ``EngineTimeout``; ``EngineDead``."""
-    check_usable(llm)
+    check_usable(llm)  # (an actor checks its own engine: cluster.EngineActor)
     timeout = TIMEOUT_S if timeout is None else timeout  # None (as vLLM's own clients call): the default deadline
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
-    rpc, what = llm.collective_rpc, f"collective_rpc({_name(method)!r})"
+    rpc = llm.collective_rpc
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline, given a little more
         ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
         fut, wait_s = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref), timeout + GRACE_S
     else:
         fut, wait_s = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs)), timeout
-    try:
-        return check_replies(method, _result(fut, wait_s, what, llm))
-    except EngineTimeout as exc:  # (also an actor's own, which Ray's error class derives from)
-        mark_unusable(llm, str(exc))
-        raise
+    return check_replies(method, _result(fut, wait_s, f"collective_rpc({_name(method)!r})", llm))
 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
@@ -216,25 +207,20 @@ async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
                          timeout: float = TIMEOUT_S) -> int:
     """:func:`push_ipc` into an ``AsyncLLM``: on a thread, each of its calls run on the (free) event loop."""
     loop = asyncio.get_running_loop()
-    check_usable(engine)
 
     def on_loop(method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> Any:
         coro = engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
     client = SimpleNamespace(collective_rpc=on_loop, engine_core=getattr(engine, "engine_core", None))
-    try:
-        return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)
-    except EngineTimeout as exc:
-        mark_unusable(engine, str(exc))
-        raise
+    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (a timeout marks the client)
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
-    return vllm_weights.engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
+    return checksums.engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
 
 
 def engine_sums(llm: Any, timeout: float = TIMEOUT_S) -> list[dict[str, int]]:
-    """``vllm_weights.engine_checksums`` of what every worker of ``llm`` computes with, in TP-rank order."""
+    """``checksums.engine_checksums`` of what every worker of ``llm`` computes with, in TP-rank order."""
     return call(llm, _worker_checksums, timeout=timeout)
 
 

@@ -269,9 +269,9 @@ class NcclTrainer026:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
 
         info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
-        join = _on_this_device(lambda: Nccl.trainer_init(info))  # the workers wait for rank 0
         group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
-                                      lambda: vllm_ext.within(join, timeout, "NCCL trainer_init"), timeout)
+                                      lambda: vllm_ext.within(lambda: Nccl.trainer_init(info), timeout,
+                                                              "NCCL trainer_init"), timeout)  # workers wait for rank 0
         return cls(group, packed, client, source, timeout)
 
     def send_weights(self) -> None:
@@ -283,8 +283,8 @@ class NcclTrainer026:
         pairs = [(n, t.detach()) for n, t in self.source]
         update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
                        "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
-        send = _on_this_device(lambda: Nccl.trainer_send_weights(iter(pairs), {"group": self.group,
-                                                                               "packed": self.packed}), sync=True)
+        args = {"group": self.group, "packed": self.packed}
+        send = lambda: (Nccl.trainer_send_weights(iter(pairs), args), torch.cuda.current_stream().synchronize())  # noqa
         try:
             _session(self.client, update_info, self.timeout, lambda: vllm_ext.within(send, self.timeout, "NCCL send"))
         except vllm_ext.EngineTimeout as exc:  # the workers wait in a broadcast that will never come
@@ -299,16 +299,3 @@ class NcclTrainer026:
         if group is not None:
             group.destroy()
 
-
-def _on_this_device(fn: Callable[[], Any], sync: bool = False) -> Callable[[], Any]:
-    """``fn`` to run on another thread on this thread's GPU (a thread starts on GPU 0), then (``sync``) waited for."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-
-    def run() -> Any:
-        if device is not None:
-            torch.cuda.set_device(device)
-        out = fn()
-        if sync and device is not None:
-            torch.cuda.current_stream().synchronize()
-        return out
-    return run

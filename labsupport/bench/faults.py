@@ -731,10 +731,10 @@ class Engine:
         return [(n, p.detach()) for n, p in self.models[kind].named_parameters()]
 
     def expected(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
-        from labsupport import reshard, vllm_weights
+        from labsupport import reshard
 
         layout = reshard.qwen2_layout(self.models["random"].config, 1)
-        return vllm_weights.layout_checksums(named, layout, 0)
+        return checksums.layout_checksums(named, layout, 0)
 
     def state(self) -> str:
         """What the engine computes with: the "random" (old) or "trained" (new) weights, or a mix."""
@@ -993,11 +993,11 @@ class TpEngine:
 
     def state(self) -> str:
         """"old" or "new" when every rank holds them whole; else "mixed" (ranks differ too) or "other"."""
-        from labsupport import reshard, vllm_weights
+        from labsupport import reshard
 
         layout = reshard.qwen2_layout(self.models["random"].config, 2)
         sums = vllm_ext.engine_sums(self.llm, timeout=HANG_S)
-        per_rank = {classify(got, *(vllm_weights.layout_checksums(self.named(k), layout, r)
+        per_rank = {classify(got, *(checksums.layout_checksums(self.named(k), layout, r)
                                     for k in ("random", "trained"))) for r, got in enumerate(sums)}
         return per_rank.pop() if len(per_rank) == 1 else "other" if "other" in per_rank else "mixed"
 
