@@ -198,7 +198,11 @@ def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
     with ipc.Exporter() as ex:
         for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
             bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers share one "device"
-            loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}), timeout=timeout)[0]
+            try:
+                loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}), timeout=timeout)[0]
+            except EngineTimeout:  # the late call may have opened it: a late open is refused, a read keeps its memory
+                ex.release(bucket, force=True, keep=True)
+                raise
             ex.release(bucket)  # every worker acked after loading
     return loaded
 
