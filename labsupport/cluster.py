@@ -235,7 +235,7 @@ class EngineActor(RayWorker):
         self._llm = vllm_engine.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
 
     llm = property(lambda self: vllm_ext.check_usable(self._llm) or self._llm,
-                   doc="The engine; refused once a call timed out in it: that call may still run here (EngineUnusable).")
+                   doc="The engine; refused once a call timed out in it, which may still run here (EngineUnusable).")
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""

@@ -36,8 +36,8 @@ import torch
 from labsupport import broadcast, checksums, groups, ipc, vllm_weights
 from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
 from labsupport.course import hardware
-from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, buckets_for, device_id, layer_buckets,
-                                     worker_rpc, worker_state)
+from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, buckets_for, device_id,
+                                     layer_buckets, worker_rpc, worker_state)
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers

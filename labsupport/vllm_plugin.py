@@ -260,7 +260,8 @@ class NcclTrainer026:
     dtypes and shapes with ``update_weights`` while the trainer broadcasts. vLLM's NCCL calls wait on this
     process's thread without a deadline: here they run on a thread, within ``timeout``."""
 
-    def __init__(self, group: Any, packed: bool, client: Any, source: Any, timeout: float = vllm_ext.TIMEOUT_S) -> None:
+    def __init__(self, group: Any, packed: bool, client: Any, source: Any, timeout: float = vllm_ext.TIMEOUT_S
+                 ) -> None:
         self.group, self.packed, self.client, self.source, self.timeout = group, packed, client, source, timeout
 
     @classmethod
@@ -287,7 +288,7 @@ class NcclTrainer026:
         send = lambda: (Nccl.trainer_send_weights(iter(pairs), args), torch.cuda.current_stream().synchronize())  # noqa
         try:
             _session(self.client, update_info, self.timeout, lambda: vllm_ext.within(send, self.timeout, "NCCL send"))
-        except vllm_ext.EngineTimeout as exc:  # the workers wait in a broadcast that will never come
+        except vllm_ext.EngineTimeout as exc:  # the engine is refused; its workers may wait in a broadcast: abort ours
             vllm_ext.mark_unusable(getattr(self.client, "llm", self.client), str(exc))
             self.shutdown()
             raise
@@ -298,4 +299,3 @@ class NcclTrainer026:
         group, self.group = self.group, None
         if group is not None:
             group.destroy()
-

@@ -128,7 +128,7 @@ class EngineWeights:
         self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load each layer this batch completes; the rest wait on the host (``peak``: most bytes there, back per layer)."""
+        """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there, back per layer)."""
         batch = dict(named)
         whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= batch.keys() | self.pending.keys()}
         self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))

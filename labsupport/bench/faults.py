@@ -1065,7 +1065,8 @@ def tp_worker_killed(ctx: Context) -> Outcome:
         err = attempt(lambda: vllm_ext.push_weights(eng.group, eng.named("trained"), eng.llm, bucket_bytes=128 << 10))
         states: list[str] = []
         probe = attempt(lambda: states.append(eng.state()))  # (a dead engine: EngineDead, and it serves nothing)
-        return Outcome(err, t, states[0] if states else "stopped", f"engine after: {probe['type'] if probe else 'served'}")
+        after = f"engine after: {probe['type'] if probe else 'served'}"
+        return Outcome(err, t, states[0] if states else "stopped", after)
     return _tp_row(ctx, fault)
 
 
