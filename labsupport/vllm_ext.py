@@ -5,7 +5,8 @@ vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cl
 handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
 
 - ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets its own replies;
-  every call has a deadline (``EngineTimeout``), and a dead engine raises ``EngineDead`` at once;
+  every call has a deadline (``EngineTimeout``; the engine then refuses the next call, ``EngineUnusable``), and a
+  dead engine raises ``EngineDead`` at once;
 - ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
 - every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
 
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import pickle
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,10 +33,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from labsupport import broadcast, groups, ipc, vllm_weights
+from labsupport import broadcast, checksums, groups, ipc, vllm_weights
 from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
 from labsupport.course import hardware
-from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, layer_buckets, worker_rpc, worker_state
+from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, buckets_for, device_id,
+                                     layer_buckets, worker_rpc, worker_state)
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
@@ -44,11 +46,14 @@ GRACE_S = 2.0  # after the trainer's side failed: how long to wait for the engin
 
 # ---- Trainer side: calls with a deadline ------------------------------------------------------------
 def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` on a daemon thread (an executor's threads are joined at exit: a hung RPC would hang the exit)."""
+    """``fn()`` on a daemon thread (an executor's is joined at exit: a hung RPC would hang it), on this one's GPU."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
+    gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             fut.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
             fut.set_exception(exc)
@@ -64,13 +69,33 @@ class EngineTimeout(broadcast.WeightSyncError, TimeoutError):
     """An engine call missed its deadline (named); if the engine runs it later, ``push_ipc``'s handles are dead."""
 
 
+class EngineUnusable(EngineDead):
+    """A call timed out in this engine and may still run: none other runs beside it (vLLM is not thread-safe)."""
+
+
+def mark_unusable(engine: Any, why: str) -> None:  # (an object that takes no attributes is left as it is)
+    with contextlib.suppress(AttributeError):
+        engine.labsupport_unusable = why
+
+
+def check_usable(engine: Any) -> None:
+    if why := getattr(engine, "labsupport_unusable", None):
+        raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run in it; restart the engine")
+
+
+def within(fn: Callable[[], Any], timeout: float, what: str, engine: Any = None) -> Any:
+    """``fn()`` on a daemon thread, waited for as ``call`` waits (``engine``: the engine it calls, or None)."""
+    return _result(_in_thread(fn), timeout, what, engine)
+
+
 def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
-    """``fut``'s result within ``timeout`` s; ``EngineDead`` once vLLM marks ``llm``'s engine core dead (its calls
-    then never answer, or fail with a bare error just before). ``LLM``: ``llm_engine.engine_core``."""
+    """``fut``'s result within ``timeout`` s, else ``EngineTimeout`` (``llm`` refused after); ``EngineDead`` once vLLM
+    marks ``llm``'s engine core dead (its calls then never answer, or fail with a bare error just before)."""
     marks = getattr(getattr(getattr(llm, "llm_engine", llm), "engine_core", None), "resources", None)
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:
+            mark_unusable(llm, f"{what} did not return within {timeout:.0f} s")
             raise EngineTimeout(f"{what} did not return within {timeout:.0f} s")
     grace = time.monotonic() + (GRACE_S if marks is not None and fut.done() and fut.exception() else 0.0)
     while not dead() and time.monotonic() < grace:
@@ -88,6 +113,7 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
          timeout: float | None = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
     the per-rank results; ``WeightUpdateError`` naming each failed worker; ``EngineTimeout``; ``EngineDead``."""
+    check_usable(llm)  # (an actor checks its own engine: cluster.EngineActor)
     timeout = TIMEOUT_S if timeout is None else timeout  # None (as vLLM's own clients call): the default deadline
     method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
     rpc = llm.collective_rpc
@@ -101,17 +127,11 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
     """``replies`` unchanged, or ``WeightUpdateError`` naming every rank that replied with its error."""
-    failed = [f for f in map(_failure, replies) if f is not None]
+    failed = [f for f in replies if isinstance(f, WorkerFailed)]
     if failed:
         raise WeightUpdateError(f"{_name(method)} failed on {len(failed)} of {len(replies)} workers:\n"
                                 + "\n".join(f"  worker rank {f.rank}: {f.message}" for f in failed))
     return replies
-
-
-def _failure(reply: Any) -> WorkerFailed | None:  # (a plain dict where vLLM could not pickle a WorkerFailed)
-    if isinstance(reply, dict) and "worker_failed" in reply:
-        return WorkerFailed(reply["worker_failed"], reply["error"])
-    return reply if isinstance(reply, WorkerFailed) else None
 
 
 def alongside(rpc: Callable[[], Any], send: Callable[[], Any], timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
@@ -177,8 +197,12 @@ def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
     with ipc.Exporter() as ex:
         for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
             bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers share one "device"
-            loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}), True,  # partial: a
-                           timeout=timeout)[0]  # bucket of layers (a gap across the push is not checked: M4)
+            try:  # partial: a bucket of layers (a gap across the whole push is not checked)
+                loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}), True,
+                               timeout=timeout)[0]
+            except EngineTimeout:  # the late call may have opened it: a late open is refused, a read keeps its memory
+                ex.release(bucket, force=True, keep=True)
+                raise
             ex.release(bucket)  # every worker acked after loading
     return loaded
 
@@ -192,15 +216,15 @@ async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
         coro = engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
     client = SimpleNamespace(collective_rpc=on_loop, engine_core=getattr(engine, "engine_core", None))
-    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)
+    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (a timeout marks the client)
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
-    return vllm_weights.engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
+    return checksums.engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
 
 
 def engine_sums(llm: Any, timeout: float = TIMEOUT_S) -> list[dict[str, int]]:
-    """``vllm_weights.engine_checksums`` of what every worker of ``llm`` computes with, in TP-rank order."""
+    """``checksums.engine_checksums`` of what every worker of ``llm`` computes with, in TP-rank order."""
     return call(llm, _worker_checksums, timeout=timeout)
 
 
@@ -257,19 +281,15 @@ class WorkerExtension(_ExtensionBase):
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` into staging, loaded once all of it verified; the announced metadata lets
-        the vote refuse a bad update, so the trainer's ``send`` fails with the reason."""
+        """Receive one ``broadcast.send``, each layer loaded once whole; all or nothing on every TP rank: a failed
+        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``)."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
-        ew.pending.clear()
-        try:
-            stats = broadcast.Receiver(group, expected=ew.expected, load=ew.loader(names, dtype_names, shapes),
-                                       staged=False).receive()  # (the loader stages: one copy is enough)
-            t0 = time.perf_counter()
-            n = ew.flush(only_complete=False)
-        finally:
-            ew.pending.clear()
-        return {**stats.as_dict(), "loaded": n, "load_s": time.perf_counter() - t0}
+        ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
+        with ew.all_or_nothing():
+            stats = broadcast.Receiver(group, expected=ew.expected, staged=False,
+                                       load=ew.loader(names, dtype_names, shapes, stream=True)).receive()
+        return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak)}
 
     @worker_rpc
     def destroy_weight_update_group(self) -> None:
@@ -312,39 +332,3 @@ class ColocateWorkerExtension(_ExtensionBase):
 
 class RLHFWorkerExtension(WorkerExtension, ColocateWorkerExtension):
     """Both patterns on one engine: group broadcast (per tensor / bucketed) and IPC handles."""
-
-
-def device_id(device: torch.device) -> str:
-    """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
-    return f"cpu:{socket.gethostname()}"
-
-
-def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:
-    """The bucket handles for ``device`` in ``{device_id: handle or [handles]}`` (pickled, or as plain dicts)."""
-    if isinstance(handles, (bytes, bytearray, memoryview)):
-        handles = pickle.loads(bytes(handles))
-    me = device_id(device)
-    if me not in handles:
-        raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
-                                f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
-    mine = handles[me]
-    return [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
-
-
-def _as_bucket_handle(h: Any) -> Any:
-    """A ``labsupport.ipc.Handle``, also from the plain dict vLLM's RPC encoder turns it into."""
-    if isinstance(h, ipc.Handle):
-        return h
-    if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
-        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; export the weights "
-                                "with ipc.Exporter().export_bucket and send pack_ipc_handles({device_id: handle})")
-    # lists back to tuples: handles are compared, their rebuild arguments go to torch
-    return ipc.Handle(**{**h, "where": _tuples(h["where"]),
-                         "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
-
-
-def _tuples(x: Any) -> Any:
-    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x

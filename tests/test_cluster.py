@@ -372,7 +372,7 @@ def test_engine_memory_and_sleep_reach_the_workers_through_vllm_ext_call(monkeyp
             pass
 
     engine = object.__new__(cluster.EngineActor)
-    engine.llm, engine.model_dir, engine.gpu = LLM(), str(tmp_path), True
+    engine._llm, engine.model_dir, engine.gpu = LLM(), str(tmp_path), True  # (the actor's engine, behind .llm)
     monkeypatch.setattr(cluster.vllm_ext, "call", call)
     assert engine.memory()["kv_cache_bytes"] == 100
     rep = engine.sleep(1)

@@ -485,6 +485,23 @@ def test_cuda_forced_release_of_a_handle_nobody_opened_frees_it_and_torchs_count
 
 @needs_gpus(1)
 @pytest.mark.timeout(180)
+def test_cuda_release_keep_kills_the_handle_but_keeps_its_memory():
+    """After a receiver's call timed out it may have opened the handle and still read, without having acked:
+    release(force=True, keep=True) refuses any later open, but keeps the block allocated (a forced release gives
+    torch's IPC count back, and the reader's drop would give it back again: the block freed under the reader)."""
+    torch.cuda.synchronize()
+    with ipc.Exporter() as ex:
+        a0 = torch.cuda.memory_allocated(0)
+        handle = ex.export_bucket([("w", torch.ones(64 << 20, dtype=torch.uint8, device="cuda:0"))])
+        ex.release(handle, force=True, keep=True)
+        assert "released" in probe_in_peer(handle)["error"]
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) >= a0 + (64 << 20) and ipc.KEPT[-1].numel() >= 64 << 20
+    ipc.KEPT.clear()  # (nothing reads this one)
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(180)
 def test_cuda_receiver_drop_waits_on_the_handles_gpu(monkeypatch):
     """drop() waits for the copies on the GPU of each handle it mapped, not on whichever device is current."""
     synced = []

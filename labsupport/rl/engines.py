@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, checksums, groups, ipc, metadata, reshard, vllm_ext, vllm_weights
+from labsupport import broadcast, checksums, groups, ipc, metadata, reshard, vllm_ext
 from labsupport.course import models, vllm_engine
 from labsupport.core import sync
 from labsupport.core.buckets import dtype_name
@@ -314,5 +314,5 @@ def weights_match(engine_sums: dict[str, int] | list[dict[str, int]], named: Ite
     ``config``: the model's (Qwen2) config."""
     if isinstance(engine_sums, list):
         layout = reshard.qwen2_layout(config, len(engine_sums))
-        return vllm_weights.check_engine(engine_sums, named, layout)["exact"]
+        return checksums.check_engine(engine_sums, named, layout)["exact"]
     return engine_sums == checksums.tensor_checksums(named)
