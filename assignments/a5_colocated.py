@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from labsupport import lora  # noqa: F401  (given: vllm_ext.push_ipc(llm, named))
+from labsupport import vllm_ext  # noqa: F401  (given: vllm_ext.push_ipc(llm, named))
 
 
 def colocated_step(llm: Any, model: torch.nn.Module, train: Callable[[torch.nn.Module], Any], *,

@@ -58,7 +58,7 @@ def test_merge_makes_one_record_of_lanes_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
     assert soak.merge([str(p) for p in paths], "2xG") == 0
     rec = json.loads((tmp_path / "bench_soak.2xG.json").read_text())
-    assert rec["machine"]["gpu_count"] == 2 and rec["machine_tag"] == "2xG"
+    assert rec["machine"]["gpu_count"] == 2 and rec["machine_tag"] == "2xG" and rec["name"] == "bench_soak"
     assert [r["lane"] for r in rec["data"]["runs"]] == ["a", "b"]
     assert rec["data"]["summary"]["c"]["failed"] == 1
 

@@ -129,8 +129,8 @@ def merge(paths: list[str], tag: str | None) -> int:
     runs = [{**r, "lane": rec["data"]["settings"].get("tag")} for rec in recs for r in rec["data"]["runs"]]
     first = recs[0]
     gpus = [g for rec in recs for g in rec["machine"]["gpus"]]
-    record = {**first, "machine": {**first["machine"], "gpus": gpus, "gpu_count": len(gpus)},
-              "machine_tag": tag or first["machine_tag"], "command": [rec["command"] for rec in recs],
+    record = {**first, "name": "bench_soak", "machine": {**first["machine"], "gpus": gpus, "gpu_count": len(gpus)},
+              "machine_tag": tag or first["machine_tag"], "command": "; ".join(rec["command"] for rec in recs),
               "date": max(rec["date"] for rec in recs),
               "data": {"lanes": [{"command": rec["command"], "settings": rec["data"]["settings"],
                                   "env": rec["data"]["env"]} for rec in recs],
