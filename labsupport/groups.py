@@ -4,8 +4,7 @@ Trainers own a default process group and vLLM builds its own; the weight-sync gr
 TCPStore does the rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it,
 as vLLM's ``stateless_init_torch_distributed_process_group`` does. Every wait has a deadline: the store's waits and
 gloo's collectives time out themselves, NCCL's at ``synchronize()``, the backend's start on a thread. A failure
-names the rank that went missing.
-"""
+names the rank that went missing."""
 
 from __future__ import annotations
 
@@ -97,9 +96,10 @@ class StatelessGroup:
         self.all_reduce(torch.full((1,), self.rank, dtype=torch.int32, device=self.device), "sum")
         self.synchronize("group warm-up")
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Broadcast ``tensor`` in place from ``src`` (on NCCL ordered after the current stream's work)."""
-        self.wait_work(self.broadcast_many([tensor], src), "broadcast")
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        """Broadcast ``tensor`` in place from ``src``, after ``stream``'s work (as vLLM's PyNcclCommunicator)."""
+        with torch.cuda.stream(stream) if stream is not None and self.backend == "nccl" else contextlib.nullcontext():
+            self.wait_work(self.broadcast_many([tensor], src), "broadcast")
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
         """Start one launch (an NCCL group) broadcasting tensors from ``src``; returns what ``wait_work`` takes."""
