@@ -19,8 +19,7 @@ every loaded layer on every rank.
 
 A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
 with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``vllm_ext`` and ``vllm_plugin``
-use this module; it imports neither. (Whether an engine holds its trainer's bytes: ``checksums.check_engine``.)
-"""
+use this module; it imports neither. (Whether an engine holds its trainer's bytes: ``checksums.check_engine``.)"""
 
 from __future__ import annotations
 
