@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from labsupport import vllm_ext
+from labsupport.core import devices
 from labsupport.course import hardware, models, progress, versions, vllm_engine
 from labsupport.course.results import REPO_ROOT
 from labsupport.groups import free_port
@@ -178,7 +179,7 @@ class RayWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": sorted(os.sched_getaffinity(0)),
-                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(hardware.gpu_count())]}
+                "gpu_uuids": [devices.gpu_uuid(i) for i in range(hardware.gpu_count())]}
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it: where a process group hosted here can listen."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from labsupport import ipc, reshard, vllm_ext
+from labsupport.core import devices
 from labsupport.core.buckets import Meta
-from labsupport.course import hardware
 from labsupport.vllm_weights import WeightUpdateError, WorkerState, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
 def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
     """The trainer's current weights into the engine: check, wait for the trainer's queued writes, one RPC."""
     shared.check()
-    hardware.synchronize(shared.device)
+    devices.synchronize(shared.device)
     return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
 
 
@@ -171,7 +171,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         views = dict(v for b in buckets for v in ipc.rebuild(b))
         t1 = time.perf_counter()
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
-        hardware.synchronize(ew.device)
+        devices.synchronize(ew.device)
         t2 = time.perf_counter()
         cfg, pc = self.vllm_config.model_config.hf_config, self.vllm_config.parallel_config
         if getattr(cfg, "model_type", "") == "qwen2":  # the one layout reshard knows
@@ -207,7 +207,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         with torch.no_grad():
             for dst, src in plan.copies:  # (a loop of copies beats one _foreach_copy_ over the same tensors)
                 dst.copy_(src)
-        hardware.synchronize(self.device)
+        devices.synchronize(self.device)
         st.version += 1
         return {"version": st.version, "copied_bytes": plan.copied_bytes, "copies": len(plan.copies),
                 "copy_s": time.perf_counter() - t1, "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}

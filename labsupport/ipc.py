@@ -41,7 +41,7 @@ from labsupport import metadata, shm
 
 KEPT: list[torch.Tensor] = []  # exports killed with keep=True: their memory, held until this process exits
 from labsupport.core import buckets, handoff
-from labsupport.course.hardware import gpu_uuid, synchronize
+from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from labsupport.core import timeline
-from labsupport.course.hardware import synchronize as _sync
+from labsupport.core.devices import synchronize as _sync
 
 ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other")
 

@@ -19,7 +19,7 @@ import torch
 
 from labsupport.core import timeline
 from labsupport.course import models, progress
-from labsupport.course.hardware import synchronize as _sync
+from labsupport.core.devices import synchronize as _sync
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 
 STRATEGIES = ("resident", "kv_freed", "offloaded")

@@ -39,9 +39,9 @@ import torch
 from labsupport import groups, ipc, metadata
 from labsupport.broadcast import WeightSyncError
 from labsupport.checksums import engine_checksums
-from labsupport.core import buckets
+from labsupport.core import buckets, devices
 from labsupport.core.buckets import Meta, dtype_name
-from labsupport.course import hardware, versions
+from labsupport.course import versions
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def device_id(device: torch.device) -> str:
     """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
-        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+        return devices.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
     return f"cpu:{socket.gethostname()}"
 
 

@@ -17,7 +17,7 @@ import torch
 from labsupport import ipc, shm
 from labsupport.core import buckets, handoff
 from labsupport.course import ipc_timing
-from labsupport.course.hardware import gpu_uuid
+from labsupport.core.devices import gpu_uuid
 from labsupport.ipc import IpcError
 from labsupport.course.peer import Peer, _probe_peer, probe_in_peer
 

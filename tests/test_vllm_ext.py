@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from labsupport import broadcast, groups, ipc, vllm_ext, vllm_weights
+from labsupport.core import devices
 from labsupport.core.buckets import dtype_name
 from labsupport.course import hardware, models, versions, vllm_engine
 from labsupport.course.ranks import run_ranks
@@ -455,7 +456,7 @@ def test_colocated_ipc_update(llm, group, hf):
     set_weights(llm, group, hf, "random")
     ids = vllm_ext.call(llm, "report_device_id")
     if GPU:
-        assert ids == [hardware.gpu_uuid(i) for i in range(1, TP + 1)]  # physical GPUs, whatever the indices say
+        assert ids == [devices.gpu_uuid(i) for i in range(1, TP + 1)]  # physical GPUs, whatever the indices say
     else:
         assert ids == [f"cpu:{socket.gethostname()}"] * TP  # both CPU workers share one "device"
     with ipc.Exporter() as exporter:

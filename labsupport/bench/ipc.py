@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from labsupport.course import hardware, progress, results
-from labsupport.course.hardware import synchronize as _sync
+from labsupport.core.devices import synchronize as _sync
 from labsupport.ipc import Exporter, IpcError, Receiver, device_of, rebuild
 from labsupport.course.ipc_timing import model_state, time_update_vs_copy, timed
 from labsupport.course.peer import Peer, memory_probe

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labsupport.course.hardware import gpu_uuid, synchronize
+from labsupport.core.devices import gpu_uuid, synchronize
 from labsupport.ipc import IpcError, ack, device_of, rebuild
 
 

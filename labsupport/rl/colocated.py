@@ -26,7 +26,7 @@ import torch
 
 from labsupport import ipc
 from labsupport.core.buckets import unpack
-from labsupport.course import hardware
+from labsupport.core import devices
 from labsupport.fast_update import export_order
 from labsupport.vllm_weights import WeightUpdateError
 
@@ -122,7 +122,7 @@ class ColocatedWeights:
             raise WeightUpdateError("the trainer's model no longer has the parameters its bucket was exported with "
                                     "(names or shapes changed): nothing was sent; export a new bucket and map it")
         torch._foreach_copy_(self.views, [p.detach() for _, p in named])
-        hardware.synchronize(self.device)
+        devices.synchronize(self.device)
 
     def close(self) -> None:
         """Release the bucket (the engine has unmapped it when it closed; any other mapping is forced)."""
