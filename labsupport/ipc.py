@@ -48,6 +48,7 @@ Named = Iterable[tuple[str, torch.Tensor]]
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine or GPU, or bad input."""
+    crosses_processes = True  # course.peer.Peer re-raises it as itself in the parent, not as a RuntimeError
 
 
 @dataclass(frozen=True)

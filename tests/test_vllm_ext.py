@@ -857,7 +857,7 @@ def test_after_a_timeout_the_engine_refuses_every_call():
         vllm_ext.call(hung, "report_device_id")
     assert time.perf_counter() - t0 < 1 and issubclass(vllm_ext.EngineUnusable, vllm_ext.EngineDead)
     pytest.importorskip("ray")
-    from labsupport import cluster
+    from labsupport.experiments import cluster
 
     actor = object.__new__(cluster.EngineActor)
     actor._llm = hung
@@ -891,7 +891,7 @@ def test_versioned_update_has_deadlines_and_refuses_the_engine_after_a_late_load
     EngineTimeout (a TimeoutError) within it; after the load's timeout the engine is refused (the load may still
     land), so no resume lets it land during generation."""
     pytest.importorskip("vllm")
-    from labsupport import after_update
+    from labsupport.experiments import after_update
 
     async def scenario(stuck):
         ve = after_update.VersionedEngine(engine := _StuckAsyncEngine(stuck))
