@@ -18,8 +18,11 @@ PKG = Path(labsupport.__file__).parent
 # in 4,000 lines. The redesign took them from 5,435 to 4,788 while adding the deadlines and fault checks; passes on
 # duplicates, docstrings and fast_update, and the fault table's fixes, left 4,808. Then the lab experiments
 # (strategies, after_update, cluster) moved into experiments/, which the labs drive and no mechanism imports, and
-# core/ gained devices.py and colocated.py. Lower this as modules shrink; raise it only with a reason here.
-MECHANISM_LINES = 4000
+# core/ gained devices.py and colocated.py (the co-located turn, whose trainer bucket fast_update now keeps for the
+# capstone too): 4,110. The target stays 4,000: broadcast built on core.sync's phases, and one home for a worker's
+# update group and for loading received views, are the rest. Lower this as modules shrink; raise it only with a
+# reason here.
+MECHANISM_LINES = 4110
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 
