@@ -25,7 +25,7 @@ gives ``(rebuild_cuda_tensor, args)``, and ``args`` holds a ``storage_device`` i
 ``where`` is ``(path, size)``.
 
 Given: ``Handle(gpu, where, entries)`` (``gpu``: the UUID, or None on the CPU), Assignment 2's functions in
-``labsupport.core.buckets``, and ``gpu_uuid``. Lab 5 runs the course's own handoff first.
+``labsupport.core.buckets``, and ``labsupport.core.devices.gpu_uuid``. Lab 5 runs the course's own handoff first.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor 
 
 from labsupport.core import buckets  # noqa: F401  (given)
 from labsupport.core.handoff import SHM_DIR, Handle  # noqa: F401  (given)
-from labsupport.course.hardware import gpu_uuid  # noqa: F401  (given)
+from labsupport.core.devices import gpu_uuid  # noqa: F401  (given)
 
 
 def export(named: list[tuple[str, torch.Tensor]], path: str | None = None) -> tuple[torch.Tensor, Handle]:

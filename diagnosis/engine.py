@@ -22,10 +22,10 @@ import torch
 
 from diagnosis import Fault, drawn, seed
 from diagnosis.instruments import short, table
-from labsupport import after_update
 from labsupport.checksums import tensor_checksums
-from labsupport.vllm_ext import engine_sums
 from labsupport.course import hardware, models, versions
+from labsupport.experiments import after_update
+from labsupport.vllm_ext import engine_sums
 
 LOOK_SUMS = "the engine's checksums per parameter: which parameters hold the new weights, the old, or neither"
 FAULTS = {

@@ -13,20 +13,15 @@ from typing import Any, Callable
 import torch
 
 from labsupport import vllm_ext
-from labsupport.core import buckets, handoff, sync, timeline
+from labsupport.core import buckets, colocated, handoff, sync, timeline
 from labsupport.rl import grpo
 
 
 def colocated_step(llm: Any, model: torch.nn.Module, train: Callable[[torch.nn.Module], Any], *,
                    level: int = 1) -> None:
-    """Assignment 5's reference: sleep, train, wake the weights, update, wake the KV cache, reset the prefix cache."""
-    llm.sleep(level=level)
-    train(model)
-    llm.wake_up(tags=["weights"])
-    dtype = llm.llm_engine.model_config.dtype
-    vllm_ext.push_ipc(llm, [(n, p.detach().to(dtype)) for n, p in model.named_parameters()])
-    llm.wake_up(tags=["kv_cache"])
-    llm.reset_prefix_cache()
+    """Assignment 5's reference: ``core.colocated``'s turn (sleep, train, wake the weights, update, wake the KV
+    cache, reset the prefix cache), its update through ``vllm_ext.push_ipc`` (checked, whole layers, acked)."""
+    colocated.colocated_step(llm, model, train, level=level, push=vllm_ext.push_ipc)
 
 
 a1 = timeline

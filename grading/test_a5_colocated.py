@@ -73,8 +73,8 @@ def engine():
     """The module's engine and what the checks compare it with (started on first use, stopped at the end)."""
     from transformers import AutoModelForCausalLM
 
-    from labsupport import after_update as au
     from labsupport.course import hardware, models
+    from labsupport.experiments import after_update as au
 
     gpu = hardware.gpu_count() > 0
     from labsupport.course import vllm_engine
@@ -102,9 +102,9 @@ def _stop_engine():
 def turn(name: str, key: str) -> dict:
     """One implementation's turn on the engine, observed."""
     from grading.impl import load
-    from labsupport import after_update as au
     from labsupport import lora, vllm_ext
     from labsupport.course import models
+    from labsupport.experiments import after_update as au
 
     impl = load(name, key)
     require_implemented(impl.colocated_step)

@@ -94,7 +94,8 @@ def _plan_parser(models: list[str], layouts: list[str]) -> argparse.ArgumentPars
 
 def plan_cli(argv: list[str]) -> int:
     """``python -m labsupport plan ...``: print the planner's tables."""
-    from labsupport.course import memory_report as R, planner as P
+    from labsupport.course import planner as P
+    from labsupport.experiments import memory_report as R
 
     a = _plan_parser(list(P.MODELS), list(P.LAYOUTS)).parse_args(argv)
     m = P.get_model(a.model)

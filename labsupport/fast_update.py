@@ -1,6 +1,7 @@
 """Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
 
-The trainer's parameters live in one exported buffer (``SharedWeights``). The engine maps it once, checks it, loads
+``core.colocated``'s mapped path plus what production needs. The trainer's parameters live in one exported buffer
+(``SharedWeights``; the capstone's cast copy too). The engine maps it once, checks it, loads
 it once through the safe path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters; a layer
 vLLM does not compute from as loaded keeps the safe path, with its reason. An update is then one RPC of copies.
 
@@ -20,33 +21,40 @@ from typing import Any
 import torch
 
 from labsupport import ipc, reshard, vllm_ext
-from labsupport.core.buckets import Meta
-from labsupport.course import hardware
+from labsupport.core import colocated, devices
+from labsupport.core.buckets import Meta, unpack
 from labsupport.vllm_weights import WeightUpdateError, WorkerState, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 
 
-def export_order(named: Any) -> list[tuple[str, torch.Tensor]]:
-    """Weights, then biases (a stable sort): what vLLM fuses (q, k, v; gate, up) lies side by side, one copy each."""
-    return sorted(named, key=lambda item: item[0].endswith(".bias"))
-
-
 class SharedWeights:
-    """A model whose parameters live in one exported buffer: create it before the optimizer, write in place."""
+    """The trainer's side of the mapped co-located update (``core.colocated``'s mapped path, plus its checks): the
+    trainer's weights in one exported bucket that the engine maps once.
 
-    def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None) -> None:
-        self.exporter, self.model = exporter or ipc.Exporter(), model
-        named = export_order(model.named_parameters())
-        self.handle, params = self.exporter.export_bucket(named), dict(named)  # one copy into the buffer, once
-        with torch.no_grad():
-            for name, view in ipc.rebuild(self.handle):
-                params[name].data = view  # the parameter now lives in the exported buffer
+    Without ``dtype``, the parameters themselves move into the bucket (create it before the optimizer and write in
+    place: nothing to copy; ``check`` refuses once one has moved). With the engine's ``dtype`` (the capstone's
+    ``rl.colocated``), the bucket holds a cast copy that ``refresh`` overwrites in place after each optimizer step,
+    once it has checked the names and shapes (a copy into a view of another shape would broadcast silently)."""
+
+    def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.exporter, self.model, self.dtype = exporter or ipc.Exporter(), model, dtype
+        named = colocated.engine_order(model.named_parameters())
+        self.handle = self.exporter.export_bucket(colocated.in_dtype(model, dtype) if dtype else named)  # one copy
+        self.names, params = [n for n, _ in named], dict(named)
+        self.views = [v for _, v in unpack(self.exporter.buffer(self.handle), self.handle.entries)]
+        if dtype is None:
+            with torch.no_grad():
+                for name, view in zip(self.names, self.views):
+                    params[name].data = view  # the parameter now lives in the exported buffer
         self.device = named[0][1].device
         self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where each one must stay
 
     def check(self) -> None:
-        """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported."""
+        """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported (without ``dtype``)."""
+        if self.dtype is not None:
+            return  # (a cast copy: ``refresh`` reads the parameters wherever they live, and checks them)
         now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
         if moved := sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n)):
             raise WeightUpdateError(
@@ -54,6 +62,19 @@ class SharedWeights:
                 f"{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
                 "replaced their memory, and the engine would serve the stale buffer. Nothing was sent. Write parameters "
                 "in place, or map again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
+
+    def refresh(self, model: torch.nn.Module | None = None) -> None:
+        """The trainer's current weights in the bucket, and its queued writes finished (the engine reads next): with
+        ``dtype``, one grouped cast-copy of ``model``'s (default: the exported model's) after checking them."""
+        if self.dtype is None:
+            self.check()
+            devices.synchronize(self.device)
+            return
+        named = colocated.engine_order((model or self.model).named_parameters())  # the bucket's order
+        if [n for n, _ in named] != self.names or any(p.shape != v.shape for (_, p), v in zip(named, self.views)):
+            raise WeightUpdateError("the trainer's model no longer has the parameters its bucket was exported with "
+                                    "(names or shapes changed): nothing was sent; export a new bucket and map it")
+        colocated.refresh(self.views, model or self.model)
 
     def packed(self) -> bytes:
         """The handle for ``map_trainer_weights``, keyed by its device (``report_device_id``)."""
@@ -71,9 +92,9 @@ def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
 
 
 def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
-    """The trainer's current weights into the engine: check, wait for the trainer's queued writes, one RPC."""
-    shared.check()
-    hardware.synchronize(shared.device)
+    """The trainer's current weights into the engine: check (and cast, with ``dtype``), wait for the trainer's
+    queued writes, one RPC."""
+    shared.refresh()
     return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
 
 
@@ -171,7 +192,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         views = dict(v for b in buckets for v in ipc.rebuild(b))
         t1 = time.perf_counter()
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
-        hardware.synchronize(ew.device)
+        devices.synchronize(ew.device)
         t2 = time.perf_counter()
         cfg, pc = self.vllm_config.model_config.hf_config, self.vllm_config.parallel_config
         if getattr(cfg, "model_type", "") == "qwen2":  # the one layout reshard knows
@@ -204,10 +225,8 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         if plan.fallback_items:
             st.weights.load(plan.fallback_items)
         t1 = time.perf_counter()
-        with torch.no_grad():
-            for dst, src in plan.copies:  # (a loop of copies beats one _foreach_copy_ over the same tensors)
-                dst.copy_(src)
-        hardware.synchronize(self.device)
+        colocated.copy(plan.copies)  # (a loop of copies beats one _foreach_copy_ over the same tensors)
+        devices.synchronize(self.device)
         st.version += 1
         return {"version": st.version, "copied_bytes": plan.copied_bytes, "copies": len(plan.copies),
                 "copy_s": time.perf_counter() - t1, "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}

@@ -41,13 +41,14 @@ from labsupport import metadata, shm
 
 KEPT: list[torch.Tensor] = []  # exports killed with keep=True: their memory, held until this process exits
 from labsupport.core import buckets, handoff
-from labsupport.course.hardware import gpu_uuid, synchronize
+from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
 
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine or GPU, or bad input."""
+    crosses_processes = True  # course.peer.Peer re-raises it as itself in the parent, not as a RuntimeError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ way the core misreads memory:
   that counts nothing, no allocation-level view.
 
 The thread reads the allocator only: reading ``p.grad`` or a storage while autograd frees it crashes the process,
-so roles are counted on the step's own thread. ``labsupport.course.memory_report`` reads a timeline (peaks, plots).
+so roles are counted on the step's own thread. ``labsupport.experiments.memory_report`` reads a timeline (peaks, plots).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from labsupport.core import timeline
-from labsupport.course.hardware import synchronize as _sync
+from labsupport.core.devices import synchronize as _sync
 
 ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other")
 

@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 import torch
 
 from labsupport import broadcast, checksums, groups, ipc, vllm_weights
+from labsupport.core import devices
 from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
-from labsupport.course import hardware
 from labsupport.vllm_handles import buckets_for, device_id
 from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, layer_buckets, worker_rpc, worker_state
 
@@ -319,7 +319,7 @@ class ColocateWorkerExtension(_ExtensionBase):
             return st.weights.load(views)
         finally:
             del views
-            hardware.synchronize(st.weights.device)
+            devices.synchronize(st.weights.device)
             for b in buckets:  # this process has finished reading: the trainer may release the buckets
                 ipc.ack(b)
             st.timing = {"check_s": t1 - t0, "open_s": t2 - t1, "load_s": time.perf_counter() - t2}

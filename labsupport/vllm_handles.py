@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from labsupport import ipc
-from labsupport.course import hardware
+from labsupport.core import devices
 from labsupport.vllm_weights import WeightUpdateError
 
 
@@ -20,7 +20,7 @@ def device_id(device: torch.device) -> str:
     """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
-        return hardware.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+        return devices.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
     return f"cpu:{socket.gethostname()}"
 
 

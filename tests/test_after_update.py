@@ -1,4 +1,4 @@
-"""labsupport.after_update: a stale prefix cache is visible and each guard removes it; on vLLM's AsyncLLM an
+"""labsupport.experiments.after_update: a stale prefix cache is visible and each guard removes it; on vLLM's AsyncLLM an
 update while generation is not paused is refused, and each pause_generation mode does what it says to the
 in-flight rollouts and their version tags; TIS/MIS weights and the mismatch statistics have the values their
 definitions give.
@@ -17,9 +17,9 @@ import types
 import pytest
 import torch
 
-from labsupport import after_update as au
-from labsupport.course import hardware, models, vllm_engine
 from labsupport import lora, vllm_ext
+from labsupport.course import hardware, models, vllm_engine
+from labsupport.experiments import after_update as au
 from labsupport.rl import grpo
 
 GPU = hardware.gpu_count() >= 1

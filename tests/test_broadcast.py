@@ -16,10 +16,10 @@ import torch
 
 from labsupport import broadcast as B
 from labsupport import checksums
-from labsupport.core import buckets, sync
-from labsupport.course import sync_timing
 from labsupport.bench import sync as bench_sync
+from labsupport.core import buckets, sync
 from labsupport.course.ranks import run_ranks
+from labsupport.experiments import sync_timing
 from labsupport.groups import create_group, free_port
 
 

@@ -1,4 +1,4 @@
-"""labsupport.cluster: placement logic (pure), Ray placement on CPU bundles, RAY_ADDRESS on a two-node
+"""labsupport.experiments.cluster: placement logic (pure), Ray placement on CPU bundles, RAY_ADDRESS on a two-node
 cluster, and (GPU-marked) real GPU bundles, fractional sharing and NCCL / CUDA IPC between Ray actors.
 
 None of these tests imports vLLM: the GPU ones run on a machine where vLLM is not installed.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-from labsupport import cluster  # noqa: E402
-from labsupport.course import cluster_labs  # noqa: E402
+from labsupport.experiments import cluster  # noqa: E402
+from labsupport.experiments import cluster_labs  # noqa: E402
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run this file's helper functions
 
 

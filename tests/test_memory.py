@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from labsupport.course import hardware, planner
-from labsupport.course import memory_report
-from labsupport import memory as M, strategies as S
+from labsupport import memory as M
 from labsupport.bench import memory as memory_bench
+from labsupport.course import hardware, planner
+from labsupport.experiments import memory_report, strategies as S
 
 
 def nbytes(ts):

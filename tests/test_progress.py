@@ -101,7 +101,7 @@ def test_command_line_without_a_package_prints_one_line():
     done = _run(code, timeout=120)
     lines = [x for x in (done.stdout + done.stderr).splitlines() if x.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stdout + done.stderr
-    assert "labsupport.cluster needs ray" in lines[0] and "pip install ray==2.60.0" in lines[0], lines[0]
+    assert "labsupport.experiments.cluster needs ray" in lines[0] and "pip install ray==2.60.0" in lines[0], lines[0]
 
 
 def test_a_lab_that_imports_a_missing_package_stops_at_lab_setup_with_one_line(tmp_path):

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from labsupport import broadcast, groups, ipc, vllm_ext, vllm_weights
+from labsupport.core import devices
 from labsupport.core.buckets import dtype_name
 from labsupport.course import hardware, models, versions, vllm_engine
 from labsupport.course.ranks import run_ranks
@@ -472,7 +473,7 @@ def test_colocated_ipc_update(llm, group, hf):
     set_weights(llm, group, hf, "random")
     ids = vllm_ext.call(llm, "report_device_id")
     if GPU:
-        assert ids == [hardware.gpu_uuid(i) for i in range(1, TP + 1)]  # physical GPUs, whatever the indices say
+        assert ids == [devices.gpu_uuid(i) for i in range(1, TP + 1)]  # physical GPUs, whatever the indices say
     else:
         assert ids == [f"cpu:{socket.gethostname()}"] * TP  # both CPU workers share one "device"
     with ipc.Exporter() as exporter:
@@ -873,7 +874,7 @@ def test_after_a_timeout_the_engine_refuses_every_call():
         vllm_ext.call(hung, "report_device_id")
     assert time.perf_counter() - t0 < 1 and issubclass(vllm_ext.EngineUnusable, vllm_ext.EngineDead)
     pytest.importorskip("ray")
-    from labsupport import cluster
+    from labsupport.experiments import cluster
 
     actor = object.__new__(cluster.EngineActor)
     actor._llm = hung
@@ -907,7 +908,7 @@ def test_versioned_update_has_deadlines_and_refuses_the_engine_after_a_late_load
     EngineTimeout (a TimeoutError) within it; after the load's timeout the engine is refused (the load may still
     land), so no resume lets it land during generation."""
     pytest.importorskip("vllm")
-    from labsupport import after_update
+    from labsupport.experiments import after_update
 
     async def scenario(stuck):
         ve = after_update.VersionedEngine(engine := _StuckAsyncEngine(stuck))

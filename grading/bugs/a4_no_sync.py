@@ -6,7 +6,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from grading.reference import a2 as buckets
 from grading.reference import a4 as ref
-from labsupport.course.hardware import gpu_uuid
+from labsupport.core.devices import gpu_uuid
 
 LOSES = {"test_cuda_handle_is_safe_to_send_at_once"}
 GPU_ONLY = True  # on the CPU the copies are done when pack returns: nothing to see

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from labsupport.course import hardware
-from labsupport.cluster import RayWorker, actor_resources, init_ray, place
+from labsupport.experiments.cluster import RayWorker, actor_resources, init_ray, place
 
 
 

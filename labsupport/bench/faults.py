@@ -723,7 +723,7 @@ def _actor_rank(worker: Any, rank: int, world: int, addr: str, port: int, device
 def ray_actor_dies(ctx: Context) -> Outcome:
     import ray
 
-    from labsupport import cluster
+    from labsupport.experiments import cluster
 
     for tries in (1, 2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine may need a second try
         try:
@@ -883,7 +883,7 @@ def wrong_shape(ctx: Context) -> Outcome:
        "VersionedEngine.update refuses (UpdateWhileGenerating) unless generation is paused or a pause mode is "
        "given, so no rollout silently continues under other weights.", ("UpdateWhileGenerating",), "engine")
 def update_in_flight(ctx: Context) -> Outcome:
-    from labsupport import after_update
+    from labsupport.experiments import after_update
 
     eng = ctx.engine()
     eng.reset()
@@ -1252,7 +1252,7 @@ HEADER = ["fault", "exception the caller gets", "time to error / deadline", "sta
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from labsupport.course.memory_report import format_table as fmt
+    from labsupport.experiments.memory_report import format_table as fmt
 
     return fmt(table_rows(rows), HEADER)
 

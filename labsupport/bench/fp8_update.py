@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from labsupport import after_update as au
-from labsupport.course import hardware, models, progress, results, vllm_engine
 from labsupport import lora, vllm_ext
+from labsupport.course import hardware, models, progress, results, vllm_engine
+from labsupport.experiments import after_update as au
 
 
 def _scales(worker: Any) -> dict[str, torch.Tensor]:

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from labsupport.core.devices import synchronize as _sync
 from labsupport.course import hardware, progress, results
-from labsupport.course.hardware import synchronize as _sync
+from labsupport.course.peer import Peer
+from labsupport.experiments.ipc_timing import model_state, time_update_vs_copy, timed
+from labsupport.experiments.sharing import memory_probe
 from labsupport.ipc import Exporter, IpcError, Receiver, device_of, rebuild
-from labsupport.course.ipc_timing import model_state, time_update_vs_copy, timed
-from labsupport.course.peer import Peer, memory_probe
 
 
 def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, tuple[int, ...]]], rounds: int) -> None:

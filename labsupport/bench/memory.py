@@ -1,9 +1,9 @@
 """``python -m labsupport bench memory``: one RLHF step under each memory strategy, and the sampler's cost.
 
-Records ``labsupport.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
+Records ``labsupport.experiments.strategies.run_strategy`` for the three strategies, prints each peak-by-phase table,
 measures what the background sampler costs a step (``strategies.measure_overhead``, which Lab 2 also calls) and
 writes ``results/memory_timeline.<machine>.json`` with its plot (Chapter 2 and Lab 2 read them). The table
-and plots are ``labsupport.course.memory_report``'s, which Labs 2 and 10 use too.
+and plots are ``labsupport.experiments.memory_report``'s, which Labs 2 and 10 use too.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import argparse
 from dataclasses import asdict
 
 from labsupport.course import hardware, progress, results
-from labsupport.course.memory_report import format_peak_table, peak_bytes, plot_timelines
+from labsupport.experiments.memory_report import format_peak_table, peak_bytes, plot_timelines
 from labsupport.course.planner import GB
-from labsupport.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, measure_overhead,
+from labsupport.experiments.strategies import (CPU_CONFIG, GPU_CONFIG, STRATEGIES, STRATEGY_TEXT, measure_overhead,
                                    run_strategy)
 
 

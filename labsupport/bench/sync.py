@@ -2,7 +2,7 @@
 
 For each model size (a Qwen2-shaped bf16 state) every rank of one group measures a raw single-buffer
 broadcast of the same bytes (the ceiling), per-tensor broadcast, and each bucket size the four ways
-``send``/``receive`` can move it: ``labsupport.course.sync_timing.bench_on_group``, which Lab 3 calls on a group it
+``send``/``receive`` can move it: ``labsupport.experiments.sync_timing.bench_on_group``, which Lab 3 calls on a group it
 already has. ``main`` starts fresh processes, prints the table and writes ``results/bench_sync.<machine>.json``
 and its plot (Chapter 4 and Lab 3 read them).
 """
@@ -19,7 +19,7 @@ from labsupport.course import hardware, progress, results
 from labsupport.core.buckets import ALIGN
 from labsupport.groups import create_group, free_port
 from labsupport.course.ranks import run_ranks
-from labsupport.course.sync_timing import BUCKET_MODES, bench_on_group, format_rows, plot_bench
+from labsupport.experiments.sync_timing import BUCKET_MODES, bench_on_group, format_rows, plot_bench
 
 
 @dataclass

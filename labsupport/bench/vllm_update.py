@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from labsupport import checksums, fast_update, groups, ipc, reshard, vllm_ext, vllm_plugin, vllm_weights
+from labsupport.core import devices
 from labsupport.course import hardware, progress, results, vllm_engine
 
 SHAPES = {  # Qwen2.5 shapes (untied LM head in both, so every version changes a separate tensor)
@@ -164,7 +165,7 @@ def copy_floor(worker: Any, iters: int = 5) -> float:
     for _ in range(iters + 1):  # (the first one warms up)
         t0 = time.perf_counter()
         dst.copy_(flat)
-        hardware.synchronize(src.device)
+        devices.synchronize(src.device)
         times.append(time.perf_counter() - t0)
     del dst
     if src.is_cuda:

@@ -22,8 +22,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport.core import buckets
-from labsupport.course.hardware import gpu_uuid
-from labsupport.course.versions import storage_device_slot
+from labsupport.core.devices import gpu_uuid, storage_device_slot
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 

@@ -18,12 +18,14 @@ group (a ``labsupport.groups`` group: NCCL between GPUs, gloo on the CPU stand-i
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
 from labsupport.core import buckets
-from labsupport.groups import StatelessGroup
+
+if TYPE_CHECKING:  # (a name for the reader only: the core imports nothing outside core/)
+    from labsupport.groups import StatelessGroup
 
 Batch = list[tuple[str, torch.Tensor]]
 

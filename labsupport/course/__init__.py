@@ -7,10 +7,11 @@
 - ``models``: the tiny language model and tokenizer, built and trained offline
 - ``versions``: every difference between the vLLM and torch versions the course runs
 - ``ranks``: run a function on N ranks in fresh processes with a deadline (tests and benchmarks)
-- ``peer``: a helper process that rebuilds handles, for the labs' two-process experiments
+- ``peer``: a second process to talk to, with deadlines (Lab 5's probes, the capstone's engine process)
 - ``planner``: memory and transfer-time arithmetic for designs at scale
-- ``sync_timing``, ``ipc_timing``: a sync or an IPC update timed here and now, as Labs 3 and 5 do
+- ``vllm_engine``: starting and stopping the labs' engines: arguments and environment in one place
 
+It stands on ``core`` alone; what drives the labs' experiments (timers, probes, stand-ins) is ``experiments``.
 and ``implementation(name)``: a core module, or with ``LABSUPPORT_IMPL=assignments`` the learner's assignment
 that replaces it (the labs' one switch to run on a learner's code); ``student_copy_note()``: in a student copy,
 whose cores call the learner's code, which assignments are not written yet.

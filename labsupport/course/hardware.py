@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from labsupport.core.devices import gpu_uuid
 from labsupport.course import results, student_copy_note
 
 FORCE_CPU_ENV = "LABSUPPORT_DEVICE"  # set to "cpu" to take the CPU path on a GPU machine
@@ -63,19 +64,6 @@ def skip_gpu_tests(items: Any) -> None:
             have, need = gpu_count() if have is None else have, int(marker.args[0]) if marker.args else 1
             if have < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), this machine has {have}"))
-
-
-def synchronize(device: str | torch.device) -> None:
-    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def gpu_uuid(index: int) -> str:
-    """The physical GPU's UUID (``GPU-...``), which stays the same whatever CUDA_VISIBLE_DEVICES says."""
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
 # ---------------------------------------------------------------------------- which path a lab takes

@@ -1,7 +1,7 @@
 """Memory and time arithmetic for RLHF system design: ZeRO stages, KV cache, activations, per-GPU totals of
 co-located / hybrid / disaggregated layouts, whether a co-located engine fits beside its trainer, transfer times.
 
-Units: bytes in, bytes out, GB = 1e9 bytes (the ZeRO paper's unit). ``labsupport.course.memory_report`` prints
+Units: bytes in, bytes out, GB = 1e9 bytes (the ZeRO paper's unit). ``labsupport.experiments.memory_report`` prints
 the tables that ``python -m labsupport plan {zero,kv,act,layout,transfer} ...`` shows.
 """
 from __future__ import annotations

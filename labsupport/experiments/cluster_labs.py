@@ -1,9 +1,9 @@
-"""Lab plumbing around ``labsupport.cluster``: one GPU without Ray, the CPU path's stand-ins, a sleep report in words.
+"""Lab plumbing around ``experiments.cluster``: one GPU without Ray, the CPU path's stand-ins, a sleep report in words.
 
 The co-located cycle on one GPU needs no Ray: the trainer lives in the caller's process and the engine's single
 worker in vLLM's own process on the same GPU. ``InProcess`` gives such an object the actors' call form
 (``x.method.remote(...)``), and ``get`` reads results as ``ray.get`` reads an actor's, so one notebook cell drives
-either layout. ``labsupport.cluster.stop_engine`` stops either kind of engine.
+either layout. ``labsupport.experiments.cluster.stop_engine`` stops either kind of engine.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import ray
 
-from labsupport.cluster import ACTOR_ENV, EngineActor, TrainerActor
 from labsupport.course import hardware, vllm_engine
+from labsupport.experiments.cluster import ACTOR_ENV, EngineActor, TrainerActor
 
 
 class _CallNow:

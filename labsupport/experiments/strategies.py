@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from labsupport.core import timeline
+from labsupport.core.devices import synchronize as _sync
 from labsupport.course import models, progress
-from labsupport.course.hardware import synchronize as _sync
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 
 STRATEGIES = ("resident", "kv_freed", "offloaded")
