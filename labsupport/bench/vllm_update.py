@@ -96,15 +96,20 @@ def new_version(model: Any, version: int) -> None:
     model.lm_head.weight.normal_(0.0, 1.0, generator=g)
 
 
-def check(llm: Any, model: Any, tp: int, got: list[dict[str, int]] | None = None) -> dict[str, Any]:
-    """``checksums.check_engine``: the engine's bytes against the trainer's ``model``, in the engine's layout, with
-    the verdict of each TP rank (``exact_by_rank``)."""
-    t0 = time.perf_counter()
-    got = vllm_ext.engine_sums(llm) if got is None else got
-    named, layout = dict(model.named_parameters()), reshard.qwen2_layout(model.config, tp)
+def verdict(got: list[dict[str, int]], named: dict[str, torch.Tensor], layout: Any) -> dict[str, Any]:
+    """``checksums.check_engine`` of the workers' checksums ``got`` against the trainer's full tensors ``named``, with
+    each TP rank's own verdict (``exact_by_rank``)."""
     out = checksums.check_engine(got, named, layout)
     by_rank = [not checksums.differences(checksums.layout_checksums(named, layout, r), g) for r, g in enumerate(got)]
-    return {**out, "exact_by_rank": by_rank, "check_s": time.perf_counter() - t0}
+    return {**out, "exact_by_rank": by_rank}
+
+
+def check(llm: Any, model: Any, tp: int, got: list[dict[str, int]] | None = None) -> dict[str, Any]:
+    """The engine's bytes against the trainer's ``model``, in the engine's layout (``verdict``)."""
+    t0 = time.perf_counter()
+    got = vllm_ext.engine_sums(llm) if got is None else got
+    out = verdict(got, dict(model.named_parameters()), reshard.qwen2_layout(model.config, tp))
+    return {**out, "check_s": time.perf_counter() - t0}
 
 
 def engine_gpus(*relative: int) -> str:
