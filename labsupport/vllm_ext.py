@@ -176,8 +176,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
         group.synchronize("per-tensor sync")
     else:
         metas = metas_of(items)  # announced up front, like vLLM's NCCL update_info
-        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas],
-                                [m.dtype for m in metas], [list(m.shape) for m in metas], timeout=timeout)
+        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas], [m.dtype for m in metas],
+                                [list(m.shape) for m in metas], partial, timeout=timeout)
         stats, out["workers"] = alongside(rpc, lambda: broadcast.send(group, items, src=0, mode="bucketed",
                                                                       bucket_bytes=bucket_bytes, partial=partial),
                                           timeout)
@@ -282,15 +282,17 @@ class WorkerExtension(_ExtensionBase):
 
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
-                                shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+                                shapes: Sequence[Sequence[int]] = (), partial: bool = False) -> dict[str, Any]:
         """Receive one ``broadcast.send``, each layer loaded once whole; all or nothing on every TP rank: a failed
-        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``)."""
+        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``).
+        ``partial``: the announced names are some of the model's on purpose (else a missing one is refused)."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
         ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
         with ew.all_or_nothing():
             stats = broadcast.Receiver(group, expected=ew.expected, staged=False,
-                                       load=ew.loader(names, dtype_names, shapes, stream=True)).receive()
+                                       load=ew.loader(names, dtype_names, shapes, stream=True, partial=partial)
+                                       ).receive()
         return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak)}
 
     @worker_rpc
