@@ -96,3 +96,22 @@ def test_bar_mapped_sync_names_which_engine_placement_meets_it():
     assert bar["met"] and bar["met_by"] == ["mapped_inline"]
     assert not vu.bar_mapped_sync({"modes": {"mapped": row(0.59), "mapped_inline": row(0.9, exact=False)}})["met"]
     assert vu.bar_mapped_sync({"modes": {"mapped": row(0.86)}})["met_by"] == ["mapped"]
+
+
+def test_reshard_bars_count_every_gpu_and_the_speedup():
+    from labsupport.bench import reshard as rb
+
+    def row(seconds, trainer, engine, exact=True):
+        return {"seconds": seconds, "peak_extra_bytes_per_rank": trainer, "engine_peak_extra_bytes_per_rank": engine,
+                "exact": exact, "ok": True}
+    shape = {"largest_tensor_bytes": 100, "modes": {"a_gather_all": row(3.0, [900, 0], [50, 50]),
+                                                    "b_bucket_overlap": row(2.5, [80, 0], [120, 10]),
+                                                    "c_shard_to_shard": row(1.5, [20, 20], [None, None])}}
+    bar = rb.bar(shape, bucket=100)
+    assert bar["peak_any_gpu"] == {"a_gather_all": 900, "b_bucket_overlap": 120, "c_shard_to_shard": 20}
+    assert bar["b_and_c_peak_any_gpu_within_bucket_plus_largest"] and bar["b_and_c_peak_under_one_bucket"]
+    assert bar["c_speedup_over_a"] == 2.0 and bar["c_at_least_1.5x_a"] and bar["all_exact"]
+    shape["modes"]["b_bucket_overlap"]["engine_peak_extra_bytes_per_rank"] = [250, 0]  # an engine GPU over the limit
+    shape["modes"]["c_shard_to_shard"]["exact"] = False
+    bar = rb.bar(shape, bucket=100)
+    assert not bar["b_and_c_peak_any_gpu_within_bucket_plus_largest"] and not bar["all_exact"]

@@ -247,7 +247,8 @@ def plot(data: dict[str, Any]):
 
 def peak_any_gpu(row: dict[str, Any]) -> int:
     """A mode's peak extra bytes on any GPU, trainer's or engine's (an engine rank not measured counts 0)."""
-    return max([*row["peak_extra_bytes_per_rank"], *(row.get("engine_peak_extra_bytes_per_rank") or [0])])
+    engine = [b for b in row.get("engine_peak_extra_bytes_per_rank") or [] if b is not None]  # (None: a CPU engine)
+    return max([*row["peak_extra_bytes_per_rank"], *engine])
 
 
 def bar(shape: dict[str, Any], bucket: int) -> dict[str, Any]:
