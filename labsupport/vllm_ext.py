@@ -158,10 +158,11 @@ def stateless_init_process_group(master_address: str, master_port: int, rank: in
 
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]], llm: Any, *,
                  mode: str = "bucketed", bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
-                 timeout: float = TIMEOUT_S) -> dict[str, Any]:
+                 timeout: float = TIMEOUT_S, partial: bool = False) -> dict[str, Any]:
     """The workers' receive RPC on ``llm`` (an ``LLM`` or a Ray actor) alongside the send: ``"per_tensor"`` is
     vLLM's rlhf.py loop (``update_weight``, one broadcast per tensor), ``"bucketed"`` is ``broadcast.send``.
-    ``dtype``: cast first. Returns stats."""
+    ``dtype``: cast first. ``partial``: some of the model's tensors on purpose (bucketed; else a missing one is
+    refused). Returns stats."""
     if mode not in ("per_tensor", "bucketed"):
         raise ValueError(f"mode must be 'per_tensor' or 'bucketed', got {mode!r}")
     items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
@@ -175,10 +176,11 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
         group.synchronize("per-tensor sync")
     else:
         metas = metas_of(items)  # announced up front, like vLLM's NCCL update_info
-        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas],
-                                [m.dtype for m in metas], [list(m.shape) for m in metas], timeout=timeout)
+        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas], [m.dtype for m in metas],
+                                [list(m.shape) for m in metas], partial, timeout=timeout)
         stats, out["workers"] = alongside(rpc, lambda: broadcast.send(group, items, src=0, mode="bucketed",
-                                                                      bucket_bytes=bucket_bytes), timeout)
+                                                                      bucket_bytes=bucket_bytes, partial=partial),
+                                          timeout)
         out["n_collectives"] = stats.n_collectives
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -280,15 +282,17 @@ class WorkerExtension(_ExtensionBase):
 
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
-                                shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+                                shapes: Sequence[Sequence[int]] = (), partial: bool = False) -> dict[str, Any]:
         """Receive one ``broadcast.send``, each layer loaded once whole; all or nothing on every TP rank: a failed
-        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``)."""
+        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``).
+        ``partial``: the announced names are some of the model's on purpose (else a missing one is refused)."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
         ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
         with ew.all_or_nothing():
             stats = broadcast.Receiver(group, expected=ew.expected, staged=False,
-                                       load=ew.loader(names, dtype_names, shapes, stream=True)).receive()
+                                       load=ew.loader(names, dtype_names, shapes, stream=True, partial=partial)
+                                       ).receive()
         return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak), "aside": ew.aside.type}
 
     @worker_rpc

@@ -95,7 +95,7 @@ def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int, group
     def push(items: list[tuple[str, torch.Tensor]]) -> None:
         plan = broadcast.plan_buckets(metas(items), bucket_bytes)
         staging = 2 * max((b.nbytes for b in plan if b.packed), default=0)  # push_weights' buffers, during the send
-        vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes)
+        vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes, partial=overlap)
         peak.hold(staging)
         peak.hold(-staging - sum(nbytes[n] for n, _ in items))
 

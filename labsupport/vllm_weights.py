@@ -113,11 +113,12 @@ class EngineWeights:
                 "dtype, and every tensor of a layer in the same update (all layers, unless it is partial=True).")
 
     def loader(self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]], *,
-               stream: bool = False) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-        """``broadcast.receive``'s ``load`` for an announced update: ``stage`` (or ``stream``), or, if the
-        announcement is refused, fail the first bucket, which every rank's vote turns into ``WeightSyncError``."""
+               stream: bool = False, partial: bool = False) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        """``broadcast.receive``'s ``load`` for an announced update (``partial``: some weights, on purpose): ``stage``
+        (or ``stream``), or, if it is refused, fail the first bucket, which every rank's vote turns into an error."""
         try:
-            self.check([Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)])
+            metas = [Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)]
+            self.check(metas, partial=partial)
         except WeightUpdateError as exc:
             return functools.partial(_refuse, exc)
         return self.stream if stream else self.stage

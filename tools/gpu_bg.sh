@@ -11,6 +11,7 @@
 # copies each lane's two archives (results-LANE.tgz, logs-LANE.tgz). Without LANE there is one lane, "main".
 # AFTER=lane makes a lane start its steps once that lane has finished (GPUs a first lane uses, then handed on):
 #   LANE=f GPUS=1,2,3 ... start faults; LANE=p GPUS=1,2 AFTER=f ... start peer
+# AFTER may name several lanes (AFTER="v s"): the lane starts once all of them have finished.
 #
 # The machine must not go idle for 30 s between calls, or it is given back with the run. Each lane works in a
 # copy of the tree (/tmp/gpu_bg/LANE/tree): each call re-sends the carried tree, which would pull a running
@@ -27,7 +28,8 @@ case ${1:-} in
     tar --exclude=./.git --exclude=./.venv --exclude="./.vk*" -cf - . | tar -xf - -C "$BG/tree"
     export PYTHONPATH=$BG/tree${PYTHONPATH:+:$PYTHONPATH}
     [ -n "${GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$GPUS
-    first=${AFTER:+"while [ ! -e $ROOT/$AFTER/DONE ]; do sleep 5; done; "}
+    first=""  # AFTER="a b": wait until each of those lanes has finished
+    for after in ${AFTER:-}; do first+="while [ ! -e $ROOT/$after/DONE ]; do sleep 5; done; "; done
     setsid nohup bash -c "${first}cd $BG/tree && OUT=$BG/out bash tools/gpu_reference_run.sh $* > $BG/run.log 2>&1; touch $BG/DONE" \
       > /dev/null 2>&1 < /dev/null &
     echo "started lane $LANE (GPUs ${GPUS:-all}): $*" ;;

@@ -64,16 +64,25 @@ for step in $STEPS; do
     rl05) run rl05 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --config safe+offload+no-graphs ;;
     lab10gpu) run lab10gpu 1200 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone.xml" ;;
     # 4 GPUs (nvidia-h200-x4), vLLM kit: FSDP2 on GPUs 0-1 -> vLLM TP=2 on GPUs 2-3 (results/bench_reshard.4xH200.json)
-    vllm_reshard) run vllm_reshard 900 python3 -m labsupport bench reshard ;;
+    vllm_reshard) run vllm_reshard 900 python3 -m labsupport bench reshard ${RESHARD_ARGS:-} ;;
+    # 3 GPUs, vLLM kit: the NCCL modes at 7B (trainer GPU 0, TP=2 engine GPUs 1-2) beside the raw 3-rank broadcast,
+    # the co-located modes and mapped_inline on GPU 0 (results/bench_vllm_update.<machine>.json)
+    vllm_bench7) run vllm_bench7 720 python3 -m labsupport bench vllm-update --shapes 7b ;;
     # 2-4 GPUs, vLLM kit: the labs that need several GPUs (3: 3 GPUs, 4: 2, 7: 4), one junit and recording each
     lab3gpu) run lab3gpu 300 python3 -m pytest -v -p no:cacheprovider --timeout=290 labs/lab_03_nccl_weight_sync.md --junitxml="$OUT/logs/gpu_lab03_nccl.xml" ;;
     lab4gpu) run lab4gpu 560 python3 -m pytest -v -p no:cacheprovider --timeout=550 labs/lab_04_disaggregated_vllm.md --junitxml="$OUT/logs/gpu_lab04_disaggregated.xml" ;;
+    lab4gpu2) run lab4gpu2 560 python3 -m pytest -v -p no:cacheprovider --timeout=550 labs/lab_04_disaggregated_vllm.md --junitxml="$OUT/logs/gpu_lab04_disaggregated_2gpu.xml" ;;
+    labd1gpu) run labd1gpu 420 python3 -m pytest -v -p no:cacheprovider --timeout=400 labs/lab_d1_diagnose_sync.md --junitxml="$OUT/logs/gpu_labd1_diagnose_sync.xml" ;;
+    # 4 GPUs, vLLM kit: lab 6's 4-GPU path (Ray, two TP=2 engines at 0.4 of each GPU beside four trainers: alone on
+    # the machine, or its engines do not fit) and lab 10's multi-GPU orchestrations
+    lab6gpu4) run lab6gpu4 900 python3 -m pytest -v -p no:cacheprovider --timeout=420 labs/lab_06_colocated_vllm.md --junitxml="$OUT/logs/gpu_lab06_colocated_4gpu.xml" ;;
+    lab10gpu4) run lab10gpu4 900 python3 -m pytest -v -p no:cacheprovider --timeout=580 labs/lab_10_capstone.md --junitxml="$OUT/logs/gpu_lab10_capstone_4gpu.xml" ;;
     lab7gpu) run lab7gpu 560 python3 -m pytest -v -p no:cacheprovider --timeout=550 labs/lab_07_resharding.md --junitxml="$OUT/logs/gpu_lab07_resharding.xml" ;;
     # one GPU, vLLM kit: lab 9's one-GPU path, and the FP8 engine's update (results/bench_fp8_update.<machine>.json, read by lab 9 and ch09)
     lab9gpu) run lab9gpu 400 python3 -m pytest -v -p no:cacheprovider --timeout=390 labs/lab_09_after_the_update.md --junitxml="$OUT/logs/gpu_lab09_after_update.xml" ;;
     fp8) run fp8 400 python3 -m labsupport bench fp8-update ;;
     # any GPUs, vLLM kit: the fault table (results/faults.<machine>.json, book/faults.md); rows needing more GPUs skip
-    faults) run faults 900 python3 -m labsupport bench faults --device cuda ${FAULTS_ARGS:-} ;;
+    faults) run faults ${FAULTS_LIMIT:-900} python3 -m labsupport bench faults --device cuda ${FAULTS_ARGS:-} ;;
     rl_tis) run rl_tis 400 python3 -m labsupport rl --arch colocated --engine vllm --size 0.5b --correction tis ;;  # bf16 engine vs fp32 trainer
     # one GPU, vLLM kit + TRL's wheels (.whl): the capstone against TRL's GRPOTrainer (results/bench_peer.<machine>.json):
     # per seed (0,1) TRL and the capstone's default configuration, then the ablations on seed 0 (--capstone-configs);

@@ -7,7 +7,11 @@ weights", so the load into vLLM counts:
 
 * disaggregated (engine with TP=2 on GPUs 1-2, or TP=1 on GPU 1 with only two GPUs), over NCCL:
   ``per_tensor`` (vLLM's rlhf.py loop), ``bucketed`` (``vllm_ext.WorkerExtension``), ``native_nccl``
-  (vLLM's own weight-transfer engine); the raw broadcast of the same bytes over the same group is the yardstick;
+  (vLLM's own weight-transfer engine, packed); the raw broadcast of the same bytes over the same group is the
+  yardstick. Each is a whole cycle: pause the engine's scheduling (``sleep(level=0)``), update, resume
+  (``update_s``: RPCs, transfer and load). ``bucketed`` also reports its transfer phase (``transfer_s``: the
+  workers' own account after the handshake, every bucket received and loaded, and the votes) and each worker's
+  reply; ``transfer_fraction_of_raw`` and ``cycle_over_raw`` set them against the raw broadcast (``bar_nccl``);
 * co-located (engine on GPU 0 beside the trainer), through CUDA IPC: ``ipc_extension``
   (``vllm_ext.ColocateWorkerExtension``), ``native_ipc`` (vLLM's IPC engine) and ``mapped``
   (``fast_update``: the trainer's parameters live in one buffer the engine keeps mapped, and a plan made once
@@ -17,21 +21,25 @@ weights", so the load into vLLM counts:
   Each co-located mode says where its time went (``parts``: packing, checks, handle opening, reload, copies).
   ``mapped`` also reports how many copies its plan makes, and its copies against one flat copy of the same bytes
   from the same mapped buffer, timed in the engine's worker in the same run (``against_floor``).
+  ``mapped_inline`` is the same mapped sync into an engine whose core and worker run in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL's colocate mode runs vLLM): no engine-core process, so no RPC hop
+  between the trainer and the copies (largest shape only; ``bar_mapped_sync``).
 
 Each version of the weights gets a new LM head, so a stale update cannot pass for a fresh one. After every mode
 the engine's weights are checked byte for byte against the trainer's, in the engine's layout (fused
 ``qkv_proj`` / ``gate_up_proj``, sharded by TP rank: ``checksums.check_engine`` with ``reshard.qwen2_layout``):
-``exact`` per mode, and the differing parameters if any. Greedy text is no check on random weights (bfloat16
-near ties break either way, so two runs of the same code disagreed); it is generated only to time the first
-generation. Sleep mode is checked the same way: level 1 + wake-up must give back the bytes from before the
-sleep, and level 2 + a new update the trainer's bytes. The bench also records what the sleep allocator holds
-by tag, a second level-1 sleep, and the cost of fresh pinned host memory against the copy into it (the
-explanation of level 1's speed in Chapter 5).
+``exact`` per mode (and ``exact_by_rank``), and the differing parameters if any. Greedy text is no check on random
+weights (bfloat16 near ties break either way, so two runs of the same code disagreed); it is generated only to time
+the first generation. Sleep mode is checked the same way: level 1 + wake-up must give back the bytes from before the
+sleep, and level 2 + a new update the trainer's bytes. The bench also records what the sleep allocator holds by tag,
+a second level-1 sleep, and the cost of fresh pinned host memory against the copy into it (the explanation of level
+1's speed in Chapter 5).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -89,12 +97,60 @@ def new_version(model: Any, version: int) -> None:
     model.lm_head.weight.normal_(0.0, 1.0, generator=g)
 
 
+def verdict(got: list[dict[str, int]], named: dict[str, torch.Tensor], layout: Any) -> dict[str, Any]:
+    """``checksums.check_engine`` of the workers' checksums ``got`` against the trainer's full tensors ``named``, with
+    each TP rank's own verdict (``exact_by_rank``)."""
+    out = checksums.check_engine(got, named, layout)
+    by_rank = [not checksums.differences(checksums.layout_checksums(named, layout, r), g) for r, g in enumerate(got)]
+    return {**out, "exact_by_rank": by_rank}
+
+
 def check(llm: Any, model: Any, tp: int, got: list[dict[str, int]] | None = None) -> dict[str, Any]:
-    """``checksums.check_engine``: the engine's bytes against the trainer's ``model``, in the engine's layout."""
+    """The engine's bytes against the trainer's ``model``, in the engine's layout (``verdict``)."""
     t0 = time.perf_counter()
     got = vllm_ext.engine_sums(llm) if got is None else got
-    out = checksums.check_engine(got, model.named_parameters(), reshard.qwen2_layout(model.config, tp))
+    out = verdict(got, dict(model.named_parameters()), reshard.qwen2_layout(model.config, tp))
     return {**out, "check_s": time.perf_counter() - t0}
+
+
+def engine_gpus(*relative: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine on this process's ``cuda:N`` devices ``relative``, in the numbering a
+    spawned process reads: where this one runs with ``CUDA_VISIBLE_DEVICES=4,5,6``, its ``cuda:1`` is GPU 5."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ids = [v.strip() for v in visible.split(",")] if visible else []
+    if ids and max(relative) >= len(ids):
+        raise RuntimeError(f"the engine needs this process's cuda:{max(relative)}, but CUDA_VISIBLE_DEVICES={visible} "
+                           f"shows only {len(ids)} GPUs; run with more GPUs visible")
+    return ",".join(ids[i] if ids else str(i) for i in relative)
+
+
+class Teardown:
+    """Steps that undo a set-up, registered as it goes (``add``) and run last first on leaving the block, every one
+    even if another failed. A failed step raises after the rest ran; when the block itself failed, its error stays
+    the one raised, the failed steps added to it as notes."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Any, str]] = []
+
+    def add(self, fn: Any, what: str) -> None:
+        self.steps.append((fn, what))
+
+    def __enter__(self) -> "Teardown":
+        return self
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
+        errors = []
+        for fn, what in reversed(self.steps):
+            try:
+                fn()
+            except Exception as err:  # noqa: BLE001 (each step runs; the errors are reported together)
+                errors.append(f"{what}: {type(err).__name__}: {err}")
+        if exc is not None:
+            for e in errors:
+                exc.add_note(f"teardown failed too: {e}")
+        elif errors:
+            raise RuntimeError("teardown failed: " + "; ".join(errors))
+        return False
 
 
 def engine_tokens(llm: Any) -> list[list[int]]:
@@ -105,13 +161,19 @@ def engine_tokens(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def start_llm(folder: Path, gpus: str, tp: int, **kwargs: Any) -> Any:
-    """An in-process ``LLM`` whose workers see only ``gpus`` (its engine-core process is spawned now)."""
+def start_llm(folder: Path, gpus: str, tp: int, inline: bool = False, **kwargs: Any) -> Any:
+    """An in-process ``LLM`` whose workers see only ``gpus`` (its engine-core process is spawned now). ``inline``:
+    its engine core and worker run in this process instead (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on this
+    process's current GPU, which must be ``gpus``; ``tp`` must then be 1."""
     torch.cuda.init()  # this process keeps every GPU; only the spawned engine sees CUDA_VISIBLE_DEVICES
+    if inline and (tp != 1 or gpus != engine_gpus(torch.cuda.current_device())):
+        raise ValueError(f"an inline engine runs TP=1 on this process's GPU {engine_gpus(torch.cuda.current_device())}"
+                         f"; asked for TP={tp} on GPUs {gpus}")
     kw = vllm_engine.engine_args(folder, gpu=True, load_format="dummy", skip_tokenizer_init=True,
-                              tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
-                              worker_extension_cls="labsupport.fast_update.FastColocateExtension", **kwargs)
-    return vllm_engine.start_llm(kw, gpu=True, env={"CUDA_VISIBLE_DEVICES": gpus})
+                                 tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4,
+                                 worker_extension_cls="labsupport.fast_update.FastColocateExtension", **kwargs)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inline else {"CUDA_VISIBLE_DEVICES": gpus}
+    return vllm_engine.start_llm(kw, gpu=True, env=env)
 
 
 def _raw_receive(worker: Any, nbytes: int, iters: int) -> bool:
@@ -233,32 +295,88 @@ def run_modes(modes: dict[str, Any], model: Any, llm: Any, version: int, tp: int
     return out, version
 
 
+def cycle(llm: Any, update: Any) -> dict[str, Any]:
+    """One update as a trainer's step makes it: pause the engine's scheduling (``sleep(level=0)``: requests queue,
+    no memory moves), ``update()``, resume (``wake_up(tags=["scheduling"])``). ``update()``'s dict (or None), with
+    ``pause_s`` and ``resume_s`` added."""
+    t0 = time.perf_counter()
+    llm.sleep(level=0)
+    t1 = time.perf_counter()
+    got = update() or {}
+    t2 = time.perf_counter()
+    llm.wake_up(tags=["scheduling"])
+    return {**got, "pause_s": t1 - t0, "resume_s": time.perf_counter() - t2}
+
+
+def bucketed_update(group: Any, named: list[tuple[str, torch.Tensor]], llm: Any, bucket_bytes: int) -> dict[str, Any]:
+    """``vllm_ext.push_weights`` (bucketed), with its transfer phase: ``transfer_s``, the slowest worker's own time
+    from the end of the handshake to the end of the last vote (every bucket received and loaded, loads overlapping
+    the next bucket's arrival; both votes), read from the workers' replies (``workers``). (The trainer's side,
+    ``broadcast.send``'s stats, is not returned by ``push_weights``: only its collective count.)"""
+    got = vllm_ext.push_weights(group, named, llm, mode="bucketed", bucket_bytes=bucket_bytes)
+    workers = [dict(w) for w in got.pop("workers")]
+    transfer = max(w["seconds"] - w["handshake_s"] for w in workers)
+    return {**got, "transfer_s": transfer, "workers": workers}
+
+
 def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict[str, Any], float, int]:
-    """Modes over NCCL to an engine on GPUs 1..tp; returns the modes, raw GB/s and the next version."""
+    """Modes over NCCL to an engine on GPUs 1..tp, each a whole cycle (``cycle``); returns the modes, the raw
+    broadcast's seconds for the model's bytes, and the next version. Everything set up is torn down, also on error."""
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    named = list(model.named_parameters())
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(p.numel() * p.element_size() for _, p in named)
-    llm = start_llm(folder, ",".join(str(i) for i in range(1, tp + 1)), tp, gpu_memory_utilization=0.5,
-                    weight_transfer_config=WeightTransferConfig(backend="nccl"))
-    port = groups.free_port()
-    group, _ = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", port, 1, tp + 1),
-                                  lambda: vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, tp + 1, "cuda:0"))
-    raw_s = min(raw_broadcast(llm, group, nbytes) for _ in range(2))
-    native = vllm_plugin.native_trainer("cuda:0", "127.0.0.1", groups.free_port(), tp + 1,
-                                        client=vllm_plugin.LLMWeightSyncClient(llm), source=ModuleSource(model))
-    modes = {
-        "per_tensor": lambda: vllm_ext.push_weights(group, named, llm, mode="per_tensor"),
-        "bucketed": lambda: vllm_ext.push_weights(group, named, llm, mode="bucketed", bucket_bytes=1 << 30),
-        "native_nccl": native.send_weights,
-    }
-    out, version = run_modes(modes, model, llm, version, tp)
-    native.shutdown()
-    vllm_ext.call(llm, "destroy_weight_update_group")
-    group.destroy()
-    vllm_engine.stop_llm(llm)
-    return out, nbytes / raw_s / 1e9, version
+    with Teardown() as undo:
+        llm = start_llm(folder, engine_gpus(*range(1, tp + 1)), tp, gpu_memory_utilization=0.5,
+                        weight_transfer_config=WeightTransferConfig(backend="nccl"))
+        undo.add(lambda: vllm_engine.stop_llm(llm), "stop the engine")
+        port = groups.free_port()
+        group, _ = vllm_ext.alongside(
+            lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", port, 1, tp + 1),
+            lambda: vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, tp + 1, "cuda:0"))
+        undo.add(group.destroy, "destroy the trainer's group")
+        undo.add(lambda: vllm_ext.call(llm, "destroy_weight_update_group"), "the workers leave the group")
+        raw_s = min(raw_broadcast(llm, group, nbytes) for _ in range(2))
+        native = vllm_plugin.native_trainer("cuda:0", "127.0.0.1", groups.free_port(), tp + 1,
+                                            client=vllm_plugin.LLMWeightSyncClient(llm), source=ModuleSource(model))
+        undo.add(native.shutdown, "shut the native trainer down")
+        modes = {
+            "per_tensor": lambda: cycle(llm, lambda: vllm_ext.push_weights(group, named, llm, mode="per_tensor")),
+            "bucketed": lambda: cycle(llm, lambda: bucketed_update(group, named, llm, 1 << 30)),
+            "native_nccl": lambda: cycle(llm, native.send_weights),
+        }
+        out, version = run_modes(modes, model, llm, version, tp)
+    return out, raw_s, version
+
+
+def nccl_fractions(row: dict[str, Any], raw_s: float) -> dict[str, Any]:
+    """A disaggregated mode against the raw broadcast of the same bytes in the same run: ``cycle_over_raw`` (the
+    whole cycle, pause to resume, over raw: the bar is <= 2) and, where the mode reports its transfer phase,
+    ``transfer_fraction_of_raw`` (raw over the transfer phase: the bar is >= 0.85)."""
+    out = {"cycle_over_raw": row["update_s"] / raw_s}
+    if "transfer_s" in row["parts"]:
+        out["transfer_fraction_of_raw"] = raw_s / row["parts"]["transfer_s"]
+    return out
+
+
+def bar_nccl(shape: dict[str, Any]) -> dict[str, Any] | None:
+    """Issue 47's bar on one shape's disaggregated results (None without them): the bucketed update's transfer phase
+    >= 85 % of the raw broadcast, its whole cycle <= 2x raw, byte-exact on every rank; beside it vLLM's native
+    packed NCCL path, and which of the two cycles is faster."""
+    modes = shape["modes"]
+    if "bucketed" not in modes or not shape.get("raw_broadcast_s"):
+        return None
+    b, n = modes["bucketed"], modes.get("native_nccl")
+    bar = {"raw_broadcast_s": shape["raw_broadcast_s"], "transfer_s": b["parts"]["transfer_s"],
+           "transfer_fraction_of_raw": b["transfer_fraction_of_raw"], "cycle_s": b["update_s"],
+           "cycle_over_raw": b["cycle_over_raw"], "exact_by_rank": b["exact_by_rank"],
+           "native_nccl_cycle_s": n["update_s"] if n else None,
+           "native_nccl_cycle_over_raw": n["cycle_over_raw"] if n else None,
+           "native_nccl_exact_by_rank": n["exact_by_rank"] if n else None,
+           "faster_cycle": None if n is None else "bucketed" if b["update_s"] <= n["update_s"] else "native_nccl"}
+    return {**bar, "met": bar["transfer_fraction_of_raw"] >= 0.85 and bar["cycle_over_raw"] <= 2.0
+            and all(bar["exact_by_rank"])}
 
 
 def _device_used() -> int:
@@ -310,8 +428,7 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     def named() -> list[tuple[str, torch.Tensor]]:  # read each time: the fast mode moves the parameters
         return [(n, p.detach()) for n, p in model.named_parameters()]
 
-    llm = start_llm(folder, os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], 1,
-                    gpu_memory_utilization=0.35, enable_sleep_mode=True,
+    llm = start_llm(folder, engine_gpus(0), 1, gpu_memory_utilization=0.35, enable_sleep_mode=True,
                     weight_transfer_config={"backend": "ipc"})
     uuid = vllm_ext.call(llm, "report_device_id")[0]
     llm.init_weight_transfer_engine({"init_info": {}})
@@ -393,6 +510,41 @@ def colocated(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], d
     return modes, sleep, version
 
 
+def colocated_inline(model: Any, folder: Path, version: int) -> tuple[dict[str, Any], int]:
+    """``mapped_inline``: the mapped sync into an engine on GPU 0 whose engine core and worker run in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), timed and checked as ``mapped``, with ``against_floor``'s copies and whole
+    sync (no RPC hop: the call reaches the worker in this process) against one flat copy in the same worker."""
+    with Teardown() as undo:
+        llm = start_llm(folder, engine_gpus(0), 1, inline=True, gpu_memory_utilization=0.35)
+        undo.add(lambda: vllm_engine.stop_llm(llm), "stop the inline engine")
+        shared = fast_update.SharedWeights(model)  # (a new buffer: the co-located engine's export is closed)
+        undo.add(shared.close, "close the export")
+        (mapping,) = fast_update.map_engine(llm, shared)
+        undo.add(lambda: fast_update.unmap_engine(llm), "unmap the trainer's weights")
+
+        def via_mapped() -> dict[str, float]:
+            (got,) = fast_update.sync(llm, shared)
+            return {"copy_s": got["copy_s"], "fallback_load_s": got["fallback_s"]}
+
+        fast, version = run_modes({"mapped_inline": via_mapped}, model, llm, version, 1)
+        fast["mapped_inline"]["once"] = mapping
+        fast["mapped_inline"].update(against_floor(llm, shared, mapping))
+    return fast, version
+
+
+def bar_mapped_sync(shape: dict[str, Any]) -> dict[str, Any]:
+    """Issue 46's bar on one shape's results: the whole mapped sync as the trainer sees it (check, RPC, copies)
+    >= 85 % of one flat copy of the same bytes in the same worker, exact; for the engine core in its own process
+    (``mapped``) and in this one (``mapped_inline``, when measured)."""
+    out: dict[str, Any] = {}
+    for name in ("mapped", "mapped_inline"):
+        if name in shape["modes"]:
+            m = shape["modes"][name]
+            out[name] = {k: m[k] for k in ("copy_floor_s", "sync_median_s", "sync_fraction_of_floor", "exact")}
+    met_by = [n for n, m in out.items() if m["sync_fraction_of_floor"] >= 0.85 and m["exact"]]
+    return {**out, "met_by": met_by, "met": bool(met_by)}
+
+
 def phase_switch(llm: Any, model: Any, shared: fast_update.SharedWeights, version: int) -> tuple[dict[str, Any], int]:
     """A co-located step's switch from training back to generation, two ways, each timed from "the engine goes to
     sleep" to "it has generated with the trainer's weights" (the training in between is not timed):
@@ -442,12 +594,13 @@ def plot(data: dict[str, Any]):
     import matplotlib.pyplot as plt
 
     shapes = list(data["shapes"])
-    names = list(next(iter(data["shapes"].values()))["modes"])
+    names = list(dict.fromkeys(n for d in data["shapes"].values() for n in d["modes"]))  # (mapped_inline: largest)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / len(shapes)
     for i, shape in enumerate(shapes):
         d = data["shapes"][shape]
-        ax.bar([k + i * width for k in range(len(names))], [d["modes"][n]["gbps"] for n in names], width,
+        gbps = [d["modes"][n]["gbps"] if n in d["modes"] else 0.0 for n in names]
+        ax.bar([k + i * width for k in range(len(names))], gbps, width,
                label=f"{shape} ({d['model_bytes'] / 1e9:.1f} GB); raw broadcast {d['raw_broadcast_gbps'] or 0:.0f}, "
                      f"device copy {d['device_copy_gbps']:.0f} GB/s (bytes copied)")
     ax.set_xticks([k + width * (len(shapes) - 1) / 2 for k in range(len(names))], names)
@@ -456,7 +609,7 @@ def plot(data: dict[str, Any]):
     ax.set_title(f"Weight update into vLLM {data['vllm_version']} ({where})")
     ax.legend(fontsize=8)
     last = data["shapes"][shapes[-1]]
-    co = [n for n in ("ipc_extension", "native_ipc", "mapped") if n in last["modes"]]
+    co = [n for n in ("ipc_extension", "native_ipc", "mapped", "mapped_inline") if n in last["modes"]]
     bottom = [0.0] * len(co)
     for part, label in PART_LABELS.items():
         ms = [last["modes"][n]["parts"].get(part, 0.0) * 1e3 for n in co]
@@ -493,12 +646,73 @@ def bar_floor(shape: dict[str, Any]) -> dict[str, Any]:
     return {**bar, "met": bar["copy_fraction_of_floor"] >= 0.85 and bar["exact"]}
 
 
+def measure_shape(shape: str, folder: Path, n_gpus: int, tp: int, version: int, inline: bool
+                  ) -> tuple[dict[str, Any], int]:
+    """Every mode at one shape: disaggregated (two or more GPUs), co-located, and ``mapped_inline`` if ``inline``."""
+    progress.write(f"{shape}: building the trainer's model")
+    model, folder = build(shape, folder / shape)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    modes, raw_s = {}, None
+    if n_gpus >= 2:  # with one GPU only the co-located modes run
+        modes, raw_s, version = disaggregated(model, folder, tp, version)
+    co_modes, sleep, version = colocated(model, folder, version)
+    if inline:
+        more, version = colocated_inline(model, folder, version)
+        co_modes.update(more)
+    copy_gbps = nbytes / device_copy(nbytes) / 1e9  # device copy: bytes copied per second (the glossary's unit)
+    raw_gbps = nbytes / raw_s / 1e9 if raw_s else None
+    modes.update(co_modes)
+    for name, row in modes.items():
+        row["gbps"] = nbytes / row["seconds"] / 1e9
+        row["fraction_of_raw"] = row["gbps"] / raw_gbps if raw_gbps else None
+        if name in co_modes:
+            row["fraction_of_copy"] = row["gbps"] / copy_gbps
+            row["update_fraction_of_copy"] = nbytes / (copy_gbps * 1e9) / row["update_s"]  # the update alone
+        elif raw_s:
+            row.update(nccl_fractions(row, raw_s))
+    del model
+    torch.cuda.empty_cache()
+    return {"model_bytes": nbytes, "raw_broadcast_s": raw_s, "raw_broadcast_gbps": raw_gbps,
+            "device_copy_gbps": copy_gbps, "modes": modes, "sleep": sleep}, version
+
+
+def report(data: dict[str, Any]) -> None:
+    """The table of every shape, then the bars."""
+    for shape, d in data["shapes"].items():
+        raw = (f"{d['raw_broadcast_gbps']:.0f} GB/s (TP={data['tp']})" if d["raw_broadcast_gbps"]
+               else "not measured (one GPU)")
+        print(f"\n{shape}: {d['model_bytes'] / 1e9:.2f} GB, raw broadcast {raw}, "
+              f"device copy {d['device_copy_gbps']:.0f} GB/s")
+        print(f"{'mode':<14}{'to generate':>12}{'update':>10}{'GB/s':>8}{'of raw':>8}{'of copy':>8}  bytes exact")
+        for n, r in d["modes"].items():
+            print(f"{n:<14}{r['seconds'] * 1e3:>10.1f}ms{r['update_s'] * 1e3:>8.1f}ms{r['gbps']:>8.1f}"
+                  f"{(r['fraction_of_raw'] or 0) * 100:>7.1f}%{(r.get('update_fraction_of_copy') or 0) * 100:>7.1f}%"
+                  f"  {r['exact']} {r['exact_by_rank']}")
+        for name in ("mapped", "mapped_inline"):
+            if name not in d["modes"]:
+                continue
+            m = d["modes"][name]
+            print(f"{name}: {m['copies']} copies for {m['planned_params']} engine parameters; in the worker, the "
+                  f"copies {m['copy_median_s'] * 1e3:.2f} ms against one flat copy of the same bytes "
+                  f"{m['copy_floor_s'] * 1e3:.2f} ms ({m['copy_fraction_of_floor'] * 100:.1f} % of it); the whole "
+                  f"sync, RPC included, {m['sync_median_s'] * 1e3:.2f} ms ({m['sync_fraction_of_floor'] * 100:.1f} %)")
+    print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
+    print(f"bar (bucketed transfer >= 85 % of raw, cycle <= 2x raw, exact on every rank; native NCCL beside it): "
+          f"{data['bar_nccl']}")
+    print(f"bar (mapped <= 0.2x native_ipc and >= 25 % of one device copy, exact; largest shape): {data['bar_mapped']}")
+    print(f"bar (mapped copies >= 85 % of one flat copy in the worker, exact; largest shape): "
+          f"{data['bar_mapped_floor']}")
+    print(f"bar (the whole mapped sync >= 85 % of one flat copy in the worker, exact): {data['bar_mapped_sync']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time every way of getting a trainer's weights into vLLM; print a table, write JSON and a plot."""
     p = argparse.ArgumentParser(prog="python -m labsupport bench vllm-update", description=main.__doc__)
     p.add_argument("--shapes", default="1.5b,7b", help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--dir", default="/tmp/labsupport_vllm_update", help="where the model configs are written")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--inline", default="largest", help="shapes that also run mapped_inline (the engine core in this "
+                   "process): 'largest' (default), 'none', or comma-separated shapes")
     a = p.parse_args(argv)
     hardware.require_gpus(1, "bench vllm-update (co-located on GPU 0; disaggregated needs a second GPU)")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles travel pickled
@@ -507,29 +721,13 @@ def main(argv: list[str] | None = None) -> int:
 
     n_gpus = hardware.gpu_count()
     tp = 2 if n_gpus >= 3 else 1
+    shapes = a.shapes.split(",")
+    inline = {"largest": shapes[-1:], "none": []}.get(a.inline, a.inline.split(","))
     data: dict[str, Any] = {"vllm_version": vllm.__version__, "tp": tp if n_gpus >= 2 else None, "shapes": {}}
     version = 0
-    for shape in progress.bar(a.shapes.split(","), desc="bench vllm-update", unit="shape"):
-        progress.write(f"{shape}: building the trainer's model")
-        model, folder = build(shape, Path(a.dir) / shape)
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        modes, raw_gbps = {}, None
-        if n_gpus >= 2:  # with one GPU only the co-located modes run
-            modes, raw_gbps, version = disaggregated(model, folder, tp, version)
-        co_modes, sleep, version = colocated(model, folder, version)
-        copy_gbps = nbytes / device_copy(nbytes) / 1e9  # device copy: bytes copied per second (the glossary's unit)
-        modes.update(co_modes)
-        for name, row in modes.items():
-            row["gbps"] = nbytes / row["seconds"] / 1e9
-            row["fraction_of_raw"] = row["gbps"] / raw_gbps if raw_gbps else None
-            if name in co_modes:
-                row["fraction_of_copy"] = row["gbps"] / copy_gbps
-                row["update_fraction_of_copy"] = nbytes / (copy_gbps * 1e9) / row["update_s"]  # the update alone
-        data["shapes"][shape] = {"model_bytes": nbytes, "raw_broadcast_gbps": raw_gbps, "device_copy_gbps": copy_gbps,
-                                 "modes": modes, "sleep": sleep}
-        del model
-        torch.cuda.empty_cache()
-    last = data["shapes"][list(data["shapes"])[-1]]
+    for shape in progress.bar(shapes, desc="bench vllm-update", unit="shape"):
+        data["shapes"][shape], version = measure_shape(shape, Path(a.dir), n_gpus, tp, version, shape in inline)
+    last = data["shapes"][shapes[-1]]
     data.update(model_bytes=last["model_bytes"], raw_broadcast_gbps=last["raw_broadcast_gbps"], modes=last["modes"])
     bucketed = last["modes"].get("bucketed", {}).get("fraction_of_raw")
     exact = all(r["exact"] for d in data["shapes"].values() for r in d["modes"].values())
@@ -537,26 +735,11 @@ def main(argv: list[str] | None = None) -> int:
                       and all(v["exact"] for v in d["sleep"]["switch"].values()) for d in data["shapes"].values())
     data["bar"] = {"bucketed_fraction_of_raw": bucketed, "met": bucketed is not None and bucketed >= 0.8,
                    "all_exact": exact, "sleep_exact": exact_sleep}
+    data["bar_nccl"] = bar_nccl(last)
     data["bar_mapped"] = bar_mapped(last)
     data["bar_mapped_floor"] = bar_floor(last)
-    for shape, d in data["shapes"].items():
-        raw = f"{d['raw_broadcast_gbps']:.0f} GB/s (TP={tp})" if d["raw_broadcast_gbps"] else "not measured (one GPU)"
-        print(f"\n{shape}: {d['model_bytes'] / 1e9:.2f} GB, raw broadcast {raw}, "
-              f"device copy {d['device_copy_gbps']:.0f} GB/s")
-        print(f"{'mode':<14}{'to generate':>12}{'update':>10}{'GB/s':>8}{'of raw':>8}{'of copy':>8}  bytes exact")
-        for n, r in d["modes"].items():
-            print(f"{n:<14}{r['seconds'] * 1e3:>10.1f}ms{r['update_s'] * 1e3:>8.1f}ms{r['gbps']:>8.1f}"
-                  f"{(r['fraction_of_raw'] or 0) * 100:>7.1f}%{(r.get('update_fraction_of_copy') or 0) * 100:>7.1f}%"
-                  f"  {r['exact']}")
-        m = d["modes"]["mapped"]
-        print(f"mapped: {m['copies']} copies for {m['planned_params']} engine parameters; in the worker, the copies "
-              f"{m['copy_median_s'] * 1e3:.2f} ms against one flat copy of the same bytes "
-              f"{m['copy_floor_s'] * 1e3:.2f} ms ({m['copy_fraction_of_floor'] * 100:.1f} % of it); the whole sync, "
-              f"RPC included, {m['sync_median_s'] * 1e3:.2f} ms ({m['sync_fraction_of_floor'] * 100:.1f} %)")
-    print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
-    print(f"bar (mapped <= 0.2x native_ipc and >= 25 % of one device copy, exact; largest shape): {data['bar_mapped']}")
-    print(f"bar (mapped copies >= 85 % of one flat copy in the worker, exact; largest shape): "
-          f"{data['bar_mapped_floor']}")
+    data["bar_mapped_sync"] = bar_mapped_sync(last)
+    report(data)
     if not a.no_save:
         import matplotlib
 

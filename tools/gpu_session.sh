@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Issues 46 and 47's GPU measurements on ONE nvidia-h200-x4 machine, as lanes of tools/gpu_bg.sh chained with AFTER=,
+# started by one call and collected by later ones. Ordered by value; each lane has its GPUs to itself while it runs
+# where a number depends on it (the fault table reads memory on every GPU it sees; the benches time transfers).
+#
+#   lane GPUs     after      steps (tools/gpu_reference_run.sh)           what it makes
+#   f    0-3      -          faults          (limit FAULTS_LIMIT=960 s)   (a) results/faults.4xH200.json, every row
+#   v    0-3      f          vllm_bench7     (720 s)                      (b) bench_vllm_update.4xH200.json: NCCL modes
+#                                                                             at 7B, trainer GPU 0, TP=2 on GPUs 1-2,
+#                                                                             raw 3-rank broadcast, co-located and
+#                                                                             mapped_inline on GPU 0 (GPU 3 is seen,
+#                                                                             for the tag, and left to lane s)
+#   s    3        f          soak (SOAK_A: 2 runs of fastest, 1 cold)     (e) bench_soak-s.1xH200.json (one GPU seen)
+#   r    0-3      v s        vllm_reshard    (900 s)                      (c) bench_reshard.4xH200.json, 1.5B and 7B
+#   la   0,1,2    r          lab3gpu labd1gpu lab4gpu                      (d) junit + recordings (3 GPUs)
+#   lb   0-3      r          lab7gpu lab10gpu4                             (d) (4 GPUs)
+#   lc   0,1      la         lab4gpu2                                      (d) lab 4's TP=1 path (2 GPUs)
+#   l6   0-3      la lb lc   lab6gpu4        (900 s; cells 420 s)         (d) lab 6's 4-GPU path, alone (Ray, two
+#                                                                             TP=2 engines at 0.4 of every GPU)
+#   s2   0-3      l6         soak (SOAK_B)                                (e) bench_soak-s2.4xH200.json
+#
+# Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
+# min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs
+# ~6 (lab 10: 343 s) then lab 6 3-5; so (a)-(c) end near 22 min, the labs near 32. One machine is held at most 30 min,
+# staging included: in one session expect (a), (b), (c) and the soak lane s; the labs need the next machine
+# (`start labs`). FAULTS_GPUS=0,1,2 frees GPU 3 during the fault table (lane s then starts at once, with more runs:
+# SOAK_A), at the price of the table's tag (faults.3xH200.json: three GPUs seen, all a row needs).
+#
+# The device calls (each `run` with kind nvidia-h200-x4; back to back, nothing slow in between, the machine is given
+# back ~30 s after a call ends). Before: ../shared/device/build-vllm-kit.sh made .vk1 .. .vk4 in the checkout.
+#   1-4. carry [".vk1"]: bash .vk1/vllm-gpu.sh stage            (then .vk2, .vk3, .vk4: one part per call)
+#   5.   bash /tmp/vk/vllm-gpu.sh install && . /tmp/vk/vllm-gpu.sh env && bash tools/gpu_session.sh start
+#   6..  . /tmp/vk/vllm-gpu.sh env && bash tools/gpu_session.sh wait 560    (repeat; each returns what has finished,
+#        in at most 8 files under $OUT: results.tgz, logs.tgz, status.txt; timeout_s 600)
+#   last bash tools/gpu_session.sh collect                         (anything a lane left, at once)
+# If a reply says the machine was not warm, it is a new one: the lanes are gone; stage again and `start` the rest
+# (`start labs`, or `start LANE ...`).
+#
+#   bash tools/gpu_session.sh start [all|labs|LANE ...]   # default all
+#   bash tools/gpu_session.sh wait SECONDS                # until every lane ends or SECONDS pass, then collect
+#   bash tools/gpu_session.sh collect                     # $OUT/results.tgz, logs.tgz, status.txt
+#   DRY=1 bash tools/gpu_session.sh start ...             # print the lanes it would start
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=/tmp/gpu_bg
+FAULTS_GPUS=${FAULTS_GPUS:-0,1,2,3}
+if [ "$FAULTS_GPUS" = 0,1,2,3 ]; then S_AFTER=f; SOAK_A=${SOAK_A:---configs fastest --runs 2 --cold 1 --steps 30}
+else S_AFTER=; SOAK_A=${SOAK_A:---configs fastest --runs 5 --cold 2 --steps 30}; fi
+SOAK_B=${SOAK_B:---configs fastest,fast,safe,fastest+inline --runs 2 --cold 1 --steps 30}
+
+lane() {  # lane NAME GPUS AFTER STEP...: one lane of tools/gpu_bg.sh (DRY=1: print it only)
+  local name=$1 gpus=$2 after=$3; shift 3
+  if [ -n "${DRY:-}" ]; then
+    echo "LANE=$name GPUS=$gpus AFTER='$after' FAULTS_LIMIT=${FAULTS_LIMIT:-} SOAK_ARGS='${SOAK_ARGS:-}' start $*"; return
+  fi
+  LANE=$name GPUS=$gpus AFTER=$after bash tools/gpu_bg.sh start "$@"
+}
+
+start() {
+  local what=${*:-all}
+  case " $what " in *" all "*) what="f v s r la lb lc l6 s2" ;; esac
+  case " $what " in *" labs "*) what="${what/labs/la lb lc l6 s2}" ;; esac
+  has() { case " $what " in *" $1 "*) return 0 ;; esac; return 1; }
+  # (a later lane waits only for lanes started now: one that is not there is not waited for)
+  after() { local out=""; for l in "$@"; do has "$l" && out+="$l "; done; echo "$out"; }
+  has f && FAULTS_LIMIT=${FAULTS_LIMIT:-960} lane f "$FAULTS_GPUS" "" faults
+  has v && lane v 0,1,2,3 "$(after f)" vllm_bench7
+  has s && SOAK_ARGS="$SOAK_A --tag s" lane s 3 "$(after $S_AFTER)" soak
+  has r && lane r 0,1,2,3 "$(after v s)" vllm_reshard
+  has la && lane la 0,1,2 "$(after r)" lab3gpu labd1gpu lab4gpu
+  has lb && lane lb 0,1,2,3 "$(after r)" lab7gpu lab10gpu4
+  has lc && lane lc 0,1 "$(after la)" lab4gpu2
+  has l6 && lane l6 0,1,2,3 "$(after la lb lc)" lab6gpu4
+  has s2 && SOAK_ARGS="$SOAK_B --tag s2" lane s2 0,1,2,3 "$(after l6)" soak
+  return 0
+}
+
+collect() {  # every lane's archives, unpacked and packed again as two files, and a status page: 3 files in $OUT
+  local out=${OUT:-/tmp/gpu_out} tmp=/tmp/gpu_collect
+  rm -rf "$tmp" && mkdir -p "$tmp/results" "$tmp/logs" "$out"
+  {
+    echo "collected $(date -u +%FT%TZ)"
+    for d in "$ROOT"/*/; do
+      [ -d "$d" ] || continue
+      l=$(basename "$d")
+      for a in results logs; do
+        mkdir -p "$tmp/x/$l" && tar xzf "$d/out/$a.tgz" -C "$tmp/x/$l" 2>/dev/null
+        # a lane still running has no archive yet past its first step's end: take its folder as it is now
+        [ -d "$d/out/$a" ] && cp -r "$d/out/$a" "$tmp/x/$l/" 2>/dev/null
+      done
+      for a in results logs; do  # lane-prefixed where names could clash (logs/soak-*.log, notebooks)
+        [ -d "$tmp/x/$l/$a" ] && (cd "$tmp/x/$l/$a" && find . -type f | while read -r f; do
+          mkdir -p "$tmp/$a/$l/$(dirname "$f")" && cp "$f" "$tmp/$a/$l/$f"; done)
+      done
+      if [ -e "$d/DONE" ]; then echo "--- lane $l: finished"; else echo "--- lane $l: running"; fi
+      grep "^===" "$d/run.log" 2>/dev/null
+    done
+    nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv 2>&1 | head -6
+  } > "$out/status.txt"
+  tar czf "$out/results.tgz" -C "$tmp" results && tar czf "$out/logs.tgz" -C "$tmp" logs
+  cat "$out/status.txt"; ls -la "$out"
+}
+
+case ${1:-} in
+  start) shift; start "$@" ;;
+  wait) mkdir -p /tmp/gpu_bg_copies && OUT=/tmp/gpu_bg_copies bash tools/gpu_bg.sh wait "${2:-500}" > /dev/null; collect ;;
+  collect) collect ;;
+  *) echo "usage: $0 start [all|labs|LANE ...] | wait SECONDS | collect" >&2; exit 2 ;;
+esac
