@@ -266,8 +266,11 @@ class VllmEngine:
         self.joined = True
 
     def receive(self) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded)."""
-        return vllm_ext.call(self.llm, "update_weights_bucketed")[0]
+        """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded), then
+        drop the KV blocks cached under the old weights (as after a co-located update)."""
+        stats = vllm_ext.call(self.llm, "update_weights_bucketed")[0]
+        self._reset_prefix_cache()
+        return stats
 
     def sleep(self, level: int = 2) -> None:
         """GPU: ``llm.sleep(level)``: level 1 copies the weights to host memory and discards the KV cache, level 2
