@@ -48,7 +48,7 @@ def _run_op(eng, op: dict[str, Any], reply: dict[str, Any]) -> None:
         eng.join(op["address"], op["port"], op["timeout_s"])
     elif kind == "receive":
         try:
-            reply["sync"] = eng.receive()
+            reply["sync"] = eng.receive(op.get("announced"))
         except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
             reply["sync_error"] = str(err)
     elif kind == "checksums":

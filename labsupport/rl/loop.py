@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from labsupport import broadcast, groups
+from labsupport.core.buckets import dtype_name
 from labsupport.course import hardware, models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 from labsupport.rl.colocated import ColocatedWeights, trainer_graphs
@@ -104,10 +105,13 @@ def _push(r: _Run, step: int) -> None:
     """Broadcast the trainer's weights to the engine. An update both sides rejected (a checksum or load failure)
     is sent again, twice at most; a timeout has aborted the group, so it raises at once."""
     with _phase(r, "sync", step, "broadcast"):
+        weights = r.weights()
+        announced = {"names": [n for n, _ in weights], "dtype_names": [dtype_name(t) for _, t in weights],
+                     "shapes": [list(t.shape) for _, t in weights]}  # (vLLM's workers check it before any bucket)
         for attempt in range(3):
-            r.engine.send({"op": "receive", "step": step})
+            r.engine.send({"op": "receive", "step": step, "announced": announced})
             try:
-                broadcast.send(r.group, r.weights(), src=0, mode="bucketed", bucket_bytes=r.cfg.bucket_bytes,
+                broadcast.send(r.group, weights, src=0, mode="bucketed", bucket_bytes=r.cfg.bucket_bytes,
                                version=r.trainer.version)
                 err = None
             except broadcast.SyncTimeout:
