@@ -659,3 +659,41 @@ def resummarize(path: Path) -> int:
     results.write_record(path, rec, None)
     print("rewrote", path)
     return 0
+
+
+# ---- what the book prints ---------------------------------------------------------------------------------------
+
+def _fmt(x: float | None, spec: str, unit: str = "") -> str:
+    return "not reached" if x is None else f"{x:{spec}}{unit}"
+
+
+def architecture_lines(data: dict[str, Any]) -> list[str]:
+    """The architectures at equal work, one line each (medians over seeds), then the async loop's overlap and
+    staleness, for the chapters' cells."""
+    target = data["settings"]["target"]
+    lines = [f"{'architecture':14s} {'GPUs':>4s} {'ms/step':>8s} {'samples/s/GPU':>14s} "
+             f"{f'to acc {target:.2f}':>12s} {'final acc':>9s}"]
+    for arch, s in data["architectures"].items():
+        lines.append(f"{arch:14s} {s['gpus']:4d} {_fmt(s['ms_per_step'], '8.0f')} "
+                     f"{_fmt(s['samples_per_s_per_gpu'], '14.0f')} {_fmt(s['time_to_target_s'], '11.1f', ' s'):>12s} "
+                     f"{_fmt(s['final_acc'], '9.2f')}")
+    for r in data["runs"]:
+        s = r.get("summary", {})
+        if r["job"].endswith("async") and "summary" in r:
+            lines.append(f"{r['job']} seed {r['seed']}: staleness histogram (samples per lag) "
+                         f"{r.get('staleness_histogram')}" + (f", step / max(generate, learn) median "
+                                                              f"{s['overlap_median']:.2f}" if "overlap_median" in s
+                                                              else ""))
+    return lines
+
+
+def pair_lines(data: dict[str, Any]) -> list[str]:
+    """Each pair's capstone-over-TRL ratio (per seed and mean), and any run that failed, for the chapters' cells."""
+    lines = []
+    for name, p in data["pairs"].items():
+        cap, trl = PAIRS[name]
+        seeds = ", ".join(f"seed {k}: {v:.2f}" for k, v in p["per_seed"].items())
+        lines.append(f"{cap} / {trl}, ms per step: " + (f"{p['mean']:.2f} ({seeds})" if p["mean"] is not None
+                                                        else "no pair completed"))
+    lines += [f"{r['job']} seed {r['seed']} failed: {r['error'][:200]}" for r in data["runs"] if "error" in r]
+    return lines
