@@ -263,7 +263,7 @@ def run_trl_server(a: argparse.Namespace) -> dict[str, Any]:
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from labsupport.bench.peer import _trl_parts
+    from labsupport.bench.peer import trl_parts
     from labsupport.rl import policy, task
 
     model = str(policy.warmstart_dir(seed=a.seed, size=a.size))
@@ -271,7 +271,7 @@ def run_trl_server(a: argparse.Namespace) -> dict[str, Any]:
     _profiled(parts)
 
     def step_parts(wall: float) -> dict[str, float]:
-        out = _trl_parts(parts, wall)
+        out = trl_parts(parts, wall)
         parts.clear()
         return out
 
