@@ -27,6 +27,7 @@ BENCHES = {
     "reshard": "labsupport.bench.reshard:main",
     "fp8-update": "labsupport.bench.fp8_update:main",
     "peer": "labsupport.bench.peer:main",
+    "peer2": "labsupport.bench.peer2:main",
     "faults": "labsupport.bench.faults:main",
     "soak": "labsupport.bench.soak:main",
 }
@@ -35,7 +36,7 @@ USAGE = """usage: python -m labsupport <command> [options]
 
 commands:
   doctor               what this machine has and which labs can take their GPU path
-  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora|fp8-update|peer|faults|soak
+  bench links|sync|ipc|memory|cluster|vllm-update|reshard|lora|fp8-update|peer|peer2|faults|soak
                        benchmarks (print a table, write JSON under results/)
   plan ...             memory and transfer-time arithmetic (python -m labsupport plan -h)
   rl ...               the capstone's GRPO loop (python -m labsupport rl -h)

@@ -263,6 +263,28 @@ def test_short_run_syncs_weights_and_records_staleness(arch):
     for rec in d["steps"]:
         total = sum(rec["time"]["trainer"].values())
         assert total == pytest.approx(rec["wall_s"], rel=1e-6)
+        assert rec["phases"]["generate_s"] > 0 and rec["phases"]["train_s"] > 0  # each step's own work
+    assert d["staleness_histogram"] == ({"0": 16, "1": 32} if arch == "async" else {"0": 48})  # 16 samples a step
+    assert (d["overlap"] is None) == (arch != "async")
+    if arch == "async":
+        assert len(d["overlap"]) == 2 and all(x > 0 for x in d["overlap"])
+
+
+def test_step_phases_overlap_and_staleness_histogram_hand_computed():
+    """A step's own work is summed by its step number whatever window it fell in; an asynchronous step's wall time
+    is compared with the longer of the next rollout's generation and its own learning."""
+    from labsupport.rl.spans import overlap, staleness_histogram, step_phases
+
+    ev = lambda lane, phase, step, a, b: {"lane": lane, "phase": phase, "step": step, "start": a, "end": b}  # noqa
+    events = [ev("engine", "generate", 0, 0.0, 1.0), ev("engine", "generate", 1, 1.5, 3.5),
+              ev("trainer", "score", 0, 1.2, 1.4), ev("trainer", "train", 0, 1.4, 2.4),
+              ev("trainer", "sync", 1, 3.6, 3.9), ev("engine", "sync", 1, 3.6, 3.9), ev("trainer", "idle", 1, 0, 9)]
+    got = step_phases(events, 2)
+    assert got[0] == pytest.approx({"generate_s": 1.0, "score_s": 0.2, "train_s": 1.0, "sync_s": 0.0})
+    assert got[1] == pytest.approx({"generate_s": 2.0, "score_s": 0.0, "train_s": 0.0, "sync_s": 0.3})
+    steps = [{**got[0], "wall_s": 2.4}, {**got[1], "wall_s": 1.0}]
+    assert overlap(steps) == [pytest.approx(2.4 / 2.0)]  # step 0 overlapped rollout 1's 2.0 s of generation
+    assert staleness_histogram([{"staleness": 0}, {"staleness": 1}, {"staleness": 1}], 8) == {"0": 8, "1": 16}
 
 
 def _new_children(before):
@@ -577,6 +599,7 @@ def test_vllm_engine_in_its_own_process_over_the_group():
                verbose=False, memory=False)
     assert d["engine"] == "vllm" and d["sync_errors"] == []
     assert [s["staleness"] for s in d["steps"]] == [0, 1]
+    assert d["staleness_histogram"] == {"0": 16, "1": 16} and len(d["overlap"]) == 1
     assert d["final_acc"] > d["initial_acc"]
     if devices[0] == "cpu":  # float32 on both sides; a bfloat16 GPU engine may differ on a near tie
         assert d["engine_final_acc"] == d["final_acc"]

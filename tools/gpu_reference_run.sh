@@ -89,6 +89,10 @@ for step in $STEPS; do
     # both trainers in bf16 autocast over fp32 master weights (--precision fp32 for the fp32 comparison)
     # (about 20 min: start it with tools/gpu_bg.sh start peer)
     peer) run peer 2700 python3 -m labsupport bench peer --timeout 900 ${PEER_ARGS:-} ;;
+    # 4 GPUs (nvidia-h200-x4) as two lanes of 2, vLLM kit + TRL's wheels (.whl, as for peer): the three architectures
+    # and the capstone's disaggregated/async loops against TRL's server mode and AsyncGRPOTrainer, seeds 0 and 1
+    # (results/bench_peer2.<machine>.json; about 20-25 min: start it with tools/gpu_bg.sh start peer2)
+    peer2) run peer2 1750 python3 -m labsupport bench peer2 --gpus 4 --timeout 600 ${PEER2_ARGS:-} ;;
     # one GPU, vLLM kit: the diagnosis labs' every variant on the GPU path, and the grader (reference, stubs, seeded bugs)
     diag1) run diag1 560 python3 -m pytest tests/test_diagnosis.py -m gpu -v -rA -p no:cacheprovider --timeout=540 --junitxml="$OUT/results/gpu_diagnosis.xml" ;;
     grade1) run grade1 590 python3 -m grading --impl reference,stubs,bugs --save grade_gpu ;;

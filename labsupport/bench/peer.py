@@ -109,7 +109,7 @@ def _trl_config(a: argparse.Namespace, out_dir: str):
 
 # ---- the two workers (each in a child process) ------------------------------------------------------------------
 
-def _trl_parts(parts: list[tuple[str, float]], wall: float) -> dict[str, float]:
+def trl_parts(parts: list[tuple[str, float]], wall: float) -> dict[str, float]:
     """One TRL step's parts from its profiling contexts, in the order they ended: the forward passes that end before
     ``_prepare_inputs`` does are the no-gradient ones (the trainer's own log-probabilities, the reference's)."""
     names = [n for n, _ in parts]
@@ -157,7 +157,7 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, args, state, control, model=None, **kw):
             torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
-            steps.append({"step": state.global_step, "wall_s": wall, **_trl_parts(parts, wall)})
+            steps.append({"step": state.global_step, "wall_s": wall, **trl_parts(parts, wall)})
             if state.global_step % a.eval_every == 0 or state.global_step == a.steps:
                 curve.append({"step": state.global_step, "eval_acc": rollout.held_out_accuracy(model)})
 

@@ -82,10 +82,13 @@ def check_run(arch: str, engine: str, size: str, cfg: RLConfig,
 def start_engine(arch: str, engine: str, cfg: RLConfig, model_dir: Any, edev: str, size: str,
                  spans: SpanLog) -> EngineProcess | LocalEngine:
     """Co-located vLLM: in this process (weights through IPC handles), with the configured mechanisms; otherwise
-    an engine process of its own."""
+    an engine process of its own: vLLM there takes a step's samples in one batch, the same memory budget and CUDA
+    graphs (``cuda_graphs``) as co-located, and never sleeps (it has its GPU to itself)."""
+    opts = {"max_num_seqs": cfg.prompts_per_step * cfg.group_size, "gpu_bytes": engine_bytes(cfg, size, edev),
+            "cuda_graphs": cfg.cuda_graphs}
     if engine == "vllm" and arch == "colocated":
-        eng = VllmEngine(model_dir, edev, seed=cfg.seed, max_num_seqs=cfg.prompts_per_step * cfg.group_size,
-                         gpu_bytes=engine_bytes(cfg, size, edev), sleep_mode=cfg.sleep_level > 0,
-                         cuda_graphs=cfg.cuda_graphs, inline=cfg.inline_engine)
+        eng = VllmEngine(model_dir, edev, seed=cfg.seed, sleep_mode=cfg.sleep_level > 0,
+                         inline=cfg.inline_engine, **opts)
         return LocalEngine(eng, spans)
-    return EngineProcess(model_dir, edev, spans, seed=cfg.seed, threads=cfg.threads, engine=engine)
+    return EngineProcess(model_dir, edev, spans, seed=cfg.seed, threads=cfg.threads, engine=engine,
+                         opts={**opts, "sleep_mode": False} if engine == "vllm" else None)

@@ -48,7 +48,7 @@ def _run_op(eng, op: dict[str, Any], reply: dict[str, Any]) -> None:
         eng.join(op["address"], op["port"], op["timeout_s"])
     elif kind == "receive":
         try:
-            reply["sync"] = eng.receive()
+            reply["sync"] = eng.receive(op.get("announced"))
         except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
             reply["sync_error"] = str(err)
     elif kind == "checksums":
@@ -73,12 +73,15 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return reply
 
 
-def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int, engine: str) -> None:
-    """Runs in its own process: an engine that carries out the ops of each message (see :class:`EngineProcess`)."""
+def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int, engine: str,
+                   opts: dict[str, Any] | None = None) -> None:
+    """Runs in its own process: an engine that carries out the ops of each message (see :class:`EngineProcess`);
+    ``opts``: VllmEngine's keyword arguments (batch limit, memory share, CUDA graphs)."""
     torch.set_num_threads(threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    eng = HFEngine(model_dir, device, seed) if engine == "transformers" else VllmEngine(model_dir, device, seed)
+    eng = (HFEngine(model_dir, device, seed) if engine == "transformers"
+           else VllmEngine(model_dir, device, seed, **(opts or {})))
     outbox.put({"ready": os.getpid()})
     try:
         while True:
@@ -110,23 +113,26 @@ class EngineProcess(_EngineClient):
     """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
 
     ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
-    reply and files the engine's spans.
+    reply and files the engine's spans. ``opts``: :class:`VllmEngine`'s keyword arguments (``max_num_seqs``,
+    ``gpu_bytes``, ``cuda_graphs``, ``sleep_mode``), for ``engine="vllm"``.
     """
 
     def __init__(self, model_dir: str | os.PathLike, device: str, spans: SpanLog, seed: int = 0,
-                 threads: int = 1, timeout_s: float = REPLY_S, engine: str = "transformers") -> None:
+                 threads: int = 1, timeout_s: float = REPLY_S, engine: str = "transformers",
+                 opts: dict[str, Any] | None = None) -> None:
         self.spans, self.timeout_s, self.device = spans, timeout_s, device
         env, stages = {}, ""
         if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env[progress.ENV] = "0"  # this process says what the engine's start waits for
-            stages = vllm_engine.start_stages(device.startswith("cuda"), VllmEngine.llm_kwargs(model_dir, device))
+            stages = vllm_engine.start_stages(device.startswith("cuda"),
+                                              VllmEngine.llm_kwargs(model_dir, device, seed, **(opts or {})))
             if device.startswith("cuda"):  # vLLM's worker uses cuda:0, so show it only the engine's GPU
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                 index = torch.device(device).index or 0
                 env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
                 device = "cuda:0"
-        self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, env=env)
+        self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, opts, env=env)
         try:
             self._ready(engine, stages, timeout_s)
         except BaseException:  # a start that failed or timed out leaves no process behind

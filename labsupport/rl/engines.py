@@ -122,8 +122,9 @@ class HFEngine:
         """Join the trainer's weight-sync group as rank 1 (disaggregated / async)."""
         self.group = groups.create_group(address, port, 1, 2, device=str(self.device), timeout_s=timeout_s)
 
-    def receive(self) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` from rank 0 straight into the parameters (checked before loading)."""
+    def receive(self, announced: dict[str, list] | None = None) -> dict[str, Any]:
+        """Receive one ``broadcast.send`` from rank 0 straight into the parameters (checked before loading: the
+        sender's metadata handshake, so ``announced`` is not needed here)."""
         params = self.params()
         if self.expected is None:
             self.expected = broadcast.expected_from(params)  # built once
@@ -265,9 +266,15 @@ class VllmEngine:
         vllm_ext.call(self.llm, "init_weight_update_group", address, port, 1, 2, timeout_s)
         self.joined = True
 
-    def receive(self) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded)."""
-        return vllm_ext.call(self.llm, "update_weights_bucketed")[0]
+    def receive(self, announced: dict[str, list] | None = None) -> dict[str, Any]:
+        """Receive one ``broadcast.send`` from rank 0 into the engine (checked by every rank, then loaded), then
+        drop the KV blocks cached under the old weights (as after a co-located update). ``announced``: the
+        update's ``names``, ``dtype_names`` and ``shapes``, which every worker checks before the first bucket."""
+        a = announced or {}
+        stats = vllm_ext.call(self.llm, "update_weights_bucketed", a.get("names", []), a.get("dtype_names", []),
+                              a.get("shapes", []))[0]
+        self._reset_prefix_cache()
+        return stats
 
     def sleep(self, level: int = 2) -> None:
         """GPU: ``llm.sleep(level)``: level 1 copies the weights to host memory and discards the KV cache, level 2

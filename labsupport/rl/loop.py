@@ -20,6 +20,7 @@ import torch
 
 from labsupport import broadcast, groups
 from labsupport.core import devices
+from labsupport.core.buckets import dtype_name
 from labsupport.course import models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 from labsupport.rl.colocated import ColocatedWeights, trainer_graphs
@@ -30,7 +31,8 @@ from labsupport.rl.grpo import GRPOTrainer
 from labsupport.rl.policy import load_policy, warmstart_dir
 from labsupport.rl.report import draw_live
 from labsupport.rl.rollout import Rollout, held_out_accuracy
-from labsupport.rl.spans import PHASES, SpanLog, breakdown
+from labsupport.rl.spans import (PHASES, SpanLog, breakdown, overlap, staleness_histogram,
+                                 step_phases)
 from labsupport.rl.task import ANSWER_LEN, eval_prompts, prompt_stream, reward
 
 
@@ -104,10 +106,13 @@ def _push(r: _Run, step: int) -> None:
     """Broadcast the trainer's weights to the engine. An update both sides rejected (a checksum or load failure)
     is sent again, twice at most; a timeout has aborted the group, so it raises at once."""
     with _phase(r, "sync", step, "broadcast"):
+        weights = r.weights()
+        announced = {"names": [n for n, _ in weights], "dtype_names": [dtype_name(t) for _, t in weights],
+                     "shapes": [list(t.shape) for _, t in weights]}  # (vLLM's workers check it before any bucket)
         for attempt in range(3):
-            r.engine.send({"op": "receive", "step": step})
+            r.engine.send({"op": "receive", "step": step, "announced": announced})
             try:
-                broadcast.send(r.group, r.weights(), src=0, mode="bucketed", bucket_bytes=r.cfg.bucket_bytes,
+                broadcast.send(r.group, weights, src=0, mode="bucketed", bucket_bytes=r.cfg.bucket_bytes,
                                version=r.trainer.version)
                 err = None
             except broadcast.SyncTimeout:
@@ -249,14 +254,17 @@ def _engine_check(r: _Run) -> tuple[float, bool]:
 def _result(r: _Run, info: dict[str, Any]) -> dict[str, Any]:
     """The run as JSON-able data: curves, per-step records with their time breakdown, spans, memory."""
     rows = breakdown(r.spans.events, r.windows)
-    for rec, row in zip(r.steps, rows):
-        rec["time"] = row
+    for rec, row, phases in zip(r.steps, rows, step_phases(r.spans.events, len(r.steps))):
+        rec["time"], rec["phases"] = row, phases
+    own = [{**s["phases"], "wall_s": s["wall_s"]} for s in r.steps]
     walls = [s["wall_s"] for s in r.steps]
     steady, later = walls[1:] or walls, rows[1:] or rows  # the first step warms caches up
     return {**info, "config": asdict(r.cfg), "model_params": sum(p.numel() for p in r.trainer.model.parameters()),
             "s_per_step": sum(steady) / len(steady), "steps_done": len(r.steps),
             "initial_acc": r.curve[0]["eval_acc"], "final_acc": r.curve[-1]["eval_acc"],
             "sync_errors": r.sync_errors, "mean_staleness": sum(s["staleness"] for s in r.steps) / len(r.steps),
+            "staleness_histogram": staleness_histogram(r.steps, r.cfg.prompts_per_step * r.cfg.group_size),
+            "overlap": overlap(own) if r.arch == "async" else None,
             "mean_breakdown": {lane: {p: sum(row[lane][p] for row in later) / len(later) for p in PHASES}
                                for lane in ("trainer", "engine")},
             "curve": r.curve, "steps": r.steps, "events": r.spans.events,

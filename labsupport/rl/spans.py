@@ -55,3 +55,34 @@ def breakdown(events: Sequence[dict[str, Any]], windows: Sequence[tuple[float, f
             row[lane] = per
         rows.append(row)
     return rows
+
+
+def step_phases(events: Sequence[dict[str, Any]], n_steps: int) -> list[dict[str, float]]:
+    """Seconds of each step's own work, whatever window it fell in: the engine's generation of the rollout that
+    step ``k`` learns from (``generate_s``), the trainer's scoring, training and weight sync of step ``k``. (An
+    asynchronous step's window holds the generation of the next step's rollout: :func:`overlap` pairs them.)"""
+    out = [dict.fromkeys(("generate_s", "score_s", "train_s", "sync_s"), 0.0) for _ in range(n_steps)]
+    for e in events:
+        key = {("engine", "generate"): "generate_s", ("trainer", "score"): "score_s",
+               ("trainer", "train"): "train_s", ("trainer", "sync"): "sync_s"}.get((e["lane"], e["phase"]))
+        if key and 0 <= e["step"] < n_steps:
+            out[e["step"]][key] += e["end"] - e["start"]
+    return out
+
+
+def overlap(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """For an asynchronous run: each step's wall time over the longer of the two things it overlaps, the next
+    rollout's generation and this step's scoring and training (1.0: perfect overlap; the weight push, which
+    pauses both sides, and the hand-offs make it larger). One value per step that has a next step."""
+    return [s["wall_s"] / max(nxt["generate_s"], s["score_s"] + s["train_s"])
+            for s, nxt in zip(steps, steps[1:]) if max(nxt["generate_s"], s["score_s"] + s["train_s"]) > 0]
+
+
+def staleness_histogram(steps: Sequence[dict[str, Any]], samples_per_step: int) -> dict[str, int]:
+    """Samples per policy-version lag (trainer version at the update minus the version that generated them):
+    every sample of a step's rollout shares that step's lag, since the weights change only between rollouts."""
+    hist: dict[str, int] = {}
+    for s in steps:
+        key = str(s["staleness"])
+        hist[key] = hist.get(key, 0) + samples_per_step
+    return dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
