@@ -280,9 +280,7 @@ class Receiver:
             name = bad[0][0]
             raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has "
                            f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was written")
-        with torch.no_grad():
-            for name, view in self.bucket(handle):
-                dest[name].copy_(view, non_blocking=True)
+        buckets.load_into(dest, self.bucket(handle), non_blocking=True)
         return handle.nbytes
 
     def drop(self) -> None:
