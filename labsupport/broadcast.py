@@ -1,18 +1,16 @@
-"""Weight sync, hardened: ``labsupport.core.sync``'s four phases (``announce``, ``plan``, ``send_bucket`` /
+"""Weight sync, hardened: ``labsupport.core.sync``'s phases (``announce``, ``plan``, ``send_bucket`` /
 ``receive_bucket``, ``finish``) plus what production needs, each against a failure the core lets through (Lab 3):
 
-- handshake and metadata vote (``announce``, checked): every receiver checks names, dtypes and shapes, none
-  missing unless ``partial``, and all ranks vote before a byte moves (a renamed, transposed or dropped tensor,
-  or one on one receiver only); the metadata goes only when some rank lacks it (a round trip every step);
-- grouped launches (``plan``, two kinds of bucket): a bucket leaves as one launch from the trainer's own
-  tensors, only small ones packed (copies competing with NCCL for memory bandwidth);
-- double buffering (``send_bucket``/``receive_bucket``, not waited for): the next bucket is packed, or the
-  last one loaded, while one is on the wire, in two reused buffers (a wire idle during every copy);
-- staging and checksums: a receiver changes no weight until every bucket is in and its checksum matched on
-  every rank (a sender dying mid-update leaving old and new weights mixed; corrupted bytes). ``staged=False``
-  saves the copy: buckets land in ``into`` or the two buffers, loaded as they come (a dead sender: that mix);
-- votes (``finish``, carrying each rank's verdict): the verification vote and a last load vote, which reports
-  a failed ``load`` (a failed load nobody notices);
+- handshake and metadata vote: ``announce`` only when some rank lacks the metadata (a round trip every step);
+  every receiver checks names, dtypes and shapes, none missing unless ``partial``, and all ranks vote before a
+  byte moves (a renamed, transposed or dropped tensor, or one on one receiver only);
+- grouped launches: ``plan``'s buckets leave as one launch from the trainer's own tensors, only small ones
+  packed (copies competing with NCCL for memory bandwidth);
+- double buffering: the next bucket is packed, or the last one loaded, while one is on the wire (an idle wire);
+- staging, checksums and votes (``finish`` carrying each rank's verdict): a receiver changes no weight until every
+  bucket is in and its checksum matched on every rank, and a last vote reports a failed ``load`` (a sender dying
+  mid-update leaving old and new weights mixed; corrupted bytes; a failed load nobody notices). ``staged=False``
+  saves the copy: buckets land in ``into`` or two reused buffers, loaded as they come (a dead sender: that mix);
 - deadlines: every wait is bounded, a dead peer a ``SyncTimeout`` naming it (one dead rank hanging all), and
   kernels are loaded before a transfer (``checksums.load_kernels``: one loaded behind it could block the host).
 """
@@ -267,17 +265,17 @@ class Receiver(_Side):
             if verify:
                 sums.append(checksums.of_bytes(checksums.cat_bytes(dst)))
             self.pending += [views] if self.staged else []
-            if b.packed:  # packed tensors with a home: copied out of the buffer
-                _load_homes(land[k], views)
+            if b.packed:  # packed tensors with a home (in ``into``): copied out of the buffer
+                buckets.load_into(self.into, [nv for h, nv in zip(land[k], views) if h is not None])
             if not (errors or self.staged):
                 errors += self._load([(n, v) for h, (n, v) in zip(land[k], views) if h is None])
         return (torch.stack(sums) if sums else None), errors
 
     def _commit(self, land: list) -> list[str]:
         """Staged: the verified update into ``into`` and, in one call, ``load``; what failed."""
-        homes = [h for hs in land for h in hs]
+        homes = [h for hs in land for h in hs]  # (a home is into's tensor of that name)
         views, self.pending = [nv for vs in self.pending for nv in vs], []
-        _load_homes(homes, views)
+        buckets.load_into(self.into, [nv for h, nv in zip(homes, views) if h is not None])
         return self._load([nv for h, nv in zip(homes, views) if h is None])
 
     def _load(self, batch: Batch) -> list[str]:
@@ -287,12 +285,6 @@ class Receiver(_Side):
         except Exception as exc:  # (the vote reports it)
             return [f"load() failed on '{batch[0][0]}': {type(exc).__name__}: {exc}"]
         return []
-
-
-def _load_homes(homes: list[torch.Tensor | None], views: Batch) -> None:
-    """Each view with a home (``into``'s tensor; None: none) into it, in place (``core.buckets.load_into``)."""
-    pairs = [(h, nv) for h, nv in zip(homes, views) if h is not None]
-    buckets.load_into({n: h for h, (n, _) in pairs}, [nv for _, nv in pairs])
 
 
 def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0, mode: str = "bucketed",

@@ -280,8 +280,7 @@ class Receiver:
             name = bad[0][0]
             raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has "
                            f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was written")
-        buckets.load_into(dest, self.bucket(handle), non_blocking=True)
-        return handle.nbytes
+        return buckets.load_into(dest, self.bucket(handle), non_blocking=True)
 
     def drop(self) -> None:
         """Wait for the copies queued on each mapped handle's device, forget every view, then ack each handle."""

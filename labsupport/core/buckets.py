@@ -2,8 +2,8 @@
 
 A ``Meta`` is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into tensors. Each
 tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype. This is the one
-bucket layout: ``broadcast``, ``ipc`` and ``vllm_weights`` build on these names, and ``load_into`` is how every
-receiver copies what arrived into its own tensors.
+bucket layout: ``broadcast``, ``ipc`` and ``vllm_weights`` build on these names; ``load_into`` is how
+every receiver copies what arrived into its own tensors.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Ten
 @torch.no_grad()
 def load_into(params: Mapping[str, torch.Tensor], views: list[tuple[str, torch.Tensor]], *,
               non_blocking: bool = False) -> int:
-    """Copy each received ``(name, view)`` into ``params[name]``, in place (one multi-tensor copy): the one way
-    the course loads received tensors into a receiver's own (a model's parameters stay the same objects, and
-    nothing keeps a reference into the bucket). Returns the bytes copied."""
+    """Copy each received ``(name, view)`` into ``params[name]`` in place, in one multi-tensor copy
+    (the same tensor objects; nothing keeps a reference into the bucket); returns the bytes."""
     if views:
-        torch._foreach_copy_([params[n] for n, _ in views], [v for _, v in views], non_blocking=non_blocking)
+        dst, src = [params[n] for n, _ in views], [v for _, v in views]
+        torch._foreach_copy_(dst, src, non_blocking=non_blocking)
     return sum(v.nbytes for _, v in views)
