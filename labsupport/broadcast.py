@@ -1,16 +1,17 @@
-"""Weight sync, hardened: ``labsupport.core.sync`` (metadata, buckets in the ``core.buckets`` layout, load, a timed
-closing wait) plus what production needs, each against a failure the core lets through (Lab 3's table):
+"""Weight sync, hardened: ``labsupport.core.sync``'s phases (``announce``, ``plan``, ``send_bucket`` /
+``receive_bucket``, ``finish``) plus what production needs, each against a failure the core lets through (Lab 3):
 
-- handshake and metadata vote: every receiver checks names, dtypes and shapes (none missing unless ``partial``)
-  and all ranks vote before a byte moves (a renamed, transposed or dropped tensor, or on one receiver only);
-  the metadata travels only when some rank lacks it, and a ``Sender``/``Receiver`` keep it (a round trip a step);
-- grouped launches: a bucket leaves as one launch from the trainer's tensors, only small ones packed (copies
-  competing with NCCL for memory bandwidth);
-- staging and votes: a receiver changes no weight until all buckets are in and their checksums matched on every
-  rank; a last vote reports a failed ``load`` (a sender dying mid-update leaving old and new weights mixed;
-  corrupted bytes; a failed load nobody notices). ``staged=False`` saves the copy: buckets land in ``into`` or two
-  reused buffers, each loaded as the next arrives (and a dead sender leaves that mix);
-- deadlines: every wait is bounded; a dead peer becomes ``SyncTimeout`` naming it (one dead rank hanging all), and
+- handshake and metadata vote: ``announce`` only when some rank lacks the metadata (a round trip every step);
+  every receiver checks names, dtypes and shapes, none missing unless ``partial``, and all ranks vote before a
+  byte moves (a renamed, transposed or dropped tensor, or one on one receiver only);
+- grouped launches: ``plan``'s buckets leave as one launch from the trainer's own tensors, only small ones
+  packed (copies competing with NCCL for memory bandwidth);
+- double buffering: the next bucket is packed, or the last one loaded, while one is on the wire (an idle wire);
+- staging, checksums and votes (``finish`` carrying each rank's verdict): a receiver changes no weight until every
+  bucket is in and its checksum matched on every rank, and a last vote reports a failed ``load`` (a sender dying
+  mid-update leaving old and new weights mixed; corrupted bytes; a failed load nobody notices). ``staged=False``
+  saves the copy: buckets land in ``into`` or two reused buffers, loaded as they come (a dead sender: that mix);
+- deadlines: every wait is bounded, a dead peer a ``SyncTimeout`` naming it (one dead rank hanging all), and
   kernels are loaded before a transfer (``checksums.load_kernels``: one loaded behind it could block the host).
 """
 
@@ -26,8 +27,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from labsupport import checksums, metadata
-from labsupport.core import buckets
+from labsupport.core import buckets, sync
 from labsupport.core.buckets import ALIGN, Entry, Meta
+from labsupport.core.sync import Batch
 from labsupport.groups import GroupError, StatelessGroup
 
 MODES = ("per_tensor", "bucketed", "packed")
@@ -35,7 +37,6 @@ SMALL = 1 << 20  # bucketed mode packs tensors under 1 MiB (norms, biases): a la
 NONE = -(2**63)  # a receiver's share of the trainer's header fields (the handshake's all-reduce takes the max)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-Batch = list[tuple[str, torch.Tensor]]
 
 
 class WeightSyncError(Exception):
@@ -87,29 +88,24 @@ def guard(group: StatelessGroup, what: str) -> Iterator[None]:
         raise SyncTimeout(f"weight sync failed during {what}: {exc}") from exc
 
 
-# ---------------------------------------------------------------------------- the plan: core.buckets' layout
+# ---------------------------------------------------------------------------- the plan: core.sync.plan's buckets
 @dataclass
 class Bucket:
-    """One broadcast launch: its tensors in the core's layout, and whether they travel packed in one buffer."""
+    """One launch: a bucket of ``core.sync.plan`` (its entries, size), and whether it travels packed in one buffer."""
     entries: list[Entry]
     nbytes: int  # the layout's size
     packed: bool  # copied into a buffer on the trainer and out of one on the receivers
 
 
 def plan_buckets(metas: list[Meta], bucket_bytes: int, mode: str = "bucketed") -> list[Bucket]:
-    """Both sides' plan, buckets of at most ``bucket_bytes`` (``core.buckets.split``): ``per_tensor`` one tensor each,
+    """Both sides' plan: ``core.sync.plan``'s buckets of at most ``bucket_bytes``, ``per_tensor`` one tensor each,
     ``bucketed`` small tensors packed apart from the rest, ``packed`` all; unpacked ones first (the wire starts)."""
     live = [m for m in metas if buckets.nbytes(m)]  # (an empty tensor has nothing to send)
-    if mode == "per_tensor":
-        return [_bucket([m], False) for m in live]
-    cut = math.inf if mode == "packed" else min(SMALL, bucket_bytes // 64)  # "small" is relative to the bucket too
-    plan = [_bucket(b, True) for b in buckets.split([m for m in live if buckets.nbytes(m) < cut], bucket_bytes)]
-    plan += [_bucket(b, False) for b in buckets.split([m for m in live if buckets.nbytes(m) >= cut], bucket_bytes)]
+    cut = {"per_tensor": 0, "packed": math.inf}.get(mode, min(SMALL, bucket_bytes // 64))  # (relative to the bucket)
+    small, large = [m for m in live if buckets.nbytes(m) < cut], [m for m in live if buckets.nbytes(m) >= cut]
+    plan = [Bucket(*b, len(b[0]) > 1) for b in sync.plan(small, bucket_bytes)]  # (alone: from its own memory)
+    plan += [Bucket(*b, False) for b in sync.plan(large, 0 if mode == "per_tensor" else bucket_bytes)]
     return sorted(plan, key=lambda b: b.packed)
-
-
-def _bucket(metas: list[Meta], packed: bool) -> Bucket:
-    return Bucket(*buckets.layout(metas), packed and len(metas) > 1)  # a tensor alone travels from its own memory
 
 
 class _Side:
@@ -133,12 +129,11 @@ class _Side:
         vals = torch.tensor((header or [NONE] * 4) + [key, -key], dtype=torch.int64)
         if self.group.backend == "nccl":
             vals = vals.pin_memory().to(self.group.device, non_blocking=True)
-        version, mode, bucket_bytes, flags, top, neg = _all_reduce_now(self.group, vals, "max", "the handshake",
-                                                                         self.timeout_s)
-        if top != -neg:  # some rank lacks this layout: the trainer sends it, every receiver checks it, all vote
+        version, mode, bucket_bytes, flags, top, neg = _agree(self.group, vals, "the handshake", self.timeout_s)
+        if top != -neg:  # some rank lacks this layout: the trainer announces it, every receiver checks it, all vote
             self.agreed = None
             with guard(self.group, "the handshake"):
-                key, metas = self.group.broadcast_object((key, metas) if header else None, self.src)
+                key, metas = sync.announce(self.group, (key, metas) if header else None, self.src)
             _vote(self.group, "the metadata vote", version, self._problems(metas, flags & 2), self.timeout_s)
         self.agreed, t_hand = (key, metas), time.perf_counter() - t0
         if self.plan is None or self.plan[0] != (key, mode, bucket_bytes):
@@ -270,20 +265,18 @@ class Receiver(_Side):
             if verify:
                 sums.append(checksums.of_bytes(checksums.cat_bytes(dst)))
             self.pending += [views] if self.staged else []
-            homes = [(h, v) for h, (_, v) in zip(land[k], views) if h is not None]
-            if b.packed and homes:  # packed tensors with a home: copied out of the buffer
-                torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
+            if b.packed:  # packed tensors with a home (in ``into``): copied out of the buffer
+                buckets.load_into(self.into, [nv for h, nv in zip(land[k], views) if h is not None])
             if not (errors or self.staged):
                 errors += self._load([(n, v) for h, (n, v) in zip(land[k], views) if h is None])
         return (torch.stack(sums) if sums else None), errors
 
     def _commit(self, land: list) -> list[str]:
         """Staged: the verified update into ``into`` and, in one call, ``load``; what failed."""
-        pairs, self.pending = [(h, nv) for hs, vs in zip(land, self.pending) for h, nv in zip(hs, vs)], []
-        homes = [(h, v) for h, (_, v) in pairs if h is not None]
-        if homes:
-            torch._foreach_copy_([h for h, _ in homes], [v for _, v in homes])
-        return self._load([nv for h, nv in pairs if h is None])
+        homes = [h for hs in land for h in hs]  # (a home is into's tensor of that name)
+        views, self.pending = [nv for vs in self.pending for nv in vs], []
+        buckets.load_into(self.into, [nv for h, nv in zip(homes, views) if h is not None])
+        return self._load([nv for h, nv in zip(homes, views) if h is None])
 
     def _load(self, batch: Batch) -> list[str]:
         try:
@@ -326,7 +319,7 @@ def _vote(group: StatelessGroup, what: str, version: int, problems: list[str], t
     every rank raises ``WeightSyncError`` listing every rank's problems, at most five each."""
     vec = torch.full((1,), int(bool(problems)), dtype=torch.int64, device=group.device)  # (a fill: no stream wait)
     vec = vec if sums is None else torch.cat([vec, sums, -sums])
-    vals, n = _all_reduce_now(group, vec, "max", what, timeout_s), len(vec) // 2
+    vals, n = _agree(group, vec, what, timeout_s), len(vec) // 2
     if not vals[0] and all((vals[1 + k] + vals[1 + n + k]) % 2**64 == 0 for k in range(n)):
         return
     with guard(group, what):
@@ -342,9 +335,7 @@ def _vote(group: StatelessGroup, what: str, version: int, problems: list[str], t
     raise WeightSyncError(f"weight update v{version} {head}:\n" + "\n".join(lines) + f"\n{tail}")
 
 
-def _all_reduce_now(group: StatelessGroup, t: torch.Tensor, op: str, what: str, timeout_s: float | None) -> list[int]:
-    """All-reduce ``t`` and wait for the result, never longer than the deadline."""
+def _agree(group: StatelessGroup, votes: torch.Tensor, what: str, timeout_s: float | None) -> list[int]:
+    """``core.sync.finish`` carrying ``votes``: their maximum over the ranks, within the deadline."""
     with guard(group, what):
-        group.all_reduce(t, op)
-        group.synchronize(what, timeout_s)
-    return t.tolist()
+        return sync.finish(group, timeout_s, votes, what)

@@ -281,10 +281,7 @@ class Receiver:
             name = bad[0][0]
             raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has "
                            f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was written")
-        with torch.no_grad():
-            for name, view in self.bucket(handle):
-                dest[name].copy_(view, non_blocking=True)
-        return handle.nbytes
+        return buckets.load_into(dest, self.bucket(handle), non_blocking=True)
 
     def drop(self) -> None:
         """Wait for the copies queued on each mapped handle's device, forget every view, then ack each handle."""

@@ -35,9 +35,9 @@ import torch
 
 from labsupport import broadcast, checksums, groups, ipc, vllm_weights
 from labsupport.core import devices
-from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
+from labsupport.core.buckets import Meta, dtype_name, groups as groups_of, metas as metas_of
 from labsupport.vllm_handles import buckets_for, device_id
-from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, layer_buckets, worker_rpc, worker_state
+from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
@@ -221,6 +221,18 @@ async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
     return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (a timeout marks the client)
 
 
+def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (one decoder layer may exceed it)
+    that never split a decoder layer, which ``EngineWeights.check`` would refuse as half-updated."""
+    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+        by_layer.setdefault(layer, []).append((name, t))
+    layers = list(by_layer.values())
+    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
+    return [[item for i in idx for item in layers[i]] for idx in groups_of(sizes, bucket_bytes)]
+
+
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
     return checksums.engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
 
@@ -252,10 +264,8 @@ class WorkerExtension(_ExtensionBase):
         """Leave any previous group, join the trainer's as rank ``rank_offset + worker rank``; returns that rank.
         ``timeout_s``: how long any wait for the trainer may take before it raises ``SyncTimeout``."""
         st = worker_state(self)  # the model view is built now: a bad model fails here, not mid-transfer
-        st.leave()  # (a failure to leave the old group raises)
         rank = vllm_weights.worker_rank(self.vllm_config, rank_offset)
-        st.group = groups.create_group(master_address, master_port, rank, world_size, device=self.device,
-                                       timeout_s=timeout_s)
+        st.join_group(master_address, master_port, rank, world_size, device=self.device, timeout_s=timeout_s)
         return rank
 
     @worker_rpc
@@ -298,7 +308,7 @@ class WorkerExtension(_ExtensionBase):
     @worker_rpc
     def destroy_weight_update_group(self) -> None:
         """Leave the trainer's group (release gloo sockets / NCCL communicators)."""
-        worker_state(self).leave()
+        worker_state(self).leave_group()
 
 
 class ColocateWorkerExtension(_ExtensionBase):

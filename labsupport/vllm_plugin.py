@@ -30,7 +30,7 @@ from labsupport import broadcast, groups, vllm_ext
 from labsupport.broadcast import SyncTimeout, WeightSyncError
 from labsupport.core.buckets import dtype_name, metas
 from labsupport.course import versions
-from labsupport.vllm_weights import EngineWeights, worker_rank
+from labsupport.vllm_weights import EngineWeights, UpdateGroup, worker_rank
 
 GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
 BUCKET_BYTES = 64 << 20
@@ -65,26 +65,25 @@ class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
                              f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
 
 
-class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo,
+                                                             GlooWeightTransferUpdateInfo], UpdateGroup):
     """Worker side: join the trainer's group, receive each update into staging, load it in ``finish``."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
     supports_draft_weight_update = False
-    group: groups.StatelessGroup | None = None
     weights: EngineWeights | None = None  # the model in checkpoint format, built at init
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
         # Built now, not at engine start-up: a model this engine cannot check fails here, before any send.
         self.weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
-        rank = worker_rank(self.vllm_config, init_info.rank_offset)
-        self.group = groups.create_group(init_info.master_address, init_info.master_port, rank,
-                                         init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
+        self.join_group(init_info.master_address, init_info.master_port,
+                        worker_rank(self.vllm_config, init_info.rank_offset), init_info.world_size,
+                        device="cpu", timeout_s=init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
+        self.require_group("init_weight_transfer_engine")
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -111,10 +110,7 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             with self.weights.all_or_nothing():  # a layer that fails puts every loaded one back
                 self.weights.flush(only_complete=False)
 
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+    shutdown = UpdateGroup.leave_group
 
 
 # ---- Trainer side --------------------------------------------------------------------------------------
@@ -130,11 +126,10 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     timeout_s: float = TIMEOUT_S  # (both ends of the group)
 
 
-class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # unsubscripted: 0.26's takes 2 types
+class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, UpdateGroup):  # (0.26's: 2 types)
     """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying ``source``."""
 
     init_info_cls = GlooTrainerInitInfo
-    group: groups.StatelessGroup | None = None
     version = 0  # of the last update sent
 
     @classmethod
@@ -147,18 +142,13 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
             return engine
         worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
                                                  init_info.world_size, init_info.timeout_s)
-        joined: list[groups.StatelessGroup] = []
-
-        def join() -> groups.StatelessGroup:
-            joined.append(groups.create_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                              device="cpu", timeout_s=init_info.timeout_s))
-            return joined[0]
+        join = lambda: engine.join_group(init_info.master_address, init_info.master_port, 0,  # noqa: E731
+                                         init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
         try:  # the workers wait for rank 0 (us) in their init
-            engine.group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)), join,
-                                                 init_info.timeout_s + REPLY_S)
+            vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)), join,
+                               init_info.timeout_s + REPLY_S)
         except BaseException:
-            for group in joined:  # (the workers never confirmed: leave nothing behind)
-                group.destroy()
+            engine.leave_group()  # (the workers never confirmed: leave nothing behind)
             raise
         return engine
 
@@ -179,7 +169,7 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine):  # u
                  lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
                                         version=self.version))
 
-    shutdown = GlooWeightTransferEngine.shutdown  # leave the group
+    shutdown = UpdateGroup.leave_group
 
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
@@ -293,9 +283,4 @@ class NcclTrainer026:
             self.shutdown()
             raise
 
-    def shutdown(self) -> None:
-        """Destroy the communicator (vLLM's ``PyNcclCommunicator.destroy``: an abort, bounded); 0.26's workers keep
-        theirs until the engine stops (``versions.shutdown_transfer``)."""
-        group, self.group = self.group, None
-        if group is not None:
-            group.destroy()
+    shutdown = UpdateGroup.leave_group  # (an abort, bounded; 0.26's workers keep theirs: versions.shutdown_transfer)

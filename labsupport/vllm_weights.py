@@ -18,9 +18,10 @@ rank or in any rank's vote (a dead trainer, a bad checksum, a load failed on ano
 loaded layer on every rank. Aside is the device where its free memory (outside vLLM's share) holds the whole shard
 (a device copy: the transfer keeps its pace), else pinned host memory (an update never runs out of memory for it).
 
-A worker keeps its ``EngineWeights`` and the trainer's group in one ``WorkerState`` and replies to a failed call
-with its error (``worker_rpc``); ``layer_buckets`` is the trainer's half of rule 1. ``vllm_ext`` and ``vllm_plugin``
-use this module; it imports neither. (Whether an engine holds its trainer's bytes: ``checksums.check_engine``.)"""
+A worker keeps its ``EngineWeights`` and the trainer's group (an ``UpdateGroup``) in one ``WorkerState`` and
+replies to a failed call with its error (``worker_rpc``); ``vllm_ext.layer_buckets`` is the trainer's half of
+rule 1. ``vllm_ext`` and ``vllm_plugin`` use this module; it imports neither. (Whether an engine holds its
+trainer's bytes: ``checksums.check_engine``.)"""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ import torch
 from labsupport import groups, metadata
 from labsupport.broadcast import WeightSyncError
 from labsupport.checksums import engine_checksums
-from labsupport.core import buckets
 from labsupport.core.buckets import Meta, dtype_name
 from labsupport.course import versions
 
@@ -126,7 +126,7 @@ class EngineWeights:
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None) -> None:
         """Copy received tensors into staging, on ``device`` (default: the worker's): nothing is loaded yet."""
         self.pending.update((n, t.detach().to(device or self.device, copy=True)) for n, t in named)
-        self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
+        self.peak["host"] = max(self.peak["host"], sum(t.nbytes for t in self.pending.values()))
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there, back per layer)."""
@@ -135,7 +135,7 @@ class EngineWeights:
         self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))
         for m in whole:
             back = {n: self.pending.pop(n) for n in self.members[m] - batch.keys()}
-            self.peak["device"] = max(self.peak["device"], _nbytes(back.values()))
+            self.peak["device"] = max(self.peak["device"], sum(t.nbytes for t in back.values()))
             self.load([(n, back[n] if n in back else batch[n]) for n in self.members[m]])
 
     def flush(self, *, only_complete: bool) -> int:
@@ -291,25 +291,38 @@ def worker_rpc(method: Callable) -> Callable:
     return wrapper
 
 
+class UpdateGroup:
+    """A worker's place in a trainer's group, its one home (``WorkerState``, the gloo plugin's engines
+    and ``ReshardExtension``'s resharding group are one): join (leaving the last), require, leave."""
+
+    group: groups.StatelessGroup | None = None
+
+    def join_group(self, address: str, port: int, rank: int, world_size: int, *, device: Any,
+                   timeout_s: float) -> None:
+        self.leave_group()
+        self.group = groups.create_group(address, port, rank, world_size, device=device,
+                                         timeout_s=timeout_s)
+
+    def require_group(self, how: str = "collective_rpc('init_weight_update_group', ...)"
+                      ) -> groups.StatelessGroup:
+        if self.group is None:
+            raise RuntimeError(f"no group to receive weights in: call {how} first")
+        return self.group
+
+    def leave_group(self) -> None:  # (a failure to release it raises; none is held after)
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()
+
+
 @dataclass
-class WorkerState:
+class WorkerState(UpdateGroup):
     """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint format, the
     trainer's group, the last IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
     timing: dict[str, float] = field(default_factory=dict)
-
-    def require_group(self) -> groups.StatelessGroup:
-        if self.group is None:
-            raise RuntimeError("no weight-update group: call collective_rpc('init_weight_update_group', ...) first")
-        return self.group
-
-    def leave(self) -> None:
-        """Leave the trainer's group; a failure to release it raises."""
-        group, self.group = self.group, None
-        if group is not None:
-            group.destroy()
 
 
 def worker_state(worker: Any) -> WorkerState:
@@ -320,14 +333,3 @@ def worker_state(worker: Any) -> WorkerState:
         ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
         worker.update_state = getattr(worker, "state_type", WorkerState)(ew)
     return worker.update_state
-
-
-def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (one decoder layer may exceed it)
-    that never split a decoder layer, which ``check`` would refuse as half-updated."""
-    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        by_layer.setdefault(".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name, []).append((name, t))
-    layers = list(by_layer.values())
-    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
-    return [[item for i in idx for item in layers[i]] for idx in buckets.groups(sizes, bucket_bytes)]

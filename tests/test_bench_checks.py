@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labsupport import checksums, reshard, vllm_ext, vllm_weights
+from labsupport import checksums, reshard, vllm_ext
 from labsupport.course import hardware, models, vllm_engine
 
 GPU = hardware.gpu_count() >= 1
@@ -104,7 +104,7 @@ def test_right_update_is_exact_and_wrong_ones_are_named(engine):
     # and an update that is right again passes again (the check reads the engine, not a cached verdict),
     # also when it comes in many small buckets, one after another (as a 7B model does, 1 GiB at a time);
     # each holds whole decoder layers (the engine refuses a half-updated fused q/k/v or gate/up)
-    buckets = vllm_weights.layer_buckets(list(newer.items()), 64 << 10)
+    buckets = vllm_ext.layer_buckets(list(newer.items()), 64 << 10)
     assert len(buckets) > 2 and [n for b in buckets for n, _ in b] == list(newer)
     assert vllm_ext.push_ipc(engine, list(newer.items()), bucket_bytes=64 << 10) == len(newer)
     assert check_engine(engine, newer, layout)["exact"] is True

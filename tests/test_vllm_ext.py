@@ -692,7 +692,7 @@ def test_changed_sees_a_one_bit_update():
 def test_layer_buckets_never_split_a_layer():
     model = models.build_model(seed=0)
     named = list(model.named_parameters())
-    buckets = vllm_weights.layer_buckets(named, 64 << 10)
+    buckets = vllm_ext.layer_buckets(named, 64 << 10)
     assert len(buckets) > 2 and [n for b in buckets for n, _ in b] == [n for n, _ in named]
     layer = lambda n: ".".join(n.split(".")[:3])  # noqa: E731
     for b in buckets:

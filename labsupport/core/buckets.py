@@ -2,7 +2,8 @@
 
 A ``Meta`` is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into tensors. Each
 tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any dtype. This is the one
-bucket layout: ``broadcast``, ``ipc`` and ``vllm_weights`` build on these names.
+bucket layout: ``broadcast``, ``ipc`` and ``vllm_weights`` build on these names; ``load_into`` is how
+every receiver copies what arrived into its own tensors.
 """
 
 from __future__ import annotations
@@ -96,3 +97,14 @@ def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Ten
     """``[(name, view)]``: each tensor as a view into ``buf`` (nothing is copied)."""
     return [(name, buf[off:off + n].view(getattr(torch, dtype)).view(shape))
             for name, dtype, shape, off, n in entries]
+
+
+@torch.no_grad()
+def load_into(params: Mapping[str, torch.Tensor], views: list[tuple[str, torch.Tensor]], *,
+              non_blocking: bool = False) -> int:
+    """Copy each received ``(name, view)`` into ``params[name]`` in place, in one multi-tensor copy
+    (the same tensor objects; nothing keeps a reference into the bucket); returns the bytes."""
+    if views:
+        dst, src = [params[n] for n, _ in views], [v for _, v in views]
+        torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+    return sum(v.nbytes for _, v in views)

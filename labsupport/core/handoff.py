@@ -81,14 +81,12 @@ def local_index(gpu: str) -> int:
     return here.index(gpu)
 
 
-@torch.no_grad()
 def load(params: Mapping[str, torch.Tensor], views: list[tuple[str, torch.Tensor]]) -> int:
     """Copy each view into ``params[name]`` (the engine's own weights); returns the bytes copied."""
-    for name, view in views:
-        params[name].copy_(view)
+    nbytes = buckets.load_into(params, views)
     if views and views[0][1].is_cuda:
         torch.cuda.synchronize(views[0][1].device)  # done reading the owner's memory
-    return sum(v.nbytes for _, v in views)
+    return nbytes
 
 
 def release(handle: Handle) -> None:

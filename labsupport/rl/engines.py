@@ -12,7 +12,7 @@ import torch
 
 from labsupport import broadcast, checksums, groups, ipc, metadata, reshard, vllm_ext
 from labsupport.course import models, vllm_engine
-from labsupport.core import sync
+from labsupport.core import buckets, sync
 from labsupport.core.buckets import dtype_name
 from labsupport.rl.policy import load_policy
 from labsupport.rl.rollout import Rollout, sample
@@ -66,8 +66,7 @@ class HFEngine:
                 raise KeyError(f"engine has no parameter {name!r}; expected names like {next(iter(params))!r}")
         if bad:
             raise ValueError("; ".join(metadata.describe(found, expected, partial=partial)) + "; nothing was written")
-        for name, t in items:
-            params[name].copy_(t)
+        buckets.load_into(params, items)
         return len(items)
 
     def sleep(self, level: int = 2) -> None:
@@ -105,9 +104,7 @@ class HFEngine:
         """Copy the mapped bucket into the weights: one grouped copy, by name (a wake re-allocates them)."""
         if self.mapped is None:
             raise RuntimeError("no mapped trainer weights: call map_weights(handle) first")
-        params = self.params()
-        torch._foreach_copy_([params[n] for n, _ in self.mapped], [v for _, v in self.mapped])
-        return {"copied_bytes": sum(v.nbytes for _, v in self.mapped)}
+        return {"copied_bytes": buckets.load_into(self.params(), self.mapped)}
 
     def unmap(self) -> None:
         """Let go of every mapped bucket (and ack it, so that the trainer may free it)."""
