@@ -22,7 +22,11 @@ PKG = Path(labsupport.__file__).parent
 # capstone too): 4,110. The target stays 4,000: broadcast built on core.sync's phases, and one home for a worker's
 # update group and for loading received views, are the rest. Lower this as modules shrink; raise it only with a
 # reason here.
-MECHANISM_LINES = 4110
+# Then core.sync's four phases with broadcast built on them, one in-place load, one worker update group
+# (UpdateGroup), the bucketed update's old layers kept aside on the device or pinned host (all or nothing at line
+# rate), and the IPC handles' lookup in vllm_handles: 4,164. Still to go: lora's lab helpers (train, generate,
+# send_*) into experiments/, and the hardened modules' longest docstrings.
+MECHANISM_LINES = 4164
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 
