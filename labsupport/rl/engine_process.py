@@ -113,7 +113,7 @@ class EngineProcess(_EngineClient):
     """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
 
     ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
-    reply and files the engine's spans. ``opts``: :class:`VllmEngine`'s keyword arguments (``max_num_seqs``,
+    reply and files the engine's spans. ``opts``: :class:`~labsupport.rl.engines.VllmEngine`'s keyword arguments (``max_num_seqs``,
     ``gpu_bytes``, ``cuda_graphs``, ``sleep_mode``), for ``engine="vllm"``.
     """
 
