@@ -353,7 +353,9 @@ def test_bad_updates_are_refused_and_change_nothing(llm, group, hf):
         vllm_ext.push_weights(group, bad, llm, mode="bucketed")
     # Half a fused layer (q without k and v) is refused: vLLM re-processes whole layers.
     q = [(n, p.detach() * 0) for n, p in params.items() if "layers.0.self_attn.q_proj" in n]
-    with pytest.raises(WeightSyncError, match="half-updated"):
+    with pytest.raises(WeightSyncError, match="half-updated"):  # (even as a partial update: a subset on purpose)
+        vllm_ext.push_weights(group, q, llm, mode="bucketed", dtype=DTYPE, partial=True)
+    with pytest.raises(WeightSyncError, match="missing"):  # and a subset not said to be partial is refused first
         vllm_ext.push_weights(group, q, llm, mode="bucketed", dtype=DTYPE)
 
     assert generate(llm) == TRAINED
@@ -951,7 +953,7 @@ def test_engine_args_are_the_one_set_of_defaults():
     assert [f for f, src in sources.items() if "enforce_eager=True" in src] == []  # only engine_args sets it
     callers = {f.split("/")[0].removesuffix(".py") if f.startswith("rl") else f
                for f, src in sources.items() if "engine_args(" in src}  # (rl.py, or the rl/ package)
-    assert {"cluster.py", "rl", "bench/reshard.py", "bench/vllm_update.py", "course/vllm_engine.py"} <= callers
+    assert {"experiments/cluster.py", "rl", "bench/reshard.py", "bench/vllm_update.py", "course/vllm_engine.py"} <= callers
 
 
 def test_temporary_env_reaches_vllm_after_an_engine_cached_its_settings(monkeypatch):
