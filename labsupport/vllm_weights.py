@@ -126,7 +126,7 @@ class EngineWeights:
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None) -> None:
         """Copy received tensors into staging, on ``device`` (default: the worker's): nothing is loaded yet."""
         self.pending.update((n, t.detach().to(device or self.device, copy=True)) for n, t in named)
-        self.peak["host"] = max(self.peak["host"], sum(t.nbytes for t in self.pending.values()))
+        self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there, back per layer)."""
@@ -135,7 +135,7 @@ class EngineWeights:
         self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))
         for m in whole:
             back = {n: self.pending.pop(n) for n in self.members[m] - batch.keys()}
-            self.peak["device"] = max(self.peak["device"], sum(t.nbytes for t in back.values()))
+            self.peak["device"] = max(self.peak["device"], _nbytes(back.values()))
             self.load([(n, back[n] if n in back else batch[n]) for n in self.members[m]])
 
     def flush(self, *, only_complete: bool) -> int:

@@ -28,8 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from labsupport.bench.peer import summarize
+
 CACHE_VARS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
               "FLASHINFER_WORKSPACE_BASE": "flashinfer", "XDG_CACHE_HOME": "xdg"}
+SKIP = 3  # warm-up steps left out of a run's median step (bench peer's default)
 ERROR = re.compile(r"(Error|Exception|error:|Aborted|Killed|core dumped)")
 
 
@@ -79,11 +82,11 @@ def run_one(job: dict[str, Any], peer_args: list[str], gpu: str | None, timeout:
         data = json.loads(Path(f.name).read_text()) if rc == 0 and Path(f.name).stat().st_size else None
     if data is None:
         return {**rec, "ok": False, "error": last_error(text) if rc != "timeout" else f"no result in {timeout:.0f} s"}
-    body = data["steps"][3:] or data["steps"]
+    steps = summarize(data, SKIP)  # bench peer's medians, over the same steps
     return {**rec, "ok": bool(data["weights_match"]), "error": None if data["weights_match"] else
             "the engine's weights differ from the trainer's after the run",
-            "ms_per_step": 1e3 * statistics.median(s["wall_s"] for s in body),
-            "final_acc": data["curve"][-1]["eval_acc"], "engine_final_acc": data["engine_final_acc"],
+            "ms_per_step": steps["ms_per_step"], "final_acc": steps["final_acc"],
+            "engine_final_acc": data["engine_final_acc"],
             "weights_match": data["weights_match"]}
 
 
