@@ -96,6 +96,10 @@ for step in $STEPS; do
     # one GPU, vLLM kit: the diagnosis labs' every variant on the GPU path, and the grader (reference, stubs, seeded bugs)
     diag1) run diag1 560 python3 -m pytest tests/test_diagnosis.py -m gpu -v -rA -p no:cacheprovider --timeout=540 --junitxml="$OUT/results/gpu_diagnosis.xml" ;;
     grade1) run grade1 590 python3 -m grading --impl reference,stubs,bugs --save grade_gpu ;;
+    # make grade's GPU targets (grading/targets.py) and leaderboard records: the reference, and a seeded bug that
+    # sends tensor by tensor (it passes on a CPU; the target is what it misses)
+    grade_ref) for impl in reference a3_per_tensor; do
+        run grade_ref_$impl 300 python3 -m grading --impl $impl --record "$OUT/results/grade_record.$impl.json"; done ;;
     # one GPU, vLLM kit: the capstone's crash on fresh machines, reproduced (tools/repro_cublas_workspace.py), and
     # the soak of fresh capstone runs (results/bench_soak*.<machine>.json; SOAK_ARGS: bench soak's arguments)
     repro_torch) run repro_torch 300 python3 tools/repro_cublas_workspace.py torch ;;

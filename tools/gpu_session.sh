@@ -18,6 +18,12 @@
 #   l6   0-3      la lb lc   lab6gpu4        (900 s; cells 420 s)         (d) lab 6's 4-GPU path, alone (Ray, two
 #                                                                             TP=2 engines at 0.4 of every GPU)
 #   s2   0-3      l6         soak (SOAK_B)                                (e) bench_soak-s2.4xH200.json
+#   g    0,1      f          grade_ref                                    (g) make grade's GPU targets and leaderboard
+#                                                                             records: the reference and a seeded bug
+#   g1   3        f          grade1                                       (g) the grader's sweep (reference, stubs,
+#                                                                             seeded bugs) with its GPU tests
+# `start grade+47` = g g1 v r la lb lc l6: issue 45's targets and issue 47's runs in one machine's half hour (about
+# 25 min: g 2, v 6, r 5, labs 7, lab 6 5), faults and soaks left for another.
 #
 # Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
 # min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs
@@ -60,13 +66,16 @@ start() {
   local what=${*:-all}
   case " $what " in *" all "*) what="f v s r la lb lc l6 s2" ;; esac
   case " $what " in *" labs "*) what="${what/labs/la lb lc l6 s2}" ;; esac
+  case " $what " in *" grade+47 "*) what="${what/grade+47/g g1 v r la lb lc l6}" ;; esac
   has() { case " $what " in *" $1 "*) return 0 ;; esac; return 1; }
   # (a later lane waits only for lanes started now: one that is not there is not waited for)
   after() { local out=""; for l in "$@"; do has "$l" && out+="$l "; done; echo "$out"; }
   has f && FAULTS_LIMIT=${FAULTS_LIMIT:-960} lane f "$FAULTS_GPUS" "" faults
-  has v && lane v 0,1,2,3 "$(after f)" vllm_bench7
+  has g && lane g 0,1 "$(after f)" grade_ref
+  has g1 && lane g1 3 "$(after f)" grade1
+  has v && lane v 0,1,2,3 "$(after f g)" vllm_bench7
   has s && SOAK_ARGS="$SOAK_A --tag s" lane s 3 "$(after $S_AFTER)" soak
-  has r && lane r 0,1,2,3 "$(after v s)" vllm_reshard
+  has r && lane r 0,1,2,3 "$(after v s g1)" vllm_reshard
   has la && lane la 0,1,2 "$(after r)" lab3gpu labd1gpu lab4gpu
   has lb && lane lb 0,1,2,3 "$(after r)" lab7gpu lab10gpu4
   has lc && lane lc 0,1 "$(after la)" lab4gpu2
