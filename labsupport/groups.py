@@ -36,19 +36,24 @@ class GroupTimeout(GroupError, TimeoutError):
 
 
 def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                 device: str | torch.device | None = None, timeout_s: float = 60.0) -> StatelessGroup:
+                 device: str | torch.device | None = None, timeout_s: float = 60.0,
+                 store: TCPStore | None = None) -> StatelessGroup:
     """Join (rank 0: host) a stateless group of ``world_size`` ranks: NCCL on a CUDA ``device``, gloo on the CPU
-    (the default). Raises ``GroupError`` for a port in use, a duplicate rank or disagreeing world sizes,
-    ``GroupTimeout`` naming the ranks that never arrived."""
+    (the default). Rank 0 may pass the ``store`` that ``host_store`` made (its port then wins). Raises
+    ``GroupError`` for a port in use, a duplicate rank or disagreeing world sizes, ``GroupTimeout`` naming the
+    ranks that never arrived."""
     if not 0 <= rank < world_size:
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
+    if store is not None and rank != 0:
+        raise GroupError(f"only rank 0 hosts the store; rank {rank} joins with the address and port alone.")
+    master_port = store.port if store is not None else master_port
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:  # (no torch.cuda.set_device: the caller's current one stays)
         device = torch.device("cuda", torch.cuda.current_device())
     address = f"{master_address}:{master_port}"
     try:
-        store = TCPStore(master_address, master_port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+        store = store or TCPStore(master_address, master_port, None, rank == 0,
+                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:
         raise _no_store(exc, rank, address, timeout_s) from exc
     if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank registers once, with the world size it expects
@@ -69,10 +74,21 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (bind to port 0 and ask the OS which one it picked)."""
+    """A TCP port that is free right now (bind to port 0 and ask the OS which one it picked). Another process can
+    take it before rank 0 listens (connections go out from the same range): ``host_store`` cannot lose it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def host_store(address: str = "127.0.0.1", timeout_s: float = 60.0) -> TCPStore:
+    """Rank 0's store, listening on the port the OS gives it as it binds (``.port``: send it to the other ranks,
+    and the store to ``create_group(..., store=)``), so that no process can take the port between its choice
+    and the listen, as one did beside a vLLM engine whose workers had just opened their connections."""
+    try:
+        return TCPStore(address, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as exc:
+        raise _no_store(exc, 0, f"{address}:0", timeout_s) from exc
 
 
 class StatelessGroup:

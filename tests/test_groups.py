@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from labsupport.course.ranks import run_ranks
-from labsupport.groups import GroupError, GroupTimeout, create_group, free_port
+from labsupport.groups import GroupError, GroupTimeout, create_group, free_port, host_store
 
 
 def _device(kind: str, rank: int) -> str:
@@ -37,6 +37,36 @@ def test_port_in_use_is_named():
         port = s.getsockname()[1]
         with pytest.raises(GroupError, match=rf"port {port} .*already in use.*free_port"):
             create_group("127.0.0.1", port, 0, 2, timeout_s=5)
+
+
+@pytest.mark.timeout(90)
+def test_host_store_keeps_the_port_that_free_port_can_lose():
+    """On 4x H200, ``bench reshard``'s rank 0 lost a ``free_port`` port to a vLLM worker's connection before it
+    listened (EADDRINUSE). A store hosted on the port the OS gives as it binds cannot lose it."""
+    import threading
+
+    port = free_port()
+    with socket.socket() as other:  # another process takes the chosen port first
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(GroupError, match="already in use"):
+            create_group("127.0.0.1", port, 0, 2, timeout_s=5)
+    store = host_store(timeout_s=30)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))  # already listening: nobody can take it
+    joined: dict = {}
+    peer = threading.Thread(target=lambda: joined.update(g=create_group("127.0.0.1", store.port, 1, 2, timeout_s=30)))
+    peer.start()
+    host = create_group("127.0.0.1", 0, 0, 2, timeout_s=30, store=store)  # (the store's port wins over 0)
+    peer.join(40)
+    try:
+        assert host.world_size == 2 and joined["g"].rank == 1
+    finally:
+        for g in (host, joined.get("g")):
+            if g is not None:
+                g.destroy()
+    with pytest.raises(GroupError, match="only rank 0 hosts"):
+        create_group("127.0.0.1", 0, 1, 2, store=host_store(timeout_s=5))
 
 
 @pytest.mark.timeout(30)

@@ -159,14 +159,18 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
         llm = _engine(Path(folder) / shape, gpu) if rank == 0 else None
         call = llm if rank == 0 else None  # (push_weights' way to reach the engine)
         # Two groups: broadcast (trainer rank 0 + engine ranks 1, 2) and point to point (trainers 0, 1 + engine 2, 3).
-        box = [[groups.free_port(), groups.free_port()] if rank == 0 else None]
+        # (rank 0 hosts both stores first, on ports the OS gives them: none can be taken before it listens)
+        stores = [groups.host_store(), groups.host_store()] if rank == 0 else [None, None]
+        box = [[s.port for s in stores] if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         ports = box[0]
         bcast = None
         if rank == 0:
             bcast = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", ports[0], 1, 3),
-                                       lambda: groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev), 300)[0]
-        join = lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev)  # noqa: E731
+                                       lambda: groups.create_group("127.0.0.1", ports[0], 0, 3, device=dev,
+                                                                   store=stores[0]), 300)[0]
+        join = lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2, device=dev,  # noqa: E731
+                                           store=stores[1])
         p2p = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_reshard_group", "127.0.0.1", ports[1], world, world + 2),
                                  join, 300)[0] if rank == 0 else join()
         rows: dict[str, Any] = {}
