@@ -13,8 +13,9 @@
 #   s    3        f          soak (SOAK_A: 2 runs of fastest, 1 cold)     (e) bench_soak-s.1xH200.json (one GPU seen)
 #   r    0-3      v s        vllm_reshard    (900 s)                      (c) bench_reshard.4xH200.json, 1.5B and 7B
 #   la   0,1,2    r          lab3gpu labd1gpu lab4gpu                      (d) junit + recordings (3 GPUs)
-#   lb   0-3      r          lab7gpu lab10gpu4                             (d) (4 GPUs)
 #   lc   0,1      la         lab4gpu2                                      (d) lab 4's TP=1 path (2 GPUs)
+#   lb   0-3      la lc      lab7gpu lab10gpu4                             (d) (4 GPUs)
+# (the lab lanes take turns: lab 7 hung in its first FSDP step when it shared GPUs 0-2 with lane la's labs)
 #   l6   0-3      la lb lc   lab6gpu4        (900 s; cells 420 s)         (d) lab 6's 4-GPU path, alone (Ray, two
 #                                                                             TP=2 engines at 0.4 of every GPU)
 #   s2   0-3      l6         soak (SOAK_B)                                (e) bench_soak-s2.4xH200.json
@@ -23,7 +24,9 @@
 #   g1   3        f          grade1                                       (g) the grader's sweep (reference, stubs,
 #                                                                             seeded bugs) with its GPU tests
 # `start grade+47` = g g1 v r la lb lc l6: issue 45's targets and issue 47's runs in one machine's half hour (about
-# 25 min: g 2, v 6, r 5, labs 7, lab 6 5), faults and soaks left for another.
+# 25 min: g 7, v 4, r 5, labs, lab 6), faults and soaks left for another. Measured 2026-11-28: g 297 s + 108 s
+# (every graded test, GPU ones included, then the targets), g1 287 s, v 211 s, r 292 s (1.5B; 7B cut), la 230 s,
+# lc 119 s: the labs then ran past the budget.
 #
 # Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
 # min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs
@@ -77,8 +80,8 @@ start() {
   has s && SOAK_ARGS="$SOAK_A --tag s" lane s 3 "$(after $S_AFTER)" soak
   has r && lane r 0,1,2,3 "$(after v s g1)" vllm_reshard
   has la && lane la 0,1,2 "$(after r)" lab3gpu labd1gpu lab4gpu
-  has lb && lane lb 0,1,2,3 "$(after r)" lab7gpu lab10gpu4
-  has lc && lane lc 0,1 "$(after la)" lab4gpu2
+  has lc && lane lc 0,1 "$(after r la)" lab4gpu2
+  has lb && lane lb 0,1,2,3 "$(after r la lc)" lab7gpu lab10gpu4
   has l6 && lane l6 0,1,2,3 "$(after la lb lc)" lab6gpu4
   has s2 && SOAK_ARGS="$SOAK_B --tag s2" lane s2 0,1,2,3 "$(after l6)" soak
   return 0
