@@ -26,7 +26,8 @@
 # `start grade+47` = g g1 v r la lb lc l6: issue 45's targets and issue 47's runs in one machine's half hour (about
 # 25 min: g 7, v 4, r 5, labs, lab 6), faults and soaks left for another. Measured 2026-11-28: g 297 s + 108 s
 # (every graded test, GPU ones included, then the targets), g1 287 s, v 211 s, r 292 s (1.5B; 7B cut), la 230 s,
-# lc 119 s: the labs then ran past the budget.
+# lc 119 s: the labs then ran past the budget. `start rest47` = v r lb l6: what issue 47 still needs (about 22 min);
+# issue 46's faults and soaks, then issue 48's peer2, each want a machine's half hour of their own.
 #
 # Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
 # min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs
@@ -70,6 +71,7 @@ start() {
   case " $what " in *" all "*) what="f v s r la lb lc l6 s2" ;; esac
   case " $what " in *" labs "*) what="${what/labs/la lb lc l6 s2}" ;; esac
   case " $what " in *" grade+47 "*) what="${what/grade+47/g g1 v r la lb lc l6}" ;; esac
+  case " $what " in *" rest47 "*) what="${what/rest47/v r lb l6}" ;; esac
   has() { case " $what " in *" $1 "*) return 0 ;; esac; return 1; }
   # (a later lane waits only for lanes started now: one that is not there is not waited for)
   after() { local out=""; for l in "$@"; do has "$l" && out+="$l "; done; echo "$out"; }
