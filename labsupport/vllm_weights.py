@@ -318,10 +318,12 @@ class UpdateGroup:
 @dataclass
 class WorkerState(UpdateGroup):
     """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint format, the
-    trainer's group, the last IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
+    trainer's group, its bucketed receive (``vllm_plan.PlannedReceive``: buffers and plans), the last IPC update's
+    timing. An extension that keeps more names a subclass in ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
+    planned: Any = None
     timing: dict[str, float] = field(default_factory=dict)
 
 
