@@ -78,6 +78,7 @@ The labs' experiments, read last:
 - ``experiments.ipc_timing``: an IPC update timed against plain copies of the same bytes
 - ``experiments.cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``experiments.cluster_labs``: the actors' call form without Ray on one GPU, and the CPU path's stand-ins
+- ``experiments.lora_demo``: Lab 8's LoRA demo: its base model, training, greedy text, each update timed
 - ``experiments.after_update``: what goes wrong once new weights are in: stale prefix cache, requests in flight,
   logprob gaps (Chapter 9, Lab 9)
 

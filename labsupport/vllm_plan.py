@@ -153,7 +153,7 @@ class PlannedReceive:
             self.rx = broadcast.Receiver(group, expected=self.ew.expected, staged=False, load=self._bucket)
         if any(p.data_ptr() != ptr for b in self.buckets.values() for p, ptr in b.plan.owners):
             self._forget()  # parameters reallocated (e.g. sleep level 2): plan and check again
-        self.clock, self.aside = _Clock(self.ew.device), None
+        self.clock, self.aside, self.copied = _Clock(self.ew.device), None, False
         self.clock.mark()
         with self.ew.all_or_nothing():
             stats = self.rx.receive()
@@ -165,9 +165,9 @@ class PlannedReceive:
         plans = [b.plan for b in self.buckets.values()]
         fallback = {m: why for p in plans for m, why in p.fallback.items()} | (
             {"<plan>": self.refused} if self.refused else {})
-        return {**stats.as_dict(), **self.clock.seconds(), "planned": self.ready,
-                "planned_params": len({id(p) for pl in plans for p, _ in pl.owners}) if self.ready else 0,
-                "copies": sum(len(p.copies) for p in plans) if self.ready else 0, "fallback": fallback}
+        return {**stats.as_dict(), **self.clock.seconds(), "planned": self.copied,  # (else: the safe path, checked)
+                "planned_params": len({id(p) for pl in plans for p, _ in pl.owners}) if self.copied else 0,
+                "copies": sum(len(p.copies) for p in plans) if self.copied else 0, "fallback": fallback}
 
     def _bucket(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """``Receiver``'s ``load`` for one bucket: plan it (once), then its copies, else the safe path."""
@@ -188,6 +188,7 @@ class PlannedReceive:
             return self.clock.mark("fallback")
         self._keep_aside(b)
         self.clock.mark("aside")
+        self.copied = True
         for dst, src in b.plan.copies:
             dst.copy_(src)
         self.clock.mark("copies")
