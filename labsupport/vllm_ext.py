@@ -293,12 +293,9 @@ class WorkerExtension(_ExtensionBase):
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = (), partial: bool = False) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` through the worker's ``vllm_plan.PlannedReceive``: each bucket copied into
-        the parameters as planned (a layout's first update: whole layers through the safe path, the plan checked
-        against it); all or nothing on every TP rank: any failure, also in another rank's vote, puts the old
-        weights back. ``partial``: the announced names are some of the model's on purpose (else a missing one is
-        refused). Replies with the stats, the plan's use and the seconds per phase (``recv_wait_s``, ``aside_s``,
-        ``copies_s``, ``fallback_s``, ``vote_s``)."""
+        """Receive one ``broadcast.send``, copied as planned (``vllm_plan.PlannedReceive``), all or nothing on every
+        TP rank; ``partial``: some of the model's names on purpose. Replies with the stats, the plan's use and the
+        seconds per phase (``recv_wait_s``, ``aside_s``, ``copies_s``, ``fallback_s``, ``vote_s``)."""
         st = worker_state(self)
         ew, st.planned = st.weights, st.planned or vllm_plan.PlannedReceive(self)
         ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)

