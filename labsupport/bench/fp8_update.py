@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from labsupport import lora, vllm_ext
+from labsupport import vllm_ext
+from labsupport.experiments import lora_demo
 from labsupport.course import hardware, models, progress, results, vllm_engine
 from labsupport.experiments import after_update as au
 
@@ -56,7 +57,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     tok = models.build_tokenizer()
-    dir_a, dir_b = models.tiny_model_dir("trained"), lora.base_model_dir()
+    dir_a, dir_b = models.tiny_model_dir("trained"), lora_demo.base_model_dir()
     weights = {k: [(n, t.to(torch.bfloat16)) for n, t in au.weights_of(d)] for k, d in (("A", dir_a), ("B", dir_b))}
     trainer_b = AutoModelForCausalLM.from_pretrained(dir_b).to("cuda:0").eval()
     prompts = au.long_prompts(16, length=80, seed=5)
@@ -82,7 +83,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
                    max_abs_logprob_gap=au.distance(lp, ref),
                    mean_abs_logprob_gap=(lp - ref)[torch.isfinite(lp)].abs().mean().item(),
                    abs_logprob_gap=gap_quantiles(lp, ref),
-                   greedy=lora.generate(llm, pattern, 6), greedy_expected=expected)
+                   greedy=lora_demo.generate(llm, pattern, 6), greedy_expected=expected)
         out["greedy_ok"] = out["greedy"] == expected
         if after:
             stale = unchanged_scales(before, after)
@@ -95,7 +96,7 @@ def measure(quantization: str | None, *, repeats: int = 3) -> dict[str, Any]:
             out["stale_scales"] = {"flagged_layers": len(unchanged_scales(before, vllm_ext.call(llm, _scales)[0])),
                                    "max_abs_logprob_gap": au.distance(lp_stale, ref),
                                    "abs_logprob_gap": gap_quantiles(lp_stale, ref),
-                                   "greedy": lora.generate(llm, pattern, 6)}
+                                   "greedy": lora_demo.generate(llm, pattern, 6)}
     finally:
         vllm_engine.stop_llm(llm)
     return out

@@ -6,8 +6,8 @@ decoder linear layer and gives ``B`` random values, so that the adapter changes 
 the trainer's device (``vllm_engine.colocated_args`` with LoRA enabled: both kinds of update) first receives the base
 weights (not timed). Then, each timed from the trainer's first byte to the engine having it loaded:
 
-* ``lora``: save the adapter and ``add_lora`` it under a new id (``lora.send_adapter``);
-* ``full_merged``: merge into a copy, send every weight through IPC, load (``lora.send_merged``).
+* ``lora``: save the adapter and ``add_lora`` it under a new id (``lora_demo.send_adapter``);
+* ``full_merged``: merge into a copy, send every weight through IPC, load (``lora_demo.send_merged``).
 
 Each runs twice (the second is reported) and is followed by a first greedy generation (timed). The verdict is
 checked byte for byte, never from text (on random weights bfloat16 near ties break either way):
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from labsupport import checksums, lora, reshard, vllm_ext
+from labsupport.experiments import lora_demo
 from labsupport.course import hardware, progress, results, vllm_engine
 from labsupport.bench.vllm_update import shape_config
 from labsupport.core.buckets import dtype_name
@@ -98,7 +99,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
                                "base_exact": base["exact"], "base_differences": base["differences"]}
         for version in (1, 2):  # adapters first: a merged update changes the engine's base for good
             _randomize_adapter(pm, version)
-            row = lora.send_adapter(llm, pm, tmp / f"adapter{version}", version, dtype=dtype)
+            row = lora_demo.send_adapter(llm, pm, tmp / f"adapter{version}", version, dtype=dtype)
             t0 = time.perf_counter()
             tokens = _engine_tokens(llm, row.pop("request"))
             row["first_generate_s"] = time.perf_counter() - t0
@@ -110,7 +111,7 @@ def measure(shape: str | dict[str, Any] = "tiny", rank: int = 8, *, gpu: bool | 
                 llm.llm_engine.remove_lora(1)
         out["lora"] = row
         for _ in range(2):
-            row = lora.send_merged(llm, pm, dtype=dtype)
+            row = lora_demo.send_merged(llm, pm, dtype=dtype)
             t0 = time.perf_counter()
             tokens = _engine_tokens(llm)
             row["first_generate_s"] = time.perf_counter() - t0

@@ -311,12 +311,15 @@ def cycle(llm: Any, update: Any) -> dict[str, Any]:
 def bucketed_update(group: Any, named: list[tuple[str, torch.Tensor]], llm: Any, bucket_bytes: int) -> dict[str, Any]:
     """``vllm_ext.push_weights`` (bucketed), with its transfer phase: ``transfer_s``, the slowest worker's own time
     from the end of the handshake to the end of the last vote (every bucket received and loaded, loads overlapping
-    the next bucket's arrival; both votes), read from the workers' replies (``workers``). (The trainer's side,
+    the next bucket's arrival; both votes), read from the workers' replies (``workers``, each with its seconds per
+    phase), and per worker whether it copied as planned (``planned``, ``planned_params``, ``copies``, ``fallback``:
+    module -> why it kept the safe path). (The trainer's side,
     ``broadcast.send``'s stats, is not returned by ``push_weights``: only its collective count.)"""
     got = vllm_ext.push_weights(group, named, llm, mode="bucketed", bucket_bytes=bucket_bytes)
     workers = [dict(w) for w in got.pop("workers")]
     transfer = max(w["seconds"] - w["handshake_s"] for w in workers)
-    return {**got, "transfer_s": transfer, "workers": workers}
+    plan = {k: [w.get(k) for w in workers] for k in ("planned", "planned_params", "copies", "fallback")}
+    return {**got, "transfer_s": transfer, **plan, "workers": workers}
 
 
 def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict[str, Any], float, int]:
