@@ -1,10 +1,9 @@
 """A stateless process group: one trainer rank plus N inference ranks, outside torch.distributed's globals.
 
-Trainers own a default process group and vLLM builds its own; the weight-sync group must coexist with both. So a
-TCPStore does the rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) is built directly on it,
-as vLLM's ``stateless_init_torch_distributed_process_group`` does. Every wait has a deadline: the store's waits and
-gloo's collectives time out themselves, NCCL's at ``synchronize()``, the backend's start on a thread. A failure
-names the rank that went missing."""
+Trainers own a default process group and vLLM its own; this one coexists with both: a TCPStore rendezvous and a
+``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) built directly on it, as vLLM's stateless groups are. Every
+wait has a deadline (the store's and gloo's their own, NCCL's at ``synchronize()``, the backend's start on a
+thread); a failure names the rank that went missing."""
 
 from __future__ import annotations
 
@@ -39,21 +38,18 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
                  device: str | torch.device | None = None, timeout_s: float = 60.0,
                  store: TCPStore | None = None) -> StatelessGroup:
     """Join (rank 0: host) a stateless group of ``world_size`` ranks: NCCL on a CUDA ``device``, gloo on the CPU
-    (the default). Rank 0 may pass the ``store`` that ``host_store`` made (its port then wins). Raises
-    ``GroupError`` for a port in use, a duplicate rank or disagreeing world sizes, ``GroupTimeout`` naming the
-    ranks that never arrived."""
-    if not 0 <= rank < world_size:
-        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}; got rank={rank}.")
-    if store is not None and rank != 0:
-        raise GroupError(f"only rank 0 hosts the store; rank {rank} joins with the address and port alone.")
+    (the default); rank 0 may bring ``host_store``'s store. Raises ``GroupError`` for a port in use, a duplicate
+    rank or disagreeing world sizes, ``GroupTimeout`` naming the ranks that never arrived."""
+    if not 0 <= rank < world_size or (store is not None and rank != 0):
+        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}, and only rank 0 brings "
+                         f"a store; got rank={rank}{' with a store' if store is not None else ''}.")
     master_port = store.port if store is not None else master_port
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:  # (no torch.cuda.set_device: the caller's current one stays)
         device = torch.device("cuda", torch.cuda.current_device())
     address = f"{master_address}:{master_port}"
     try:
-        store = store or TCPStore(master_address, master_port, None, rank == 0,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = store or TCPStore(master_address, master_port, None, rank == 0, timedelta(seconds=timeout_s), False)
     except Exception as exc:
         raise _no_store(exc, rank, address, timeout_s) from exc
     if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank registers once, with the world size it expects
@@ -74,21 +70,15 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (bind to port 0 and ask the OS which one it picked). Another process can
-    take it before rank 0 listens (connections go out from the same range): ``host_store`` cannot lose it."""
+    """A TCP port free right now; another process may take it before rank 0 listens (``host_store`` cannot)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 def host_store(address: str = "127.0.0.1", timeout_s: float = 60.0) -> TCPStore:
-    """Rank 0's store, listening on the port the OS gives it as it binds (``.port``: send it to the other ranks,
-    and the store to ``create_group(..., store=)``), so that no process can take the port between its choice
-    and the listen, as one did beside a vLLM engine whose workers had just opened their connections."""
-    try:
-        return TCPStore(address, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    except Exception as exc:
-        raise _no_store(exc, 0, f"{address}:0", timeout_s) from exc
+    """Rank 0's store on a port the OS gives as it listens (``.port``; for ``create_group(store=)``): none takes it."""
+    return TCPStore(address, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class StatelessGroup:
@@ -103,8 +93,7 @@ class StatelessGroup:
         self._seq, self.closed = 0, False  # closed: destroyed, or aborted after a lost peer (collectives then raise)
 
     def __repr__(self) -> str:
-        return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
-                f"device={str(self.device)!r}, master={self.address})")
+        return f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={str(self.device)!r}, master={self.address})"
 
     def _start(self) -> None:  # the backend, and one tiny collective: NCCL builds its communicator there
         self.pg = _make_backend(PrefixStore("pg", self.store), self.rank, self.world_size, self.backend, self.timeout_s)
@@ -211,8 +200,7 @@ class StatelessGroup:
         self.all_gather_object(None)
 
     def _objects(self, obj: Any, writers: list[int], what: str) -> list[Any]:
-        """The objects of ``writers`` (this rank's: ``obj``) through the store: each writer sets a key and every
-        rank waits for them. The last rank to read deletes them, so the store does not grow with every call."""
+        """The objects of ``writers`` (this rank's: ``obj``) through the store; the last reader deletes the keys."""
         self._seq += 1
         op, keys = f"op{self._seq}", {r: f"op{self._seq}/{r}" for r in writers}
         if self.rank in keys:
@@ -239,9 +227,8 @@ class StatelessGroup:
         """Tear the backend down without waiting for peers (after an error); the group is unusable after."""
         self._close("abort", "shutdown")
 
-    def destroy(self) -> None:
-        """Release the backend and the store (rank 0: its port) without waiting for the peers; safe twice. On NCCL a
-        local abort (a graceful shutdown waits for every rank); nothing is lost: syncs end with ``synchronize``."""
+    def destroy(self) -> None:  # (NCCL: a local abort, as a shutdown waits for every rank; syncs ended already)
+        """Release the backend and the store (rank 0: its port) without waiting for the peers; safe twice."""
         self._close(*(["abort"] if self.backend == "nccl" else []), "shutdown")
         self.pg = self.store = self._obj = None
 
@@ -261,15 +248,13 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s * 2 + 30)  # the watchdog fires after our own deadlines
     opts.is_high_priority_stream = True  # a broadcast ready beside copy kernels gets the SMs first
-    # Error handling "2" cleans up without killing the process (3, the default, kills it): set for this call, locked
-    with _ENV_LOCK:
-        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old or "2"
+    with _ENV_LOCK:  # error handling "2" cleans up without killing the process (3, the default, kills it)
+        old = os.environ.get(key := "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ[key] = old or "2"
         try:
             return dist.ProcessGroupNCCL(store, rank, world_size, opts)
         finally:
-            if old is None:
-                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            os.environ.pop(key) if old is None else None
 
 
 def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, address: str) -> None:
@@ -283,15 +268,15 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
             raise GroupError(f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank "
                              f"0 probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
         if wrong := {r: w for r, w in seen.items() if w != world_size}:
-            raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, "
-                             "but " + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
-                             + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
+            raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
+                             + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items())) + ". Pass the same "
+                             "world_size (1 trainer + number of receivers) to every rank.")
         if len(seen) == world_size:
             return
         if time.monotonic() > deadline:
-            raise GroupTimeout(f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined "
-                               f"group {address} within {timeout_s:.0f} s (world_size={world_size}). Start them with "
-                               "the same address/port, or raise timeout_s.")
+            raise GroupTimeout(f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined group "
+                               f"{address} within {timeout_s:.0f} s (world_size={world_size}). Start them with the same "
+                               "address/port, or raise timeout_s.")
         time.sleep(0.02)
 
 
@@ -304,9 +289,9 @@ def _peer_gone(exc: BaseException | None) -> bool:
 def _no_store(exc: Exception, rank: int, address: str, timeout_s: float) -> GroupError:
     """The error for a store that could not start (rank 0) or be reached (the others)."""
     if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
-        return GroupError(f"port {address.rpartition(':')[2]} on {address.rpartition(':')[0]} is already in use, so "
-                          "rank 0 cannot host the group there. Pick a free port (labsupport.groups.free_port()) "
-                          "and pass it to every rank.")
+        return GroupError(f"port {address.rpartition(':')[2]} on {address.rpartition(':')[0]} is already in use, so rank 0 "
+                          "cannot host the group there. Pick a free port (labsupport.groups.free_port()), or host the "
+                          "store first (labsupport.groups.host_store()), and pass its port to every rank.")
     if rank != 0:
         return GroupTimeout(f"rank {rank} could not reach the group's master (rank 0) at {address} within "
                             f"{timeout_s:.0f} s. Is rank 0 running, and do all ranks use the same address and port?")
@@ -338,8 +323,7 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
 
 
 def _unresponsive(group: StatelessGroup) -> list[int] | None:
-    """Ranks that do not check in through the store within timeout + 1 s (at most 8 s: the error comes within the
-    deadline + 10 s); None: rank 0 is gone or stopped (its store may never answer: the check runs on a thread)."""
+    """Ranks not checking in through the store within timeout + 1 s (at most 8); None: rank 0 (the store) is gone."""
     limit, gone = min(group.timeout_s + 1.0, 8.0), []
 
     def check_in() -> None:

@@ -65,7 +65,7 @@ def test_host_store_keeps_the_port_that_free_port_can_lose():
         for g in (host, joined.get("g")):
             if g is not None:
                 g.destroy()
-    with pytest.raises(GroupError, match="only rank 0 hosts"):
+    with pytest.raises(GroupError, match="only rank 0 brings"):
         create_group("127.0.0.1", 0, 1, 2, store=host_store(timeout_s=5))
 
 
