@@ -238,7 +238,7 @@ def test_gpu_run_pages(editions: dict) -> None:
         either = [nbformat.read(p, as_version=4) for p in sorted(ROOT.glob("results/notebooks/lab_06_colocated_vllm.*.ipynb"))]
         box = "stale" if any(gpu_runs.recording_freshness(r, lab_text).stale for r in either) else "current"
         assert f"Recorded GPU runs ({box})" in se._normalise(lab)  # stale if any recording is
-        assert "No recorded GPU run" in (site / "labs/lab_03_nccl_weight_sync.html").read_text()
+        assert "No recorded GPU run" in (site / "labs/lab_07_resharding.html").read_text()
 
 
 def test_intro_hardware_matrix_lists_every_lab() -> None:
