@@ -230,5 +230,5 @@ def leaderboard(impl: str, data: dict, keys: list[str], path: Path, command: str
     if impl == "reference" and any(r["status"] == "measured" for r in rows):  # the staff's bar for this GPU model
         from labsupport.course.results import RESULTS_DIR
 
-        staff = targets.write(Path(RESULTS_DIR) / f"grade_record.reference.{rec['machine_tag']}.json", rec)
+        staff = targets.write(RESULTS_DIR / f"grade_record.reference.{rec['machine_tag']}.json", rec)
         print(f"the staff reference's ratios on this GPU model (the targets' bar): {staff}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Each target is a ratio against what the hardware does without the learner's code (a device copy, a raw
 broadcast of the same bytes), measured in the same run. At 256 MB, fixed costs (launches, the handshake, a
-process's round trip) weigh in each ratio as much as bandwidth does, and differently on each GPU model, so the
+process's round trip) are part of each ratio, with a share that differs from one GPU model to the next, so the
 goal is relative: at most ``factor`` times the staff reference's ratio on the same GPU model, which
 ``make grade IMPL=reference`` records in ``results/grade_record.reference.<machine>.json`` (the course ships
 the ones it measured; an instructor with another GPU model records their own). ``make grade`` (one
@@ -23,7 +23,7 @@ import torch
 
 MB = 1 << 20
 FACTOR = 1.5  # a target's goal: at most this times the staff reference's ratio on the same GPU model
-STATE_BYTES = 256 * MB  # the state moved by each target: large enough that fixed costs are a small share
+STATE_BYTES = 256 * MB  # the state moved by each target
 REPEATS = 5
 
 
@@ -53,7 +53,10 @@ class Target:
 
 
 def gpu_model() -> str | None:
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    """This machine's GPU model, named as the records name it (``results.machine_info``); None without a GPU."""
+    from labsupport.course.results import machine_info
+
+    return next((g["name"] for g in machine_info()["gpus"]), None)
 
 
 def reference_ratios(model: str | None, folder: Path | None = None) -> dict[str, dict[str, Any]]:

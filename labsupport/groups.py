@@ -2,8 +2,8 @@
 
 Trainers own a default process group and vLLM its own; this one coexists with both: a TCPStore rendezvous and a
 ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) built directly on it, as vLLM's stateless groups are. Every
-wait has a deadline (the store's and gloo's their own, NCCL's at ``synchronize()``, the backend's start on a
-thread); a failure names the rank that went missing."""
+wait has a deadline (the store's and gloo's their own, NCCL's at ``synchronize()``, the backend's start on a thread); a
+failure names the rank that went missing."""
 
 from __future__ import annotations
 
@@ -40,16 +40,16 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     """Join (rank 0: host) a stateless group of ``world_size`` ranks: NCCL on a CUDA ``device``, gloo on the CPU
     (the default); rank 0 may bring ``host_store``'s store. Raises ``GroupError`` for a port in use, a duplicate
     rank or disagreeing world sizes, ``GroupTimeout`` naming the ranks that never arrived."""
-    if not 0 <= rank < world_size or (store is not None and rank != 0):
-        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}, and only rank 0 brings "
-                         f"a store; got rank={rank}{' with a store' if store is not None else ''}.")
-    master_port = store.port if store is not None else master_port
+    if not 0 <= rank < world_size or (store is not None and rank != 0):  # (the others join by address and port)
+        raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}, and only rank 0 brings a "
+                         f"store; got rank={rank}{' with a store' if store is not None else ''}.")
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:  # (no torch.cuda.set_device: the caller's current one stays)
         device = torch.device("cuda", torch.cuda.current_device())
-    address = f"{master_address}:{master_port}"
+    address = f"{master_address}:{master_port if store is None else store.port}"
     try:
-        store = store or TCPStore(master_address, master_port, None, rank == 0, timedelta(seconds=timeout_s), False)
+        store = store or (host_store(master_address, timeout_s, master_port) if rank == 0 else  # (the others join)
+                          TCPStore(master_address, master_port, timeout=timedelta(seconds=timeout_s)))
     except Exception as exc:
         raise _no_store(exc, rank, address, timeout_s) from exc
     if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank registers once, with the world size it expects
@@ -76,9 +76,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def host_store(address: str = "127.0.0.1", timeout_s: float = 60.0) -> TCPStore:
-    """Rank 0's store on a port the OS gives as it listens (``.port``; for ``create_group(store=)``): none takes it."""
-    return TCPStore(address, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def host_store(address: str = "127.0.0.1", timeout_s: float = 60.0, port: int = 0) -> TCPStore:
+    """Rank 0's store; ``port`` 0: the OS picks one as it listens (``.port``), which nobody can take first."""
+    return TCPStore(address, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class StatelessGroup:
@@ -93,7 +93,8 @@ class StatelessGroup:
         self._seq, self.closed = 0, False  # closed: destroyed, or aborted after a lost peer (collectives then raise)
 
     def __repr__(self) -> str:
-        return f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={str(self.device)!r}, master={self.address})"
+        return (f"StatelessGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={str(self.device)!r}, master={self.address})")
 
     def _start(self) -> None:  # the backend, and one tiny collective: NCCL builds its communicator there
         self.pg = _make_backend(PrefixStore("pg", self.store), self.rank, self.world_size, self.backend, self.timeout_s)
@@ -187,12 +188,10 @@ class StatelessGroup:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank; returns it on all ranks."""
-        self._check_args([], "broadcast_object", src)
         return self._objects(obj, [src], "broadcast_object")[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order."""
-        self._check_args([], "all_gather_object")
         return self._objects(obj, list(range(self.world_size)), "all_gather_object")
 
     def barrier(self) -> None:
@@ -201,6 +200,7 @@ class StatelessGroup:
 
     def _objects(self, obj: Any, writers: list[int], what: str) -> list[Any]:
         """The objects of ``writers`` (this rank's: ``obj``) through the store; the last reader deletes the keys."""
+        self._check_args([], what, writers[0] if len(writers) == 1 else None)  # (a broadcast's source: in range?)
         self._seq += 1
         op, keys = f"op{self._seq}", {r: f"op{self._seq}/{r}" for r in writers}
         if self.rank in keys:
@@ -254,7 +254,8 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
         try:
             return dist.ProcessGroupNCCL(store, rank, world_size, opts)
         finally:
-            os.environ.pop(key) if old is None else None
+            if old is None:
+                os.environ.pop(key)
 
 
 def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, address: str) -> None:
@@ -268,15 +269,15 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
             raise GroupError(f"rank {rank} lost contact with rank 0 (the host of group {address}) while joining; rank "
                              f"0 probably failed: see its error. ({str(exc).splitlines()[0][:200]})") from None
         if wrong := {r: w for r, w in seen.items() if w != world_size}:
-            raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, but "
-                             + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items())) + ". Pass the same "
-                             "world_size (1 trainer + number of receivers) to every rank.")
+            raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} expects {world_size}, "
+                             "but " + ", ".join(f"rank {r} expects {w}" for r, w in sorted(wrong.items()))
+                             + ". Pass the same world_size (1 trainer + number of receivers) to every rank.")
         if len(seen) == world_size:
             return
         if time.monotonic() > deadline:
-            raise GroupTimeout(f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined group "
-                               f"{address} within {timeout_s:.0f} s (world_size={world_size}). Start them with the same "
-                               "address/port, or raise timeout_s.")
+            raise GroupTimeout(f"rank {rank}: rank(s) {[r for r in range(world_size) if r not in seen]} never joined "
+                               f"group {address} within {timeout_s:.0f} s (world_size={world_size}). Start them with "
+                               "the same address/port, or raise timeout_s.")
         time.sleep(0.02)
 
 
@@ -289,9 +290,9 @@ def _peer_gone(exc: BaseException | None) -> bool:
 def _no_store(exc: Exception, rank: int, address: str, timeout_s: float) -> GroupError:
     """The error for a store that could not start (rank 0) or be reached (the others)."""
     if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
-        return GroupError(f"port {address.rpartition(':')[2]} on {address.rpartition(':')[0]} is already in use, so rank 0 "
-                          "cannot host the group there. Pick a free port (labsupport.groups.free_port()), or host the "
-                          "store first (labsupport.groups.host_store()), and pass its port to every rank.")
+        return GroupError(f"port {address.rpartition(':')[2]} on {address.rpartition(':')[0]} is already in use, so "
+                          "rank 0 cannot host the group there. Pick a free port (labsupport.groups.free_port()), or "
+                          "host the store first (labsupport.groups.host_store()), and pass its port to every rank.")
     if rank != 0:
         return GroupTimeout(f"rank {rank} could not reach the group's master (rank 0) at {address} within "
                             f"{timeout_s:.0f} s. Is rank 0 running, and do all ranks use the same address and port?")
@@ -323,16 +324,15 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
 
 
 def _unresponsive(group: StatelessGroup) -> list[int] | None:
-    """Ranks not checking in through the store within timeout + 1 s (at most 8); None: rank 0 (the store) is gone."""
-    limit, gone = min(group.timeout_s + 1.0, 8.0), []
+    """Ranks not checking in through the store in time; None: rank 0 is gone or stopped (its store may never answer)."""
+    limit, gone = min(group.timeout_s + 1.0, 8.0), []  # (at most 8 s: the error comes within the deadline + 10 s)
 
-    def check_in() -> None:
+    def check_in(end: float) -> None:
         (store := group.store).set(f"alive/{group.rank}", "1")
-        end = time.monotonic() + limit
         while not gone or gone[-1] and time.monotonic() < end:
             gone.append([r for r in range(group.world_size) if r != group.rank and not store.check([f"alive/{r}"])])
             time.sleep(0.05)
-    done = _bounded(check_in, limit + 1.0)  # an error: rank 0, the store's host, is gone (ranks found missing stay)
+    done = _bounded(lambda: check_in(time.monotonic() + limit), limit + 1.0)  # an error: rank 0, the store's host, is gone (ranks found missing stay)
     return gone[-1] if done and (done[0] is None or gone and 0 not in gone[-1]) else None
 
 

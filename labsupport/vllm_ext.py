@@ -151,9 +151,9 @@ def alongside(rpc: Callable[[], Any], send: Callable[[], Any], timeout: float = 
 
 
 def stateless_init_process_group(master_address: str, master_port: int, rank: int, world_size: int,
-                                 device: str | torch.device) -> groups.StatelessGroup:
-    """The trainer's end of the update group, a drop-in for vLLM's rlhf_utils helper (NCCL on GPU, gloo on CPU)."""
-    return groups.create_group(master_address, master_port, rank, world_size, device=device)
+                                 device: str | torch.device, store: Any = None) -> groups.StatelessGroup:
+    """The trainer's end of the update group, as vLLM's rlhf_utils helper (``store``: ``groups.host_store``'s)."""
+    return groups.create_group(master_address, master_port, rank, world_size, device=device, store=store)
 
 
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]], llm: Any, *,

@@ -424,15 +424,15 @@ def test_mapped_refresh_casts_into_the_same_bucket_and_refuses_a_changed_model()
     model = models.build_model(0)
     path = colocated.ColocatedWeights(model, torch.bfloat16)
     try:
-        where = [v.data_ptr() for v in path.views]
+        where = [v.data_ptr() for v in path.bucket.views]
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)
         path.refresh(model)
-        assert [v.data_ptr() for v in path.views] == where  # in place: the engine's mapping stays valid
+        assert [v.data_ptr() for v in path.bucket.views] == where  # in place: the engine's mapping stays valid
         params = dict(model.named_parameters())  # (the bucket holds them in fast_update's export order)
-        assert sorted(path.names) == sorted(params) and len(path.views) == len(params)
-        assert all(torch.equal(v, params[n].detach().to(torch.bfloat16)) for n, v in zip(path.names, path.views))
+        assert sorted(path.bucket.names) == sorted(params) and len(path.bucket.views) == len(params)
+        assert all(torch.equal(v, params[n].detach().to(torch.bfloat16)) for n, v in zip(path.bucket.names, path.bucket.views))
         model.lm_head.weight = torch.nn.Parameter(torch.zeros(3, 3))  # another shape: a copy would broadcast
         with pytest.raises(WeightUpdateError, match="no longer has the parameters"):
             path.refresh(model)

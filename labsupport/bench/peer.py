@@ -242,17 +242,22 @@ def plot(runs: list[dict[str, Any]]):
     return fig
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labsupport bench peer", description=__doc__.split("\n\n")[0])
+def task_args(p: argparse.ArgumentParser, beta_help: str | None = None) -> argparse.ArgumentParser:
+    """The task's settings, with the defaults every comparison with TRL runs (``bench peer``, ``bench peer2``)."""
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--group", type=int, default=16, help="samples per prompt")
     p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--beta", type=float, default=0.02)
+    p.add_argument("--beta", type=float, default=0.02, help=beta_help)
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--size", default="0.5b")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--eval-every", type=int, default=5)
+    return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = task_args(argparse.ArgumentParser(prog="python -m labsupport bench peer", description=__doc__.split("\n\n")[0]))
     p.add_argument("--engine-share", type=float, default=0.15, help="vLLM's share of GPU memory (both tools)")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"],
                    help="the trainer's, for both tools (bf16: autocast over float32 master weights; TRL's default)")

@@ -492,16 +492,10 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- the parent: jobs on lanes ------------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labsupport bench peer2", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    p.add_argument("--group", type=int, default=16, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--beta", type=float, default=0.02, help="KL weight (AsyncGRPOTrainer has none)")
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--size", default="0.5b")
-    p.add_argument("--seeds", default="0,1")
-    p.add_argument("--eval-every", type=int, default=5)
+    from labsupport.bench.peer import task_args
+
+    p = task_args(argparse.ArgumentParser(prog="python -m labsupport bench peer2", description=__doc__.split("\n\n")[0]),
+                  beta_help="KL weight (AsyncGRPOTrainer has none)")
     p.add_argument("--engine-share", type=float, default=0.15, help="vLLM's share of its GPU's memory (all)")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--jobs", default=",".join(JOBS), help=f"any of {', '.join(JOBS)}, joined by ','")

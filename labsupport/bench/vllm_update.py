@@ -334,10 +334,10 @@ def disaggregated(model: Any, folder: Path, tp: int, version: int) -> tuple[dict
         llm = start_llm(folder, engine_gpus(*range(1, tp + 1)), tp, gpu_memory_utilization=0.5,
                         weight_transfer_config=WeightTransferConfig(backend="nccl"))
         undo.add(lambda: vllm_engine.stop_llm(llm), "stop the engine")
-        port = groups.free_port()
+        store = groups.host_store()  # (a free_port port can be taken beside an engine before rank 0 listens)
         group, _ = vllm_ext.alongside(
-            lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", port, 1, tp + 1),
-            lambda: vllm_ext.stateless_init_process_group("127.0.0.1", port, 0, tp + 1, "cuda:0"))
+            lambda: vllm_ext.call(llm, "init_weight_update_group", "127.0.0.1", store.port, 1, tp + 1),
+            lambda: vllm_ext.stateless_init_process_group("127.0.0.1", store.port, 0, tp + 1, "cuda:0", store))
         undo.add(group.destroy, "destroy the trainer's group")
         undo.add(lambda: vllm_ext.call(llm, "destroy_weight_update_group"), "the workers leave the group")
         raw_s = min(raw_broadcast(llm, group, nbytes) for _ in range(2))

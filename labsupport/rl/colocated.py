@@ -82,19 +82,16 @@ class ColocatedWeights:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         self.update, self.sleep_level, self.dtype = update, sleep_level, dtype
         self.bucket = SharedWeights(model, dtype=dtype)  # the bucket, its views and its checks: one home
-        self.exporter, self.handle, self.names, self.views = (self.bucket.exporter, self.bucket.handle,
-                                                              self.bucket.names, self.bucket.views)
-        self.device = self.bucket.device
 
     def connect_ops(self) -> list[dict[str, Any]]:
         """Before the first step: the engine maps the bucket (mapped), then goes to sleep (if it sleeps)."""
-        ops = [{"op": "map", "handle": self.handle, "step": -1}] if self.update == "mapped" else []
+        ops = [{"op": "map", "handle": self.bucket.handle, "step": -1}] if self.update == "mapped" else []
         return ops + self.after_generate(-1)
 
     def before_generate(self, step: int) -> list[dict[str, Any]]:
         """The engine's ops before it generates: the update, between waking the weights and the KV cache if asleep."""
         update = ({"op": "update", "step": step} if self.update == "mapped"
-                  else {"op": "load_ipc", "handle": self.handle, "step": step})
+                  else {"op": "load_ipc", "handle": self.bucket.handle, "step": step})
         if not self.sleep_level:
             return [update]
         return [{"op": "wake", "tags": ["weights"], "step": step}, update,
@@ -110,7 +107,7 @@ class ColocatedWeights:
         bucket's views, after checking that the model still has the parameters it was exported with). IPC:
         ``Exporter.update_bucket`` (checked, packed)."""
         if self.update == "ipc":
-            self.exporter.update_bucket(self.handle, in_dtype(model, self.dtype))
+            self.bucket.exporter.update_bucket(self.bucket.handle, in_dtype(model, self.dtype))
             return
         self.bucket.refresh(model)
 

@@ -177,9 +177,9 @@ def _connect(r: _Run) -> None:
         r.path = ColocatedWeights(r.trainer.model, r.wdtype, r.cfg.update, r.cfg.sleep_level)
         r.mapping = r.engine.call(*r.path.connect_ops()).get("map")
         return
-    port = groups.free_port()
-    r.engine.send({"op": "join", "address": "127.0.0.1", "port": port, "timeout_s": 60.0})
-    r.group = groups.create_group("127.0.0.1", port, 0, 2, device=r.tdev, timeout_s=60.0)
+    store = groups.host_store(timeout_s=60.0)  # (listening before the port is sent: nobody can take it)
+    r.engine.send({"op": "join", "address": "127.0.0.1", "port": store.port, "timeout_s": 60.0})
+    r.group = groups.create_group("127.0.0.1", store.port, 0, 2, device=r.tdev, timeout_s=60.0, store=store)
     r.engine.recv()
 
 
