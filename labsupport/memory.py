@@ -1,21 +1,27 @@
-"""Where the bytes go across RLHF phases: ``labsupport.core.timeline`` plus what a real measurement needs (Lab 2).
+"""Where the bytes go across RLHF phases: ``labsupport.core.timeline`` plus what a real measurement
+needs (Lab 2).
 
-``MemoryTimeline`` is a ``core.timeline.Timeline`` (the same roles, phases and samples) that adds, each against a
-way the core misreads memory:
+``MemoryTimeline`` is a ``core.timeline.Timeline`` (the same roles, phases and samples) that adds,
+each against a way the core misreads memory:
 
-- a background thread reading the allocator between phase edges (GPU), and ``sample()`` marks inside a phase:
-  a peak inside a phase that two edge samples miss;
-- the allocator's counters and each phase's peak, and "other" (allocated bytes no role explains): logits and
-  temporaries that no registered tensor shows;
-- each storage counted once, under the first role in ``ROLES`` that holds it: a tensor counted twice;
-- weak references to registered tensors, and ``forget_sources``: a timeline that keeps a freed KV cache alive;
-- activations through autograd's saved-tensor hooks (``track_activations``): training's largest transient uncounted;
-- registered bytes in host memory, and ``move_optimizer_state``: offloaded state vanishing instead of moving;
-- phases that must not overlap, a checked ``register``, PyTorch's memory history: double-counted phases, a typo
-  that counts nothing, no allocation-level view.
+- a background thread reading the allocator between phase edges (GPU), and ``sample()`` marks inside
+  a phase: a peak inside a phase that two edge samples miss;
+- the allocator's counters and each phase's peak, and "other" (allocated bytes no role explains):
+  logits and temporaries that no registered tensor shows;
+- each storage counted once, under the first role in ``ROLES`` that holds it: a tensor counted
+  twice;
+- weak references to registered tensors, and ``forget_sources``: a timeline that keeps a freed KV
+  cache alive;
+- activations through autograd's saved-tensor hooks (``track_activations``): training's largest
+  transient uncounted;
+- registered bytes in host memory, and ``move_optimizer_state``: offloaded state vanishing instead
+  of moving;
+- phases that must not overlap, a checked ``register``, PyTorch's memory history: double-counted
+  phases, a typo that counts nothing, no allocation-level view.
 
-The thread reads the allocator only: reading ``p.grad`` or a storage while autograd frees it crashes the process,
-so roles are counted on the step's own thread. ``labsupport.experiments.memory_report`` reads a timeline (peaks, plots).
+The thread reads the allocator only: reading ``p.grad`` or a storage while autograd frees it crashes
+the process, so roles are counted on the step's own thread. ``labsupport.experiments.memory_report``
+reads a timeline (peaks, plots).
 """
 from __future__ import annotations
 
@@ -36,13 +42,15 @@ ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other"
 
 
 def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
-    """A getter that lists the tensors of obj now (so later changes, e.g. a freed cache, show up)."""
+    """A getter that lists the tensors of obj now (so later changes, e.g. a freed cache, show
+    up)."""
     if isinstance(obj, torch.nn.Module):
         if role == "gradients":
             return lambda: [p.grad for p in obj.parameters() if p.grad is not None]
         return lambda: [*obj.parameters(), *obj.buffers()]
     if isinstance(obj, torch.optim.Optimizer):  # its state (register the model for its gradients)
-        return lambda: [t for s in list(obj.state.values()) for t in list(s.values()) if isinstance(t, torch.Tensor)]
+        return lambda: [t for s in list(obj.state.values()) for t in list(s.values())
+                        if isinstance(t, torch.Tensor)]
     if isinstance(obj, torch.Tensor):
         ref = weakref.ref(obj)  # do not keep a registered tensor alive
         return lambda: [t] if (t := ref()) is not None else []
@@ -50,19 +58,24 @@ def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
         return lambda: list(obj.values()) if isinstance(obj, dict) else list(obj)
     if callable(obj):
         return obj
-    raise TypeError(f"register() takes a Module, Optimizer, Tensor, list/tuple/dict of tensors or a callable "
-                    f"returning tensors; found {type(obj).__name__}")
+    raise TypeError("register() takes a Module, Optimizer, Tensor, list/tuple/dict of tensors or a "
+                    f"callable returning tensors; found {type(obj).__name__}")
 
 
 class MemoryTimeline(timeline.Timeline):
     """The core timeline with the additions above: ``tl.register("weights", model)``, then
     ``with tl.sampling(), tl.phase("generate"): ...``."""
 
-    def __init__(self, device: str | torch.device, *, name: str = "", interval_s: float = 0.01) -> None:
+    def __init__(self, device: str | torch.device, *, name: str = "",
+                 interval_s: float = 0.01) -> None:
         super().__init__(device)
-        self.name, self.interval_s = name, interval_s  # interval_s: the background thread's allocator reads
-        self.capacity = torch.cuda.get_device_properties(self.device).total_memory if self.gpu else None
-        self.sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter), as registered
+        # interval_s: the background thread's allocator reads
+        self.name, self.interval_s = name, interval_s
+        self.capacity = (
+            torch.cuda.get_device_properties(self.device).total_memory if self.gpu else None
+        )
+        # (role, name, tensor getter), as registered
+        self.sources: list[tuple[str, str, Callable]] = []
         self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
         self._lock = threading.Lock()  # guards samples and _act_refs
         self._current: str | None = None  # the phase running now
@@ -72,8 +85,9 @@ class MemoryTimeline(timeline.Timeline):
 
     # ------------------------------------------------------------ what is counted
     def register(self, role: str, obj: Any, name: str | None = None) -> None:
-        """Count obj's tensors under role: a Module (parameters and buffers; for "gradients" their .grad), an
-        Optimizer (its state), a Tensor, or a list/dict/callable of tensors (read at every sample)."""
+        """Count obj's tensors under role: a Module (parameters and buffers; for "gradients" their
+        .grad), an Optimizer (its state), a Tensor, or a list/dict/callable of tensors (read at
+        every sample)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
         self.sources.append((role, name or type(obj).__name__, _tensors_of(role, obj)))
@@ -82,16 +96,19 @@ class MemoryTimeline(timeline.Timeline):
     def unregister(self, name: str) -> None:
         """Stop counting the source registered under this name."""
         if name not in [n for _, n, _ in self.sources]:
-            raise KeyError(f"no source named {name!r}; registered: {[n for _, n, _ in self.sources]}")
+            raise KeyError(f"no source named {name!r}; registered: "
+                           f"{[n for _, n, _ in self.sources]}")
         self.sources = [s for s in self.sources if s[1] != name]
 
     def forget_sources(self) -> None:
-        """Drop the registered objects (keeping what was recorded): a finished timeline keeps nothing alive."""
+        """Drop the registered objects (keeping what was recorded): a finished timeline keeps
+        nothing alive."""
         self.sources = [(role, name, lambda: []) for role, name, _ in self.sources]
 
     @contextlib.contextmanager
     def track_activations(self) -> Iterator[None]:
-        """Count tensors that autograd saves for backward (role "activations") while they are alive."""
+        """Count tensors that autograd saves for backward (role "activations") while they are
+        alive."""
         def pack(t: torch.Tensor) -> torch.Tensor:
             with self._lock:
                 self._act_refs.append(weakref.ref(t))
@@ -107,8 +124,9 @@ class MemoryTimeline(timeline.Timeline):
         return [t for r in refs if (t := r()) is not None]
 
     def role_bytes(self) -> tuple[dict[str, int], int]:
-        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded). Each storage
-        counts once, under the first role in ROLES order that holds it (a weight saved for backward stays a weight)."""
+        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded).
+        Each storage counts once, under the first role in ROLES order that holds it (a weight saved
+        for backward stays a weight)."""
         out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
         for role in ROLES:
             for t in self.roles[role]() if role in self.roles else []:
@@ -116,7 +134,8 @@ class MemoryTimeline(timeline.Timeline):
                     continue
                 st = t.untyped_storage()
                 key = (t.device.type, t.device.index, st.data_ptr())
-                if st.data_ptr() == 0 or key in seen:  # no memory behind it (empty, meta), or counted already
+                # no memory behind it (empty, meta), or counted already
+                if st.data_ptr() == 0 or key in seen:
                     continue
                 seen.add(key)
                 if t.device == self.device:
@@ -127,21 +146,24 @@ class MemoryTimeline(timeline.Timeline):
 
     # ------------------------------------------------------------ samples and phases
     def sample(self, event: str = "mark", roles: bool = True) -> dict[str, Any]:
-        """Record one sample now, in the running phase. Call it from the thread that runs the step (e.g. after a
-        forward pass, where activations peak): counting roles reads tensors."""
+        """Record one sample now, in the running phase. Call it from the thread that runs the step
+        (e.g. after a forward pass, where activations peak): counting roles reads tensors."""
         return self._sample(self._current, event, roles)
 
     def _sample(self, phase: str | None, event: str, roles: bool = True) -> dict[str, Any]:
-        """The core's sample plus the allocator's counters (GPU), each storage once, host bytes and "other"."""
+        """The core's sample plus the allocator's counters (GPU), each storage once, host bytes and
+        "other"."""
         if self.gpu and event in ("begin", "end"):
             torch.cuda.synchronize(self.device)  # a phase's edges include the work queued inside it
         t_start = time.perf_counter()
         s: dict[str, Any] = {"t": t_start - self._t0, "phase": phase, "event": event}
-        if self.gpu:  # one call to the allocator's stats (memory_allocated() & co. each flatten all of them)
+        # one call to the allocator's stats (memory_allocated() & co. each flatten all of them)
+        if self.gpu:
             st = torch.cuda.memory_stats_as_nested_dict(self.device)
             s["allocated"] = st["allocated_bytes"]["all"]["current"]
             s["reserved"] = st["reserved_bytes"]["all"]["current"]
-            s["peak"] = st["allocated_bytes"]["all"]["peak"]  # since the phase began (phase() resets it)
+            # since the phase began (phase() resets it)
+            s["peak"] = st["allocated_bytes"]["all"]["peak"]
             s["peak_reserved"] = st["reserved_bytes"]["all"]["peak"]
         if roles:
             r, host = self.role_bytes()
@@ -155,10 +177,13 @@ class MemoryTimeline(timeline.Timeline):
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """The core's phase, refusing to overlap another; on a GPU the allocator's peak restarts at its start."""
+        """The core's phase, refusing to overlap another; on a GPU the allocator's peak restarts at
+        its start."""
         if self._current is not None:
-            raise RuntimeError(f"phase {name!r} started inside phase {self._current!r}; "
-                               "phases must not overlap: end the first one before starting the next")
+            raise RuntimeError(
+                f"phase {name!r} started inside phase {self._current!r}; "
+                "phases must not overlap: end the first one before starting the next"
+            )
         if self.gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -171,12 +196,13 @@ class MemoryTimeline(timeline.Timeline):
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.sample("tick", roles=False)  # the allocator's counters only: never touch the step's tensors here
+            # the allocator's counters only: never touch the step's tensors here
+            self.sample("tick", roles=False)
             self._ticks += 1
 
     def start(self) -> None:
-        """Start the background sampler (GPU): the allocator's counters every interval_s seconds. On CPU there is
-        no allocator to read, so no thread starts."""
+        """Start the background sampler (GPU): the allocator's counters every interval_s seconds. On
+        CPU there is no allocator to read, so no thread starts."""
         if self._thread is not None:
             raise RuntimeError("the sampler is already running; call stop() first")
         if self.gpu:
@@ -209,17 +235,21 @@ class MemoryTimeline(timeline.Timeline):
 
     # ------------------------------------------------------------ PyTorch memory history
     def start_history(self) -> None:
-        """Start PyTorch's allocator history (every alloc/free with a Python stack) for memory_viz."""
+        """Start PyTorch's allocator history (every alloc/free with a Python stack) for
+        memory_viz."""
         if not self.gpu:
             raise RuntimeError("PyTorch's memory history records the CUDA caching allocator; "
                                "it needs a GPU (this timeline is on CPU). Skip it on the CPU path.")
-        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python", device=self.device)
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python",
+                                                 device=self.device)
         self._history = True
 
     def save_snapshot(self, path: str | Path) -> Path:
-        """Write the history as a pickle that https://pytorch.org/memory_viz opens (drag and drop), and stop it."""
+        """Write the history as a pickle that https://pytorch.org/memory_viz opens (drag and drop),
+        and stop it."""
         if not self._history:
-            raise RuntimeError("no memory history is being recorded; call start_history() before the step")
+            raise RuntimeError("no memory history is being recorded; call start_history() before "
+                               "the step")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(path))
@@ -228,8 +258,9 @@ class MemoryTimeline(timeline.Timeline):
         return path
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything recorded, as plain JSON-able data (what plots and save_result take); "phases" holds each
-        finished phase's times and, on a GPU, its allocator peaks (from its end sample)."""
+        """Everything recorded, as plain JSON-able data (what plots and save_result take); "phases"
+        holds each finished phase's times and, on a GPU, its allocator peaks (from its end
+        sample)."""
         with self._lock:
             samples = [dict(s) for s in self.samples]
         phases, begin = [], None
@@ -237,33 +268,40 @@ class MemoryTimeline(timeline.Timeline):
             if s["event"] == "begin":
                 begin = s
             elif s["event"] == "end" and begin is not None:
-                phases.append({"name": s["phase"], "start": begin["t"], "end": s["t"], "peak_allocated": s.get("peak"),
+                phases.append({"name": s["phase"], "start": begin["t"], "end": s["t"],
+                               "peak_allocated": s.get("peak"),
                                "peak_reserved": s.get("peak_reserved")})
-        return {"name": self.name, "device": str(self.device), "gpu": self.gpu, "capacity_bytes": self.capacity,
-                "roles": list(ROLES), "sources": [{"role": r, "name": n} for r, n, _ in self.sources],
+        return {"name": self.name, "device": str(self.device), "gpu": self.gpu,
+                "capacity_bytes": self.capacity, "roles": list(ROLES),
+                "sources": [{"role": r, "name": n} for r, n, _ in self.sources],
                 "interval_s": self.interval_s, "phases": phases, "samples": samples,
                 "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
-                            "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)), 4)}}
+                            "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)),
+                                                    4)}}
 
 
 # ---------------------------------------------------------------- moving state off the GPU
 def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device) -> int:
-    """Move Adam's moment tensors to device (to "cpu": into pinned host memory) and wait for the copies.
-    Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
+    """Move Adam's moment tensors to device (to "cpu": into pinned host memory) and wait for the
+    copies. Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
     dev, moved, devices = torch.device(device), 0, set()
     for st in opt.state.values():
         for k, v in st.items():
             if not isinstance(v, torch.Tensor) or v.dim() == 0:  # (Adam's step counter)
                 continue
-            if v.device.type == dev.type and dev.index in (None, v.device.index):  # there already ("cuda": any GPU)
+            # there already ("cuda": any GPU)
+            if v.device.type == dev.type and dev.index in (None, v.device.index):
                 continue
             if dev.type == "cpu":  # v is on a GPU
-                st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v,
+                                                                                   non_blocking=True)
             else:
                 st[k] = v.to(dev, non_blocking=True)
-            devices |= {v.device, st[k].device}  # each copy is queued on the source or the destination GPU
+            # each copy is queued on the source or the destination GPU
+            devices |= {v.device, st[k].device}
             moved += v.nbytes
-    for d in devices:  # wait for those GPUs, not the current one (a state on cuda:1 moved while cuda:0 is current)
+    # wait for those GPUs, not the current one (a state on cuda:1 moved while cuda:0 is current)
+    for d in devices:
         _sync(d)
     return moved
 

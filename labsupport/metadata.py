@@ -1,9 +1,9 @@
 """The one check of an update's metadata (names, dtypes, shapes) against what a receiver holds.
 
-Every receiver of weights refuses an update whose metadata does not match before it writes anything: a
-broadcast receiver (``broadcast``), a vLLM worker (``vllm_weights``), an IPC receiver or exporter (``ipc``). What
-counts as a mismatch is decided here, once (``problems``); ``describe`` words it for a reader who holds the
-tensors (a receiver may word it for its own reader instead).
+Every receiver of weights refuses an update whose metadata does not match before it writes anything:
+a broadcast receiver (``broadcast``), a vLLM worker (``vllm_weights``), an IPC receiver or exporter
+(``ipc``). What counts as a mismatch is decided here, once (``problems``); ``describe`` words it for
+a reader who holds the tensors (a receiver may word it for its own reader instead).
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable, Mapping
 
-Found = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape): a ``core.buckets.Meta`` or a plain tuple
+# (name, dtype name, shape): a ``core.buckets.Meta`` or a plain tuple
+Found = tuple[str, str, tuple[int, ...]]
 
 
 def problems(found: Iterable[Found], expected: Mapping[str, tuple], *,
              partial: bool = False) -> list[tuple[str, str, Any, Any]]:
-    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept. ``what``:
-    ``"twice"`` (sent again), ``"unknown"`` (not in ``expected``), ``"dtype"``, ``"shape"`` (``expected`` maps a name
-    to ``(dtype name, shape)`` or a ``Meta``), ``"missing"`` (not sent, unless the caller says ``partial``)."""
+    """``(name, what, expected, found)`` for each mismatch, in the update's order; empty: accept.
+    ``what``: ``"twice"`` (sent again), ``"unknown"`` (not in ``expected``), ``"dtype"``,
+    ``"shape"`` (``expected`` maps a name to ``(dtype name, shape)`` or a ``Meta``), ``"missing"``
+    (not sent, unless the caller says ``partial``)."""
     out, seen = [], set()
     for name, dtype, shape in found:
         if name in seen:
@@ -32,19 +34,24 @@ def problems(found: Iterable[Found], expected: Mapping[str, tuple], *,
             out.append((name, "dtype", e_dtype, dtype))
         elif tuple(shape) != tuple(e_shape):
             out.append((name, "shape", tuple(e_shape), tuple(shape)))
-    return out + ([] if partial else [(n, "missing", None, None) for n in expected if n not in seen])
+    return out + ([] if partial else [(n, "missing", None, None) for n in expected
+                                      if n not in seen])
 
 
-def describe(found: Iterable[Found], expected: Mapping[str, tuple], *, partial: bool = False) -> list[str]:
-    """``problems`` as one line each, for a reader who holds the ``expected`` tensors (empty list: accept)."""
+def describe(found: Iterable[Found], expected: Mapping[str, tuple], *,
+             partial: bool = False) -> list[str]:
+    """``problems`` as one line each, for a reader who holds the ``expected`` tensors (empty list:
+    accept)."""
     out = []
     for name, what, want, got in problems(found, expected, partial=partial):
         if what in ("twice", "missing"):
-            out.append(f"'{name}': " + ("sent twice" if what == "twice" else "missing (send it, or say partial=True)"))
+            out.append(f"'{name}': " + ("sent twice" if what == "twice"
+                                        else "missing (send it, or say partial=True)"))
         elif what == "unknown":
             close = difflib.get_close_matches(name, list(expected), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            out.append(f"'{name}': unknown name, expected one of this receiver's {len(expected)} tensors{hint}")
+            out.append(f"'{name}': unknown name, expected one of this receiver's {len(expected)} "
+                       f"tensors{hint}")
         else:  # "dtype" or "shape"
             out.append(f"'{name}': {what} expected {want}, found {got}")
     return out

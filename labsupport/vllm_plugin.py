@@ -1,19 +1,21 @@
-"""vLLM's native weight-transfer API from the trainer's side, and a gloo backend for it, so that code written
-against ``WeightTransferConfig`` runs without CUDA (Lab 4).
+"""vLLM's native weight-transfer API from the trainer's side, and a gloo backend for it, so that
+code written against ``WeightTransferConfig`` runs without CUDA (Lab 4).
 
-:func:`native_trainer` is the trainer's end on either vLLM the course runs (0.32's ``trainer_init``; 0.26 has only
-static helpers, which :class:`NcclTrainer026` wraps). ``register_plugin`` adds ``"labsupport_gloo"`` to both of vLLM's
-factories: engines built like vLLM's NCCL one, over ``labsupport.broadcast``. Importing this module registers
-nothing: vLLM calls ``register_plugin`` in each of its processes through the package's ``vllm.general_plugins``
-entry point (``pip install -e .``), and ``native_trainer`` calls it on the trainer.
+:func:`native_trainer` is the trainer's end on either vLLM the course runs (0.32's ``trainer_init``;
+0.26 has only static helpers, which :class:`NcclTrainer026` wraps). ``register_plugin`` adds
+``"labsupport_gloo"`` to both of vLLM's factories: engines built like vLLM's NCCL one, over
+``labsupport.broadcast``. Importing this module registers nothing: vLLM calls ``register_plugin`` in
+each of its processes through the package's ``vllm.general_plugins`` entry point (``pip install -e
+.``), and ``native_trainer`` calls it on the trainer.
 
 Two differences from vLLM's NCCL engine, on purpose: the update is checked and staged first
-(``labsupport.vllm_weights``) and loaded in ``finish_weight_update`` (vLLM's moves the model to the meta device
-before the transfer, so a failed transfer leaves it unusable); and a failed update does not raise on the workers
-(0.32 mis-orders replies after a worker error, see ``vllm_weights.worker_rpc``): every rank votes, the trainer's
-``send_weights`` raises the reason, nothing loads. After a timeout the group is aborted on every rank: the next
-``send_weights`` says to create a new trainer. Every engine call of a round has a deadline (``EngineTimeout``;
-the engine is then refused, ``vllm_ext.EngineUnusable``), and so does the 0.26 trainer's NCCL set-up and send.
+(``labsupport.vllm_weights``) and loaded in ``finish_weight_update`` (vLLM's moves the model to the
+meta device before the transfer, so a failed transfer leaves it unusable); and a failed update does
+not raise on the workers (0.32 mis-orders replies after a worker error, see
+``vllm_weights.worker_rpc``): every rank votes, the trainer's ``send_weights`` raises the reason,
+nothing loads. After a timeout the group is aborted on every rank: the next ``send_weights`` says to
+create a new trainer. Every engine call of a round has a deadline (``EngineTimeout``; the engine is
+then refused, ``vllm_ext.EngineUnusable``), and so does the 0.26 trainer's NCCL set-up and send.
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ from labsupport.core.buckets import dtype_name, metas
 from labsupport.course import versions
 from labsupport.vllm_weights import EngineWeights, UpdateGroup, worker_rank
 
-GLOO_BACKEND = "labsupport_gloo"  # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
+# WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
+GLOO_BACKEND = "labsupport_gloo"
 BUCKET_BYTES = 64 << 20
 TIMEOUT_S = 60.0  # joining the group, and each phase of an update
 REPLY_S = 30.0  # how long the workers' call may take once the trainer's side is done
 logger = logging.getLogger(__name__)
 
 
-# ---- Worker side ---------------------------------------------------------------------------------------
+# ---- Worker side ---------------------------------------------------------------------------------
 @dataclass
 class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     """Worker-side init info (the trainer engine fills it in; the fields of vLLM's NCCL one)."""
@@ -48,7 +51,8 @@ class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
-    timeout_s: float = TIMEOUT_S  # any wait for the trainer; then SyncTimeout and the group is aborted
+    # any wait for the trainer; then SyncTimeout and the group is aborted
+    timeout_s: float = TIMEOUT_S
 
 
 @dataclass
@@ -66,8 +70,10 @@ class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
 
 
 class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo,
-                                                             GlooWeightTransferUpdateInfo], UpdateGroup):
-    """Worker side: join the trainer's group, receive each update into staging, load it in ``finish``."""
+                                                             GlooWeightTransferUpdateInfo],
+                               UpdateGroup):
+    """Worker side: join the trainer's group, receive each update into staging, load it in
+    ``finish``."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -76,7 +82,8 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
-        # Built now, not at engine start-up: a model this engine cannot check fails here, before any send.
+        # Built now, not at engine start-up: a model this engine cannot check fails here, before any
+        # send.
         self.weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
         self.join_group(init_info.master_address, init_info.master_port,
                         worker_rank(self.vllm_config, init_info.rank_offset), init_info.world_size,
@@ -92,20 +99,26 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         ew = self.weights
-        if self.group.closed:  # aborted by a timeout: the trainer's send_weights raises, nothing to receive
-            logger.error("weight update skipped: the group was aborted after a timeout; re-create it "
-                         "(init_weight_transfer_engine, i.e. a new trainer engine)")
+        # aborted by a timeout: the trainer's send_weights raises, nothing to receive
+        if self.group.closed:
+            logger.error("weight update skipped: the group was aborted after a timeout; re-create "
+                         "it (init_weight_transfer_engine, i.e. a new trainer engine)")
             return
-        load = ew.loader(update_info.names, update_info.dtype_names, update_info.shapes)  # refuses in the vote
+        # refuses in the vote
+        load = ew.loader(update_info.names, update_info.dtype_names, update_info.shapes)
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
-        except WeightSyncError as exc:  # not raised (module docstring): the trainer's send raises it
-            lost = isinstance(exc, SyncTimeout)  # a peer stopped answering: the group is aborted for good
-            logger.log(logging.ERROR if lost else logging.WARNING, "weight update %s, model unchanged: %s",
+        # not raised (module docstring): the trainer's send raises it
+        except WeightSyncError as exc:
+            # a peer stopped answering: the group is aborted for good
+            lost = isinstance(exc, SyncTimeout)
+            logger.log(logging.ERROR if lost else logging.WARNING, "weight update %s, model "
+                                                                   "unchanged: %s",
                        "timed out (group aborted)" if lost else "refused", exc)
             ew.pending.clear()  # so finish_weight_update loads nothing
 
-    def finish_weight_update(self) -> None:  # (after start_weight_update, which needs init: weights exist)
+    # (after start_weight_update, which needs init: weights exist)
+    def finish_weight_update(self) -> None:
         if self.weights.pending:
             with self.weights.all_or_nothing():  # a layer that fails puts every loaded one back
                 self.weights.flush(only_complete=False)
@@ -113,7 +126,7 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     shutdown = UpdateGroup.leave_group
 
 
-# ---- Trainer side --------------------------------------------------------------------------------------
+# ---- Trainer side --------------------------------------------------------------------------------
 @dataclass
 class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     """Trainer-side init info for ``labsupport_gloo`` (like vLLM's ``NCCLTrainerInitInfo``)."""
@@ -126,8 +139,10 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     timeout_s: float = TIMEOUT_S  # (both ends of the group)
 
 
-class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, UpdateGroup):  # (0.26's: 2 types)
-    """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying ``source``."""
+# (0.26's: 2 types)
+class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, UpdateGroup):
+    """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying
+    ``source``."""
 
     init_info_cls = GlooTrainerInitInfo
     version = 0  # of the last update sent
@@ -136,17 +151,20 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
                      source: Any = None) -> GlooTrainerWeightTransferEngine:
         if source is None:
-            raise ValueError("the gloo trainer engine needs a WeightSource, e.g. ModuleSource(model)")
+            raise ValueError("the gloo trainer engine needs a WeightSource, e.g. "
+                             "ModuleSource(model)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
         worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
                                                  init_info.world_size, init_info.timeout_s)
-        join = lambda: engine.join_group(init_info.master_address, init_info.master_port, 0,  # noqa: E731
-                                         init_info.world_size, device="cpu", timeout_s=init_info.timeout_s)
+        join = lambda: engine.join_group(init_info.master_address, init_info.master_port,
+                                         0,  # noqa: E731
+                                         init_info.world_size, device="cpu",
+                                         timeout_s=init_info.timeout_s)
         try:  # the workers wait for rank 0 (us) in their init
-            vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)), join,
-                               init_info.timeout_s + REPLY_S)
+            vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)),
+                               join, init_info.timeout_s + REPLY_S)
         except BaseException:
             engine.leave_group()  # (the workers never confirmed: leave nothing behind)
             raise
@@ -156,26 +174,30 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         pairs = list(self.source)  # materialises FSDP shards on every rank (a collective)
         if not self.is_sender:
             return
-        if self.group is None or self.group.closed:  # a timeout aborted it (on the engine's workers too)
-            raise groups.GroupError(f"the weight-transfer group is gone (aborted after a timeout in update "
-                                    f"v{self.version}, or shut down); nothing was sent. Create a new trainer engine "
-                                    "(vllm_plugin.native_trainer / trainer_init): the engine joins a new group.")
+        # a timeout aborted it (on the engine's workers too)
+        if self.group is None or self.group.closed:
+            raise groups.GroupError("the weight-transfer group is gone (aborted after a timeout in "
+                                    f"update v{self.version}, or shut down); nothing was sent. "
+                                    "Create a new trainer engine (vllm_plugin.native_trainer / "
+                                    "trainer_init): the engine joins a new group.")
         pairs = [(n, t.detach().to("cpu")) for n, t in pairs]
         meta = metas(pairs)
         update_info = GlooWeightTransferUpdateInfo([m.name for m in meta], [m.dtype for m in meta],
                                                    [list(m.shape) for m in meta])
         self.version += 1
-        _session(self.client, asdict(update_info), self.group.timeout_s + REPLY_S,  # a refusal raises (all voted)
-                 lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed", bucket_bytes=BUCKET_BYTES,
-                                        version=self.version))
+        # a refusal raises (all voted)
+        _session(self.client, asdict(update_info), self.group.timeout_s + REPLY_S,
+                 lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed",
+                                        bucket_bytes=BUCKET_BYTES, version=self.version))
 
     shutdown = UpdateGroup.leave_group
 
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
-    """One update round: start; ``update_weights`` on the workers alongside ``send`` here; finish, whatever happened
-    (a refused round loads nothing). An error is the trainer's own, with the workers' and finish's attached. Start
-    and finish missing ``timeout`` raise ``EngineTimeout`` and mark the engine (``client.llm``) unusable."""
+    """One update round: start; ``update_weights`` on the workers alongside ``send`` here; finish,
+    whatever happened (a refused round loads nothing). An error is the trainer's own, with the
+    workers' and finish's attached. Start and finish missing ``timeout`` raise ``EngineTimeout`` and
+    mark the engine (``client.llm``) unusable."""
     engine = getattr(client, "llm", client)
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
@@ -190,11 +212,15 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
     vllm_ext.within(client.finish_weight_update, timeout, "finish_weight_update", engine)
 
 
-# ---- Registration --------------------------------------------------------------------------------------
+# ---- Registration --------------------------------------------------------------------------------
 def register_plugin() -> None:
-    """Register ``labsupport_gloo`` with both of vLLM's factories (which record the module path only); the
-    ``vllm.general_plugins`` entry point. Idempotent: vLLM may call it more than once per process, and so may we."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    """Register ``labsupport_gloo`` with both of vLLM's factories (which record the module path
+    only); the ``vllm.general_plugins`` entry point. Idempotent: vLLM may call it more than once per
+    process, and so may we."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
                          (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
@@ -202,24 +228,28 @@ def register_plugin() -> None:
             factory.register_engine(GLOO_BACKEND, __name__, cls)
 
 
-# ---- The trainer's end, on either vLLM ----------------------------------------------------------------------
+# ---- The trainer's end, on either vLLM -----------------------------------------------------------
 def native_backend(device: str | torch.device) -> str:
-    """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo one."""
+    """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo
+    one."""
     return "nccl" if torch.device(device).type == "cuda" else GLOO_BACKEND
 
 
-def native_trainer(device: str | torch.device, master_address: str, master_port: int, world_size: int, *,
-                   client: Any, source: Any) -> Any:
-    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM 0.32's
-    ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine) :class:`NcclTrainer026`."""
+def native_trainer(device: str | torch.device, master_address: str, master_port: int,
+                   world_size: int, *, client: Any, source: Any) -> Any:
+    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM
+    0.32's ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine)
+    :class:`NcclTrainer026`."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
-        return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client, source)
+        return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client,
+                                           source)
     if native_backend(device) == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
     else:
-        register_plugin()  # the trainer's factory must know the backend (the engine's: the entry point)
+        # the trainer's factory must know the backend (the engine's: the entry point)
+        register_plugin()
         InitInfo = GlooTrainerInitInfo
     info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
@@ -245,42 +275,66 @@ class LLMWeightSyncClient:
 
 
 class NcclTrainer026:
-    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers on its
-    ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces names,
-    dtypes and shapes with ``update_weights`` while the trainer broadcasts. vLLM's NCCL calls wait on this
-    process's thread without a deadline: here they run on a thread, within ``timeout``."""
+    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers
+    on its ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round
+    announces names, dtypes and shapes with ``update_weights`` while the trainer broadcasts. vLLM's
+    NCCL calls wait on this process's thread without a deadline: here they run on a thread, within
+    ``timeout``."""
 
-    def __init__(self, group: Any, packed: bool, client: Any, source: Any, timeout: float = vllm_ext.TIMEOUT_S
+    def __init__(self, group: Any, packed: bool, client: Any, source: Any,
+                 timeout: float = vllm_ext.TIMEOUT_S
                  ) -> None:
-        self.group, self.packed, self.client, self.source, self.timeout = group, packed, client, source, timeout
+        self.group, self.packed, self.client, self.source, self.timeout = (
+            group,
+            packed,
+            client,
+            source,
+            timeout,
+        )
 
     @classmethod
-    def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool, client: Any,
-                     source: Any, timeout: float = vllm_ext.TIMEOUT_S) -> NcclTrainer026:
+    def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool,
+                     client: Any, source: Any,
+                     timeout: float = vllm_ext.TIMEOUT_S) -> NcclTrainer026:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
 
-        info = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
-        group, _ = vllm_ext.alongside(lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
-                                      lambda: vllm_ext.within(lambda: Nccl.trainer_init(info), timeout,
-                                                              "NCCL trainer_init"), timeout)  # workers wait for rank 0
+        info = {"master_address": master_address, "master_port": master_port,
+                "world_size": world_size}
+        group, _ = vllm_ext.alongside(
+            lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
+            lambda: vllm_ext.within(
+                lambda: Nccl.trainer_init(info),
+                timeout,
+                # workers wait for rank 0
+                "NCCL trainer_init",
+            ),
+            timeout,
+        )
         return cls(group, packed, client, source, timeout)
 
     def send_weights(self) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
 
         if self.group is None:
-            raise groups.GroupError("this trainer's communicator is gone (shut down, or aborted after a timeout); "
-                                    "nothing was sent. Create a new trainer engine (vllm_plugin.native_trainer).")
+            raise groups.GroupError("this trainer's communicator is gone (shut down, or aborted "
+                                    "after a timeout); nothing was sent. Create a new trainer "
+                                    "engine (vllm_plugin.native_trainer).")
         pairs = [(n, t.detach()) for n, t in self.source]
-        update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
+        update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _,
+                                                                       t in pairs],
                        "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
         args = {"group": self.group, "packed": self.packed}
-        send = lambda: (Nccl.trainer_send_weights(iter(pairs), args), torch.cuda.current_stream().synchronize())  # noqa
+        send = lambda: (Nccl.trainer_send_weights(iter(pairs), args),
+                        torch.cuda.current_stream().synchronize())  # noqa
         try:
-            _session(self.client, update_info, self.timeout, lambda: vllm_ext.within(send, self.timeout, "NCCL send"))
-        except vllm_ext.EngineTimeout as exc:  # the engine is refused; its workers may wait in a broadcast: abort ours
+            _session(self.client, update_info, self.timeout, lambda: vllm_ext.within(send,
+                                                                                     self.timeout,
+                                                                                     "NCCL send"))
+        # the engine is refused; its workers may wait in a broadcast: abort ours
+        except vllm_ext.EngineTimeout as exc:
             vllm_ext.mark_unusable(getattr(self.client, "llm", self.client), str(exc))
             self.shutdown()
             raise
 
-    shutdown = UpdateGroup.leave_group  # (an abort, bounded; 0.26's workers keep theirs: versions.shutdown_transfer)
+    # (an abort, bounded; 0.26's workers keep theirs: versions.shutdown_transfer)
+    shutdown = UpdateGroup.leave_group

@@ -6,7 +6,11 @@ A budget may be wrong: if a change must exceed one, change the number here and s
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,12 @@ PKG = Path(labsupport.__file__).parent
 MECHANISM_LINES = 4273
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
+# Lines <= 100 columns in labsupport/: ruff's E501 with pyproject.toml's line-length (editors read the same).
+# To do: these files were being rewritten when the rest was wrapped; wrap them and empty this set.
+WIDE_FOR_NOW = {"broadcast.py", "vllm_ext.py", "vllm_weights.py", "fast_update.py", "groups.py", "vllm_plan.py",
+                "vllm_handles.py", "lora.py", "__init__.py", "rl/loop.py", "rl/colocated.py",
+                "experiments/lora_demo.py", "bench/vllm_update.py", "bench/peer2.py", "bench/peer.py",
+                "bench/reshard.py", "bench/lora.py", "bench/fp8_update.py"}
 
 
 def _name(path: Path) -> str:
@@ -94,6 +104,18 @@ def test_mechanisms_fit_their_budget():
 @pytest.mark.parametrize("name", sorted(NOT_BENCH))
 def test_no_file_over_its_budget(name):
     assert _lines(NOT_BENCH[name]) <= FILE_LINES, f"{NOT_BENCH[name]}: {_lines(NOT_BENCH[name])} lines"
+
+
+def test_no_line_over_100_columns():
+    assert importlib.util.find_spec("ruff"), "ruff is missing: run `make setup` (it is in requirements.txt)"
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "json", str(PKG)],
+                            capture_output=True, text=True, timeout=120, cwd=PKG.parent)
+    assert result.returncode in (0, 1), result.stderr  # 1: it found something; 2: it could not run
+    found = json.loads(result.stdout)
+    wide = [f"{Path(f['filename']).relative_to(PKG)}:{f['location']['row']}" for f in found
+            if Path(f["filename"]).relative_to(PKG).as_posix() not in WIDE_FOR_NOW]
+    assert not wide, (f"{len(wide)} lines over 100 columns (pyproject.toml's line-length): "
+                      f"{', '.join(wide[:20])}; wrap them (`ruff format FILE` helps with code)")
 
 
 def test_no_function_over_its_budget():

@@ -1,9 +1,11 @@
-"""``python -m labsupport bench ipc``: a weight update through ``labsupport.ipc`` against plain copies.
+"""``python -m labsupport bench ipc``: a weight update through ``labsupport.ipc`` against plain
+copies.
 
-A trainer process exports a realistic bf16 state (``ipc_timing.model_state``) as buckets; an engine process
-rebuilds them (first and cached rebuild times), copies them into its own inference copy, and times that against
-a device-to-device copy of the same bytes (``ipc_timing.time_update_vs_copy``, which Lab 5 also calls). Writes
-``results/bench_ipc.<machine>.json`` and its plot (Chapter 5 and Lab 5 read them).
+A trainer process exports a realistic bf16 state (``ipc_timing.model_state``) as buckets; an engine
+process rebuilds them (first and cached rebuild times), copies them into its own inference copy, and
+times that against a device-to-device copy of the same bytes (``ipc_timing.time_update_vs_copy``,
+which Lab 5 also calls). Writes ``results/bench_ipc.<machine>.json`` and its plot (Chapter 5 and Lab
+5 read them).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from labsupport.experiments.sharing import memory_probe
 from labsupport.ipc import Exporter, IpcError, Receiver, device_of, rebuild
 
 
-def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, tuple[int, ...]]], rounds: int) -> None:
-    """Engine side of the benchmark: owns a separate inference copy and updates it from IPC buckets."""
+def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                  rounds: int) -> None:
+    """Engine side of the benchmark: owns a separate inference copy and updates it from IPC
+    buckets."""
     handles, probes = inbox.get()
     device = device_of(handles[0])
     if device.type == "cuda":
@@ -64,8 +68,8 @@ def _bench_engine(inbox: Any, outbox: Any, metas: list[tuple[str, torch.dtype, t
         r0 = time.perf_counter()
         receiver.bucket(h)
         warm_rebuild.append(time.perf_counter() - r0)
-    outbox.put({"cold_update_s": cold_update, "cold_rebuild_s": cold_rebuild, "warm_rebuild_s": warm_rebuild,
-                "mem_before": mem0, "mem_after": mem1, "equal": ok})
+    outbox.put({"cold_update_s": cold_update, "cold_rebuild_s": cold_rebuild,
+                "warm_rebuild_s": warm_rebuild, "mem_before": mem0, "mem_after": mem1, "equal": ok})
     # 3) steady state: the trainer repacks the same buckets; the engine (mapped already) copies,
     # then does plain local copies of the same bytes for reference (same process, same run).
     ipc_s, d2d_s, flat_s = [], [], []
@@ -93,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     """Time bucket rebuilds and an IPC weight update against a plain device-to-device copy."""
     ap = argparse.ArgumentParser(prog="python -m labsupport bench ipc", description=main.__doc__)
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--gb", type=float, default=None, help="model state size (default 3 on GPU, 0.05 on CPU)")
-    ap.add_argument("--bucket-mb", type=int, default=None, help="bucket size (default 1024 on GPU, 16 on CPU)")
+    ap.add_argument("--gb", type=float, default=None, help="model state size (default 3 on GPU, "
+                                                           "0.05 on CPU)")
+    ap.add_argument("--bucket-mb", type=int, default=None, help="bucket size (default 1024 on GPU, "
+                                                                "16 on CPU)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-save", action="store_true", help="print only; write no JSON/PNG")
     args = ap.parse_args(argv)
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     bucket_mb = args.bucket_mb or (1024 if kind == "cuda" else 16)
     if kind == "cpu":
         torch.set_num_threads(1)
-        print("CPU stand-in: shared memory between two processes, small sizes; these are not GPU numbers.")
+        print("CPU stand-in: shared memory between two processes, small sizes; these are not GPU "
+              "numbers.")
 
     state = model_state(int(gb * 1e9), device)
     total = sum(t.nbytes for _, t in state)
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     export_s = time.perf_counter() - t0
     mem_exp = memory_probe(device)
     probe_sizes = [s << 20 for s in ((16, 256, 1024) if kind == "cuda" else (1, 8, 32))]
-    probes = [exporter.export_bucket([("x", torch.empty(n, dtype=torch.uint8, device=device))]) for n in probe_sizes]
+    probes = [exporter.export_bucket([("x", torch.empty(n, dtype=torch.uint8, device=device))])
+              for n in probe_sizes]
     with Peer(_bench_engine, metas, args.rounds) as peer:
         peer.send((handles, probes))
         probe = peer.recv(180)
@@ -127,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         cold = peer.recv(180)
         pack_s = []
         tensors = dict(state)
-        groups = [[(n, tensors[n]) for n in h.names] for h in handles]  # each bucket's tensors, in its order
+        # each bucket's tensors, in its order
+        groups = [[(n, tensors[n]) for n in h.names] for h in handles]
         for _ in progress.bar(range(args.rounds), desc="bench ipc: update rounds", unit="round"):
-            pack_s.append(timed(lambda: [exporter.update_bucket(h, g) for h, g in zip(handles, groups)], device))
+            pack_s.append(timed(lambda: [exporter.update_bucket(h, g) for h, g in zip(handles,
+                                                                                      groups)],
+                                device))
             peer.call("go", 180)
         steady = peer.recv(180)  # sent after the engine's receiver.drop(), which acked every bucket
         before_release = memory_probe(device)
@@ -155,21 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     rb_warm = [s * 1e3 for s in cold["warm_rebuild_s"]]
     grow = cold["mem_after"].get("allocated", 0) - cold["mem_before"].get("allocated", 0)
     dev_grow = cold["mem_before"].get("device_free", 0) - cold["mem_after"].get("device_free", 0)
-    print(f"\nIPC weight update: {total / 1e9:.2f} GB bf16 in {len(handles)} bucket(s) of <= {bucket_mb} MiB, "
-          f"{len(state)} tensors, device {device} ({kind})")
+    print(f"\nIPC weight update: {total / 1e9:.2f} GB bf16 in {len(handles)} bucket(s) of <= "
+          f"{bucket_mb} MiB, {len(state)} tensors, device {device} ({kind})")
     print(f"{'what':38s} {'time ms':>10s} {'GB/s':>9s}")
     for name, s in rows:
         print(f"{name:38s} {s * 1e3:10.2f} {gbps(s):9.1f}")
-    print(f"rebuild one bucket handle: first {med(rb_cold):.3f} ms median (max {max(rb_cold):.3f}), "
-          f"cached {med(rb_warm):.3f} ms")
+    print(f"rebuild one bucket handle: first {med(rb_cold):.3f} ms median (max "
+          f"{max(rb_cold):.3f}), cached {med(rb_warm):.3f} ms")
     for nbytes, first, cached in probe["probe_ms"]:
-        print(f"  fresh {nbytes >> 20:5d} MiB bucket: first rebuild {first:.3f} ms, cached {cached:.3f} ms")
+        print(f"  fresh {nbytes >> 20:5d} MiB bucket: first rebuild {first:.3f} ms, cached "
+              f"{cached:.3f} ms")
     print(f"IPC update / d2d (same tensor list): {ratio:.0%}  (vs one flat copy: {ratio_flat:.0%})")
     if kind == "cuda":
-        print(f"receiver allocator growth on rebuild: {grow} B; device free memory drop: {dev_grow / 2**20:.1f} MiB "
-              f"(model {total / 2**20:.0f} MiB)")
-        print(f"exporter memory_allocated: {before_release['allocated'] / 2**20:.0f} MiB before release, "
-              f"{after_release['allocated'] / 2**20:.0f} MiB after ({freed / 2**20:.0f} MiB of buckets freed)")
+        print(f"receiver allocator growth on rebuild: {grow} B; device free memory drop: "
+              f"{dev_grow / 2**20:.1f} MiB (model {total / 2**20:.0f} MiB)")
+        print(f"exporter memory_allocated: {before_release['allocated'] / 2**20:.0f} MiB before "
+              f"release, {after_release['allocated'] / 2**20:.0f} MiB after ({freed / 2**20:.0f} "
+              "MiB of buckets freed)")
     print(f"rebuild after release: {after['after_release']}")
     print(f"bytes equal after update: {cold['equal'] and steady['equal']}")
     bars = {"rebuild_le_1ms": med(rb_cold) <= 1.0, "ipc_ge_70pct_d2d": ratio >= 0.7}
@@ -178,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
 
     data = {
         "backend": "cuda_ipc" if kind == "cuda" else "shared_memory",
-        "total_bytes": total, "n_tensors": len(state), "n_buckets": len(handles), "bucket_mb": bucket_mb,
-        "dtype": "bfloat16", "rounds": args.rounds,
-        "times_s": {name: s for name, s in rows}, "gbps": {name: gbps(s) for name, s in rows},
-        "ipc_over_d2d": ratio, "ipc_over_flat_d2d": ratio_flat,
-        "rebuild_ms_first": rb_cold, "rebuild_ms_cached": rb_warm,
-        "rebuild_by_size": [{"bytes": n, "first_ms": f, "cached_ms": c} for n, f, c in probe["probe_ms"]],
+        "total_bytes": total, "n_tensors": len(state), "n_buckets": len(handles),
+        "bucket_mb": bucket_mb, "dtype": "bfloat16", "rounds": args.rounds, "times_s": {name: s
+                                                                                        for name,
+                                                                                        s in rows},
+        "gbps": {name: gbps(s) for name, s in rows}, "ipc_over_d2d": ratio,
+        "ipc_over_flat_d2d": ratio_flat, "rebuild_ms_first": rb_cold, "rebuild_ms_cached": rb_warm,
+        "rebuild_by_size": [{"bytes": n, "first_ms": f, "cached_ms": c} for n, f,
+                            c in probe["probe_ms"]],
         "export_s": export_s, "exporter_mem_after_export": mem_exp,
         "receiver_mem_before": cold["mem_before"], "receiver_mem_after": cold["mem_after"],
         "receiver_allocated_growth": grow, "device_free_drop": dev_grow,
@@ -199,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bench_figure(rows: list[tuple[str, float]], rb_cold: list[float], rb_warm: list[float], total: int,
-                  kind: str) -> Any:
+def _bench_figure(rows: list[tuple[str, float]], rb_cold: list[float], rb_warm: list[float],
+                  total: int, kind: str) -> Any:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -208,11 +223,14 @@ def _bench_figure(rows: list[tuple[str, float]], rb_cold: list[float], rb_warm: 
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [2, 1]})
     names = [n for n, _ in rows]
-    a.barh(names, [total / s / 1e9 for _, s in rows], color=["#888", "#888", "#2a7", "#7c5", "#59c"])
+    a.barh(names, [total / s / 1e9 for _, s in rows], color=["#888", "#888", "#2a7", "#7c5",
+                                                             "#59c"])
     a.invert_yaxis()
     a.set_xlabel("GB/s (bytes of model state / time)")
-    a.set_title(f"IPC update vs d2d copy, {total / 1e9:.2f} GB ({'CUDA IPC' if kind == 'cuda' else 'shared memory'})")
-    b.bar(["first", "cached"], [statistics.median(rb_cold), statistics.median(rb_warm)], color=["#7c5", "#2a7"])
+    a.set_title(f"IPC update vs d2d copy, {total / 1e9:.2f} GB "
+                f"({'CUDA IPC' if kind == 'cuda' else 'shared memory'})")
+    b.bar(["first", "cached"], [statistics.median(rb_cold), statistics.median(rb_warm)],
+          color=["#7c5", "#2a7"])
     b.axhline(1.0, color="r", ls="--", lw=1, label="1 ms bar")
     b.set_ylabel("ms per bucket")
     b.set_title("rebuild one bucket handle")

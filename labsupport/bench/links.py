@@ -1,9 +1,10 @@
 """``python -m labsupport bench links``: the bandwidth of each link a weight update can take.
 
-On a GPU machine: a copy inside GPU 0, pinned and pageable host<->device copies, and GPU 0 to every other
-GPU; on a CPU machine, a host memcpy. The measurement is ``labsupport.course.hardware.measure_links`` (Lab 1 calls
-it too); this command prints its table and writes ``results/links.<machine>.json`` and a bar chart (Lab 1
-plots the reference run's next to this machine's; the planner's link presets quote them).
+On a GPU machine: a copy inside GPU 0, pinned and pageable host<->device copies, and GPU 0 to every
+other GPU; on a CPU machine, a host memcpy. The measurement is
+``labsupport.course.hardware.measure_links`` (Lab 1 calls it too); this command prints its table and
+writes ``results/links.<machine>.json`` and a bar chart (Lab 1 plots the reference run's next to
+this machine's; the planner's link presets quote them).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def plot_links(rows: list[dict[str, Any]], title: str = ""):
 
 def main(argv: list[str]) -> int:
     """``python -m labsupport bench links [--size-mib N] [--iters K] [--no-save]``."""
-    ap = argparse.ArgumentParser(prog="python -m labsupport bench links", description=measure_links.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m labsupport bench links",
+                                 description=measure_links.__doc__)
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-save", action="store_true")
@@ -42,7 +44,8 @@ def main(argv: list[str]) -> int:
     print(links_table(rows, ["link", "gb_per_s", "seconds", "note"]))
     if not args.no_save:
         fig = plot_links(rows, f"Link bandwidths ({results.machine_tag()})")
-        path = results.save_result("links", {"size_mib": args.size_mib, "iters": args.iters, "rows": rows},
+        path = results.save_result("links", {"size_mib": args.size_mib, "iters": args.iters,
+                                             "rows": rows},
                                    figure=fig)
         print("wrote", path)
     return 0

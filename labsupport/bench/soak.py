@@ -1,13 +1,14 @@
-"""``python -m labsupport bench soak``: many fresh runs of the co-located capstone, to find what crashes only now
-and then (a learner's first run on a new machine is the one that counts).
+"""``python -m labsupport bench soak``: many fresh runs of the co-located capstone, to find what
+crashes only now and then (a learner's first run on a new machine is the one that counts).
 
-Each run is a new process tree (``bench peer``'s capstone worker: the 0.5B policy, vLLM beside the trainer on one
-GPU, the same settings as ``bench peer``), so nothing warm in one run helps the next except the caches on disk.
-A cold run starts with empty compile caches of its own (vLLM's, Inductor's, Triton's, FlashInfer's: fresh
-folders named in its environment), as on a new machine; ``--shared-cold`` gives the cold runs that start
-together one fresh folder instead, as several first runs side by side on a new machine share the default one.
-Runs go side by side, one per visible GPU. Each run records whether it finished, its exit status and the last
-error it printed, its median step time and its held-out accuracy; the summary counts crashes per configuration.
+Each run is a new process tree (``bench peer``'s capstone worker: the 0.5B policy, vLLM beside the
+trainer on one GPU, the same settings as ``bench peer``), so nothing warm in one run helps the next
+except the caches on disk. A cold run starts with empty compile caches of its own (vLLM's,
+Inductor's, Triton's, FlashInfer's: fresh folders named in its environment), as on a new machine;
+``--shared-cold`` gives the cold runs that start together one fresh folder instead, as several first
+runs side by side on a new machine share the default one. Runs go side by side, one per visible GPU.
+Each run records whether it finished, its exit status and the last error it printed, its median step
+time and its held-out accuracy; the summary counts crashes per configuration.
 
 Writes ``results/bench_soak.<machine>.json``.
 """
@@ -30,15 +31,17 @@ from typing import Any
 
 from labsupport.bench.peer import summarize
 
-CACHE_VARS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
-              "FLASHINFER_WORKSPACE_BASE": "flashinfer", "XDG_CACHE_HOME": "xdg"}
+CACHE_VARS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+              "TRITON_CACHE_DIR": "triton", "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+              "XDG_CACHE_HOME": "xdg"}
 SKIP = 3  # warm-up steps left out of a run's median step (bench peer's default)
 ERROR = re.compile(r"(Error|Exception|error:|Aborted|Killed|core dumped)")
 
 
 def jobs(configs: list[str], runs: int, cold: int, seeds: list[int]) -> list[dict[str, Any]]:
-    """``runs`` runs of each configuration, the first ``cold`` of each cold, seeds in turn; interleaved so that
-    configurations run side by side (round r holds run r of every configuration)."""
+    """``runs`` runs of each configuration, the first ``cold`` of each cold, seeds in turn;
+    interleaved so that configurations run side by side (round r holds run r of every
+    configuration)."""
     out = []
     for i in range(runs):
         for c in configs:
@@ -61,27 +64,34 @@ def last_error(text: str) -> str:
     return (hits or lines or [""])[-1][:400]
 
 
-def run_one(job: dict[str, Any], peer_args: list[str], gpu: str | None, timeout: float, env_extra: dict[str, str],
-            log_dir: Path) -> dict[str, Any]:
+def run_one(job: dict[str, Any], peer_args: list[str], gpu: str | None, timeout: float,
+            env_extra: dict[str, str], log_dir: Path) -> dict[str, Any]:
     """One run in a child process; its outcome (never raises: a crash is a result)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, "-m", "labsupport", "bench", "peer", *peer_args, "--worker", "capstone",
-               "--config", job["config"], "--capstone-configs", job["config"], "--seed", str(job["seed"]), "--out", f.name]
+        cmd = [sys.executable, "-m", "labsupport", "bench", "peer", *peer_args, "--worker",
+               "capstone", "--config", job["config"], "--capstone-configs", job["config"], "--seed",
+               str(job["seed"]), "--out", f.name]
         env = {**os.environ, "LABSUPPORT_PROGRESS": "0", **env_extra,
                **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
         log = log_dir / f"soak-{job['config'].replace('+', '_')}-{job['index']}-s{job['seed']}.log"
         t0 = time.perf_counter()
         try:
             with open(log, "w") as out:
-                rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         wall = time.perf_counter() - t0
         text = log.read_text(errors="replace")
         rec = {**job, "gpu": gpu, "returncode": rc, "wall_s": wall, "log": log.name}
-        data = json.loads(Path(f.name).read_text()) if rc == 0 and Path(f.name).stat().st_size else None
+        data = (
+            json.loads(Path(f.name).read_text())
+            if rc == 0 and Path(f.name).stat().st_size
+            else None
+        )
     if data is None:
-        return {**rec, "ok": False, "error": last_error(text) if rc != "timeout" else f"no result in {timeout:.0f} s"}
+        return {**rec, "ok": False, "error": last_error(text) if rc != "timeout"
+                else f"no result in {timeout:.0f} s"}
     steps = summarize(data, SKIP)  # bench peer's medians, over the same steps
     return {**rec, "ok": bool(data["weights_match"]), "error": None if data["weights_match"] else
             "the engine's weights differ from the trainer's after the run",
@@ -91,7 +101,8 @@ def run_one(job: dict[str, Any], peer_args: list[str], gpu: str | None, timeout:
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per configuration: runs, cold runs, crashes (cold ones too), the errors seen, the median step time."""
+    """Per configuration: runs, cold runs, crashes (cold ones too), the errors seen, the median step
+    time."""
     out: dict[str, dict[str, Any]] = {}
     for c in dict.fromkeys(r["config"] for r in runs):
         rs = [r for r in runs if r["config"] == c]
@@ -104,41 +115,56 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labsupport bench soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="fastest", help="capstone configurations (rl.colocated.CONFIGS), comma-separated")
+    p = argparse.ArgumentParser(prog="python -m labsupport bench soak",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="fastest", help="capstone configurations "
+                                                        "(rl.colocated.CONFIGS), comma-separated")
     p.add_argument("--runs", type=int, default=24, help="runs of each configuration")
-    p.add_argument("--cold", type=int, default=8, help="of which the first this many start with empty caches")
+    p.add_argument("--cold", type=int, default=8, help="of which the first this many start with "
+                                                       "empty caches")
     p.add_argument("--shared-cold", action="store_true",
-                   help="cold runs that start together share one fresh cache folder (as on a new machine)")
+                   help="cold runs that start together share one fresh cache folder (as on a new "
+                        "machine)")
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--gpus", type=int, default=None, help="runs side by side (default: every visible GPU)")
+    p.add_argument("--gpus", type=int, default=None, help="runs side by side (default: every "
+                                                          "visible GPU)")
     p.add_argument("--timeout", type=float, default=900, help="seconds for one run")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set in every run")
-    p.add_argument("--peer-args", default="", help="more arguments for bench peer's worker (its settings)")
-    p.add_argument("--tag", default=None, help="a name for this soak in the results file (bench_soak-TAG)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every run")
+    p.add_argument("--peer-args", default="", help="more arguments for bench peer's worker (its "
+                                                   "settings)")
+    p.add_argument("--tag", default=None, help="a name for this soak in the results file "
+                                               "(bench_soak-TAG)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="no run: merge soaks that ran side by side (one per lane of GPUs) into one record")
-    p.add_argument("--machine-tag", default=None, help="with --merge: the whole machine's tag (e.g. 4xH200)")
+                   help="no run: merge soaks that ran side by side (one per lane of GPUs) into one "
+                        "record")
+    p.add_argument("--machine-tag", default=None, help="with --merge: the whole machine's tag "
+                                                       "(e.g. 4xH200)")
     return p
 
 
 def merge(paths: list[str], tag: str | None) -> int:
-    """One record of several soaks that ran side by side on one machine (each lane saw its own GPUs): every run
-    with its lane's command, the summary over all of them; written as ``results/bench_soak.<tag>.json``."""
+    """One record of several soaks that ran side by side on one machine (each lane saw its own
+    GPUs): every run with its lane's command, the summary over all of them; written as
+    ``results/bench_soak.<tag>.json``."""
     from labsupport.course import results
 
     recs = [json.loads(Path(p).read_text()) for p in paths]
-    runs = [{**r, "lane": rec["data"]["settings"].get("tag")} for rec in recs for r in rec["data"]["runs"]]
+    runs = [{**r, "lane": rec["data"]["settings"].get("tag")} for rec in recs
+            for r in rec["data"]["runs"]]
     first = recs[0]
     gpus = [g for rec in recs for g in rec["machine"]["gpus"]]
-    record = {**first, "name": "bench_soak", "machine": {**first["machine"], "gpus": gpus, "gpu_count": len(gpus)},
-              "machine_tag": tag or first["machine_tag"], "command": "; ".join(rec["command"] for rec in recs),
+    record = {**first, "name": "bench_soak", "machine": {**first["machine"], "gpus": gpus,
+                                                         "gpu_count": len(gpus)},
+              "machine_tag": tag or first["machine_tag"], "command": "; ".join(rec["command"]
+                                                                               for rec in recs),
               "date": max(rec["date"] for rec in recs),
               "data": {"lanes": [{"command": rec["command"], "settings": rec["data"]["settings"],
                                   "env": rec["data"]["env"]} for rec in recs],
                        "runs": runs, "summary": summary(runs)}}
-    out = Path(os.environ.get("LABSUPPORT_RESULTS_DIR", results.RESULTS_DIR)) / f"bench_soak.{record['machine_tag']}.json"
+    out = Path(os.environ.get("LABSUPPORT_RESULTS_DIR",
+                              results.RESULTS_DIR)) / f"bench_soak.{record['machine_tag']}.json"
     print("wrote", results.write_record(out, record))
     return 0
 
@@ -169,19 +195,26 @@ def main(argv: list[str]) -> int:
     def one(job: dict[str, Any]) -> dict[str, Any]:
         gpu = free.get()
         try:
-            where = f"round{job['index']}" if a.shared_cold else f"{job['config']}-{job['index']}-{gpu}"
+            where = (
+                f"round{job['index']}"
+                if a.shared_cold
+                else (f"{job['config']}-{job['index']}-{gpu}")
+            )
             extra = {**env, **(cache_env(os.path.join(root, where)) if job["cold"] else {})}
-            r = run_one(job, peer_args, gpu if hardware.gpu_count() else None, a.timeout, extra, log_dir)
+            r = run_one(job, peer_args, gpu if hardware.gpu_count() else None, a.timeout, extra,
+                        log_dir)
         finally:
             free.put(gpu)
-        print(json.dumps({k: r.get(k) for k in ("config", "seed", "cold", "gpu", "ok", "ms_per_step", "error")}),
+        print(json.dumps({k: r.get(k) for k in ("config", "seed", "cold", "gpu", "ok",
+                                                "ms_per_step", "error")}),
               flush=True)
         return r
 
     with ThreadPoolExecutor(n) as pool:
         runs = list(pool.map(one, todo))
     summ = summary(runs)
-    print(f"{'configuration':28s} {'runs':>5s} {'cold':>5s} {'failed':>7s} {'cold failed':>12s} {'ms/step':>8s}")
+    print(f"{'configuration':28s} {'runs':>5s} {'cold':>5s} {'failed':>7s} {'cold failed':>12s} "
+          f"{'ms/step':>8s}")
     for c, s in summ.items():
         ms = f"{s['ms_per_step']:8.0f}" if s["ms_per_step"] is not None else f"{'-':>8s}"
         print(f"{c:28s} {s['runs']:5d} {s['cold']:5d} {s['failed']:7d} {s['failed_cold']:12d} {ms}")

@@ -1,11 +1,14 @@
-"""A memory timeline in straight lines: bytes by role at the edges of each phase, and a plot of them.
+"""A memory timeline in straight lines: bytes by role at the edges of each phase, and a plot of
+them.
 
-The caller says which tensors play which role (``track("weights", lambda: list(model.parameters()))``); each
-``with tl.phase("generate"):`` block records one sample as it begins and one as it ends: the time, the phase,
-the bytes each role holds on the device, and on a GPU what PyTorch's caching allocator has allocated. On the
-CPU stand-in there is no allocator to ask: the role bytes are the timeline (one code path, one more column).
+The caller says which tensors play which role (``track("weights", lambda:
+list(model.parameters()))``); each ``with tl.phase("generate"):`` block records one sample as it
+begins and one as it ends: the time, the phase, the bytes each role holds on the device, and on a
+GPU what PyTorch's caching allocator has allocated. On the CPU stand-in there is no allocator to
+ask: the role bytes are the timeline (one code path, one more column).
 
-``labsupport.memory`` is this plus what production needs; Lab 2 lists each addition and what it guards against.
+``labsupport.memory`` is this plus what production needs; Lab 2 lists each addition and what it
+guards against.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ class Timeline:
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
         self.gpu = self.device.type == "cuda"
-        if self.gpu and self.device.index is None:  # "cuda" is the current GPU (tensors say "cuda:0")
+        # "cuda" is the current GPU (tensors say "cuda:0")
+        if self.gpu and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.roles: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
         self.samples: list[dict[str, Any]] = []
@@ -31,7 +35,8 @@ class Timeline:
         self._t0 = time.perf_counter()
 
     def track(self, role: str, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
-        """Count, at every sample, the bytes of the tensors that ``tensors()`` returns then, under ``role``."""
+        """Count, at every sample, the bytes of the tensors that ``tensors()`` returns then, under
+        ``role``."""
         self.roles[role] = tensors
 
     def _sample(self, phase: str, event: str) -> dict[str, Any]:
@@ -39,7 +44,8 @@ class Timeline:
         if self.gpu:
             torch.cuda.synchronize(self.device)  # what has been allocated by the work queued so far
         s = {"t": time.perf_counter() - self._t0, "phase": phase, "event": event,
-             "roles": {role: sum(t.nbytes for t in get() if t.device == self.device) for role, get in self.roles.items()},
+             "roles": {role: sum(t.nbytes for t in get() if t.device == self.device) for role,
+                       get in self.roles.items()},
              "allocated": torch.cuda.memory_allocated(self.device) if self.gpu else None}
         self.samples.append(s)
         return s
@@ -56,8 +62,8 @@ class Timeline:
 
 
 def plot(tl: Timeline, unit: float = 1e6, ax: Any = None) -> Any:
-    """One stacked bar of bytes by role per sample (each phase's begin and end, phases shaded and named), and
-    on a GPU the allocator's count as a black tick."""
+    """One stacked bar of bytes by role per sample (each phase's begin and end, phases shaded and
+    named), and on a GPU the allocator's count as a black tick."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -68,10 +74,12 @@ def plot(tl: Timeline, unit: float = 1e6, ax: Any = None) -> Any:
         ax.bar(x, height, 0.8, bottom=bottom, label=role)
         bottom = [b + h for b, h in zip(bottom, height)]
     if tl.gpu:
-        ax.plot(x, [s["allocated"] / unit for s in tl.samples], "k_", markersize=14, label="allocated")
+        ax.plot(x, [s["allocated"] / unit for s in tl.samples], "k_", markersize=14,
+                label="allocated")
     for k, name in enumerate(tl.phases):  # samples 2k and 2k + 1 are phase k's begin and end
         ax.axvspan(2 * k - 0.5, 2 * k + 1.5, color="0.93" if k % 2 else "0.98", zorder=0)
-        ax.text(2 * k + 0.5, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7)
+        ax.text(2 * k + 0.5, 1.01, name, transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=7)
     ax.set_xticks(list(x), [s["event"] for s in tl.samples], fontsize=6)
     ax.set_ylabel(f"bytes / {unit:g}")
     ax.legend(loc="upper left", fontsize=7)

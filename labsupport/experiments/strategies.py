@@ -1,9 +1,11 @@
-"""One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by phase (Lab 2).
+"""One RLHF step (generate -> reward -> train) under three memory strategies, recorded phase by
+phase (Lab 2).
 
-``rlhf_step`` runs a small Qwen2 policy (``labsupport.course.models``) through generation into a KV pool allocated
-up front, a rule-based reward and a policy-gradient update with Adam, each phase a ``with tl.phase(...)`` block of
-a ``labsupport.core.timeline.Timeline`` (or its ``labsupport.memory.MemoryTimeline``). The strategies differ in what
-stays on the GPU (``STRATEGY_TEXT``). ``measure_overhead`` times the step with and without a timeline.
+``rlhf_step`` runs a small Qwen2 policy (``labsupport.course.models``) through generation into a KV
+pool allocated up front, a rule-based reward and a policy-gradient update with Adam, each phase a
+``with tl.phase(...)`` block of a ``labsupport.core.timeline.Timeline`` (or its
+``labsupport.memory.MemoryTimeline``). The strategies differ in what stays on the GPU
+(``STRATEGY_TEXT``). ``measure_overhead`` times the step with and without a timeline.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ from labsupport.course import models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 
 STRATEGIES = ("resident", "kv_freed", "offloaded")
-STRATEGY_TEXT = {"resident": "everything resident: KV pool, gradients and Adam state stay on the GPU",
-                 "kv_freed": "KV pool freed after generation, gradients freed after the optimizer step",
-                 "offloaded": "KV freed, and Adam state parked in pinned host memory outside training"}
+STRATEGY_TEXT = {"resident": "everything resident: KV pool, gradients and Adam state stay on the "
+                             "GPU",
+                 "kv_freed": "KV pool freed after generation, gradients freed after the optimizer "
+                             "step",
+                 "offloaded": "KV freed, and Adam state parked in pinned host memory outside "
+                              "training"}
 
 
 @dataclass
@@ -39,14 +44,16 @@ class StepConfig:
     batch: int = 8  # rollouts per step
     prompt_len: int = 8
     new_tokens: int = 8
-    kv_len: int = 256  # KV pool length per sequence, allocated up front like an inference engine's pool
+    # KV pool length per sequence, allocated up front like an inference engine's pool
+    kv_len: int = 256
     micro_batch: int = 4
     lr: float = 1e-4
     seed: int = 0
 
     def overrides(self) -> dict[str, int]:
-        return dict(num_hidden_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                    num_key_value_heads=self.kv_heads, intermediate_size=self.intermediate, head_dim=64,
+        return dict(num_hidden_layers=self.layers, hidden_size=self.hidden,
+                    num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                    intermediate_size=self.intermediate, head_dim=64,
                     max_position_embeddings=max(self.kv_len, 256))
 
 
@@ -70,7 +77,8 @@ class RLHFState:
     steps: int = 0
 
 
-def make_state(strategy: str, config: StepConfig | None = None, device: str | torch.device = "cpu") -> RLHFState:
+def make_state(strategy: str, config: StepConfig | None = None,
+               device: str | torch.device = "cpu") -> RLHFState:
     """Build the policy (a Qwen2 from labsupport.course.models, random init) and Adam on device."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: expected one of {STRATEGIES}")
@@ -89,7 +97,8 @@ def register_roles(tl: MemoryTimeline, state: RLHFState) -> None:
 
 
 def _generate(state: RLHFState, g: torch.Generator) -> torch.Tensor:
-    """Prompts and ``new_tokens`` sampled answers, through a KV pool allocated up front as an engine's is."""
+    """Prompts and ``new_tokens`` sampled answers, through a KV pool allocated up front as an
+    engine's is."""
     from transformers import StaticCache
 
     c, dev, model = state.config, state.device, state.model
@@ -100,19 +109,22 @@ def _generate(state: RLHFState, g: torch.Generator) -> torch.Tensor:
         state.kv[:] = [t for layer in state.cache.layers for t in (layer.keys, layer.values)]
     else:
         state.cache.reset()
-    prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev, generator=g)
+    prompts = torch.randint(3, model.config.vocab_size, (c.batch, c.prompt_len), device=dev,
+                            generator=g)
     seq, tok_in, pos = prompts, prompts, torch.arange(c.prompt_len, device=dev)
     for _ in range(c.new_tokens):
-        logits = model(tok_in, past_key_values=state.cache, cache_position=pos, use_cache=True).logits[:, -1]
+        logits = model(tok_in, past_key_values=state.cache, cache_position=pos,
+                       use_cache=True).logits[:, -1]
         tok_in = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
         seq = torch.cat([seq, tok_in], 1)
         pos = pos[-1:] + 1
     return seq
 
 
-def _train(state: RLHFState, seq: torch.Tensor, adv: torch.Tensor, tl: timeline.Timeline | None) -> float:
-    """Policy-gradient backward passes over micro-batches; a ``MemoryTimeline`` also counts activations and
-    samples after each forward pass, where they peak."""
+def _train(state: RLHFState, seq: torch.Tensor, adv: torch.Tensor,
+           tl: timeline.Timeline | None) -> float:
+    """Policy-gradient backward passes over micro-batches; a ``MemoryTimeline`` also counts
+    activations and samples after each forward pass, where they peak."""
     c, model = state.config, state.model
     full = isinstance(tl, MemoryTimeline)  # the core timeline samples at phase edges only
     gen, total, n_micro = seq[:, c.prompt_len:], 0.0, max(1, c.batch // c.micro_batch)
@@ -147,10 +159,12 @@ def rlhf_step(state: RLHFState, tl: timeline.Timeline | None = None) -> dict[str
             state.kv.clear()
             state.cache = None
             if dev.type == "cuda":
-                torch.cuda.empty_cache()  # give the pool back to the driver, as an engine's sleep() does
+                # give the pool back to the driver, as an engine's sleep() does
+                torch.cuda.empty_cache()
     with phase("reward"):
         gen = seq[:, c.prompt_len:]
-        # a rule-based reward: how often a token is its predecessor + 1 (the course's "succession" pattern)
+        # a rule-based reward: how often a token is its predecessor + 1 (the course's "succession"
+        # pattern)
         reward = (gen[:, 1:] == gen[:, :-1] + 1).float().mean(1)
         adv = (reward - reward.mean()) / (reward.std() + 1e-6)
     if state.strategy == "offloaded" and state.steps > 0:
@@ -179,8 +193,9 @@ def release_state(state: RLHFState) -> None:
         torch.cuda.empty_cache()
 
 
-def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, *, interval_s: float = 0.01,
-                 snapshot: str | Path | None = None) -> tuple[MemoryTimeline, dict]:
+def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, *,
+                 interval_s: float = 0.01, snapshot: str | Path
+                 | None = None) -> tuple[MemoryTimeline, dict]:
     """Warm up one step (creates Adam state), then record one step of strategy on a fresh timeline.
     With snapshot= (GPU only) the recorded step's allocator history is saved for memory_viz."""
     state = make_state(strategy, config, device)
@@ -203,14 +218,15 @@ def run_strategy(strategy: str, config: StepConfig, device: str | torch.device, 
         release_state(state)
 
 
-def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *, repeats: int = 5,
-                     interval_s: float = 0.01) -> dict[str, float]:
+def measure_overhead(config: StepConfig | None = None, device: str | torch.device = "cpu", *,
+                     repeats: int = 5, interval_s: float = 0.01) -> dict[str, float]:
     """Step time with the background sampler vs without any timeline (alternating, medians)."""
     state = make_state("kv_freed", config, device)
     try:
         rlhf_step(state)
         off, on, busy = [], [], []
-        for _ in progress.bar(range(repeats), desc="sampler overhead: step pairs", unit="pair", leave=False):
+        for _ in progress.bar(range(repeats), desc="sampler overhead: step pairs", unit="pair",
+                              leave=False):
             off.append(rlhf_step(state)["step_s"])
             tl = MemoryTimeline(state.device, interval_s=interval_s)
             register_roles(tl, state)
@@ -219,7 +235,7 @@ def measure_overhead(config: StepConfig | None = None, device: str | torch.devic
             busy.append(tl.to_dict()["sampler"]["busy_s"] / on[-1])
         m_off, m_on = statistics.median(off), statistics.median(on)
         return {"step_s_without": m_off, "step_s_with": m_on, "overhead": (m_on - m_off) / m_off,
-                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s, "repeats": repeats,
-                "steps_without": off, "steps_with": on}
+                "sampler_busy_fraction": statistics.median(busy), "interval_s": interval_s,
+                "repeats": repeats, "steps_without": off, "steps_with": on}
     finally:
         release_state(state)

@@ -1,10 +1,12 @@
-"""Timing a weight sync on a group you have: how fast ``labsupport.broadcast`` moves a transformer's weights.
+"""Timing a weight sync on a group you have: how fast ``labsupport.broadcast`` moves a transformer's
+weights.
 
-``transformer_shapes`` gives a Qwen2-shaped bf16 state of any size; on an existing group, every rank calls
-``bench_on_group``, which measures a raw single-buffer broadcast of the same bytes (the ceiling), per-tensor
-broadcast, and for each bucket size the four ways ``send``/``receive`` can move it (``BUCKET_MODES``);
-``format_rows`` prints the rows and ``plot_bench`` draws bandwidth against bucket size. Lab 3 calls these
-from its Ray actors; ``python -m labsupport bench sync`` runs them in fresh processes and saves the result.
+``transformer_shapes`` gives a Qwen2-shaped bf16 state of any size; on an existing group, every rank
+calls ``bench_on_group``, which measures a raw single-buffer broadcast of the same bytes (the
+ceiling), per-tensor broadcast, and for each bucket size the four ways ``send``/``receive`` can move
+it (``BUCKET_MODES``); ``format_rows`` prints the rows and ``plot_bench`` draws bandwidth against
+bucket size. Lab 3 calls these from its Ray actors; ``python -m labsupport bench sync`` runs them in
+fresh processes and saves the result.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from labsupport.core.sync import copy_into
 from labsupport.groups import StatelessGroup
 
 
-def transformer_shapes(target_bytes: int, bytes_per_param: int = 2, min_layers: int = 20) -> list[tuple[str, tuple[int, ...]]]:
+def transformer_shapes(target_bytes: int, bytes_per_param: int = 2,
+                       min_layers: int = 20) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of a Qwen2-style decoder of about ``target_bytes`` (embeddings ~20% of it).
 
     Picks the widest hidden size that still gives ``min_layers`` layers, so the list has hundreds of
@@ -58,7 +61,8 @@ def transformer_shapes(target_bytes: int, bytes_per_param: int = 2, min_layers: 
 
 
 def _timed(group: StatelessGroup, fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
-    """Seconds per call of ``fn`` on every rank, from a common start to the last rank done (one all-reduce)."""
+    """Seconds per call of ``fn`` on every rank, from a common start to the last rank done (one
+    all-reduce)."""
     tick = torch.zeros(1, device=group.device)
     times = []
     for it in range(warmup + iters):
@@ -81,16 +85,25 @@ BUCKET_MODES = {  # bench row name -> (send mode, verify, receiver lands in its 
 }
 
 
-def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes: list[int], *, iters: int = 5,
-                   warmup: int = 1, src: int = 0, modes: tuple[str, ...] = ("raw", "per_tensor", *BUCKET_MODES),
-                   progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def bench_on_group(
+    group: StatelessGroup,
+    sizes_bytes: list[int],
+    buckets_bytes: list[int],
+    *,
+    iters: int = 5,
+    warmup: int = 1,
+    src: int = 0,
+    modes: tuple[str, ...] = ("raw", "per_tensor", *BUCKET_MODES),
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
     """Every rank calls this; rank ``src`` returns the measured rows (others return []).
 
-    For each model size: ``raw`` (one broadcast of a single buffer of the same total bytes), ``per_tensor``
-    (landing in place, no checksums), and for every bucket size: ``bucketed`` landing in the receivers' own
-    tensors (with and without checksums), ``bucketed_load`` (landing in staging buffers that ``load`` copies
-    out of, as an inference engine's ``load_weights`` needs) and ``packed`` (copied into buffers on the trainer,
-    out of them on the receivers). Each kind is a run of updates through one ``Sender`` and ``Receiver``."""
+    For each model size: ``raw`` (one broadcast of a single buffer of the same total bytes),
+    ``per_tensor`` (landing in place, no checksums), and for every bucket size: ``bucketed`` landing
+    in the receivers' own tensors (with and without checksums), ``bucketed_load`` (landing in
+    staging buffers that ``load`` copies out of, as an inference engine's ``load_weights`` needs)
+    and ``packed`` (copied into buffers on the trainer, out of them on the receivers). Each kind is
+    a run of updates through one ``Sender`` and ``Receiver``."""
     dev = group.device
     rows: list[dict[str, Any]] = []
     for size in sizes_bytes:
@@ -98,7 +111,8 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
         total = sum(math.prod(s) * 2 for _, s in shapes)
         gen = torch.Generator(device=dev).manual_seed(size)
         if group.rank == src:
-            model = {n: torch.randn(s, device=dev, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+            model = {n: torch.randn(s, device=dev, generator=gen,
+                                    dtype=torch.float32).to(torch.bfloat16)
                      for n, s in shapes}
             load, exp = None, None
         else:
@@ -109,8 +123,9 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
 
         def record(mode: str, bucket: int, times: list[float], stats: SyncStats | None) -> None:
             med = statistics.median(times)
-            row = {**base, "mode": mode, "bucket_bytes": bucket, "seconds": med, "seconds_min": min(times),
-                   "gb_per_s": total / med / 1e9, "n_collectives": stats.n_collectives if stats else 1,
+            row = {**base, "mode": mode, "bucket_bytes": bucket, "seconds": med,
+                   "seconds_min": min(times), "gb_per_s": total / med / 1e9,
+                   "n_collectives": stats.n_collectives if stats else 1,
                    "handshake_s": stats.handshake_s if stats else 0.0}
             rows.append(row)
             if progress:
@@ -119,17 +134,21 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
 
         if "raw" in modes:
             buf = torch.empty(total, dtype=torch.uint8, device=dev)
-            record("raw", total, _timed(group, lambda: group.broadcast(buf, src), iters, warmup), None)
+            record("raw", total, _timed(group, lambda: group.broadcast(buf, src), iters, warmup),
+                   None)
             del buf
 
-        def one(mode: str, bucket: int, verify: bool, in_place: bool) -> tuple[list[float], SyncStats]:
-            """Time a run of updates of one kind, with the Sender or Receiver held from one to the next."""
+        def one(mode: str, bucket: int, verify: bool, in_place: bool) -> tuple[list[float],
+                                                                               SyncStats]:
+            """Time a run of updates of one kind, with the Sender or Receiver held from one to the
+            next."""
             last: list[SyncStats] = []
             if group.rank == src:
                 side = Sender(group, src=src, mode=mode, bucket_bytes=bucket, verify=verify)
                 times = _timed(group, lambda: last.append(side.send(model)), iters, warmup)
             else:
-                side = Receiver(group, src=src, expected=exp, load=load, into=model if in_place else None, staged=False)
+                side = Receiver(group, src=src, expected=exp, load=load, into=model if in_place
+                                else None, staged=False)
                 times = _timed(group, lambda: last.append(side.receive()), iters, warmup)
             return times, last[-1]
 
@@ -144,15 +163,18 @@ def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The benchmark's table: one line per (size, mode, bucket), with the fraction of raw bandwidth."""
+    """The benchmark's table: one line per (size, mode, bucket), with the fraction of raw
+    bandwidth."""
     raw = {r["size_bytes"]: r["gb_per_s"] for r in rows if r["mode"] == "raw"}
-    head = f"{'size GB':>8} {'tensors':>7} {'mode':>22} {'bucket MiB':>10} {'ms':>9} {'GB/s':>8} {'of raw':>7} {'launch':>6}"
+    head = (f"{'size GB':>8} {'tensors':>7} {'mode':>22} {'bucket MiB':>10} {'ms':>9} {'GB/s':>8} "
+            f"{'of raw':>7} {'launch':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         frac = r["gb_per_s"] / raw[r["size_bytes"]] if r["size_bytes"] in raw else float("nan")
         bucket = f"{r['bucket_bytes'] / 2**20:g}" if r["mode"] in BUCKET_MODES else "-"
-        lines.append(f"{r['size_bytes'] / 1e9:8.3f} {r['n_tensors']:7d} {r['mode']:>22} {bucket:>10} "
-                     f"{r['seconds'] * 1e3:9.2f} {r['gb_per_s']:8.2f} {frac:7.1%} {r['n_collectives']:6d}")
+        lines.append(f"{r['size_bytes'] / 1e9:8.3f} {r['n_tensors']:7d} {r['mode']:>22} "
+                     f"{bucket:>10} {r['seconds'] * 1e3:9.2f} {r['gb_per_s']:8.2f} {frac:7.1%} "
+                     f"{r['n_collectives']:6d}")
     return "\n".join(lines)
 
 
@@ -163,8 +185,9 @@ MODE_STYLE = {"bucketed": ("o-", "bucketed, in place, checksums"),
 
 
 def plot_bench(data: dict[str, Any], title: str = ""):
-    """Left: bucketed bandwidth vs bucket size, one colour per model size (dashed: raw single buffer,
-    dotted: per tensor). Right: the largest model, every way of sending it, against the raw line."""
+    """Left: bucketed bandwidth vs bucket size, one colour per model size (dashed: raw single
+    buffer, dotted: per tensor). Right: the largest model, every way of sending it, against the raw
+    line."""
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
@@ -173,9 +196,11 @@ def plot_bench(data: dict[str, Any], title: str = ""):
     for i, size in enumerate(sizes):
         color = plt.cm.viridis(i / max(1, len(sizes) - 1) * 0.9)
         rs = [r for r in rows if r["size_bytes"] == size]
-        pts = sorted((r["bucket_bytes"] / 2**20, r["gb_per_s"]) for r in rs if r["mode"] == "bucketed")
+        pts = sorted((r["bucket_bytes"] / 2**20, r["gb_per_s"]) for r in rs
+                     if r["mode"] == "bucketed")
         if pts:
-            ax.plot(*zip(*pts), "o-", color=color, label=f"{size / 1e9:.2g} GB, {rs[0]['n_tensors']} tensors")
+            ax.plot(*zip(*pts), "o-", color=color, label=f"{size / 1e9:.2g} GB, "
+                                                         f"{rs[0]['n_tensors']} tensors")
         for mode, style in (("raw", "--"), ("per_tensor", ":")):
             r = next((r for r in rs if r["mode"] == mode), None)
             if r:
@@ -187,8 +212,10 @@ def plot_bench(data: dict[str, Any], title: str = ""):
             ax2.plot(*zip(*pts), style, label=label)
     raw = next((r for r in big if r["mode"] == "raw"), None)
     if raw:
-        ax2.axhline(raw["gb_per_s"], linestyle="--", color="k", linewidth=1.0, label="raw single buffer")
-        ax2.axhline(0.9 * raw["gb_per_s"], linestyle=":", color="r", linewidth=1.0, label="90% of raw")
+        ax2.axhline(raw["gb_per_s"], linestyle="--", color="k", linewidth=1.0,
+                    label="raw single buffer")
+        ax2.axhline(0.9 * raw["gb_per_s"], linestyle=":", color="r", linewidth=1.0,
+                    label="90% of raw")
     ticks = sorted({r["bucket_bytes"] / 2**20 for r in rows if r["mode"] in MODE_STYLE})
     for a in (ax, ax2):
         a.set_xscale("log", base=2)

@@ -1,5 +1,5 @@
-"""Which devices the trainer and the engine use (:func:`pick_devices`), and why disaggregated/async need two
-GPUs: :func:`nccl_on_one_gpu` shows NCCL refusing two ranks on one device."""
+"""Which devices the trainer and the engine use (:func:`pick_devices`), and why disaggregated/async
+need two GPUs: :func:`nccl_on_one_gpu` shows NCCL refusing two ranks on one device."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 
 def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
-    """(trainer device, engine device): one shared device when co-located, two GPUs otherwise (if present)."""
+    """(trainer device, engine device): one shared device when co-located, two GPUs otherwise (if
+    present)."""
     from labsupport.course import hardware
 
     n = hardware.gpu_count() if n_gpus is None else n_gpus
@@ -19,7 +20,8 @@ def pick_devices(arch: str, n_gpus: int | None = None) -> tuple[str, str]:
 
 
 def _nccl_rank(rank: int, port: int, out) -> None:
-    """One rank of :func:`nccl_on_one_gpu` (a spawned process): join the group on cuda:0, all-reduce, report."""
+    """One rank of :func:`nccl_on_one_gpu` (a spawned process): join the group on cuda:0,
+    all-reduce, report."""
     from labsupport import groups
 
     try:
@@ -33,8 +35,9 @@ def _nccl_rank(rank: int, port: int, out) -> None:
 
 
 def nccl_on_one_gpu(timeout_s: float = 120.0) -> list[str]:
-    """Two processes try to form an NCCL group on the same GPU, as disaggregated/async would on one GPU;
-    returns each rank's outcome. NCCL refuses two ranks on one device ("Duplicate GPU detected")."""
+    """Two processes try to form an NCCL group on the same GPU, as disaggregated/async would on one
+    GPU; returns each rank's outcome. NCCL refuses two ranks on one device ("Duplicate GPU
+    detected")."""
     import multiprocessing as mp
     import queue
 

@@ -1,7 +1,8 @@
-"""The engine process and its protocol: a message is a list of ops (generate, eval, map, update, load_ipc, wake,
-sleep, join, receive, checksums) carried out by :func:`_apply_ops`; :class:`EngineProcess` runs an engine in its
-own (spawned) process, :class:`LocalEngine` in the caller's, both with send/recv/call and the engine's spans filed
-in a :class:`~labsupport.rl.spans.SpanLog`, one per op, under the phase the op serves (``PHASE_OF``)."""
+"""The engine process and its protocol: a message is a list of ops (generate, eval, map, update,
+load_ipc, wake, sleep, join, receive, checksums) carried out by :func:`_apply_ops`;
+:class:`EngineProcess` runs an engine in its own (spawned) process, :class:`LocalEngine` in the
+caller's, both with send/recv/call and the engine's spans filed in a
+:class:`~labsupport.rl.spans.SpanLog`, one per op, under the phase the op serves (``PHASE_OF``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from labsupport.rl.engines import HFEngine, VllmEngine
 from labsupport.rl.spans import SpanLog
 
 
-# A reply's wait wraps the engine's own deadlines (vllm_ext's RPCs): longer, so that their named error arrives.
+# A reply's wait wraps the engine's own deadlines (vllm_ext's RPCs): longer, so that their named
+# error arrives.
 REPLY_S = vllm_ext.TIMEOUT_S + 60.0
 # The phase each op's span is filed under; every other op moves weights ("sync").
 PHASE_OF = {"generate": "generate", "eval": "eval", "wake": "wake", "sleep": "sleep"}
@@ -34,11 +36,13 @@ def _run_op(eng, op: dict[str, Any], reply: dict[str, Any]) -> None:
         reply["rollout"] = r
     elif kind == "eval":
         reply["texts"] = eng.generate(op["prompts"], 1, op["max_new_tokens"], 0.0).texts
-    elif kind == "map":  # co-located: map the trainer's bucket once (checked, loaded, copies planned)
+    # co-located: map the trainer's bucket once (checked, loaded, copies planned)
+    elif kind == "map":
         reply["map"] = eng.map_weights(op["handle"])
     elif kind == "update":  # co-located, mapped: copy the mapped bucket in
         reply["update"] = eng.sync_mapped()
-    elif kind == "load_ipc":  # co-located, the safe path: open the handle, check, load (waking first if asleep)
+    # co-located, the safe path: open the handle, check, load (waking first if asleep)
+    elif kind == "load_ipc":
         eng.load_ipc(op["handle"])
     elif kind == "wake":
         eng.wake(tags=op.get("tags"))
@@ -49,7 +53,8 @@ def _run_op(eng, op: dict[str, Any], reply: dict[str, Any]) -> None:
     elif kind == "receive":
         try:
             reply["sync"] = eng.receive(op.get("announced"))
-        except broadcast.WeightSyncError as err:  # both sides raise; the trainer decides whether to resend
+        # both sides raise; the trainer decides whether to resend
+        except broadcast.WeightSyncError as err:
             reply["sync_error"] = str(err)
     elif kind == "checksums":
         reply["checksums"] = eng.checksums()
@@ -66,17 +71,19 @@ def _apply_ops(eng, ops: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if eng.device.type == "cuda":
             torch.cuda.synchronize(eng.device)
             free, total = torch.cuda.mem_get_info(eng.device)  # the whole GPU: every process on it
-            reply.setdefault("device_used", []).append({"after": op["op"], "step": op.get("step", -1),
+            reply.setdefault("device_used", []).append({"after": op["op"], "step": op.get("step",
+                                                                                          -1),
                                                         "bytes": total - free})
-        reply["events"].append((PHASE_OF.get(op["op"], "sync"), op.get("step", -1), t0, time.perf_counter(),
-                                op["op"]))
+        reply["events"].append((PHASE_OF.get(op["op"], "sync"), op.get("step", -1), t0,
+                                time.perf_counter(), op["op"]))
     return reply
 
 
 def _engine_worker(inbox, outbox, model_dir: str, device: str, seed: int, threads: int, engine: str,
                    opts: dict[str, Any] | None = None) -> None:
-    """Runs in its own process: an engine that carries out the ops of each message (see :class:`EngineProcess`);
-    ``opts``: VllmEngine's keyword arguments (batch limit, memory share, CUDA graphs)."""
+    """Runs in its own process: an engine that carries out the ops of each message (see
+    :class:`EngineProcess`); ``opts``: VllmEngine's keyword arguments (batch limit, memory share,
+    CUDA graphs)."""
     torch.set_num_threads(threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -112,9 +119,10 @@ class _EngineClient:
 class EngineProcess(_EngineClient):
     """The inference engine in a separate process (spawned), driven by messages: a list of ops each.
 
-    ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for the
-    reply and files the engine's spans. ``opts``: :class:`~labsupport.rl.engines.VllmEngine`'s keyword arguments (``max_num_seqs``,
-    ``gpu_bytes``, ``cuda_graphs``, ``sleep_mode``), for ``engine="vllm"``.
+    ``send(ops)`` returns at once (the engine works while the caller trains); ``recv()`` waits for
+    the reply and files the engine's spans. ``opts``: :class:`~labsupport.rl.engines.VllmEngine`'s
+    keyword arguments (``max_num_seqs``, ``gpu_bytes``, ``cuda_graphs``, ``sleep_mode``), for
+    ``engine="vllm"``.
     """
 
     def __init__(self, model_dir: str | os.PathLike, device: str, spans: SpanLog, seed: int = 0,
@@ -122,17 +130,21 @@ class EngineProcess(_EngineClient):
                  opts: dict[str, Any] | None = None) -> None:
         self.spans, self.timeout_s, self.device = spans, timeout_s, device
         env, stages = {}, ""
-        if engine == "vllm":  # vLLM in this (daemon) process, which may not start children: no engine-core process
+        # vLLM in this (daemon) process, which may not start children: no engine-core process
+        if engine == "vllm":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env[progress.ENV] = "0"  # this process says what the engine's start waits for
             stages = vllm_engine.start_stages(device.startswith("cuda"),
-                                              VllmEngine.llm_kwargs(model_dir, device, seed, **(opts or {})))
-            if device.startswith("cuda"):  # vLLM's worker uses cuda:0, so show it only the engine's GPU
+                                              VllmEngine.llm_kwargs(model_dir, device, seed,
+                                                                    **(opts or {})))
+            # vLLM's worker uses cuda:0, so show it only the engine's GPU
+            if device.startswith("cuda"):
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                 index = torch.device(device).index or 0
                 env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
                 device = "cuda:0"
-        self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, opts, env=env)
+        self.peer = Peer(_engine_worker, str(model_dir), device, seed, threads, engine, opts,
+                         env=env)
         try:
             self._ready(engine, stages, timeout_s)
         except BaseException:  # a start that failed or timed out leaves no process behind

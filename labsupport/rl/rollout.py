@@ -1,5 +1,6 @@
-"""Rollouts: what an engine returns (:class:`Rollout`: completions with the engine's log-probability per
-token), and the KV-cached sampler that the transformers engine and the held-out evaluation use."""
+"""Rollouts: what an engine returns (:class:`Rollout`: completions with the engine's log-probability
+per token), and the KV-cached sampler that the transformers engine and the held-out evaluation
+use."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from labsupport.rl import task
 
 @dataclass
 class Rollout:
-    """Samples from the engine: ``n`` completions per prompt, with the engine's log-probability per token.
+    """Samples from the engine: ``n`` completions per prompt, with the engine's log-probability per
+    token.
 
-    ``completion_ids``/``logprobs``/``mask`` are [N, T] with N = len(prompts) * n (group members adjacent).
-    ``version`` is the policy version that generated them (staleness = trainer version - version).
+    ``completion_ids``/``logprobs``/``mask`` are [N, T] with N = len(prompts) * n (group members
+    adjacent). ``version`` is the policy version that generated them (staleness = trainer version -
+    version).
     """
 
     prompts: list[str]
@@ -33,18 +36,22 @@ class Rollout:
 
 
 def left_pad(seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids padded on the left to one width, and the attention mask (1 on real tokens): [N, W] each. Built as
-    lists, then one tensor each: a copy per row costs a trainer's step milliseconds at 512 rows."""
+    """Token ids padded on the left to one width, and the attention mask (1 on real tokens): [N, W]
+    each. Built as lists, then one tensor each: a copy per row costs a trainer's step milliseconds
+    at 512 rows."""
     width = max(len(s) for s in seqs)
-    ids = torch.tensor([[models.PAD_ID] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    ids = torch.tensor([[models.PAD_ID] * (width - len(s)) + list(s) for s in seqs],
+                       dtype=torch.long)
     att = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
     return ids.to(device), att.to(device)
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # compiled layers (grpo.compile_layers) would recompile at every length
-def sample(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# compiled layers (grpo.compile_layers) would recompile at every length
+@torch.compiler.set_stance("force_eager")
+def sample(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+           temperature: float = 1.0, generator: torch.Generator
+           | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode with a KV cache; returns (tokens, logprobs of the chosen tokens, mask) as [N, T].
 
     ``temperature=0`` is greedy. Log-probabilities are of the distribution actually sampled from.
@@ -77,8 +84,8 @@ def sample(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temp
 
 
 def held_out_accuracy(model: torch.nn.Module, tok: Any = None) -> float:
-    """The policy's greedy accuracy on the task's held-out prompts, scored by the task's reward: the one measure of
-    learning that the capstone's loop and ``bench peer`` share."""
+    """The policy's greedy accuracy on the task's held-out prompts, scored by the task's reward: the
+    one measure of learning that the capstone's loop and ``bench peer`` share."""
     tok, prompts = tok or models.build_tokenizer(), task.eval_prompts()
     toks, _, mask = sample(model, [tok(p)["input_ids"] for p in prompts], task.ANSWER_LEN, 0.0)
     texts = [tok.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(toks, mask)]
