@@ -1,20 +1,19 @@
-"""The weight-update protocol between a trainer and a vLLM engine: worker extensions that receive, trainer calls.
+"""The weight-update protocol between a trainer and a vLLM engine: the trainer's calls, and the
+worker extensions (``LLM(..., worker_extension_cls=...)``, as in vLLM's RLHF examples) that receive
+over a stateless group (``WorkerExtension``) or from a co-located trainer's IPC handles
+(``ColocateWorkerExtension``). Added, each against a failure (Lab 4 lists them):
 
-vLLM's RLHF examples add methods to every worker (``LLM(..., worker_extension_cls=...)``), called with
-``llm.collective_rpc``: ``WorkerExtension`` receives over a stateless group, ``ColocateWorkerExtension`` maps IPC
-handles from a trainer on the same device. What this module adds, each against a failure (Lab 4 lists them):
+- ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets
+  its own replies; every call has a deadline (``EngineTimeout``, and the engine refuses any call
+  after: ``EngineUnusable``); a dead engine raises ``EngineDead`` at once;
+- ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline;
+- every update is checked before any weight changes, then loaded whole layers at a time.
 
-- ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets its own replies;
-  every call has a deadline (``EngineTimeout``; the engine then refuses the next call, ``EngineUnusable``), and a
-  dead engine raises ``EngineDead`` at once;
-- ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline that fires;
-- every update is checked before any weight changes, then loaded whole layers at a time (``vllm_weights``).
+The trainer (rank 0; engines start in ``course.vllm_engine``; the native API: ``vllm_plugin``)::
 
-The trainer's side of vLLM's rlhf.py (engines start in ``course.vllm_engine``; the native API: ``vllm_plugin``)::
-
-    group, ranks = alongside(lambda: call(llm, "init_weight_update_group", addr, port, 1, tp + 1),  # ranks 1..tp
-                             lambda: stateless_init_process_group(addr, port, 0, tp + 1, device))   # rank 0
-    push_weights(group, model.named_parameters(), llm, mode="bucketed")  # or "per_tensor"; co-located: push_ipc
+    group, ranks = alongside(lambda: call(llm, "init_weight_update_group", addr, port, 1, tp + 1),
+                             lambda: stateless_init_process_group(addr, port, 0, tp + 1, device))
+    push_weights(group, model.named_parameters(), llm, mode="bucketed")  # or per_tensor; push_ipc
 """
 
 from __future__ import annotations
@@ -37,16 +36,17 @@ from labsupport import broadcast, checksums, groups, ipc, vllm_plan, vllm_weight
 from labsupport.core import devices
 from labsupport.core.buckets import Meta, dtype_name, groups as groups_of, metas as metas_of
 from labsupport.vllm_handles import buckets_for, device_id
-from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, WorkerState, worker_rpc, worker_state
+from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, worker_rpc,
+                                     worker_state)
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
-GRACE_S = 2.0  # after the trainer's side failed: how long to wait for the engine's error, to attach it
+GRACE_S = 2.0  # how long a failed send waits for the engine's error, to attach it
 
 
-# ---- Trainer side: calls with a deadline ------------------------------------------------------------
+# ---- Trainer side: calls with a deadline ---------------------------------------------------------
 def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` on a daemon thread (an executor's is joined at exit: a hung RPC would hang it), on this one's GPU."""
+    """``fn()`` on a daemon thread (a hung RPC would hang an executor's exit) on this one's GPU."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
@@ -62,46 +62,50 @@ def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
 
 
 class EngineDead(broadcast.WeightSyncError):
-    """The engine's process died (vLLM marked it dead): no call on it will answer; start a new engine."""
+    """The engine's process died (vLLM marked it dead): no call will answer; start a new engine."""
 
 
 class EngineTimeout(broadcast.WeightSyncError, TimeoutError):
-    """An engine call missed its deadline (named); if the engine runs it later, ``push_ipc``'s handles are dead."""
+    """An engine call missed its deadline; if it runs later, ``push_ipc``'s handles are dead."""
 
 
 class EngineUnusable(EngineDead):
-    """A call timed out in this engine and may still run: none other runs beside it (vLLM is not thread-safe)."""
+    """A call timed out in it and may still run: no other runs beside it (vLLM: not thread-safe)."""
 
 
-def mark_unusable(engine: Any, why: str) -> None:  # (an object that takes no attributes is left as it is)
+def mark_unusable(engine: Any, why: str) -> None:  # (an object taking no attributes: left as is)
     with contextlib.suppress(AttributeError):
         engine.labsupport_unusable = why
 
 
 def check_usable(engine: Any) -> None:
     if why := getattr(engine, "labsupport_unusable", None):
-        raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run in it; restart the engine")
+        raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run in it; "
+                             "restart the engine")
 
 
 def within(fn: Callable[[], Any], timeout: float, what: str, engine: Any = None) -> Any:
-    """``fn()`` on a daemon thread, waited for as ``call`` waits (``engine``: the engine it calls, or None)."""
+    """``fn()`` on a daemon thread, waited for as ``call`` waits (``engine``: the one it calls)."""
     return _result(_in_thread(fn), timeout, what, engine)
 
 
 def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
-    """``fut``'s result within ``timeout`` s, else ``EngineTimeout`` (``llm`` refused after); ``EngineDead`` once vLLM
-    marks ``llm``'s engine core dead (its calls then never answer, or fail with a bare error just before)."""
-    marks = getattr(getattr(getattr(llm, "llm_engine", llm), "engine_core", None), "resources", None)
+    """``fut``'s result within ``timeout`` s, else ``EngineTimeout`` (``llm`` refused after);
+    ``EngineDead`` once vLLM marks ``llm``'s engine dead (calls hang then, or fail just before)."""
+    core = getattr(getattr(llm, "llm_engine", llm), "engine_core", None)
+    marks = getattr(core, "resources", None)
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:
             mark_unusable(llm, f"{what} did not return within {timeout:.0f} s")
             raise EngineTimeout(f"{what} did not return within {timeout:.0f} s")
-    grace = time.monotonic() + (GRACE_S if marks is not None and fut.done() and fut.exception() else 0.0)
+    failed = marks is not None and fut.done() and fut.exception()
+    grace = time.monotonic() + (GRACE_S if failed else 0.0)
     while not dead() and time.monotonic() < grace:
         time.sleep(0.1)  # (vLLM marks the engine dead a moment after its calls fail)
     if dead():
-        raise EngineDead(f"{what}: the engine died; start a new one") from (fut.exception() if fut.done() else None)
+        raise EngineDead(f"{what}: the engine died; start a new one") from (
+            fut.exception() if fut.done() else None)
     return fut.result()
 
 
@@ -111,196 +115,216 @@ def _name(method: str | Callable[..., Any]) -> str:
 
 def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
          timeout: float | None = TIMEOUT_S) -> list[Any]:
-    """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one (``cluster.EngineActor``):
-    the per-rank results; ``WeightUpdateError`` naming each failed worker; ``EngineTimeout``; ``EngineDead``."""
+    """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one: the
+    per-rank results, or ``WeightUpdateError`` naming each failed worker, ``EngineTimeout``,
+    ``EngineDead``."""
     check_usable(llm)  # (an actor checks its own engine: cluster.EngineActor)
-    timeout = TIMEOUT_S if timeout is None else timeout  # None (as vLLM's own clients call): the default deadline
-    method = worker_rpc(method) if callable(method) else method  # a function you pass replies with its error too
+    timeout = TIMEOUT_S if timeout is None else timeout  # (None, as vLLM's clients pass it)
+    method = worker_rpc(method) if callable(method) else method  # (it replies with its error too)
     rpc = llm.collective_rpc
-    if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline, given a little more
+    if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline
         ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
-        fut, wait_s = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref), timeout + GRACE_S
+        fut = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref)
+        timeout += GRACE_S  # (and is given a little more)
     else:
-        fut, wait_s = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs)), timeout
-    return check_replies(method, _result(fut, wait_s, f"collective_rpc({_name(method)!r})", llm))
+        fut = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+    return check_replies(method, _result(fut, timeout, f"collective_rpc({_name(method)!r})", llm))
 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
-    """``replies`` unchanged, or ``WeightUpdateError`` naming every rank that replied with its error."""
+    """``replies`` unchanged, or ``WeightUpdateError`` naming every rank that replied its error."""
     failed = [f for f in replies if isinstance(f, WorkerFailed)]
     if failed:
-        raise WeightUpdateError(f"{_name(method)} failed on {len(failed)} of {len(replies)} workers:\n"
-                                + "\n".join(f"  worker rank {f.rank}: {f.message}" for f in failed))
+        lines = "".join(f"\n  worker rank {f.rank}: {f.message}" for f in failed)
+        raise WeightUpdateError(f"{_name(method)} failed on {len(failed)} of {len(replies)} "
+                                f"workers:{lines}")
     return replies
 
 
-def alongside(rpc: Callable[[], Any], send: Callable[[], Any], timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
-    """``send()`` here while ``rpc()`` (an engine call that waits for the trainer) runs on a thread; returns both
-    results. A ``send`` error is raised with the engine's outcome attached as a note (waited for up to ``GRACE_S``);
-    an engine silent ``timeout`` s after ``send`` returned raises ``EngineTimeout``."""
+def alongside(rpc: Callable[[], Any], send: Callable[[], Any],
+              timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
+    """``send()`` here while ``rpc()`` (an engine call that waits for it) runs on a thread: both
+    results. A ``send`` error gets the engine's outcome as a note (waited for up to ``GRACE_S``); an
+    engine silent ``timeout`` s after ``send`` raises ``EngineTimeout``."""
     engine = _in_thread(rpc)
     try:
         sent = send()
     except BaseException as exc:
         done = concurrent.futures.wait([engine], timeout=min(timeout, GRACE_S)).done
         err = engine.exception() if done else None
-        exc.add_note(f"the engine's side: {type(err).__name__}: {err}" if err else
-                     "the engine's side: returned" if done else f"the engine's side: no answer after {GRACE_S:.0f} s")
+        side = (f"{type(err).__name__}: {err}" if err else "returned" if done
+                else f"no answer after {GRACE_S:.0f} s")
+        exc.add_note(f"the engine's side: {side}")
         raise
     return sent, _result(engine, timeout, "the engine's side")
 
 
 def stateless_init_process_group(master_address: str, master_port: int, rank: int, world_size: int,
-                                 device: str | torch.device, store: Any = None) -> groups.StatelessGroup:
-    """The trainer's end of the update group, as vLLM's rlhf_utils helper (``store``: ``groups.host_store``'s)."""
-    return groups.create_group(master_address, master_port, rank, world_size, device=device, store=store)
+                                 device: str | torch.device, store: Any = None
+                                 ) -> groups.StatelessGroup:
+    """The trainer's end of the update group, as vLLM's rlhf_utils (``store``: a ``host_store``)."""
+    return groups.create_group(master_address, master_port, rank, world_size, device=device,
+                               store=store)
 
 
-def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]], llm: Any, *,
-                 mode: str = "bucketed", bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
-                 timeout: float = TIMEOUT_S, partial: bool = False) -> dict[str, Any]:
-    """The workers' receive RPC on ``llm`` (an ``LLM`` or a Ray actor) alongside the send: ``"per_tensor"`` is
-    vLLM's rlhf.py loop (``update_weight``, one broadcast per tensor), ``"bucketed"`` is ``broadcast.send``.
-    ``dtype``: cast first. ``partial``: some of the model's tensors on purpose (bucketed; else a missing one is
-    refused). Returns stats."""
+def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 llm: Any, *, mode: str = "bucketed", bucket_bytes: int = 256 << 20,
+                 dtype: torch.dtype | None = None, timeout: float = TIMEOUT_S,
+                 partial: bool = False) -> dict[str, Any]:
+    """The send alongside the workers' receive RPC: ``"per_tensor"``, vLLM's rlhf.py loop (one
+    broadcast each), or ``"bucketed"`` (``broadcast.send``). ``dtype``: cast first. ``partial``:
+    some of the model's tensors on purpose (bucketed; else a gap is refused). Returns stats."""
     if mode not in ("per_tensor", "bucketed"):
         raise ValueError(f"mode must be 'per_tensor' or 'bucketed', got {mode!r}")
     items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
     out: dict[str, Any] = {"mode": mode, "n_tensors": len(items), "n_collectives": len(items),
-                           "bytes": sum(t.numel() * t.element_size() for _, t in items)}
+                           "bytes": sum(t.nbytes for _, t in items)}
     t0 = time.perf_counter()
     if mode == "per_tensor":
-        for name, t in items:  # each broadcast is ordered after the work queued on the current stream
-            rpc = functools.partial(call, llm, "update_weight", name, dtype_name(t), list(t.shape), timeout=timeout)
+        for name, t in items:  # each broadcast is ordered after the work queued on this stream
+            rpc = functools.partial(call, llm, "update_weight", name, dtype_name(t), list(t.shape),
+                                    timeout=timeout)
             alongside(rpc, lambda: group.broadcast(t.contiguous(), src=0), timeout)
         group.synchronize("per-tensor sync")
     else:
         metas = metas_of(items)  # announced up front, like vLLM's NCCL update_info
-        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas], [m.dtype for m in metas],
-                                [list(m.shape) for m in metas], partial, timeout=timeout)
-        stats, out["workers"] = alongside(rpc, lambda: broadcast.send(group, items, src=0, mode="bucketed",
-                                                                      bucket_bytes=bucket_bytes, partial=partial),
-                                          timeout)
+        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas],
+                                [m.dtype for m in metas], [list(m.shape) for m in metas], partial,
+                                timeout=timeout)
+        stats, out["workers"] = alongside(rpc, lambda: broadcast.send(
+            group, items, src=0, mode="bucketed", bucket_bytes=bucket_bytes, partial=partial),
+            timeout)
         out["n_collectives"] = stats.n_collectives
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
 def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
-    """``{device_id: ipc.Handle | [ipc.Handle]}`` as bytes for ``update_weights_from_ipc`` over RPC."""
+    """``{device_id: ipc.Handle | [ipc.Handle]}`` as bytes for ``update_weights_from_ipc``."""
     return pickle.dumps(dict(handles))
 
 
 def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
              timeout: float = TIMEOUT_S) -> int:
-    """Full weights into a ``ColocateWorkerExtension`` engine on this GPU (or host) in IPC buckets of whole layers,
-    each released before the next is packed (one bucket of spare memory). Returns the tensors loaded per worker."""
+    """Full weights into a ``ColocateWorkerExtension`` engine on this GPU (or host), in IPC buckets
+    of whole layers released one by one (one bucket of spare memory); the tensors each loaded."""
     ids, loaded = call(llm, "report_device_id", timeout=timeout), 0
     with ipc.Exporter() as ex:
         for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
-            bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers share one "device"
+            bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers: one device
             try:  # partial: a bucket of layers (a gap across the whole push is not checked)
-                loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}), True,
-                               timeout=timeout)[0]
-            except EngineTimeout:  # the late call may have opened it: a late open is refused, a read keeps its memory
+                loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}),
+                               True, timeout=timeout)[0]
+            except EngineTimeout:  # a late open is refused; a late read keeps the memory
                 ex.release(bucket, force=True, keep=True)
                 raise
             ex.release(bucket)  # every worker acked after loading
     return loaded
 
 
-async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
-                         timeout: float = TIMEOUT_S) -> int:
-    """:func:`push_ipc` into an ``AsyncLLM``: on a thread, each of its calls run on the (free) event loop."""
+async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
+                         bucket_bytes: int = 1 << 30, timeout: float = TIMEOUT_S) -> int:
+    """:func:`push_ipc` into an ``AsyncLLM``, on a thread; its calls run on the free event loop."""
     loop = asyncio.get_running_loop()
 
-    def on_loop(method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> Any:
+    def on_loop(method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None
+                ) -> Any:
         coro = engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
-    client = SimpleNamespace(collective_rpc=on_loop, engine_core=getattr(engine, "engine_core", None))
-    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (a timeout marks the client)
+    client = SimpleNamespace(collective_rpc=on_loop,
+                             engine_core=getattr(engine, "engine_core", None))
+    return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (marked late)
 
 
-def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (one decoder layer may exceed it)
-    that never split a decoder layer, which ``EngineWeights.check`` would refuse as half-updated."""
+def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+                  ) -> list[list[tuple[str, torch.Tensor]]]:
+    """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (a layer may exceed
+    it) that never split a decoder layer, which ``EngineWeights.check`` would refuse."""
     by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
         layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
         by_layer.setdefault(layer, []).append((name, t))
     layers = list(by_layer.values())
-    sizes = [sum(t.numel() * t.element_size() for _, t in layer) for layer in layers]
+    sizes = [sum(t.nbytes for _, t in layer) for layer in layers]
     return [[item for i in idx for item in layers[i]] for idx in groups_of(sizes, bucket_bytes)]
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
-    return checksums.engine_checksums(worker.model_runner.get_model(), worker.model_runner.model_config.dtype)
+    return checksums.engine_checksums(worker.model_runner.get_model(),
+                                      worker.model_runner.model_config.dtype)
 
 
 def engine_sums(llm: Any, timeout: float = TIMEOUT_S) -> list[dict[str, int]]:
-    """``checksums.engine_checksums`` of what every worker of ``llm`` computes with, in TP-rank order."""
+    """``checksums.engine_checksums`` of what every worker of ``llm`` computes with, by TP rank."""
     return call(llm, _worker_checksums, timeout=timeout)
 
 
-# ---- Worker side ---------------------------------------------------------------------------------------
+# ---- Worker side ---------------------------------------------------------------------------------
 class _ExtensionBase:
     state_type: ClassVar[type] = WorkerState
 
     @worker_rpc
     def check_weights_changed(self) -> bool:
-        """True if this worker's weights differ from the last call (or, first time, from before any update)."""
+        """True if this worker's weights differ from the last call (first: from before updates)."""
         ew = worker_state(self).weights
         if ew.pending:
-            log.warning("%d tensors wait for the rest of their layer: %s", len(ew.pending), sorted(ew.pending)[:4])
+            log.warning("%d tensors wait for the rest of their layer: %s", len(ew.pending),
+                        sorted(ew.pending)[:4])
         return ew.changed()
 
 
 class WorkerExtension(_ExtensionBase):
-    """Receive weights over a stateless group: per tensor (``update_weight``, vLLM's rlhf.py protocol) or bucketed."""
+    """Receive over a stateless group: per tensor (vLLM's rlhf.py protocol) or bucketed."""
 
     @worker_rpc
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 timeout_s: float = 60.0) -> int:
-        """Leave any previous group, join the trainer's as rank ``rank_offset + worker rank``; returns that rank.
-        ``timeout_s``: how long any wait for the trainer may take before it raises ``SyncTimeout``."""
-        st = worker_state(self)  # the model view is built now: a bad model fails here, not mid-transfer
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                 world_size: int, timeout_s: float = 60.0) -> int:
+        """Leave any previous group, join the trainer's as rank ``rank_offset + worker rank`` (the
+        reply); a wait for the trainer over ``timeout_s`` raises ``SyncTimeout``."""
+        st = worker_state(self)  # the model view is built now: a bad model fails here, not midway
         rank = vllm_weights.worker_rank(self.vllm_config, rank_offset)
-        st.join_group(master_address, master_port, rank, world_size, device=self.device, timeout_s=timeout_s)
+        st.join_group(master_address, master_port, rank, world_size, device=self.device,
+                      timeout_s=timeout_s)
         return rank
 
     @worker_rpc
     def update_weight(self, name: str, dtype_name: str, shape: Sequence[int]) -> None:
-        """Receive one broadcast tensor, loaded once its whole layer is in; a bad name/dtype/shape is received (the
-        group stays in step), then refused."""
+        """Receive one broadcast tensor, loaded once its whole layer is in; a bad name/dtype/shape
+        is received (the group stays in step), then refused."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
         dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise WeightUpdateError(f"unknown dtype name {dtype_name!r}; send e.g. 'bfloat16' (dtype_name(tensor))")
+            raise WeightUpdateError(f"unknown dtype name {dtype_name!r}; send e.g. 'bfloat16' "
+                                    "(dtype_name(tensor))")
         shape = tuple(int(s) for s in shape)
         buf = torch.empty(shape, dtype=dtype, device=ew.device)
-        with broadcast.guard(group, f"update_weight('{name}')"):  # a timed wait: on NCCL a trainer that died
-            group.broadcast(buf, src=0)  # before sending would otherwise hang the next forward pass
+        with broadcast.guard(group, f"update_weight('{name}')"):  # a timed wait: on NCCL a trainer
+            group.broadcast(buf, src=0)  # that died first would otherwise hang the next forward
             group.synchronize(f"update_weight('{name}')")
-        ew.check([Meta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False, partial=True)
+        ew.check([Meta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False,
+                 partial=True)
         ew.pending[name] = buf
         ew.flush(only_complete=True)
 
     @worker_rpc
-    def pending_weight_names(self) -> list[str]:  # received per tensor, waiting for the rest of their layer
+    def pending_weight_names(self) -> list[str]:  # received per tensor, waiting for their layer
         return sorted(worker_state(self).weights.pending)
 
     @worker_rpc
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
-                                shapes: Sequence[Sequence[int]] = (), partial: bool = False) -> dict[str, Any]:
-        """Receive one ``broadcast.send``, copied as planned (``vllm_plan.PlannedReceive``), all or nothing on every
-        TP rank; ``partial``: some of the model's names on purpose. Replies with the stats, the plan's use and the
-        seconds per phase (``recv_wait_s``, ``aside_s``, ``copies_s``, ``fallback_s``, ``vote_s``)."""
+                                shapes: Sequence[Sequence[int]] = (), partial: bool = False
+                                ) -> dict[str, Any]:
+        """Receive one ``broadcast.send`` as planned (``vllm_plan``), all or nothing on every TP
+        rank; ``partial``: some names on purpose. Replies with stats, the plan's use, seconds per
+        phase (``recv_wait_s``, ``aside_s``, ``copies_s``, ``fallback_s``, ``vote_s``)."""
         st = worker_state(self)
         ew, st.planned = st.weights, st.planned or vllm_plan.PlannedReceive(self)
         ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
-        got = st.planned.receive(st, ew.loader(names, dtype_names, shapes, stream=True, partial=partial))
-        return {**got, "loaded": got["n_tensors"], "staged_bytes": dict(ew.peak), "aside": ew.aside.type}
+        got = st.planned.receive(st, ew.loader(names, dtype_names, shapes, stream=True,
+                                               partial=partial))
+        return {**got, "loaded": got["n_tensors"], "staged_bytes": dict(ew.peak),
+                "aside": ew.aside.type}
 
     @worker_rpc
     def destroy_weight_update_group(self) -> None:
@@ -309,20 +333,22 @@ class WorkerExtension(_ExtensionBase):
 
 
 class ColocateWorkerExtension(_ExtensionBase):
-    """Receive weights through ``labsupport.ipc`` handles from a trainer on the same device: map, check, load."""
+    """Receive ``labsupport.ipc`` handles from a trainer on the same device: check, map, load."""
 
     @worker_rpc
     def report_device_id(self) -> str:
-        """The key this worker looks up in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
+        """This worker's key in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
         return device_id(self.device)
 
     @worker_rpc
-    def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any], partial: bool = False) -> int:
-        """Check, map and load this device's buckets from ``{device_id: handle or [handles]}`` (pickled, or as
-        vLLM's encoder's plain dicts); returns the tensor count."""
+    def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any], partial: bool = False
+                                ) -> int:
+        """Check, map and load this device's buckets from ``{device_id: handle or [handles]}``
+        (pickled, or as vLLM's encoder's plain dicts); returns the tensor count."""
         t0 = time.perf_counter()
         st, buckets = worker_state(self), buckets_for(self.device, handles)
-        st.weights.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries], partial=partial)
+        st.weights.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries],
+                         partial=partial)
         t1 = time.perf_counter()
         views = [view for b in buckets for view in ipc.rebuild(b)]
         t2 = time.perf_counter()
@@ -331,13 +357,13 @@ class ColocateWorkerExtension(_ExtensionBase):
         finally:
             del views
             devices.synchronize(st.weights.device)
-            for b in buckets:  # this process has finished reading: the trainer may release the buckets
+            for b in buckets:  # this process has finished reading: the trainer may release them
                 ipc.ack(b)
             st.timing = {"check_s": t1 - t0, "open_s": t2 - t1, "load_s": time.perf_counter() - t2}
 
     @worker_rpc
     def last_update_timing(self) -> dict[str, float]:
-        """The last IPC update's ``check_s`` (unpickle, names), ``open_s`` (handles) and ``load_s`` (layerwise)."""
+        """The last IPC update's ``check_s`` (unpickle, names), ``open_s`` and ``load_s``."""
         return dict(worker_state(self).timing)
 
 

