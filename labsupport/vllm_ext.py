@@ -115,9 +115,8 @@ def _name(method: str | Callable[..., Any]) -> str:
 
 def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
          timeout: float | None = TIMEOUT_S) -> list[Any]:
-    """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or a Ray actor wrapping one: the
-    per-rank results, or ``WeightUpdateError`` naming each failed worker, ``EngineTimeout``,
-    ``EngineDead``."""
+    """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or Ray actor: the per-rank results;
+    else ``WeightUpdateError`` naming each failed worker, ``EngineTimeout``, ``EngineDead``."""
     check_usable(llm)  # (an actor checks its own engine: cluster.EngineActor)
     timeout = TIMEOUT_S if timeout is None else timeout  # (None, as vLLM's clients pass it)
     method = worker_rpc(method) if callable(method) else method  # (it replies with its error too)

@@ -171,11 +171,12 @@ class PlannedReceive:
         plans = [b.plan for b in self.buckets.values()]
         fallback = {m: why for p in plans for m, why in p.fallback.items()} | (
             {"<plan>": self.refused} if self.refused else {})
-        return {**stats.as_dict(), **self.clock.seconds(), "fallback": fallback,
+        owners = {id(p) for pl in plans for p, _ in pl.owners}
+        return {**stats.as_dict(), **self.clock.seconds(),
                 "planned": self.copied,  # (else: the safe path, checked)
-                "planned_params": len({id(p) for pl in plans for p, _ in pl.owners})
-                if self.copied else 0,
-                "copies": sum(len(p.copies) for p in plans) if self.copied else 0}
+                "planned_params": len(owners) if self.copied else 0,
+                "copies": sum(len(p.copies) for p in plans) if self.copied else 0,
+                "fallback": fallback}
 
     def _bucket(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """``Receiver``'s ``load`` for a bucket: plan it (once), then copy, else the safe path."""

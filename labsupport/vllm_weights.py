@@ -79,8 +79,7 @@ class EngineWeights:
 
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False
               ) -> None:
-        """Raise ``WeightUpdateError`` listing an update's problems (a missing weight too, unless
-        ``partial``); change nothing."""
+        """Raise ``WeightUpdateError`` naming all faults (missing weights unless ``partial``)."""
         probs, seen = [], {m.name for m in metas}
         for name, what, want, got in metadata.problems(metas, self.expected, partial=partial):
             if what in ("twice", "missing"):
