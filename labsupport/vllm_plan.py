@@ -48,8 +48,7 @@ def plan_for(worker: Any, model: torch.nn.Module, views: Mapping[str, torch.Tens
     cfg, pc = worker.vllm_config.model_config.hf_config, worker.vllm_config.parallel_config
     if getattr(cfg, "model_type", "") != "qwen2":  # the one layout reshard knows
         why = f"no layout for {getattr(cfg, 'model_type', '?')!r} in reshard"
-        return Plan(fallback={"<model>": why},
-                    fallback_items=list(views.items()))
+        return Plan(fallback={"<model>": why}, fallback_items=list(views.items()))
     return make_plan(model, reshard.qwen2_layout(cfg, pc.tensor_parallel_size), pc.rank, views,
                      module_of)
 
