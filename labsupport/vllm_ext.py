@@ -1,15 +1,12 @@
 """The weight-update protocol between a trainer and a vLLM engine: the trainer's calls, and the
-worker extensions (``LLM(..., worker_extension_cls=...)``, as in vLLM's RLHF examples) that receive
-over a stateless group (``WorkerExtension``) or from a co-located trainer's IPC handles
-(``ColocateWorkerExtension``). Added, each against a failure (Lab 4 lists them):
-
-- ``call``: a worker's error raises at the caller, naming every failed rank, and the next call gets
-  its own replies; every call has a deadline (``EngineTimeout``, and the engine refuses any call
-  after: ``EngineUnusable``); a dead engine raises ``EngineDead`` at once;
-- ``alongside``: an engine RPC that waits for the trainer runs beside its send, with a deadline;
-- every update is checked before any weight changes, then loaded whole layers at a time.
-
-The trainer (rank 0; engines start in ``course.vllm_engine``; the native API: ``vllm_plugin``)::
+worker extensions (``worker_extension_cls``, as in vLLM's RLHF examples) that receive over a
+stateless group (``WorkerExtension``) or from co-located IPC handles (``ColocateWorkerExtension``).
+Against failures (Lab 4 lists them): ``call`` raises a worker's error at the caller, naming every
+failed rank, and the next call gets its own replies; every call has a deadline (``EngineTimeout``;
+the engine then refuses calls: ``EngineUnusable``); a dead engine raises ``EngineDead`` at once;
+``alongside`` runs an engine RPC that waits for the trainer beside its send, with a deadline; every
+update is checked before any weight changes, then loaded whole layers at a time. The trainer, rank
+0 (engines start in ``course.vllm_engine``; the native API: ``vllm_plugin``)::
 
     group, ranks = alongside(lambda: call(llm, "init_weight_update_group", addr, port, 1, tp + 1),
                              lambda: stateless_init_process_group(addr, port, 0, tp + 1, device))
@@ -23,7 +20,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,8 +30,8 @@ import torch
 
 from labsupport import broadcast, checksums, groups, ipc, vllm_plan, vllm_weights
 from labsupport.core import devices
-from labsupport.core.buckets import Meta, dtype_name, groups as groups_of, metas as metas_of
-from labsupport.vllm_handles import buckets_for, device_id
+from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
+from labsupport.vllm_handles import buckets_for, device_id, layer_buckets, pack_ipc_handles
 from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, worker_rpc,
                                      worker_state)
 
@@ -198,11 +194,6 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
     return out
 
 
-def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
-    """``{device_id: ipc.Handle | [ipc.Handle]}`` as bytes for ``update_weights_from_ipc``."""
-    return pickle.dumps(dict(handles))
-
-
 def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
              timeout: float = TIMEOUT_S) -> int:
     """Full weights into a ``ColocateWorkerExtension`` engine on this GPU (or host), in IPC buckets
@@ -226,26 +217,12 @@ async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
     """:func:`push_ipc` into an ``AsyncLLM``, on a thread; its calls run on the free event loop."""
     loop = asyncio.get_running_loop()
 
-    def on_loop(method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None
-                ) -> Any:
-        coro = engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+    def on_loop(*args: Any, **kwargs: Any) -> Any:  # the engine's collective_rpc, on its loop
+        coro = engine.collective_rpc(*args, **kwargs)
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
     client = SimpleNamespace(collective_rpc=on_loop,
                              engine_core=getattr(engine, "engine_core", None))
     return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (marked late)
-
-
-def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int
-                  ) -> list[list[tuple[str, torch.Tensor]]]:
-    """The trainer's side of whole layers: buckets of at most ``bucket_bytes`` (a layer may exceed
-    it) that never split a decoder layer, which ``EngineWeights.check`` would refuse."""
-    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
-        by_layer.setdefault(layer, []).append((name, t))
-    layers = list(by_layer.values())
-    sizes = [sum(t.nbytes for _, t in layer) for layer in layers]
-    return [[item for i in idx for item in layers[i]] for idx in groups_of(sizes, bucket_bytes)]
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
@@ -288,8 +265,7 @@ class WorkerExtension(_ExtensionBase):
 
     @worker_rpc
     def update_weight(self, name: str, dtype_name: str, shape: Sequence[int]) -> None:
-        """Receive one broadcast tensor, loaded once its whole layer is in; a bad name/dtype/shape
-        is received (the group stays in step), then refused."""
+        """One tensor, loaded with its whole layer; a bad one is received (in step), refused."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
         dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
@@ -342,8 +318,7 @@ class ColocateWorkerExtension(_ExtensionBase):
     @worker_rpc
     def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any], partial: bool = False
                                 ) -> int:
-        """Check, map and load this device's buckets from ``{device_id: handle or [handles]}``
-        (pickled, or as vLLM's encoder's plain dicts); returns the tensor count."""
+        """Check, map, load this device's buckets (``buckets_for``); returns the tensor count."""
         t0 = time.perf_counter()
         st, buckets = worker_state(self), buckets_for(self.device, handles)
         st.weights.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries],

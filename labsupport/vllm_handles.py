@@ -1,6 +1,7 @@
-"""The IPC handles a trainer sends a co-located vLLM engine, as its workers look them up: keyed by
-the GPU each worker runs on (its UUID, which ``CUDA_VISIBLE_DEVICES`` does not renumber;
-``cpu:<host>`` on the CPU), pickled or as the plain dicts vLLM's RPC encoder turns them into."""
+"""The IPC buckets a trainer sends a co-located vLLM engine, and how its workers find theirs: whole
+layers per bucket (``layer_buckets``), their handles keyed by the GPU each worker runs on (its UUID,
+which ``CUDA_VISIBLE_DEVICES`` does not renumber; ``cpu:<host>`` on the CPU), pickled
+(``pack_ipc_handles``) or as the plain dicts vLLM's RPC encoder turns them into."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from labsupport import ipc
 from labsupport.core import devices
+from labsupport.core.buckets import groups as groups_of
 from labsupport.vllm_weights import WeightUpdateError
 
 
@@ -23,6 +25,24 @@ def device_id(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return devices.gpu_uuid(index)
     return f"cpu:{socket.gethostname()}"
+
+
+def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
+    """``{device_id: ipc.Handle | [ipc.Handle]}`` as bytes for ``update_weights_from_ipc``."""
+    return pickle.dumps(dict(handles))
+
+
+def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+                  ) -> list[list[tuple[str, torch.Tensor]]]:
+    """The trainer's half of whole layers (``EngineWeights.check``): buckets of at most
+    ``bucket_bytes`` that never split a decoder layer (which alone may exceed it)."""
+    by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+        by_layer.setdefault(layer, []).append((name, t))
+    layers = list(by_layer.values())
+    sizes = [sum(t.nbytes for _, t in layer) for layer in layers]
+    return [[item for i in idx for item in layers[i]] for idx in groups_of(sizes, bucket_bytes)]
 
 
 def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> list[ipc.Handle]:

