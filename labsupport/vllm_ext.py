@@ -265,7 +265,7 @@ class WorkerExtension(_ExtensionBase):
 
     @worker_rpc
     def update_weight(self, name: str, dtype_name: str, shape: Sequence[int]) -> None:
-        """One tensor, loaded with its whole layer; a bad one is received (in step), refused."""
+        """One tensor, loaded with its layer; a bad one is received (in step), then refused."""
         st = worker_state(self)
         group, ew = st.require_group(), st.weights
         dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
