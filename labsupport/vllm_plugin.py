@@ -66,8 +66,7 @@ class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
 class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo,
                                                              GlooWeightTransferUpdateInfo],
                                UpdateGroup):
-    """Worker side: join the trainer's group, receive each update into staging, load it in
-    ``finish``."""
+    """Worker side: join the trainer's group, stage each update, load it in ``finish``."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -126,8 +125,7 @@ class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
 
 
 class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, UpdateGroup):
-    """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying
-    ``source``."""
+    """Trainer side, rank 0: ``send_weights()`` sends ``source`` in one round through ``client``."""
 
     init_info_cls = GlooTrainerInitInfo
     version = 0  # of the last update sent
@@ -141,15 +139,15 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
-        i = init_info
-        worker_info = GlooWeightTransferInitInfo(i.master_address, i.master_port, 1, i.world_size,
-                                                 i.timeout_s)
+        info = init_info
+        worker_info = GlooWeightTransferInitInfo(info.master_address, info.master_port, 1,
+                                                 info.world_size, info.timeout_s)
         try:  # the workers wait for rank 0 (us) in their init
             vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)),
-                               lambda: engine.join_group(i.master_address, i.master_port, 0,
-                                                         i.world_size, device="cpu",
-                                                         timeout_s=i.timeout_s),
-                               i.timeout_s + REPLY_S)
+                               lambda: engine.join_group(info.master_address, info.master_port, 0,
+                                                         info.world_size, device="cpu",
+                                                         timeout_s=info.timeout_s),
+                               info.timeout_s + REPLY_S)
         except BaseException:
             engine.leave_group()  # (the workers never confirmed: leave nothing behind)
             raise
@@ -200,9 +198,8 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
 
 # ---- Registration --------------------------------------------------------------------------------
 def register_plugin() -> None:
-    """Register ``labsupport_gloo`` with both of vLLM's factories (which record the module path
-    only); the ``vllm.general_plugins`` entry point. Idempotent: vLLM may call it more than once per
-    process, and so may we."""
+    """The ``vllm.general_plugins`` entry point: ``labsupport_gloo`` into both of vLLM's factories
+    (by module path). Idempotent: vLLM may call it more than once per process, and so may we."""
     from vllm.distributed.weight_transfer import factory as f
 
     for factory, cls in ((f.WeightTransferEngineFactory, "GlooWeightTransferEngine"),
@@ -213,16 +210,14 @@ def register_plugin() -> None:
 
 # ---- The trainer's end, on either vLLM -----------------------------------------------------------
 def native_backend(device: str | torch.device) -> str:
-    """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo
-    one."""
+    """The native backend for a trainer on ``device``: vLLM's ``"nccl"``, or our gloo one."""
     return "nccl" if torch.device(device).type == "cuda" else GLOO_BACKEND
 
 
 def native_trainer(device: str | torch.device, master_address: str, master_port: int,
                    world_size: int, *, client: Any, source: Any) -> Any:
-    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM
-    0.32's ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine)
-    :class:`NcclTrainer026`."""
+    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``):
+    0.32's ``WeightTransferTrainerFactory.trainer_init``, or on 0.26 :class:`NcclTrainer026`."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
@@ -257,11 +252,10 @@ class LLMWeightSyncClient:
 
 
 class NcclTrainer026:
-    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers
-    on its ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round
-    announces names, dtypes and shapes with ``update_weights`` while the trainer broadcasts. vLLM's
-    NCCL calls wait on this process's thread without a deadline: here they run on a thread, within
-    ``timeout``."""
+    """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, from the static helpers of its
+    ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces
+    names, dtypes and shapes (``update_weights``) while the trainer broadcasts. vLLM's NCCL calls
+    have no deadline: here they run on a thread, within ``timeout``."""
 
     def __init__(self, group: Any, packed: bool, client: Any, source: Any,
                  timeout: float = vllm_ext.TIMEOUT_S) -> None:
