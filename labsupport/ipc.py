@@ -1,23 +1,21 @@
 """Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production
-needs.
-
-The handle is the core's plus who exported it; each addition guards against a failure of the core
-(Lab 5 runs them):
+needs. The handle is the core's plus who exported it; each addition guards against a failure of the
+core (Lab 5 runs them):
 
 - a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer
   whose memory already holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each handle's
+- release by acknowledgement (``ack``, after ``Receiver.drop`` waits for the copies on each handle's
   GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count
-  back where no other process acked): the owner freeing memory that a receiver still reads, waiting
-  for ever on one that never acks, or never freeing it;
+  back where no other process acked): freeing memory that a receiver still reads, waiting for ever
+  on one that never acks, or never freeing it;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
   removes its files): a handle from a crashed trainer, and its files left in ``/dev/shm``;
 - the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another
   machine, or on a GPU this process cannot see, failing obscurely;
-- names, dtypes, shapes checked before any write (a half-written inference copy), bad input before
-  any allocation;
+- names, dtypes, shapes checked before any write, bad input before any allocation: a half-written
+  inference copy;
 - ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a
-  tensor itself: the per-handle cost paid on every update, and a copy where none is needed.
+  tensor itself: a per-handle cost on every update, and a copy where none is needed.
 
 Limits: the liveness check is not atomic with the mapping; views rebuilt before a release are not
 invalidated (a receiver drops its views, then acks); a child forked by the exporter inherits its
@@ -42,13 +40,11 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
-
-# exports killed with keep=True: their memory, held until this process exits
-KEPT: list[torch.Tensor] = []
 from labsupport.core import buckets, handoff
 from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
+KEPT: list[torch.Tensor] = []  # memory of exports killed with keep=True, until this process exits
 
 
 class IpcError(RuntimeError):
@@ -59,8 +55,7 @@ class IpcError(RuntimeError):
 
 @dataclass(frozen=True)
 class Handle(handoff.Handle):
-    """The core's handle plus who exported it; slot ``slot`` of the exporter's guard holds
-    ``serial`` until released."""
+    """The core's handle plus its exporter; guard slot ``slot`` holds ``serial`` until release."""
     host: str  # the kernel's boot id
     pid: int  # the exporter's process
     guard: str  # the exporter's guard file
@@ -72,8 +67,7 @@ class Handle(handoff.Handle):
         return [e[0] for e in self.entries]
 
     @property
-    # {name: (dtype, shape)}: what a receiver checks
-    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:  # {name: (dtype, shape)}
         return {name: (dtype, tuple(shape)) for name, dtype, shape, _, _ in self.entries}
 
     @property
@@ -99,8 +93,7 @@ _EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDict
 
 
 class Exporter:
-    """Owns exported buffers: keeps each alive until ``release()``, which waits for its receivers'
-    acks."""
+    """Owns exported buffers: keeps each alive until ``release()``, which waits for the acks."""
 
     def __init__(self) -> None:
         shm.sweep_stale()  # files of exporters that crashed earlier
@@ -108,7 +101,7 @@ class Exporter:
         self._guard = shm.GuardFile(os.path.join(handoff.SHM_DIR, f"{self.prefix}.guard"))
         self._ids = itertools.count(1)  # serials of exports and numbers of segment files
         self._live: dict[int, _Export] = {}
-        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard)
+        self._finalizer = weakref.finalize(self, self._guard.close)  # removes the files too
         _EXPORTERS[self._guard.path] = self
 
     def export_bucket(self, named: Named, receivers: int = 1) -> Handle:
@@ -120,12 +113,11 @@ class Exporter:
 
     def export_buckets(self, named: Named, bucket_bytes: int = 512 << 20,
                        receivers: int = 1) -> list[Handle]:
-        """Export a whole state dict as buckets of at most ``bucket_bytes`` each
-        (``buckets.split``)."""
+        """Export a whole state dict as buckets of at most ``bucket_bytes`` (``buckets.split``)."""
         named = list(named)
-        groups, rest = buckets.split([buckets.meta(n, t) for n, t in named],
-                                     bucket_bytes), iter(named)
-        return [self.export_bucket([next(rest) for _ in group], receivers) for group in groups]
+        rest = iter(named)
+        return [self.export_bucket([next(rest) for _ in group], receivers)
+                for group in buckets.split(buckets.metas(named), bucket_bytes)]
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1, name: str = "tensor") -> Handle:
         """Share ``t`` itself, as a handle with one entry ``name``. On the CPU ``t`` first moves
@@ -151,8 +143,7 @@ class Exporter:
         return self._export(flat, where, [entry], receivers, t.nbytes)
 
     def update_bucket(self, handle: Handle, named: Named) -> None:
-        """Repack new values (same names in the same order, dtypes, shapes; checked first) into a
-        live export."""
+        """Repack new values (same names in order, dtypes, shapes; checked first) into an export."""
         exp, found = self._get(handle), dict(named)
         if list(found) != handle.names:
             raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket "
@@ -165,13 +156,11 @@ class Exporter:
         synchronize(exp.keep.device)  # the bytes are there before a receiver reads them
 
     def buffer(self, handle: Handle) -> torch.Tensor:
-        """The exported memory itself, in this process, as flat bytes (``buckets.unpack`` slices
-        it)."""
+        """The exported memory itself, here, as flat bytes (``buckets.unpack`` slices it)."""
         return self._get(handle).keep
 
     def acks(self, handle: Handle) -> int:
-        """How many receiver processes have acked ``handle`` (called :func:`ack` after their last
-        read)."""
+        """How many receiver processes have acked ``handle`` (:func:`ack` after their last read)."""
         self._get(handle)
         return len(shm.acks(self._guard.path, handle.serial))
 
@@ -195,14 +184,12 @@ class Exporter:
         if keep and exp.keep.is_cuda:
             KEPT.append(exp.keep)
         elif exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
-            # no other process acked: none will give torch's CUDA IPC count back (read here without
-            # opening the handle, never opened, or opened by a receiver that died), so its block
-            # would wait until exit; a receiver that opened the handle gives the count back itself
-            # when it drops its views
-            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index(
-                "ref_counter_handle"
-            )
-            torch.UntypedStorage._release_ipc_counter_cuda(*handle.where[slot: slot + 2])
+            # no other process acked (read here, never opened, or opened by a receiver that died):
+            # none gives torch's CUDA IPC count back (one that opened it does, dropping its views),
+            # so the block would wait until exit
+            args = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, handle.where))
+            torch.UntypedStorage._release_ipc_counter_cuda(args["ref_counter_handle"],
+                                                           args["ref_counter_offset"])
         for path in acks:
             shm.unlink(path)
         del self._live[handle.serial]
@@ -263,13 +250,6 @@ class Exporter:
     def _segment_path(self) -> str:
         return os.path.join(handoff.SHM_DIR, f"{self.prefix}-{next(self._ids)}.shm")
 
-    @staticmethod
-    def _cleanup(guard: shm.GuardFile) -> None:
-        guard.close()
-        # segments still exported, acks of forced releases or late ones
-        for path in shm.files(guard.path):
-            shm.unlink(path)
-
 
 # ---- Receiving side ------------------------------------------------------------------------------
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
@@ -279,8 +259,7 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     owner = _EXPORTERS.get(handle.guard) if handle.pid == os.getpid() else None
     if owner is not None:  # CUDA cannot open its own IPC handle: hand back the original memory
         return buckets.unpack(owner.buffer(handle), handle.entries)
-    # from_file would create a missing file
-    if handle.gpu is None and not os.path.exists(handle.where[0]):
+    if handle.gpu is None and not os.path.exists(handle.where[0]):  # from_file would create it
         raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.serial} is gone "
                        "(released)")
     try:
@@ -288,15 +267,13 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     except RuntimeError as err:
         raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): "
                        f"{err}") from err
-    if handle.gpu is None:
-        # released while we mapped it? (a file that from_file re-created goes at close)
+    if handle.gpu is None:  # released while we mapped it? (a file from_file re-made goes at close)
         check_handle(handle)
     return views
 
 
 class Receiver:
-    """Engine side: maps each handle once and reuses the mapping, re-checking liveness; drop() lets
-    go and acks."""
+    """Engine side: maps each handle once, re-checks it at each use; ``drop()`` lets go and acks."""
 
     def __init__(self) -> None:
         self._mapped: dict[tuple[str, int], tuple[Handle, list[tuple[str, torch.Tensor]]]] = {}
@@ -311,8 +288,7 @@ class Receiver:
         return self._mapped[key][1]
 
     def copy_into(self, handle: Handle, dest: Mapping[str, torch.Tensor]) -> int:
-        """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked
-        first; returns bytes."""
+        """Copy the bucket into ``dest[name]`` (an inference copy), checked first; returns bytes."""
         have = {n: buckets.meta(n, d)[1:] for n in handle.names if (d := dest.get(n)) is not None}
         if bad := metadata.problems([e[:3] for e in handle.entries], have):
             name = bad[0][0]
@@ -322,8 +298,7 @@ class Receiver:
         return buckets.load_into(dest, self.bucket(handle), non_blocking=True)
 
     def drop(self) -> None:
-        """Wait for the copies queued on each mapped handle's device, forget every view, then ack
-        each handle."""
+        """Wait for the copies queued on each mapped handle's device, forget the views, ack each."""
         handles = [h for h, _ in self._mapped.values()]
         for device in {device_of(h) for h in handles}:  # the handles' devices, whichever is current
             synchronize(device)
@@ -337,7 +312,7 @@ def ack(handle: Handle) -> bool:
     views first). Waits for this process's queued work on the handle's GPU, then leaves the ack
     ``Exporter.release`` counts: one per process, so acking twice changes nothing. False when the
     export is gone already (nothing to ack)."""
-    if _serial(handle) != handle.serial:
+    if shm.guard_serial(handle.guard, handle.slot) != handle.serial:
         return False
     if handle.gpu is not None and torch.cuda.is_initialized():
         synchronize(device_of(handle))  # reads queued on that GPU have finished before we say so
@@ -348,8 +323,7 @@ def ack(handle: Handle) -> bool:
 # ---- Where am I, and is the export still there? --------------------------------------------------
 @functools.cache
 def host_id() -> str:
-    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one
-    host)."""
+    """This machine's identity for IPC: the kernel's boot id (shared by containers on one host)."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         return f.read().strip()
 
@@ -365,8 +339,7 @@ def device_of(handle: Handle) -> torch.device:
 
 
 def check_handle(handle: Handle) -> None:
-    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released
-    (microseconds)."""
+    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released (fast)."""
     if not isinstance(handle, Handle):
         raise IpcError("expected an ipc.Handle (from an ipc.Exporter, with its guard), found "
                        f"{type(handle).__name__}")
@@ -374,7 +347,7 @@ def check_handle(handle: Handle) -> None:
         raise IpcError("this handle was exported on another machine (boot id "
                        f"{handle.host[:8]}..., here {host_id()[:8]}...): IPC works on one host; "
                        "across machines use labsupport.broadcast.")
-    serial = _serial(handle)
+    serial = shm.guard_serial(handle.guard, handle.slot)
     if serial < 0:
         raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its "
                        "memory is gone (or this process runs in another container, with its own "
@@ -384,11 +357,3 @@ def check_handle(handle: Handle) -> None:
                        "released by its exporter; its memory may already hold other data. Rebuild "
                        "from the current export's handle.")
 
-
-def _serial(handle: Handle) -> int:
-    """The serial in the handle's guard slot now: 0 once released, -1 once its exporter has closed
-    or died."""
-    try:
-        return shm.guard_serial(handle.guard, handle.slot)
-    except (FileNotFoundError, ProcessLookupError):
-        return -1
