@@ -1,25 +1,24 @@
 """Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production
-needs. The handle is the core's plus who exported it; each addition guards against a failure of the
-core (Lab 5 runs them):
+needs, each addition against a failure of the core (Lab 5 runs them):
 
-- a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer
-  whose memory already holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``, after ``Receiver.drop`` waits for the copies on each handle's
-  GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count
-  back where no other process acked): freeing memory that a receiver still reads, waiting for ever
-  on one that never acks, or never freeing it;
+- a guard per export, checked at each rebuild and use of a mapping: a released buffer mapped while
+  its memory holds other tensors (garbage weights, no error);
+- release by acknowledgement (``ack``, ``Receiver.drop`` after the copies on each handle's GPU;
+  ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count back
+  where no other process acked): memory freed while a receiver reads it, a wait for ever on one
+  that never acks, or memory never freed;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
   removes its files): a handle from a crashed trainer, and its files left in ``/dev/shm``;
-- the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another
-  machine, or on a GPU this process cannot see, failing obscurely;
+- the host's boot id in each handle (the handle is the core's plus who exported it), errors naming
+  the GPUs a process sees: a handle used on another machine or an unseen GPU failing obscurely;
 - names, dtypes, shapes checked before any write, bad input before any allocation: a half-written
   inference copy;
 - ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a
   tensor itself: a per-handle cost on every update, and a copy where none is needed.
 
-Limits: the liveness check is not atomic with the mapping; views rebuilt before a release are not
-invalidated (a receiver drops its views, then acks); a child forked by the exporter inherits its
-lock; one host, one ``/dev/shm``.
+Limits: the liveness check is not atomic with the mapping; views rebuilt before a release stay
+valid (a receiver drops its views, then acks); a child forked by the exporter inherits its lock;
+one host, one ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ KEPT: list[torch.Tensor] = []  # memory of exports killed with keep=True, until 
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine or GPU, or bad input."""
-    # course.peer.Peer re-raises it as itself in the parent, not as a RuntimeError
-    crosses_processes = True
+    crosses_processes = True  # course.peer.Peer re-raises it as itself, not as a RuntimeError
 
 
 @dataclass(frozen=True)
@@ -88,8 +86,7 @@ class _Export:
     nbytes: int  # what was exported: a bucket's buffer, or the shared tensor
 
 
-# guard path -> owner
-_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()
+_EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
 
 
 class Exporter:
@@ -121,17 +118,15 @@ class Exporter:
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1, name: str = "tensor") -> Handle:
         """Share ``t`` itself, as a handle with one entry ``name``. On the CPU ``t`` first moves
-        into a shared file, once, like ``Tensor.share_memory_()``: export a model's parameters, not
-        slices of them."""
+        into a shared file, once (like ``share_memory_()``): export parameters, not slices."""
         self._checked([(name, t)], receivers)
         if not t.is_contiguous():
             raise IpcError(f"export_tensor shares {name} as it is, so it must be contiguous (its "
                            f"stride is {t.stride()}): export a contiguous copy, or use "
                            "export_bucket")
-        # CPU: the file that t already lives in
+        ptr = t.untyped_storage().data_ptr()  # CPU: the file that t already lives in, if any
         path = next((e.handle.where[0] for e in self._live.values()
-                     if e.handle.gpu is None and e.keep.data_ptr()
-                     == t.untyped_storage().data_ptr()), None)
+                     if e.handle.gpu is None and e.keep.data_ptr() == ptr), None)
         if not t.is_cuda and path is None:
             moved, core = handoff.export([(name, t)], self._segment_path())
             with torch.no_grad():
@@ -166,11 +161,10 @@ class Exporter:
 
     def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0,
                 keep: bool = False) -> int:
-        """Kill ``handle`` and free its memory once every receiver process has acked it, waiting up
-        to ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released.
-        ``keep``: kill it but keep its GPU memory until this process exits (a receiver whose call
-        timed out may have opened it and still read: giving back torch's count would free the block
-        under it)."""
+        """Kill ``handle`` and free its memory once every receiver process has acked it (waiting up
+        to ``timeout_s``; ``force``: at once); returns the bytes released. ``keep``: keep its GPU
+        memory until this process exits (a receiver whose call timed out may still read it: giving
+        torch's count back would free the block under it)."""
         exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
@@ -221,15 +215,15 @@ class Exporter:
         named = list(named)
         devices = sorted({str(t.device) for _, t in named})
         twice = [n for n, k in collections.Counter(n for n, _ in named).items() if k > 1]
-        for bad, problem in ((receivers < 1, f"receivers must be >= 1, found {receivers}"),
-                             (not self._guard.free, f"{shm.GUARD_SLOTS} exports are live here; "
-                                                    "release some first"),
-                             (len(devices) != 1, "an export needs at least one (name, tensor) "
-                                                 f"pair, all on one device; found {devices}"),
-                             (twice, f"tensor name {twice[:1]} appears twice in one bucket; names "
-                                     "must be unique")):
-            if bad:
-                raise IpcError(problem)
+        if receivers < 1:
+            raise IpcError(f"receivers must be >= 1, found {receivers}")
+        if not self._guard.free:
+            raise IpcError(f"{shm.GUARD_SLOTS} exports are live here; release some first")
+        if len(devices) != 1:
+            raise IpcError("an export needs at least one (name, tensor) pair, all on one device; "
+                           f"found {devices}")
+        if twice:
+            raise IpcError(f"tensor name {twice[0]!r} appears twice in one bucket: rename one")
         return named
 
     def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int,
@@ -260,13 +254,11 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     if owner is not None:  # CUDA cannot open its own IPC handle: hand back the original memory
         return buckets.unpack(owner.buffer(handle), handle.entries)
     if handle.gpu is None and not os.path.exists(handle.where[0]):  # from_file would create it
-        raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.serial} is gone "
-                       "(released)")
+        raise IpcError(f"the file {handle.where[0]} of export #{handle.serial} is gone (released)")
     try:
         views = handoff.rebuild(handle)
     except RuntimeError as err:
-        raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): "
-                       f"{err}") from err
+        raise IpcError(f"cannot open export #{handle.serial} of pid {handle.pid}: {err}") from err
     if handle.gpu is None:  # released while we mapped it? (a file from_file re-made goes at close)
         check_handle(handle)
     return views
@@ -308,10 +300,9 @@ class Receiver:
 
 
 def ack(handle: Handle) -> bool:
-    """Receiver side: tell the exporter that this process has finished reading ``handle`` (drop its
-    views first). Waits for this process's queued work on the handle's GPU, then leaves the ack
-    ``Exporter.release`` counts: one per process, so acking twice changes nothing. False when the
-    export is gone already (nothing to ack)."""
+    """Receiver side, after dropping its views: wait for this process's work queued on the handle's
+    GPU, then leave the ack ``Exporter.release`` counts (one per process: acking twice changes
+    nothing). False when the export is gone already (nothing to ack)."""
     if shm.guard_serial(handle.guard, handle.slot) != handle.serial:
         return False
     if handle.gpu is not None and torch.cuda.is_initialized():

@@ -131,9 +131,8 @@ def files(guard_path: str) -> list[str]:
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove the files of exporters that died without cleaning up (their lock is free), with a dead
-    process's torch and CUDA IPC files; returns their names. Guards younger than ``min_age_s`` are
-    spared (locked just after made)."""
+    """Remove the files of exporters that died (lock free), and a dead process's torch and CUDA IPC
+    files; returns their names. Guards younger than ``min_age_s`` are spared (still being made)."""
     removed, now = [], time.time()
     for path in [only] if only else glob.glob(os.path.join(handoff.SHM_DIR, f"{PREFIX}*.guard")):
         try:

@@ -178,10 +178,9 @@ def _announced(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
 
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
-    """One update round: start; ``update_weights`` on the workers alongside ``send`` here; finish,
-    whatever happened (a refused round loads nothing). An error is the trainer's own, with the
-    workers' and finish's attached. Start and finish missing ``timeout`` raise ``EngineTimeout`` and
-    mark the engine (``client.llm``) unusable."""
+    """One round: start; ``update_weights`` on the workers alongside ``send`` here; finish, whatever
+    happened (a refused round loads nothing). An error is the trainer's, the workers' and finish's
+    attached. Start or finish past ``timeout``: ``EngineTimeout``, the engine marked unusable."""
     engine = getattr(client, "llm", client)
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
@@ -252,10 +251,9 @@ class LLMWeightSyncClient:
 
 
 class NcclTrainer026:
-    """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, from the static helpers of its
-    ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round announces
-    names, dtypes and shapes (``update_weights``) while the trainer broadcasts. vLLM's NCCL calls
-    have no deadline: here they run on a thread, within ``timeout``."""
+    """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, over ``NCCLWeightTransferEngine``'s
+    static helpers (workers are ranks 1..; a round announces names, dtypes, shapes while the trainer
+    broadcasts). Its NCCL calls, without deadlines in vLLM, run on a thread within ``timeout``."""
 
     def __init__(self, group: Any, packed: bool, client: Any, source: Any,
                  timeout: float = vllm_ext.TIMEOUT_S) -> None:
