@@ -62,7 +62,6 @@ class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
                              f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
 
 
-
 class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo,
                                                              GlooWeightTransferUpdateInfo],
                                UpdateGroup):
