@@ -3,10 +3,10 @@ needs, each addition against a failure of the core (Lab 5 runs them):
 
 - a guard per export, checked at each rebuild and use of a mapping: a released buffer mapped while
   its memory holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``, ``Receiver.drop`` after the copies on each handle's GPU;
-  ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count back
-  where no other process acked): memory freed while a receiver reads it, a wait for ever on one
-  that never acks, or memory never freed;
+- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each
+  handle's GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA
+  IPC count back where no other process acked): memory freed while a receiver reads it, a wait for
+  ever on one that never acks, or memory never freed;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
   removes its files): a handle from a crashed trainer, and its files left in ``/dev/shm``;
 - the host's boot id in each handle (the handle is the core's plus who exported it), errors naming

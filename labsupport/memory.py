@@ -67,9 +67,8 @@ class MemoryTimeline(timeline.Timeline):
                  interval_s: float = 0.01) -> None:
         super().__init__(device)
         self.name, self.interval_s = name, interval_s  # interval_s: between the thread's reads
-        self.capacity = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.gpu else None
-        )
+        props = torch.cuda.get_device_properties(self.device) if self.gpu else None
+        self.capacity = props.total_memory if props else None  # bytes
         self.sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter)
         self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
         self._lock = threading.Lock()  # guards samples and _act_refs
