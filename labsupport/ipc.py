@@ -1,27 +1,24 @@
 """Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production
-needs.
+needs, each addition against a failure of the core (Lab 5 runs them):
 
-The handle is the core's plus who exported it; each addition guards against a failure of the core
-(Lab 5 runs them):
-
-- a guard per export, checked at every rebuild and every use of a mapping: mapping a released buffer
-  whose memory already holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each handle's
-  GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA IPC count
-  back where no other process acked): the owner freeing memory that a receiver still reads, waiting
-  for ever on one that never acks, or never freeing it;
+- a guard per export, checked at each rebuild and use of a mapping: a released buffer mapped while
+  its memory holds other tensors (garbage weights, no error);
+- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each
+  handle's GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA
+  IPC count back where no other process acked): memory freed while a receiver reads it, a wait for
+  ever on one that never acks, or memory never freed;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
   removes its files): a handle from a crashed trainer, and its files left in ``/dev/shm``;
-- the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on another
-  machine, or on a GPU this process cannot see, failing obscurely;
-- names, dtypes, shapes checked before any write (a half-written inference copy), bad input before
-  any allocation;
+- the host's boot id in each handle (the handle is the core's plus who exported it), errors naming
+  the GPUs a process sees: a handle used on another machine or an unseen GPU failing obscurely;
+- names, dtypes, shapes checked before any write, bad input before any allocation: a half-written
+  inference copy;
 - ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a
-  tensor itself: the per-handle cost paid on every update, and a copy where none is needed.
+  tensor itself: a per-handle cost on every update, and a copy where none is needed.
 
-Limits: the liveness check is not atomic with the mapping; views rebuilt before a release are not
-invalidated (a receiver drops its views, then acks); a child forked by the exporter inherits its
-lock; one host, one ``/dev/shm``.
+Limits: the liveness check is not atomic with the mapping; views rebuilt before a release stay
+valid (a receiver drops its views, then acks); a child forked by the exporter inherits its lock;
+one host, one ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -42,25 +39,21 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from labsupport import metadata, shm
-
-# exports killed with keep=True: their memory, held until this process exits
-KEPT: list[torch.Tensor] = []
 from labsupport.core import buckets, handoff
 from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
+KEPT: list[torch.Tensor] = []  # memory of exports killed with keep=True, until this process exits
 
 
 class IpcError(RuntimeError):
     """A handle cannot be used here: released, exporter gone, wrong machine or GPU, or bad input."""
-    # course.peer.Peer re-raises it as itself in the parent, not as a RuntimeError
-    crosses_processes = True
+    crosses_processes = True  # course.peer.Peer re-raises it as itself, not as a RuntimeError
 
 
 @dataclass(frozen=True)
 class Handle(handoff.Handle):
-    """The core's handle plus who exported it; slot ``slot`` of the exporter's guard holds
-    ``serial`` until released."""
+    """The core's handle plus its exporter; guard slot ``slot`` holds ``serial`` until release."""
     host: str  # the kernel's boot id
     pid: int  # the exporter's process
     guard: str  # the exporter's guard file
@@ -72,8 +65,7 @@ class Handle(handoff.Handle):
         return [e[0] for e in self.entries]
 
     @property
-    # {name: (dtype, shape)}: what a receiver checks
-    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def metas(self) -> dict[str, tuple[str, tuple[int, ...]]]:  # {name: (dtype, shape)}
         return {name: (dtype, tuple(shape)) for name, dtype, shape, _, _ in self.entries}
 
     @property
@@ -94,13 +86,11 @@ class _Export:
     nbytes: int  # what was exported: a bucket's buffer, or the shared tensor
 
 
-# guard path -> owner
-_EXPORTERS: "weakref.WeakValueDictionary[str, Exporter]" = weakref.WeakValueDictionary()
+_EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
 
 
 class Exporter:
-    """Owns exported buffers: keeps each alive until ``release()``, which waits for its receivers'
-    acks."""
+    """Owns exported buffers: keeps each alive until ``release()``, which waits for the acks."""
 
     def __init__(self) -> None:
         shm.sweep_stale()  # files of exporters that crashed earlier
@@ -108,7 +98,7 @@ class Exporter:
         self._guard = shm.GuardFile(os.path.join(handoff.SHM_DIR, f"{self.prefix}.guard"))
         self._ids = itertools.count(1)  # serials of exports and numbers of segment files
         self._live: dict[int, _Export] = {}
-        self._finalizer = weakref.finalize(self, Exporter._cleanup, self._guard)
+        self._finalizer = weakref.finalize(self, self._guard.close)  # removes the files too
         _EXPORTERS[self._guard.path] = self
 
     def export_bucket(self, named: Named, receivers: int = 1) -> Handle:
@@ -120,26 +110,23 @@ class Exporter:
 
     def export_buckets(self, named: Named, bucket_bytes: int = 512 << 20,
                        receivers: int = 1) -> list[Handle]:
-        """Export a whole state dict as buckets of at most ``bucket_bytes`` each
-        (``buckets.split``)."""
+        """Export a whole state dict as buckets of at most ``bucket_bytes`` (``buckets.split``)."""
         named = list(named)
-        groups, rest = buckets.split([buckets.meta(n, t) for n, t in named],
-                                     bucket_bytes), iter(named)
-        return [self.export_bucket([next(rest) for _ in group], receivers) for group in groups]
+        rest = iter(named)
+        return [self.export_bucket([next(rest) for _ in group], receivers)
+                for group in buckets.split(buckets.metas(named), bucket_bytes)]
 
     def export_tensor(self, t: torch.Tensor, receivers: int = 1, name: str = "tensor") -> Handle:
         """Share ``t`` itself, as a handle with one entry ``name``. On the CPU ``t`` first moves
-        into a shared file, once, like ``Tensor.share_memory_()``: export a model's parameters, not
-        slices of them."""
+        into a shared file, once (like ``share_memory_()``): export parameters, not slices."""
         self._checked([(name, t)], receivers)
         if not t.is_contiguous():
             raise IpcError(f"export_tensor shares {name} as it is, so it must be contiguous (its "
                            f"stride is {t.stride()}): export a contiguous copy, or use "
                            "export_bucket")
-        # CPU: the file that t already lives in
+        ptr = t.untyped_storage().data_ptr()  # CPU: the file that t already lives in, if any
         path = next((e.handle.where[0] for e in self._live.values()
-                     if e.handle.gpu is None and e.keep.data_ptr()
-                     == t.untyped_storage().data_ptr()), None)
+                     if e.handle.gpu is None and e.keep.data_ptr() == ptr), None)
         if not t.is_cuda and path is None:
             moved, core = handoff.export([(name, t)], self._segment_path())
             with torch.no_grad():
@@ -151,8 +138,7 @@ class Exporter:
         return self._export(flat, where, [entry], receivers, t.nbytes)
 
     def update_bucket(self, handle: Handle, named: Named) -> None:
-        """Repack new values (same names in the same order, dtypes, shapes; checked first) into a
-        live export."""
+        """Repack new values (same names in order, dtypes, shapes; checked first) into an export."""
         exp, found = self._get(handle), dict(named)
         if list(found) != handle.names:
             raise IpcError(f"update_bucket: expected tensors {handle.names[:4]}... in bucket "
@@ -165,23 +151,20 @@ class Exporter:
         synchronize(exp.keep.device)  # the bytes are there before a receiver reads them
 
     def buffer(self, handle: Handle) -> torch.Tensor:
-        """The exported memory itself, in this process, as flat bytes (``buckets.unpack`` slices
-        it)."""
+        """The exported memory itself, here, as flat bytes (``buckets.unpack`` slices it)."""
         return self._get(handle).keep
 
     def acks(self, handle: Handle) -> int:
-        """How many receiver processes have acked ``handle`` (called :func:`ack` after their last
-        read)."""
+        """How many receiver processes have acked ``handle`` (:func:`ack` after their last read)."""
         self._get(handle)
         return len(shm.acks(self._guard.path, handle.serial))
 
     def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0,
                 keep: bool = False) -> int:
-        """Kill ``handle`` and free its memory once every receiver process has acked it, waiting up
-        to ``timeout_s`` for the acks (or at once with ``force``); returns the bytes released.
-        ``keep``: kill it but keep its GPU memory until this process exits (a receiver whose call
-        timed out may have opened it and still read: giving back torch's count would free the block
-        under it)."""
+        """Kill ``handle`` and free its memory once every receiver process has acked it (waiting up
+        to ``timeout_s``; ``force``: at once); returns the bytes released. ``keep``: keep its GPU
+        memory until this process exits (a receiver whose call timed out may still read it: giving
+        torch's count back would free the block under it)."""
         exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
@@ -195,14 +178,12 @@ class Exporter:
         if keep and exp.keep.is_cuda:
             KEPT.append(exp.keep)
         elif exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
-            # no other process acked: none will give torch's CUDA IPC count back (read here without
-            # opening the handle, never opened, or opened by a receiver that died), so its block
-            # would wait until exit; a receiver that opened the handle gives the count back itself
-            # when it drops its views
-            slot = list(inspect.signature(rebuild_cuda_tensor).parameters).index(
-                "ref_counter_handle"
-            )
-            torch.UntypedStorage._release_ipc_counter_cuda(*handle.where[slot: slot + 2])
+            # no other process acked (read here, never opened, or opened by a receiver that died):
+            # none gives torch's CUDA IPC count back (one that opened it does, dropping its views),
+            # so the block would wait until exit
+            args = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, handle.where))
+            torch.UntypedStorage._release_ipc_counter_cuda(args["ref_counter_handle"],
+                                                           args["ref_counter_offset"])
         for path in acks:
             shm.unlink(path)
         del self._live[handle.serial]
@@ -234,15 +215,15 @@ class Exporter:
         named = list(named)
         devices = sorted({str(t.device) for _, t in named})
         twice = [n for n, k in collections.Counter(n for n, _ in named).items() if k > 1]
-        for bad, problem in ((receivers < 1, f"receivers must be >= 1, found {receivers}"),
-                             (not self._guard.free, f"{shm.GUARD_SLOTS} exports are live here; "
-                                                    "release some first"),
-                             (len(devices) != 1, "an export needs at least one (name, tensor) "
-                                                 f"pair, all on one device; found {devices}"),
-                             (twice, f"tensor name {twice[:1]} appears twice in one bucket; names "
-                                     "must be unique")):
-            if bad:
-                raise IpcError(problem)
+        if receivers < 1:
+            raise IpcError(f"receivers must be >= 1, found {receivers}")
+        if not self._guard.free:
+            raise IpcError(f"{shm.GUARD_SLOTS} exports are live here; release some first")
+        if len(devices) != 1:
+            raise IpcError("an export needs at least one (name, tensor) pair, all on one device; "
+                           f"found {devices}")
+        if twice:
+            raise IpcError(f"tensor name {twice[0]!r} appears twice in one bucket: rename one")
         return named
 
     def _export(self, flat: torch.Tensor, where: tuple, entries: list, receivers: int,
@@ -263,13 +244,6 @@ class Exporter:
     def _segment_path(self) -> str:
         return os.path.join(handoff.SHM_DIR, f"{self.prefix}-{next(self._ids)}.shm")
 
-    @staticmethod
-    def _cleanup(guard: shm.GuardFile) -> None:
-        guard.close()
-        # segments still exported, acks of forced releases or late ones
-        for path in shm.files(guard.path):
-            shm.unlink(path)
-
 
 # ---- Receiving side ------------------------------------------------------------------------------
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
@@ -279,24 +253,19 @@ def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
     owner = _EXPORTERS.get(handle.guard) if handle.pid == os.getpid() else None
     if owner is not None:  # CUDA cannot open its own IPC handle: hand back the original memory
         return buckets.unpack(owner.buffer(handle), handle.entries)
-    # from_file would create a missing file
-    if handle.gpu is None and not os.path.exists(handle.where[0]):
-        raise IpcError(f"shared-memory file {handle.where[0]} of export #{handle.serial} is gone "
-                       "(released)")
+    if handle.gpu is None and not os.path.exists(handle.where[0]):  # from_file would create it
+        raise IpcError(f"the file {handle.where[0]} of export #{handle.serial} is gone (released)")
     try:
         views = handoff.rebuild(handle)
     except RuntimeError as err:
-        raise IpcError(f"could not open the handle of export #{handle.serial} (pid {handle.pid}): "
-                       f"{err}") from err
-    if handle.gpu is None:
-        # released while we mapped it? (a file that from_file re-created goes at close)
+        raise IpcError(f"cannot open export #{handle.serial} of pid {handle.pid}: {err}") from err
+    if handle.gpu is None:  # released while we mapped it? (a file from_file re-made goes at close)
         check_handle(handle)
     return views
 
 
 class Receiver:
-    """Engine side: maps each handle once and reuses the mapping, re-checking liveness; drop() lets
-    go and acks."""
+    """Engine side: maps each handle once, re-checks it at each use; ``drop()`` lets go and acks."""
 
     def __init__(self) -> None:
         self._mapped: dict[tuple[str, int], tuple[Handle, list[tuple[str, torch.Tensor]]]] = {}
@@ -311,8 +280,7 @@ class Receiver:
         return self._mapped[key][1]
 
     def copy_into(self, handle: Handle, dest: Mapping[str, torch.Tensor]) -> int:
-        """Copy the bucket into ``dest[name]`` (a separate inference copy), every entry checked
-        first; returns bytes."""
+        """Copy the bucket into ``dest[name]`` (an inference copy), checked first; returns bytes."""
         have = {n: buckets.meta(n, d)[1:] for n in handle.names if (d := dest.get(n)) is not None}
         if bad := metadata.problems([e[:3] for e in handle.entries], have):
             name = bad[0][0]
@@ -322,8 +290,7 @@ class Receiver:
         return buckets.load_into(dest, self.bucket(handle), non_blocking=True)
 
     def drop(self) -> None:
-        """Wait for the copies queued on each mapped handle's device, forget every view, then ack
-        each handle."""
+        """Wait for the copies queued on each mapped handle's device, forget the views, ack each."""
         handles = [h for h, _ in self._mapped.values()]
         for device in {device_of(h) for h in handles}:  # the handles' devices, whichever is current
             synchronize(device)
@@ -333,11 +300,10 @@ class Receiver:
 
 
 def ack(handle: Handle) -> bool:
-    """Receiver side: tell the exporter that this process has finished reading ``handle`` (drop its
-    views first). Waits for this process's queued work on the handle's GPU, then leaves the ack
-    ``Exporter.release`` counts: one per process, so acking twice changes nothing. False when the
-    export is gone already (nothing to ack)."""
-    if _serial(handle) != handle.serial:
+    """Receiver side, after dropping its views: wait for this process's work queued on the handle's
+    GPU, then leave the ack ``Exporter.release`` counts (one per process: acking twice changes
+    nothing). False when the export is gone already (nothing to ack)."""
+    if shm.guard_serial(handle.guard, handle.slot) != handle.serial:
         return False
     if handle.gpu is not None and torch.cuda.is_initialized():
         synchronize(device_of(handle))  # reads queued on that GPU have finished before we say so
@@ -348,8 +314,7 @@ def ack(handle: Handle) -> bool:
 # ---- Where am I, and is the export still there? --------------------------------------------------
 @functools.cache
 def host_id() -> str:
-    """This machine's identity for IPC purposes (the kernel boot id; shared by containers on one
-    host)."""
+    """This machine's identity for IPC: the kernel's boot id (shared by containers on one host)."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         return f.read().strip()
 
@@ -365,8 +330,7 @@ def device_of(handle: Handle) -> torch.device:
 
 
 def check_handle(handle: Handle) -> None:
-    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released
-    (microseconds)."""
+    """Raise IpcError unless ``handle`` is live: same host, exporter alive, not released (fast)."""
     if not isinstance(handle, Handle):
         raise IpcError("expected an ipc.Handle (from an ipc.Exporter, with its guard), found "
                        f"{type(handle).__name__}")
@@ -374,7 +338,7 @@ def check_handle(handle: Handle) -> None:
         raise IpcError("this handle was exported on another machine (boot id "
                        f"{handle.host[:8]}..., here {host_id()[:8]}...): IPC works on one host; "
                        "across machines use labsupport.broadcast.")
-    serial = _serial(handle)
+    serial = shm.guard_serial(handle.guard, handle.slot)
     if serial < 0:
         raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its "
                        "memory is gone (or this process runs in another container, with its own "
@@ -384,11 +348,3 @@ def check_handle(handle: Handle) -> None:
                        "released by its exporter; its memory may already hold other data. Rebuild "
                        "from the current export's handle.")
 
-
-def _serial(handle: Handle) -> int:
-    """The serial in the handle's guard slot now: 0 once released, -1 once its exporter has closed
-    or died."""
-    try:
-        return shm.guard_serial(handle.guard, handle.slot)
-    except (FileNotFoundError, ProcessLookupError):
-        return -1

@@ -4,23 +4,21 @@ needs (Lab 2).
 ``MemoryTimeline`` is a ``core.timeline.Timeline`` (the same roles, phases and samples) that adds,
 each against a way the core misreads memory:
 
-- a background thread reading the allocator between phase edges (GPU), and ``sample()`` marks inside
-  a phase: a peak inside a phase that two edge samples miss;
-- the allocator's counters and each phase's peak, and "other" (allocated bytes no role explains):
+- a background thread reading the allocator between phase edges (GPU), and ``sample()`` marks
+  inside a phase: a peak that two edge samples miss;
+- the allocator's counters, each phase's peak, and "other" (allocated bytes no role explains):
   logits and temporaries that no registered tensor shows;
-- each storage counted once, under the first role in ``ROLES`` that holds it: a tensor counted
-  twice;
-- weak references to registered tensors, and ``forget_sources``: a timeline that keeps a freed KV
-  cache alive;
+- each storage counted once, under its first role in ``ROLES``: a tensor counted twice;
+- weak references to registered tensors, ``forget_sources``: a timeline keeping a freed KV cache
+  alive;
 - activations through autograd's saved-tensor hooks (``track_activations``): training's largest
   transient uncounted;
-- registered bytes in host memory, and ``move_optimizer_state``: offloaded state vanishing instead
-  of moving;
+- registered bytes in host memory, ``move_optimizer_state``: offloaded state vanishing, not moving;
 - phases that must not overlap, a checked ``register``, PyTorch's memory history: double-counted
   phases, a typo that counts nothing, no allocation-level view.
 
-The thread reads the allocator only: reading ``p.grad`` or a storage while autograd frees it crashes
-the process, so roles are counted on the step's own thread. ``labsupport.experiments.memory_report``
+The thread reads only the allocator (reading ``p.grad`` or a storage while autograd frees it
+crashes the process): roles are counted on the step's own thread. ``experiments.memory_report``
 reads a timeline (peaks, plots).
 """
 from __future__ import annotations
@@ -42,8 +40,7 @@ ROLES = ("weights", "gradients", "optimizer", "kv_cache", "activations", "other"
 
 
 def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
-    """A getter that lists the tensors of obj now (so later changes, e.g. a freed cache, show
-    up)."""
+    """A getter that lists obj's tensors at each call (so later changes, a freed cache, show up)."""
     if isinstance(obj, torch.nn.Module):
         if role == "gradients":
             return lambda: [p.grad for p in obj.parameters() if p.grad is not None]
@@ -69,13 +66,10 @@ class MemoryTimeline(timeline.Timeline):
     def __init__(self, device: str | torch.device, *, name: str = "",
                  interval_s: float = 0.01) -> None:
         super().__init__(device)
-        # interval_s: the background thread's allocator reads
-        self.name, self.interval_s = name, interval_s
-        self.capacity = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.gpu else None
-        )
-        # (role, name, tensor getter), as registered
-        self.sources: list[tuple[str, str, Callable]] = []
+        self.name, self.interval_s = name, interval_s  # interval_s: between the thread's reads
+        props = torch.cuda.get_device_properties(self.device) if self.gpu else None
+        self.capacity = props.total_memory if props else None  # bytes
+        self.sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter)
         self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
         self._lock = threading.Lock()  # guards samples and _act_refs
         self._current: str | None = None  # the phase running now
@@ -85,9 +79,8 @@ class MemoryTimeline(timeline.Timeline):
 
     # ------------------------------------------------------------ what is counted
     def register(self, role: str, obj: Any, name: str | None = None) -> None:
-        """Count obj's tensors under role: a Module (parameters and buffers; for "gradients" their
-        .grad), an Optimizer (its state), a Tensor, or a list/dict/callable of tensors (read at
-        every sample)."""
+        """Count obj's tensors under role (read at every sample): a Module (parameters and buffers;
+        for "gradients" their .grad), an Optimizer (its state), a Tensor, a list/dict/callable."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: expected one of {ROLES}")
         self.sources.append((role, name or type(obj).__name__, _tensors_of(role, obj)))
@@ -95,20 +88,17 @@ class MemoryTimeline(timeline.Timeline):
 
     def unregister(self, name: str) -> None:
         """Stop counting the source registered under this name."""
-        if name not in [n for _, n, _ in self.sources]:
-            raise KeyError(f"no source named {name!r}; registered: "
-                           f"{[n for _, n, _ in self.sources]}")
+        if name not in (names := [n for _, n, _ in self.sources]):
+            raise KeyError(f"no source named {name!r}; registered: {names}")
         self.sources = [s for s in self.sources if s[1] != name]
 
     def forget_sources(self) -> None:
-        """Drop the registered objects (keeping what was recorded): a finished timeline keeps
-        nothing alive."""
+        """Drop the registered objects (the records stay): a finished timeline keeps none alive."""
         self.sources = [(role, name, lambda: []) for role, name, _ in self.sources]
 
     @contextlib.contextmanager
     def track_activations(self) -> Iterator[None]:
-        """Count tensors that autograd saves for backward (role "activations") while they are
-        alive."""
+        """Count the tensors autograd saves for backward (role "activations") while they live."""
         def pack(t: torch.Tensor) -> torch.Tensor:
             with self._lock:
                 self._act_refs.append(weakref.ref(t))
@@ -119,25 +109,23 @@ class MemoryTimeline(timeline.Timeline):
 
     def _live_activations(self) -> list[torch.Tensor]:
         with self._lock:
-            self._act_refs = [r for r in self._act_refs if r() is not None]
-            refs = list(self._act_refs)
-        return [t for r in refs if (t := r()) is not None]
+            live = [t for r in self._act_refs if (t := r()) is not None]
+            self._act_refs = [weakref.ref(t) for t in live]
+        return live
 
     def role_bytes(self) -> tuple[dict[str, int], int]:
-        """Bytes per role on this device, and registered bytes sitting in host memory (offloaded).
-        Each storage counts once, under the first role in ROLES order that holds it (a weight saved
-        for backward stays a weight)."""
+        """Bytes per role on this device, and registered bytes in host memory (offloaded). Each
+        storage counts once, under its first role in ROLES (a weight saved for backward too)."""
         out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
         for role in ROLES:
-            for t in self.roles[role]() if role in self.roles else []:
+            for t in self.roles.get(role, list)():
                 if not isinstance(t, torch.Tensor):
                     continue
                 st = t.untyped_storage()
-                key = (t.device.type, t.device.index, st.data_ptr())
                 # no memory behind it (empty, meta), or counted already
-                if st.data_ptr() == 0 or key in seen:
+                if st.data_ptr() == 0 or (t.device, st.data_ptr()) in seen:
                     continue
-                seen.add(key)
+                seen.add((t.device, st.data_ptr()))
                 if t.device == self.device:
                     out[role] += st.nbytes()
                 elif t.device.type == "cpu":
@@ -151,20 +139,17 @@ class MemoryTimeline(timeline.Timeline):
         return self._sample(self._current, event, roles)
 
     def _sample(self, phase: str | None, event: str, roles: bool = True) -> dict[str, Any]:
-        """The core's sample plus the allocator's counters (GPU), each storage once, host bytes and
-        "other"."""
+        """The core's sample plus the allocator's counters (GPU), host bytes and "other"."""
         if self.gpu and event in ("begin", "end"):
             torch.cuda.synchronize(self.device)  # a phase's edges include the work queued inside it
         t_start = time.perf_counter()
         s: dict[str, Any] = {"t": t_start - self._t0, "phase": phase, "event": event}
-        # one call to the allocator's stats (memory_allocated() & co. each flatten all of them)
-        if self.gpu:
+        if self.gpu:  # one call to the allocator (memory_allocated() & co. each flatten all stats)
             st = torch.cuda.memory_stats_as_nested_dict(self.device)
-            s["allocated"] = st["allocated_bytes"]["all"]["current"]
-            s["reserved"] = st["reserved_bytes"]["all"]["current"]
-            # since the phase began (phase() resets it)
-            s["peak"] = st["allocated_bytes"]["all"]["peak"]
-            s["peak_reserved"] = st["reserved_bytes"]["all"]["peak"]
+            a, r = (st[f"{k}_bytes"]["all"] for k in ("allocated", "reserved"))
+            # peaks: since the phase began (phase() resets them)
+            s.update(allocated=a["current"], reserved=r["current"], peak=a["peak"],
+                     peak_reserved=r["peak"])
         if roles:
             r, host = self.role_bytes()
             if self.gpu:  # what the allocator holds that no registered tensor explains
@@ -177,13 +162,10 @@ class MemoryTimeline(timeline.Timeline):
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """The core's phase, refusing to overlap another; on a GPU the allocator's peak restarts at
-        its start."""
+        """The core's phase, refusing to overlap another; on a GPU the allocator's peak restarts."""
         if self._current is not None:
-            raise RuntimeError(
-                f"phase {name!r} started inside phase {self._current!r}; "
-                "phases must not overlap: end the first one before starting the next"
-            )
+            raise RuntimeError(f"phase {name!r} started inside phase {self._current!r}; phases "
+                               "must not overlap: end the first one before starting the next")
         if self.gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -196,8 +178,7 @@ class MemoryTimeline(timeline.Timeline):
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            # the allocator's counters only: never touch the step's tensors here
-            self.sample("tick", roles=False)
+            self.sample("tick", roles=False)  # the allocator only: never the step's tensors
             self._ticks += 1
 
     def start(self) -> None:
@@ -225,7 +206,7 @@ class MemoryTimeline(timeline.Timeline):
         return self._thread is not None and self._thread.is_alive()
 
     @contextlib.contextmanager
-    def sampling(self) -> Iterator["MemoryTimeline"]:
+    def sampling(self) -> Iterator[MemoryTimeline]:
         """Run the background sampler for the duration of the block."""
         self.start()
         try:
@@ -235,8 +216,7 @@ class MemoryTimeline(timeline.Timeline):
 
     # ------------------------------------------------------------ PyTorch memory history
     def start_history(self) -> None:
-        """Start PyTorch's allocator history (every alloc/free with a Python stack) for
-        memory_viz."""
+        """Start PyTorch's allocator history for memory_viz (each alloc/free, Python stacks)."""
         if not self.gpu:
             raise RuntimeError("PyTorch's memory history records the CUDA caching allocator; "
                                "it needs a GPU (this timeline is on CPU). Skip it on the CPU path.")
@@ -245,8 +225,7 @@ class MemoryTimeline(timeline.Timeline):
         self._history = True
 
     def save_snapshot(self, path: str | Path) -> Path:
-        """Write the history as a pickle that https://pytorch.org/memory_viz opens (drag and drop),
-        and stop it."""
+        """Stop the history and write it as a pickle that https://pytorch.org/memory_viz opens."""
         if not self._history:
             raise RuntimeError("no memory history is being recorded; call start_history() before "
                                "the step")
@@ -258,9 +237,8 @@ class MemoryTimeline(timeline.Timeline):
         return path
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything recorded, as plain JSON-able data (what plots and save_result take); "phases"
-        holds each finished phase's times and, on a GPU, its allocator peaks (from its end
-        sample)."""
+        """Everything recorded, as JSON-able data (what plots and save_result take); "phases": each
+        finished phase's times and, on a GPU, its allocator peaks (from its end sample)."""
         with self._lock:
             samples = [dict(s) for s in self.samples]
         phases, begin = [], None
@@ -271,13 +249,13 @@ class MemoryTimeline(timeline.Timeline):
                 phases.append({"name": s["phase"], "start": begin["t"], "end": s["t"],
                                "peak_allocated": s.get("peak"),
                                "peak_reserved": s.get("peak_reserved")})
+        busy = self._sample_s
         return {"name": self.name, "device": str(self.device), "gpu": self.gpu,
                 "capacity_bytes": self.capacity, "roles": list(ROLES),
                 "sources": [{"role": r, "name": n} for r, n, _ in self.sources],
                 "interval_s": self.interval_s, "phases": phases, "samples": samples,
-                "sampler": {"ticks": self._ticks, "busy_s": round(self._sample_s, 6),
-                            "mean_sample_ms": round(1e3 * self._sample_s / max(1, len(samples)),
-                                                    4)}}
+                "sampler": {"ticks": self._ticks, "busy_s": round(busy, 6),
+                            "mean_sample_ms": round(1e3 * busy / max(1, len(samples)), 4)}}
 
 
 # ---------------------------------------------------------------- moving state off the GPU
@@ -289,19 +267,16 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device)
         for k, v in st.items():
             if not isinstance(v, torch.Tensor) or v.dim() == 0:  # (Adam's step counter)
                 continue
-            # there already ("cuda": any GPU)
             if v.device.type == dev.type and dev.index in (None, v.device.index):
-                continue
+                continue  # there already ("cuda": any GPU)
             if dev.type == "cpu":  # v is on a GPU
-                st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v,
-                                                                                   non_blocking=True)
+                st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                st[k].copy_(v, non_blocking=True)
             else:
                 st[k] = v.to(dev, non_blocking=True)
-            # each copy is queued on the source or the destination GPU
-            devices |= {v.device, st[k].device}
+            devices |= {v.device, st[k].device}  # each copy is queued on the source or destination
             moved += v.nbytes
     # wait for those GPUs, not the current one (a state on cuda:1 moved while cuda:0 is current)
     for d in devices:
         _sync(d)
     return moved
-

@@ -1,15 +1,14 @@
 """Files in ``/dev/shm`` that processes on one host share: the operating-system plumbing of
 ``labsupport.ipc``.
 
-An exporter makes two kinds of file in ``core.handoff.SHM_DIR``, both named
-``labsupport-ipc-<pid>-<random>...``: *segments* (``...-<n>.shm``, made by ``core.handoff.export``),
-tensor bytes that every process maps with ``MAP_SHARED`` (the CPU stand-in for GPU memory shared
-over CUDA IPC), and one *guard* (``....guard``): an int64 serial per export slot (0 = released) and
-an exclusive advisory lock that the exporter holds and the kernel drops when it dies. Reading a slot
-and probing the lock tell a receiver, in microseconds, whether an export is still live (the first to
-find its exporter dead removes its files). A receiver that has finished with an export leaves an
-empty *ack* file (``...-<serial>-<pid>.ack``), which the exporter counts before it releases (CUDA
-handles too).
+An exporter makes, in ``core.handoff.SHM_DIR`` and named ``labsupport-ipc-<pid>-<random>...``:
+*segments* (``...-<n>.shm``, by ``core.handoff.export``), tensor bytes that every process maps
+shared (the CPU stand-in for GPU memory shared over CUDA IPC), and one *guard* (``....guard``): an
+int64 serial per export slot (0 = released) and an exclusive lock that the exporter holds and the
+kernel drops when it dies. Reading a slot and probing the lock tell a receiver in microseconds
+whether an export is live (the first to find its exporter dead removes its files). A receiver done
+with an export leaves an empty *ack* file (``...-<serial>-<pid>.ack``), which the exporter counts
+before it releases (CUDA handles too).
 """
 
 from __future__ import annotations
@@ -56,30 +55,33 @@ class GuardFile:
         self.free.append(slot)
 
     def close(self) -> None:
-        """Mark every slot released (for receivers with a cached mapping) and remove the file. Call
-        once."""
+        """Mark every slot released (for receivers' cached mappings), remove the guard and the
+        exporter's other files (segments, acks). Call once."""
         self.mm[:] = bytes(len(self.mm))
         self.mm.close()
         unlink(self.path)
         os.close(self.fd)
+        for path in files(self.path):
+            unlink(path)
 
 
-# receiver side: guard path -> (fd, read-only mapping)
+# receiver side: guard path -> (fd, read-only mapping); the lock: no thread closes an fd in use
 _GUARDS: dict[str, tuple[int, mmap.mmap]] = {}
-# held while a cached fd is used: no other thread closes it meanwhile
 _GUARDS_LOCK = threading.Lock()
 
 
 def guard_serial(path: str, slot: int) -> int:
-    """The serial in ``slot`` of guard ``path`` (0: released), through a cached mapping.
-    FileNotFoundError: the guard is gone (exporter closed, or another /dev/shm); ProcessLookupError:
-    its exporter died."""
+    """The serial in ``slot`` of guard ``path`` now, through a cached mapping: 0 once released, -1
+    once the guard is gone (exporter closed, or another /dev/shm) or its exporter died."""
     with _GUARDS_LOCK:
         if path not in _GUARDS:
             for gone in [p for p, (fd, _) in _GUARDS.items() if _unlocked(fd)]:
                 # else a receiver fed a new Exporter per update keeps one guard (2 fds) per exporter
                 _forget(gone)
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return -1
             try:
                 _GUARDS[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
             except BaseException:
@@ -89,14 +91,12 @@ def guard_serial(path: str, slot: int) -> int:
         if not _unlocked(fd):
             return struct.unpack_from("q", mm, 8 * slot)[0]
         _forget(path)
-    # a dead exporter's files go now, not at some later Exporter's sweep
-    sweep_stale(0.0, only=path)
-    raise ProcessLookupError(f"the exporter of guard {path} has exited")
+    sweep_stale(0.0, only=path)  # a dead exporter's files go now, not at a later Exporter's sweep
+    return -1
 
 
 def _unlocked(fd: int) -> bool:
-    """Whether the guard's exporter has let go of its exclusive lock (it exited or closed): we get a
-    shared one."""
+    """Whether the guard's exporter has let go of its lock (exited, closed): we get a shared one."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -113,29 +113,26 @@ def _forget(path: str) -> None:
 
 
 def write_ack(guard_path: str, serial: int) -> None:
-    """Receiver side: say that this process has finished with export ``serial`` (one file per
-    process, so a second ack from the same process changes nothing, and no lock is needed)."""
+    """Receiver side: this process has finished with export ``serial`` (one file per process, so a
+    second ack from it changes nothing, and no lock is needed)."""
     path = f"{guard_path.removesuffix('.guard')}-{serial}-{os.getpid()}.ack"
     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
 def acks(guard_path: str, serial: int | str = "*") -> list[str]:
-    """The ack files of export ``serial`` of this guard's exporter (all of its exports with
-    ``"*"``)."""
+    """The ack files of export ``serial`` of this guard's exporter (``"*"``: of all its exports)."""
     return glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-{serial}-*.ack")
 
 
 def files(guard_path: str) -> list[str]:
-    """The segments and ack files of the exporter that holds this guard (the guard itself not
-    included)."""
-    return [*glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-*.shm"),
-            *acks(guard_path)]
+    """The segments and ack files of the exporter that holds this guard (not the guard itself)."""
+    segments = glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-*.shm")
+    return [*segments, *acks(guard_path)]
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
-    """Remove the files of exporters that died without cleaning up (their lock is free), with a dead
-    process's torch and CUDA IPC files; returns their names. Guards younger than ``min_age_s`` are
-    spared (locked just after made)."""
+    """Remove the files of exporters that died (lock free), and a dead process's torch and CUDA IPC
+    files; returns their names. Guards younger than ``min_age_s`` are spared (still being made)."""
     removed, now = [], time.time()
     for path in [only] if only else glob.glob(os.path.join(handoff.SHM_DIR, f"{PREFIX}*.guard")):
         try:
@@ -151,10 +148,9 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
         finally:
             os.close(fd)
         pid = int(os.path.basename(path).removeprefix(PREFIX).split("-")[0])
-        theirs = [] if os.path.exists(f"/proc/{pid}") else [f"torch_{pid}_*",
-                                                            f"cuda.shm.*.{pid:x}.*"]
-        for stale in [path, *files(path), *(f for pat in theirs
-                                            for f in glob.glob(f"{handoff.SHM_DIR}/{pat}"))]:
+        dead = [] if os.path.exists(f"/proc/{pid}") else [f"torch_{pid}_*", f"cuda.shm.*.{pid:x}.*"]
+        theirs = [f for pattern in dead for f in glob.glob(f"{handoff.SHM_DIR}/{pattern}")]
+        for stale in [path, *files(path), *theirs]:
             unlink(stale)
             removed.append(os.path.basename(stale))
     return removed

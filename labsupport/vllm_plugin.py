@@ -1,21 +1,17 @@
 """vLLM's native weight-transfer API from the trainer's side, and a gloo backend for it, so that
 code written against ``WeightTransferConfig`` runs without CUDA (Lab 4).
 
-:func:`native_trainer` is the trainer's end on either vLLM the course runs (0.32's ``trainer_init``;
-0.26 has only static helpers, which :class:`NcclTrainer026` wraps). ``register_plugin`` adds
-``"labsupport_gloo"`` to both of vLLM's factories: engines built like vLLM's NCCL one, over
-``labsupport.broadcast``. Importing this module registers nothing: vLLM calls ``register_plugin`` in
-each of its processes through the package's ``vllm.general_plugins`` entry point (``pip install -e
-.``), and ``native_trainer`` calls it on the trainer.
-
-Two differences from vLLM's NCCL engine, on purpose: the update is checked and staged first
-(``labsupport.vllm_weights``) and loaded in ``finish_weight_update`` (vLLM's moves the model to the
-meta device before the transfer, so a failed transfer leaves it unusable); and a failed update does
-not raise on the workers (0.32 mis-orders replies after a worker error, see
-``vllm_weights.worker_rpc``): every rank votes, the trainer's ``send_weights`` raises the reason,
-nothing loads. After a timeout the group is aborted on every rank: the next ``send_weights`` says to
-create a new trainer. Every engine call of a round has a deadline (``EngineTimeout``; the engine is
-then refused, ``vllm_ext.EngineUnusable``), and so does the 0.26 trainer's NCCL set-up and send.
+:func:`native_trainer` is the trainer's end on vLLM 0.32 (``trainer_init``) or 0.26
+(:class:`NcclTrainer026`). ``register_plugin`` (vLLM calls it in each process through the
+``vllm.general_plugins`` entry point; importing registers nothing) adds ``"labsupport_gloo"``:
+engines shaped like vLLM's NCCL one, over ``labsupport.broadcast``, but an update is checked,
+staged and loaded in ``finish_weight_update`` (vLLM's moves the model to the meta device first: a
+failed transfer leaves it unusable), and a failed one does not raise on the workers (0.32
+mis-orders replies after a worker error, see ``vllm_weights.worker_rpc``): every rank votes, the
+trainer's ``send_weights`` raises the reason, nothing loads. A timeout aborts the group on every
+rank (the next ``send_weights`` says to create a new trainer). Every engine call of a round has a
+deadline (``EngineTimeout``, then ``vllm_ext.EngineUnusable``), as do the 0.26 trainer's NCCL
+set-up and send.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from vllm.distributed.weight_transfer import base as vllm_wt
 
 from labsupport import broadcast, groups, vllm_ext
 from labsupport.broadcast import SyncTimeout, WeightSyncError
-from labsupport.core.buckets import dtype_name, metas
+from labsupport.core.buckets import dtype_name
 from labsupport.course import versions
 from labsupport.vllm_weights import EngineWeights, UpdateGroup, worker_rank
 
@@ -46,19 +42,16 @@ logger = logging.getLogger(__name__)
 @dataclass
 class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     """Worker-side init info (the trainer engine fills it in; the fields of vLLM's NCCL one)."""
-
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
-    # any wait for the trainer; then SyncTimeout and the group is aborted
-    timeout_s: float = TIMEOUT_S
+    timeout_s: float = TIMEOUT_S  # any wait for the trainer; then SyncTimeout, the group aborted
 
 
 @dataclass
 class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
     """Per-round metadata (as vLLM's NCCL engine takes it), checked before any byte is received."""
-
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
@@ -72,8 +65,7 @@ class GlooWeightTransferUpdateInfo(vllm_wt.WeightTransferUpdateInfo):
 class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferInitInfo,
                                                              GlooWeightTransferUpdateInfo],
                                UpdateGroup):
-    """Worker side: join the trainer's group, receive each update into staging, load it in
-    ``finish``."""
+    """Worker side: join the trainer's group, stage each update, load it in ``finish``."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -82,8 +74,7 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
-        # Built now, not at engine start-up: a model this engine cannot check fails here, before any
-        # send.
+        # built now, not at engine start-up: a model this engine cannot check fails before any send
         self.weights = EngineWeights(self.model, self.vllm_config, torch.device("cpu"))
         self.join_group(init_info.master_address, init_info.master_port,
                         worker_rank(self.vllm_config, init_info.rank_offset), init_info.world_size,
@@ -94,13 +85,12 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         self.weights.pending.clear()  # nothing touches the model until finish_weight_update
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
+        # the base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         ew = self.weights
-        # aborted by a timeout: the trainer's send_weights raises, nothing to receive
-        if self.group.closed:
+        if self.group.closed:  # aborted by a timeout: the trainer's send_weights raises
             logger.error("weight update skipped: the group was aborted after a timeout; re-create "
                          "it (init_weight_transfer_engine, i.e. a new trainer engine)")
             return
@@ -108,17 +98,13 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
         load = ew.loader(update_info.names, update_info.dtype_names, update_info.shapes)
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
-        # not raised (module docstring): the trainer's send raises it
-        except WeightSyncError as exc:
-            # a peer stopped answering: the group is aborted for good
-            lost = isinstance(exc, SyncTimeout)
+        except WeightSyncError as exc:  # not raised (module docstring): the trainer's send raises
+            lost = isinstance(exc, SyncTimeout)  # a peer stopped answering: the group is aborted
             logger.log(logging.ERROR if lost else logging.WARNING, "weight update %s, model "
-                                                                   "unchanged: %s",
-                       "timed out (group aborted)" if lost else "refused", exc)
+                       "unchanged: %s", "timed out (group aborted)" if lost else "refused", exc)
             ew.pending.clear()  # so finish_weight_update loads nothing
 
-    # (after start_weight_update, which needs init: weights exist)
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self) -> None:  # (after start_weight_update: weights exist)
         if self.weights.pending:
             with self.weights.all_or_nothing():  # a layer that fails puts every loaded one back
                 self.weights.flush(only_complete=False)
@@ -130,19 +116,15 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
 @dataclass
 class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     """Trainer-side init info for ``labsupport_gloo`` (like vLLM's ``NCCLTrainerInitInfo``)."""
-
     backend: ClassVar[str] = GLOO_BACKEND
-
     master_address: str
     master_port: int
     world_size: int
     timeout_s: float = TIMEOUT_S  # (both ends of the group)
 
 
-# (0.26's: 2 types)
 class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, UpdateGroup):
-    """Trainer side, rank 0: ``send_weights()`` runs one update round through ``client``, replaying
-    ``source``."""
+    """Trainer side, rank 0: ``send_weights()`` sends ``source`` in one round through ``client``."""
 
     init_info_cls = GlooTrainerInitInfo
     version = 0  # of the last update sent
@@ -156,15 +138,15 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
-        worker_info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
-                                                 init_info.world_size, init_info.timeout_s)
-        join = lambda: engine.join_group(init_info.master_address, init_info.master_port,
-                                         0,  # noqa: E731
-                                         init_info.world_size, device="cpu",
-                                         timeout_s=init_info.timeout_s)
+        info = init_info
+        worker_info = GlooWeightTransferInitInfo(info.master_address, info.master_port, 1,
+                                                 info.world_size, info.timeout_s)
         try:  # the workers wait for rank 0 (us) in their init
             vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)),
-                               join, init_info.timeout_s + REPLY_S)
+                               lambda: engine.join_group(info.master_address, info.master_port, 0,
+                                                         info.world_size, device="cpu",
+                                                         timeout_s=info.timeout_s),
+                               info.timeout_s + REPLY_S)
         except BaseException:
             engine.leave_group()  # (the workers never confirmed: leave nothing behind)
             raise
@@ -174,30 +156,30 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         pairs = list(self.source)  # materialises FSDP shards on every rank (a collective)
         if not self.is_sender:
             return
-        # a timeout aborted it (on the engine's workers too)
-        if self.group is None or self.group.closed:
+        if self.group is None or self.group.closed:  # a timeout aborted it (on the workers too)
             raise groups.GroupError("the weight-transfer group is gone (aborted after a timeout in "
                                     f"update v{self.version}, or shut down); nothing was sent. "
                                     "Create a new trainer engine (vllm_plugin.native_trainer / "
                                     "trainer_init): the engine joins a new group.")
         pairs = [(n, t.detach().to("cpu")) for n, t in pairs]
-        meta = metas(pairs)
-        update_info = GlooWeightTransferUpdateInfo([m.name for m in meta], [m.dtype for m in meta],
-                                                   [list(m.shape) for m in meta])
         self.version += 1
-        # a refusal raises (all voted)
-        _session(self.client, asdict(update_info), self.group.timeout_s + REPLY_S,
+        _session(self.client, _announced(pairs), self.group.timeout_s + REPLY_S,  # refusals raise
                  lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed",
                                         bucket_bytes=BUCKET_BYTES, version=self.version))
 
     shutdown = UpdateGroup.leave_group
 
 
+def _announced(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """What a round announces to the workers: names, dtypes and shapes (update_info's fields)."""
+    return {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs]}
+
+
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
-    """One update round: start; ``update_weights`` on the workers alongside ``send`` here; finish,
-    whatever happened (a refused round loads nothing). An error is the trainer's own, with the
-    workers' and finish's attached. Start and finish missing ``timeout`` raise ``EngineTimeout`` and
-    mark the engine (``client.llm``) unusable."""
+    """One round: start; ``update_weights`` on the workers alongside ``send`` here; finish, whatever
+    happened (a refused round loads nothing). An error is the trainer's, the workers' and finish's
+    attached. Start or finish past ``timeout``: ``EngineTimeout``, the engine marked unusable."""
     engine = getattr(client, "llm", client)
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
@@ -214,32 +196,26 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
 
 # ---- Registration --------------------------------------------------------------------------------
 def register_plugin() -> None:
-    """Register ``labsupport_gloo`` with both of vLLM's factories (which record the module path
-    only); the ``vllm.general_plugins`` entry point. Idempotent: vLLM may call it more than once per
-    process, and so may we."""
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    """The ``vllm.general_plugins`` entry point: ``labsupport_gloo`` into both of vLLM's factories
+    (by module path). Idempotent: vLLM may call it more than once per process, and so may we."""
+    from vllm.distributed.weight_transfer import factory as f
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+    for factory, cls in ((f.WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+                         (f.WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
         if GLOO_BACKEND not in factory._registry:  # (any other refusal raises)
             factory.register_engine(GLOO_BACKEND, __name__, cls)
 
 
 # ---- The trainer's end, on either vLLM -----------------------------------------------------------
 def native_backend(device: str | torch.device) -> str:
-    """The native weight-transfer backend for a trainer on ``device``: vLLM's ``"nccl"`` or our gloo
-    one."""
+    """The native backend for a trainer on ``device``: vLLM's ``"nccl"``, or our gloo one."""
     return "nccl" if torch.device(device).type == "cuda" else GLOO_BACKEND
 
 
 def native_trainer(device: str | torch.device, master_address: str, master_port: int,
                    world_size: int, *, client: Any, source: Any) -> Any:
-    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``): vLLM
-    0.32's ``WeightTransferTrainerFactory.trainer_init``, or on vLLM 0.26 (no trainer-side engine)
-    :class:`NcclTrainer026`."""
+    """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``):
+    0.32's ``WeightTransferTrainerFactory.trainer_init``, or on 0.26 :class:`NcclTrainer026`."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
@@ -248,8 +224,7 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
     if native_backend(device) == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
     else:
-        # the trainer's factory must know the backend (the engine's: the entry point)
-        register_plugin()
+        register_plugin()  # the trainer's factory must know it (the engine's: the entry point)
         InitInfo = GlooTrainerInitInfo
     info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
@@ -275,22 +250,14 @@ class LLMWeightSyncClient:
 
 
 class NcclTrainer026:
-    """vLLM 0.26's trainer side of the ``"nccl"`` backend in 0.32's shape, from the static helpers
-    on its ``NCCLWeightTransferEngine``: workers join as ranks 1.., the trainer as 0; each round
-    announces names, dtypes and shapes with ``update_weights`` while the trainer broadcasts. vLLM's
-    NCCL calls wait on this process's thread without a deadline: here they run on a thread, within
-    ``timeout``."""
+    """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, over ``NCCLWeightTransferEngine``'s
+    static helpers (workers are ranks 1..; a round announces names, dtypes, shapes while the trainer
+    broadcasts). Its NCCL calls, without deadlines in vLLM, run on a thread within ``timeout``."""
 
     def __init__(self, group: Any, packed: bool, client: Any, source: Any,
-                 timeout: float = vllm_ext.TIMEOUT_S
-                 ) -> None:
-        self.group, self.packed, self.client, self.source, self.timeout = (
-            group,
-            packed,
-            client,
-            source,
-            timeout,
-        )
+                 timeout: float = vllm_ext.TIMEOUT_S) -> None:
+        self.group, self.packed, self.client, self.source = group, packed, client, source
+        self.timeout = timeout
 
     @classmethod
     def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool,
@@ -300,16 +267,10 @@ class NcclTrainer026:
 
         info = {"master_address": master_address, "master_port": master_port,
                 "world_size": world_size}
-        group, _ = vllm_ext.alongside(
+        group, _ = vllm_ext.alongside(  # the workers wait for rank 0
             lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
-            lambda: vllm_ext.within(
-                lambda: Nccl.trainer_init(info),
-                timeout,
-                # workers wait for rank 0
-                "NCCL trainer_init",
-            ),
-            timeout,
-        )
+            lambda: vllm_ext.within(lambda: Nccl.trainer_init(info), timeout, "NCCL trainer_init"),
+            timeout)
         return cls(group, packed, client, source, timeout)
 
     def send_weights(self) -> None:
@@ -320,20 +281,18 @@ class NcclTrainer026:
                                     "after a timeout); nothing was sent. Create a new trainer "
                                     "engine (vllm_plugin.native_trainer).")
         pairs = [(n, t.detach()) for n, t in self.source]
-        update_info = {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _,
-                                                                       t in pairs],
-                       "shapes": [list(t.shape) for _, t in pairs], "packed": self.packed}
         args = {"group": self.group, "packed": self.packed}
-        send = lambda: (Nccl.trainer_send_weights(iter(pairs), args),
-                        torch.cuda.current_stream().synchronize())  # noqa
+
+        def send() -> None:
+            Nccl.trainer_send_weights(iter(pairs), args)
+            torch.cuda.current_stream().synchronize()
+
         try:
-            _session(self.client, update_info, self.timeout, lambda: vllm_ext.within(send,
-                                                                                     self.timeout,
-                                                                                     "NCCL send"))
-        # the engine is refused; its workers may wait in a broadcast: abort ours
+            _session(self.client, {**_announced(pairs), "packed": self.packed}, self.timeout,
+                     lambda: vllm_ext.within(send, self.timeout, "NCCL send"))
         except vllm_ext.EngineTimeout as exc:
             vllm_ext.mark_unusable(getattr(self.client, "llm", self.client), str(exc))
-            self.shutdown()
+            self.shutdown()  # its workers may wait in a broadcast: abort ours
             raise
 
     # (an abort, bounded; 0.26's workers keep theirs: versions.shutdown_transfer)
