@@ -1,11 +1,10 @@
-"""Resharding from a trainer's FSDP shards to an inference engine's tensor-parallel layout (Chapter
-7, Lab 7): the arithmetic, checked before anything moves.
-
-:func:`qwen2_layout` says where every box of every checkpoint tensor lands in a TP engine's fused
-parameters (``qkv_proj``, ``gate_up_proj``; row- and column-parallel splits; the vocabulary padded
-to a multiple of 64); :func:`make_plan` cuts those pieces by the rows each FSDP rank owns, refused
-with :class:`PlanError` unless every engine element is written exactly once; :func:`vote` refuses,
-on every rank, a plan that does not match what some rank holds. ``vllm_reshard`` moves the bytes.
+"""Resharding from FSDP shards to a tensor-parallel engine (Chapter 7, Lab 7): the arithmetic,
+checked before anything moves (``vllm_reshard`` moves the bytes). :func:`qwen2_layout` says where
+every box of every checkpoint tensor lands in a TP engine's fused parameters (``qkv_proj``,
+``gate_up_proj``; row- and column-parallel splits; the vocabulary padded to a multiple of 64);
+:func:`make_plan` cuts those pieces by the rows each FSDP rank owns, refused with
+:class:`PlanError` unless every engine element is written exactly once; :func:`vote` refuses, on
+every rank, a plan that does not match what some rank holds.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ def _rows(shape: Sequence[int], a: int, b: int) -> Box:
 
 
 def _block_rows(blocks: int, size: int, tp: int, t: int) -> tuple[int, int]:
-    """Rows ``[a, b)`` that TP rank ``t`` takes of ``blocks`` blocks of ``size`` rows (heads, or
-    single rows); fewer blocks than ranks (KV heads): ``tp / blocks`` ranks share each block."""
+    """Rows ``[a, b)`` that TP rank ``t`` takes of ``blocks`` blocks (heads, rows) of ``size`` rows;
+    fewer blocks than ranks (KV heads): ``tp / blocks`` ranks share each block."""
     if blocks >= tp:
         return t * blocks // tp * size, (t + 1) * blocks // tp * size
     first = t // (tp // blocks) * size
@@ -202,15 +201,6 @@ def _fmt(box: Box) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
-def _fits(p: Piece, layout: Layout) -> bool:
-    """``p``'s boxes lie inside their tensors and have the same extents (``src=None``: not
-    checked here)."""
-    if not _inside(p.dst, layout.engine[(p.rank, p.param)]):
-        return False
-    return p.src is None or (_inside(p.src, layout.checkpoint.get(p.name, ()))
-                             and [b - a for a, b in p.src] == [b - a for a, b in p.dst])
-
-
 def check_layout(layout: Layout) -> None:
     """Raise ``PlanError`` listing every engine parameter not written exactly once (and every bad
     box)."""
@@ -222,7 +212,9 @@ def check_layout(layout: Layout) -> None:
             probs.append(f"{p.name} -> '{p.param}' on TP rank {p.rank}: the engine has no such "
                          "parameter")
             continue
-        if not _fits(p, layout):
+        src_fits = p.src is None or (_inside(p.src, layout.checkpoint.get(p.name, ()))
+                                     and [b - a for a, b in p.src] == [b - a for a, b in p.dst])
+        if not (src_fits and _inside(p.dst, layout.engine[key])):
             probs.append(f"{p.name}{_fmt(p.src or ())} {layout.checkpoint.get(p.name)} -> "
                          f"'{p.param}'{_fmt(p.dst)} {layout.engine[key]} on TP rank {p.rank}: "
                          "the boxes do not fit")
