@@ -124,9 +124,9 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         for kind, cols in (("weight", (h,)), ("bias", ())):
-            qkv = zip("qkv", (nh, nkv, nkv))
-            _column(out, tp, f"{a}.qkv_proj.{kind}", [(f"{a}.{p}_proj.{kind}", (n * hd, *cols), n)
-                                                       for p, n in qkv])
+            qkv = [(f"{a}.{p}_proj.{kind}", (n * hd, *cols), n)
+                   for p, n in (("q", nh), ("k", nkv), ("v", nkv))]
+            _column(out, tp, f"{a}.qkv_proj.{kind}", qkv)
         _row(out, tp, f"{a}.o_proj.weight", (h, nh * hd))
         gate_up = [(f"{m}.{p}_proj.weight", (inter, h), inter) for p in ("gate", "up")]
         _column(out, tp, f"{m}.gate_up_proj.weight", gate_up)
