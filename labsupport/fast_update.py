@@ -1,13 +1,10 @@
-"""Co-located weight updates at the copy floor: map once, plan once, then only copy (Chapter 5, Lab 6).
-
-``core.colocated``'s mapped path plus what production needs. The trainer's parameters live in one exported buffer
-(``SharedWeights``; the capstone's cast copy too). The engine maps it once, checks it, loads
-it once through the safe path, and plans (``vllm_plan``) the copies that fill its parameters; a layer
-vLLM does not compute from as loaded keeps the safe path, with its reason. An update is then one RPC of copies.
-
-Against the failures the copy floor invites: the trainer refuses to sync once a parameter has left the buffer (the
-engine would serve stale weights); the engine refuses a plan that disagrees with vLLM's loader, parameters moved
-since the plan, and a released or dead export. Write no parameter until ``sync`` returns (Chapter 9).
+"""Co-located weight updates at the copy floor (Chapter 5, Lab 6): ``core.colocated``'s mapped
+path plus what production needs. The engine maps the trainer's exported buffer (``SharedWeights``)
+once, loads it once through the safe path, and plans (``vllm_plan``) the copies that fill its
+parameters (a layer vLLM does not compute from as loaded keeps the safe path, with its reason); an
+update is then one RPC of copies. Refused: a sync once a parameter has left the buffer (the engine
+would serve stale weights), a plan that disagrees with vLLM's loader, parameters moved since the
+plan, a released or dead export. Write no parameter until ``sync`` returns (Chapter 9).
 """
 
 from __future__ import annotations
@@ -30,19 +27,17 @@ log = logging.getLogger(__name__)
 
 
 class SharedWeights:
-    """The trainer's side of the mapped co-located update (``core.colocated``'s mapped path, plus its checks): the
-    trainer's weights in one exported bucket that the engine maps once.
-
-    Without ``dtype``, the parameters themselves move into the bucket (create it before the optimizer and write in
-    place: nothing to copy; ``check`` refuses once one has moved). With the engine's ``dtype`` (the capstone's
-    ``rl.colocated``), the bucket holds a cast copy that ``refresh`` overwrites in place after each optimizer step,
-    once it has checked the names and shapes (a copy into a view of another shape would broadcast silently)."""
+    """The trainer's weights in one exported bucket. Without ``dtype`` the parameters themselves
+    move into it (create it before the optimizer, write in place: nothing to copy). With the
+    engine's ``dtype`` (the capstone's ``rl.colocated``) it holds a cast copy that ``refresh``
+    overwrites after each optimizer step."""
 
     def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None,
                  dtype: torch.dtype | None = None) -> None:
         self.exporter, self.model, self.dtype = exporter or ipc.Exporter(), model, dtype
         named = colocated.engine_order(model.named_parameters())
-        self.handle = self.exporter.export_bucket(colocated.in_dtype(model, dtype) if dtype else named)  # one copy
+        self.handle = self.exporter.export_bucket(colocated.in_dtype(model, dtype) if dtype
+                                                  else named)  # one copy
         self.names, params = [n for n, _ in named], dict(named)
         self.views = [v for _, v in unpack(self.exporter.buffer(self.handle), self.handle.entries)]
         if dtype is None:
@@ -50,31 +45,38 @@ class SharedWeights:
                 for name, view in zip(self.names, self.views):
                     params[name].data = view  # the parameter now lives in the exported buffer
         self.device = named[0][1].device
-        self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where each one must stay
+        self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where they stay
 
     def check(self) -> None:
-        """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported (without ``dtype``)."""
+        """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported (a cast
+        copy: nothing to check, ``refresh`` reads the parameters wherever they live)."""
         if self.dtype is not None:
-            return  # (a cast copy: ``refresh`` reads the parameters wherever they live, and checks them)
+            return
         now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
-        if moved := sorted(n for n in self.addresses.keys() | now.keys() if now.get(n) != self.addresses.get(n)):
+        moved = sorted(n for n in self.addresses.keys() | now.keys()
+                       if now.get(n) != self.addresses.get(n))
+        if moved:
             raise WeightUpdateError(
-                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer ({', '.join(moved[:3])}"
-                f"{' ...' if len(moved) > 3 else ''}): p.data = ..., model.to(...) or load_state_dict(assign=True) "
-                "replaced their memory, and the engine would serve the stale buffer. Nothing was sent. Write parameters "
-                "in place, or map again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
+                f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
+                f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): p.data = ..., "
+                "model.to(...) or load_state_dict(assign=True) replaced their memory (the engine "
+                "would serve the stale buffer); nothing was sent. Write them in place, or map "
+                "again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
 
     def refresh(self, model: torch.nn.Module | None = None) -> None:
-        """The trainer's current weights in the bucket, and its queued writes finished (the engine reads next): with
-        ``dtype``, one grouped cast-copy of ``model``'s (default: the exported model's) after checking them."""
+        """The trainer's current weights in the bucket, its queued writes finished: with ``dtype``,
+        one grouped cast-copy of ``model``'s (default: the exported one's) after checking their
+        names and shapes (a copy into a view of another shape would broadcast silently)."""
         if self.dtype is None:
             self.check()
             devices.synchronize(self.device)
             return
-        named = colocated.engine_order((model or self.model).named_parameters())  # the bucket's order
-        if [n for n, _ in named] != self.names or any(p.shape != v.shape for (_, p), v in zip(named, self.views)):
-            raise WeightUpdateError("the trainer's model no longer has the parameters its bucket was exported with "
-                                    "(names or shapes changed): nothing was sent; export a new bucket and map it")
+        named = colocated.engine_order((model or self.model).named_parameters())
+        if [n for n, _ in named] != self.names or any(
+                p.shape != v.shape for (_, p), v in zip(named, self.views)):
+            raise WeightUpdateError("the trainer's model no longer has the parameters its bucket "
+                                    "was exported with (names or shapes changed): nothing was "
+                                    "sent; export a new bucket and map it")
         colocated.refresh(self.views, model or self.model)
 
     def packed(self) -> bytes:
@@ -88,30 +90,30 @@ class SharedWeights:
 
 
 def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
-    """Every worker of a co-located engine maps ``shared`` and plans its updates; returns their reports."""
+    """Every worker maps ``shared`` and plans its updates; returns their reports."""
     return vllm_ext.call(llm, "map_trainer_weights", shared.packed())
 
 
-def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
-    """The trainer's current weights into the engine: check (and cast, with ``dtype``), wait for the trainer's
-    queued writes, one RPC."""
+def sync(llm: Any, shared: SharedWeights,
+         timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
+    """The trainer's current weights into the engine: ``shared.refresh()``, then one RPC."""
     shared.refresh()
     return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
 
 
 def unmap_engine(llm: Any) -> None:
-    """Every worker drops its mapping of the trainer's weights (then ``shared.close()`` frees them)."""
+    """Every worker drops its mapping (then ``shared.close()`` frees the buffer)."""
     vllm_ext.call(llm, "unmap_trainer_weights")
 
 
 @dataclass
 class MappedState(WorkerState):
-    """``WorkerState`` plus the trainer's mapped buckets with the plan cut from them, and the syncs served."""
+    """``WorkerState`` plus the mapped buckets with their plan, and the syncs served."""
     mapped: tuple[list[ipc.Handle], Plan] | None = None
     version: int = 0
 
     def unmap(self) -> bool:
-        """Drop the plan's views (the last references to the mapped memory), then ack; True if mapped."""
+        """Drop the plan's views (the last references to the mapped memory), then ack it."""
         if self.mapped is None:
             return False
         buckets, self.mapped = self.mapped[0], None
@@ -127,7 +129,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
 
     @worker_rpc
     def map_trainer_weights(self, handles: bytes | Mapping[str, Any]) -> dict[str, Any]:
-        """Map the trainer's exported weights (kept mapped), check them, load them once, and plan the copies."""
+        """Map the trainer's exported weights for good, check them, load them once, plan copies."""
         t0, st = time.perf_counter(), worker_state(self)
         buckets, ew = vllm_ext.buckets_for(self.device, handles), st.weights
         ew.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries])
@@ -138,38 +140,40 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         devices.synchronize(ew.device)
         t2 = time.perf_counter()
         plan = plan_for(self, ew.model, views, ew.module_of)
-        if not all(torch.equal(dst, src) for dst, src in plan.copies):  # does it write what vLLM's loader wrote?
-            raise WeightUpdateError("the copy plan disagrees with vLLM's loader (a layout bug): refusing the "
-                                    "fast path; use update_weights_from_ipc")
+        if not all(torch.equal(dst, src) for dst, src in plan.copies):  # what the loader wrote?
+            raise WeightUpdateError("the copy plan disagrees with vLLM's loader (a layout bug): "
+                                    "refusing the fast path; use update_weights_from_ipc")
         for module, why in plan.fallback.items():
             log.warning("fast update: %s keeps the safe path: %s", module, why)
         st.mapped = (buckets, plan)
-        return {"planned_params": len(plan.owners), "copies": len(plan.copies), "copied_bytes": plan.copied_bytes,
-                "fallback": dict(plan.fallback), "open_s": t1 - t0, "first_load_s": t2 - t1,
-                "plan_s": time.perf_counter() - t2}
+        return {"planned_params": len(plan.owners), "copies": len(plan.copies),
+                "copied_bytes": plan.copied_bytes, "fallback": dict(plan.fallback),
+                "open_s": t1 - t0, "first_load_s": t2 - t1, "plan_s": time.perf_counter() - t2}
 
     @worker_rpc
     def sync_mapped_weights(self) -> dict[str, Any]:
-        """Copy the trainer's mapped weights into the engine's per the plan; safe-load the layers that fell back."""
+        """Copy the mapped weights into the engine's per the plan; safe-load the fallback layers."""
         st = worker_state(self)
         if st.mapped is None:
-            raise WeightUpdateError("no mapped trainer weights: map them first (fast_update.map_engine)")
+            raise WeightUpdateError("no mapped trainer weights: map_engine(llm, shared) first")
         buckets, plan = st.mapped
         for b in buckets:
             ipc.check_handle(b)  # exporter alive, export not released (microseconds)
         if any(p.data_ptr() != ptr for p, ptr in plan.owners):
-            raise WeightUpdateError("engine parameters were reallocated since the plan was made: map again")
+            raise WeightUpdateError("engine parameters were reallocated since the plan was made: "
+                                    "map again")
         t0 = time.perf_counter()
         if plan.fallback_items:
             st.weights.load(plan.fallback_items)
         t1 = time.perf_counter()
-        colocated.copy(plan.copies)  # (a loop of copies beats one _foreach_copy_ over the same tensors)
+        colocated.copy(plan.copies)  # (a loop of copies beats one _foreach_copy_ over them)
         devices.synchronize(self.device)
         st.version += 1
-        return {"version": st.version, "copied_bytes": plan.copied_bytes, "copies": len(plan.copies),
-                "copy_s": time.perf_counter() - t1, "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}
+        return {"version": st.version, "copied_bytes": plan.copied_bytes,
+                "copies": len(plan.copies), "copy_s": time.perf_counter() - t1,
+                "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}
 
     @worker_rpc
     def unmap_trainer_weights(self) -> bool:
-        """Drop the mapping and ack it, so that the trainer may free its buffer; True if there was one."""
+        """Drop the mapping and ack it (the trainer may free its buffer); True if it was mapped."""
         return worker_state(self).unmap()

@@ -1,16 +1,11 @@
-"""LoRA-only weight updates: the trainer trains a low-rank adapter, and the engine receives only the adapter
-(Chapter 7, Lab 8). Two ways into one vLLM engine (``enable_lora=True`` and the IPC extension), each ending with
-the engine's greedy output equal to the trainer's:
-
-* **adapter**: save ``A`` and ``B`` (peft's format), ``add_lora`` under a new ``lora_int_id`` per version (vLLM
-  caches adapters by id), generate with that request, then remove the previous one;
-* **full merged**: fold the adapter into a copy of the base (peft's ``merge_and_unload``) and send every weight
-  with ``vllm_ext.push_ipc``.
-
-What it adds against a failure: :func:`check_adapter` refuses a bad adapter (rank above the engine's
-``max_lora_rank``, a module without a LoRA slot, wrong shapes) before the engine sees it, naming every problem;
-a refusal by vLLM's own loader raises ``AdapterError`` and the engine keeps serving its previous adapter.
-The lab's demo (its base model, training, generation, timed sends): ``experiments.lora_demo``.
+"""LoRA-only weight updates (Chapter 7, Lab 8): the trainer trains a low-rank adapter and the
+engine receives only it, ending with the engine's greedy output equal to the trainer's. Either as an
+adapter (peft's format, ``add_lora`` under a new ``lora_int_id`` per version since vLLM caches
+adapters by id, then the previous one removed), or folded into a copy of the base
+(``merge_and_unload``) and sent whole with ``vllm_ext.push_ipc``. Against a failure:
+:func:`check_adapter` names every problem of a bad adapter before the engine sees it; a refusal by
+vLLM's own loader raises ``AdapterError`` and the engine keeps serving its previous adapter. The
+lab's demo (model, training, generation, timed sends): ``experiments.lora_demo``.
 """
 
 from __future__ import annotations
@@ -24,31 +19,32 @@ import torch
 
 from labsupport.course import hardware
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every decoder linear
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all
 
 
 class AdapterError(ValueError):
-    """An adapter was refused before the engine loaded it; the message says what is wrong and what to do."""
+    """An adapter was refused before the engine loaded it; the message says what is wrong and what
+    to do."""
 
 
 # ----------------------------------------------------------------------------- trainer side
-
-
-def add_adapter(model, rank: int = 8, *, alpha: int | None = None, targets: tuple[str, ...] = TARGETS, seed: int = 0):
-    """Wrap a transformers model with a fresh LoRA adapter (``B = 0``: it starts as the base model)."""
+def add_adapter(model, rank: int = 8, *, alpha: int | None = None,
+                targets: tuple[str, ...] = TARGETS, seed: int = 0):
+    """Wrap a transformers model with a fresh LoRA adapter (``B = 0``: it starts as the base)."""
     hardware.require("peft", what="lora.add_adapter")
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets), lora_dropout=0.0,
-                     bias="none")
-    return get_peft_model(model, cfg)
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, bias="none",
+                                            target_modules=list(targets), lora_dropout=0.0))
 
 
 def save_adapter(peft_model, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the adapter only (``adapter_config.json`` + ``adapter_model.safetensors``) into ``folder``."""
-    folder = Path(folder)  # dtype: the engine's (a float32 trainer sends a bfloat16 engine half the bytes)
-    state = None if dtype is None else {k: v.to(dtype) for k, v in peft_model.state_dict().items() if "lora_" in k}
+    """Write the adapter only into ``folder``, in ``dtype`` if given (the engine's: a float32
+    trainer sends a bfloat16 engine half the bytes)."""
+    folder, state = Path(folder), None
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in peft_model.state_dict().items() if "lora_" in k}
     peft_model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
     (folder / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the update
     return folder
@@ -56,22 +52,23 @@ def save_adapter(peft_model, folder: str | Path, dtype: torch.dtype | None = Non
 
 def adapter_bytes(folder: str | Path) -> int:
     """Bytes that travel for one adapter version: its config and its tensors (what vLLM reads)."""
-    return sum((Path(folder) / f).stat().st_size for f in ("adapter_config.json", "adapter_model.safetensors"))
+    files = ("adapter_config.json", "adapter_model.safetensors")
+    return sum((Path(folder) / f).stat().st_size for f in files)
 
 
 @torch.no_grad()
 def merged_weights(peft_model, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
-    """The full weights with the adapter folded in (``W + alpha/r * B @ A``), in checkpoint names, from a copy:
-    the trainer keeps its adapter."""
+    """The full weights with the adapter folded in (``W + alpha/r * B @ A``), in checkpoint names,
+    from a copy: the trainer keeps its adapter."""
     merged = copy.deepcopy(peft_model).merge_and_unload()
-    return [(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in merged.named_parameters()]
+    return [(n, p.detach() if dtype is None else p.detach().to(dtype))
+            for n, p in merged.named_parameters()]
 
 
 # ----------------------------------------------------------------------------- engine side
 def adapter_spec(hf_config: Any, max_rank: int) -> dict[str, Any]:
-    """What an engine with this model config accepts: ``max_rank`` and the ``(out, in)`` shape of every module
-    with a LoRA slot: the decoder layers' linear projections (vLLM's fused ``qkv_proj`` / ``gate_up_proj``
-    take q, k, v / gate, up adapters). Built on the meta device: no memory."""
+    """What an engine with this model config accepts: ``max_rank`` and the ``(out, in)`` shape of
+    each module with a LoRA slot (the decoder layers' linears), from a model on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -85,8 +82,9 @@ def engine_spec(llm: Any) -> dict[str, Any]:
     """:func:`adapter_spec` of a running engine, read from its config (no RPC)."""
     cfg = llm.llm_engine.vllm_config
     if cfg.lora_config is None:
-        raise AdapterError("this engine was started without enable_lora=True, so it cannot take adapters: "
-                           "start it with LLM(..., enable_lora=True, max_lora_rank=R), or send merged weights")
+        raise AdapterError("this engine was started without enable_lora=True, so it cannot take "
+                           "adapters: start it with LLM(..., enable_lora=True, max_lora_rank=R), "
+                           "or send merged weights")
     return adapter_spec(cfg.model_config.hf_config, cfg.lora_config.max_lora_rank)
 
 
@@ -101,12 +99,13 @@ def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
         with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (OSError, ValueError) as exc:
-        raise AdapterError(f"{folder} is not a peft LoRA adapter folder ({exc}); write it with save_adapter") from exc
+        raise AdapterError(f"{folder} is not a peft LoRA adapter folder ({exc}); write it with "
+                           "save_adapter") from exc
     probs = []
-    ranks = [cfg.get("r", 0), *(cfg.get("rank_pattern") or {}).values()]
-    if max(ranks) > spec["max_rank"]:
-        probs.append(f"rank {max(ranks)} > the engine's max_lora_rank {spec['max_rank']} (train with rank <= "
-                     f"{spec['max_rank']}, or restart the engine with a larger max_lora_rank)")
+    rank, most = max([cfg.get("r", 0), *(cfg.get("rank_pattern") or {}).values()]), spec["max_rank"]
+    if rank > most:
+        probs.append(f"rank {rank} > the engine's max_lora_rank {most} (train with rank <= "
+                     f"{most}, or restart the engine with a larger max_lora_rank)")
     if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
         probs.append("bias or modules_to_save: vLLM serves plain A/B adapters only")
     for key, shape in shapes.items():
@@ -120,13 +119,14 @@ def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
         if shape != want:
             probs.append(f"'{key}': shape {shape}, the engine's model needs {want}")
     if probs:
-        shown = "\n  ".join(probs[:6]) + (f"\n  ... and {len(probs) - 6} more" if len(probs) > 6 else "")
-        raise AdapterError(f"adapter {folder.name} refused, the engine keeps its current adapter:\n  {shown}")
+        more = f"\n  ... and {len(probs) - 6} more" if len(probs) > 6 else ""
+        raise AdapterError(f"adapter {folder.name} refused, the engine keeps its current "
+                           "adapter:\n  " + "\n  ".join(probs[:6]) + more)
 
 
 def push_adapter(llm: Any, folder: str | Path, version: int, *, check: bool = True) -> Any:
-    """Load adapter ``folder`` into the engine as version ``version`` (its ``lora_int_id``); returns the
-    ``LoRARequest`` to generate with. ``check=False`` skips :func:`check_adapter` (vLLM still validates)."""
+    """Load adapter ``folder`` into the engine as ``version`` (its ``lora_int_id``); returns the
+    ``LoRARequest`` to generate with. ``check=False``: vLLM's checks only."""
     from vllm.lora.request import LoRARequest
 
     if check:
@@ -134,7 +134,7 @@ def push_adapter(llm: Any, folder: str | Path, version: int, *, check: bool = Tr
     req = LoRARequest(f"policy-v{version}", int(version), str(Path(folder).resolve()))
     try:
         llm.llm_engine.add_lora(req)
-    except Exception as exc:  # vLLM refused it in its loader (a utility call: the engine keeps serving)
+    except Exception as exc:  # vLLM refused it in its loader (a utility call: it keeps serving)
         raise AdapterError(f"vLLM refused adapter {req.lora_name}: {exc}") from exc
     return req
 

@@ -1,13 +1,10 @@
-"""Resharding: from a trainer's FSDP shards to an inference engine's tensor-parallel layout (Chapter
-7, Lab 7).
-
-The arithmetic, checked before anything moves: :func:`qwen2_layout` says where every box of every
-checkpoint tensor lands in a TP engine's fused parameters (``qkv_proj``, ``gate_up_proj``; row- and
-column-parallel splits; the vocabulary padded to a multiple of 64); :func:`make_plan` cuts those
-pieces by the rows each FSDP trainer rank owns into transfers, refused with :class:`PlanError`
-unless every engine element is written exactly once; :func:`trainer_problems`,
-:func:`engine_problems` and :func:`vote` refuse a plan that does not match what the ranks hold, on
-every rank. ``labsupport.vllm_reshard`` moves the bytes, three ways.
+"""Resharding from FSDP shards to a tensor-parallel engine (Chapter 7, Lab 7): the arithmetic,
+checked before anything moves (``vllm_reshard`` moves the bytes). :func:`qwen2_layout` says where
+every box of every checkpoint tensor lands in a TP engine's fused parameters (``qkv_proj``,
+``gate_up_proj``; row- and column-parallel splits; the vocabulary padded to a multiple of 64);
+:func:`make_plan` cuts those pieces by the rows each FSDP rank owns, refused with
+:class:`PlanError` unless every engine element is written exactly once; :func:`vote` refuses, on
+every rank, a plan that does not match what some rank holds.
 """
 
 from __future__ import annotations
@@ -27,8 +24,15 @@ VOCAB_PAD = 64  # vLLM pads the vocabulary of embed_tokens and lm_head to a mult
 
 class PlanError(ValueError):
     """A layout or plan that would leave engine elements unwritten, write some twice, or not fit;
-    nothing moved. Plain layout arithmetic, raised before anything talks to vLLM or a process
-    group."""
+    raised before anything talks to vLLM or a process group."""
+
+
+def _refuse(probs: list[str]) -> None:
+    """Raise ``PlanError`` listing the first problems, if there are any."""
+    if probs:
+        more = f"\n  ... and {len(probs) - 8} more" if len(probs) > 8 else ""
+        raise PlanError("resharding plan refused, no weight was changed:\n  "
+                        + "\n  ".join(probs[:8]) + more)
 
 
 # ----------------------------------------------------------------------------- 1. the layout
@@ -47,8 +51,7 @@ class Piece:
 @dataclass
 class Layout:
     pieces: list[Piece]
-    # (TP rank, vLLM parameter) -> its shape on that rank
-    engine: dict[tuple[int, str], tuple[int, ...]]
+    engine: dict[tuple[int, str], tuple[int, ...]]  # (TP rank, vLLM parameter) -> its shape there
     checkpoint: dict[str, tuple[int, ...]]  # HF name -> full shape
 
 
@@ -61,24 +64,24 @@ def _rows(shape: Sequence[int], a: int, b: int) -> Box:
 
 
 def _block_rows(blocks: int, size: int, tp: int, t: int) -> tuple[int, int]:
-    """Rows ``[a, b)`` that TP rank ``t`` takes of ``blocks`` blocks of ``size`` rows (heads, or
-    single rows); fewer blocks than ranks (KV heads): ``tp / blocks`` ranks share each block."""
+    """Rows ``[a, b)`` that TP rank ``t`` takes of ``blocks`` blocks (heads, rows) of ``size`` rows;
+    fewer blocks than ranks (KV heads): ``tp / blocks`` ranks share each block."""
     if blocks >= tp:
         return t * blocks // tp * size, (t + 1) * blocks // tp * size
     first = t // (tp // blocks) * size
     return first, first + size
 
 
-def _column(out: Layout, tp: int, param: str, parts: list[tuple[str, tuple[int, ...],
-                                                                int]]) -> None:
-    """Column parallel: on rank t, its rows of each part (name, shape, row blocks), stacked in
-    order."""
+def _column(out: Layout, tp: int, param: str,
+            parts: list[tuple[str, tuple[int, ...], int]]) -> None:
+    """Column parallel: on rank t, its rows of each part (name, shape, row blocks), stacked; one
+    block of rows: replicated."""
     for t in range(tp):
         off = 0
         for name, shape, blocks in parts:
             a, b = _block_rows(blocks, shape[0] // blocks, tp, t)
-            out.pieces.append(Piece(name, param, t, _rows(shape, a, b), _rows(shape, off,
-                                                                              off + b - a)))
+            dst = _rows(shape, off, off + b - a)
+            out.pieces.append(Piece(name, param, t, _rows(shape, a, b), dst))
             off += b - a
         out.engine[(t, param)] = (off, *parts[0][1][1:])
     out.checkpoint.update({name: shape for name, shape, _ in parts})
@@ -88,28 +91,20 @@ def _row(out: Layout, tp: int, name: str, shape: tuple[int, int]) -> None:
     """Row parallel: on rank t, a range of columns (the input features of the heads it computes)."""
     cols = shape[1] // tp
     for t in range(tp):
-        out.pieces.append(Piece(name, name, t, ((0, shape[0]), (t * cols, (t + 1) * cols)),
-                                _full((shape[0], cols))))
+        src = ((0, shape[0]), (t * cols, (t + 1) * cols))
+        out.pieces.append(Piece(name, name, t, src, _full((shape[0], cols))))
         out.engine[(t, name)] = (shape[0], cols)
     out.checkpoint[name] = shape
 
 
-def _replicated(out: Layout, tp: int, name: str, shape: tuple[int, ...]) -> None:
-    for t in range(tp):
-        out.pieces.append(Piece(name, name, t, _full(shape), _full(shape)))
-        out.engine[(t, name)] = shape
-    out.checkpoint[name] = shape
-
-
 def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
-    """Vocabulary parallel: rows split after padding to a multiple of ``VOCAB_PAD``; padding rows
-    are zeros."""
+    """Vocabulary parallel: rows split after padding to a multiple of ``VOCAB_PAD`` with zeros."""
     per = math.ceil(vocab / VOCAB_PAD) * VOCAB_PAD // tp
     for t in range(tp):
         a, b = t * per, min((t + 1) * per, vocab)
         if b > a:
-            out.pieces.append(Piece(name, name, t, _rows((vocab, h), a, b), _rows((per, h), 0,
-                                                                                  b - a)))
+            src = _rows((vocab, h), a, b)
+            out.pieces.append(Piece(name, name, t, src, _rows((per, h), 0, b - a)))
         if b - a < per:
             out.pieces.append(Piece(None, name, t, None, _rows((per, h), max(b - a, 0), per)))
         out.engine[(t, name)] = (per, h)
@@ -117,8 +112,7 @@ def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
 
 
 def qwen2_layout(cfg: Any, tp: int) -> Layout:
-    """Where each tensor of a Qwen2 checkpoint (``cfg``: its HF config) lands in a vLLM engine with
-    TP ranks."""
+    """Where each tensor of a Qwen2 checkpoint (HF config ``cfg``) lands in a ``tp``-rank engine."""
     h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or h // nh
     inter = cfg.intermediate_size
@@ -130,17 +124,17 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         for kind, cols in (("weight", (h,)), ("bias", ())):
-            _column(out, tp, f"{a}.qkv_proj.{kind}",
-                    [(f"{a}.{p}_proj.{kind}", (n * hd, *cols), n) for p, n in (("q", nh),
-                                                                               ("k", nkv),
-                                                                               ("v", nkv))])
+            qkv = [(f"{a}.{p}_proj.{kind}", (n * hd, *cols), n)
+                   for p, n in (("q", nh), ("k", nkv), ("v", nkv))]
+            _column(out, tp, f"{a}.qkv_proj.{kind}", qkv)
         _row(out, tp, f"{a}.o_proj.weight", (h, nh * hd))
-        _column(out, tp, f"{m}.gate_up_proj.weight", [(f"{m}.{p}_proj.weight", (inter, h), inter)
-                                                      for p in ("gate", "up")])
+        gate_up = [(f"{m}.{p}_proj.weight", (inter, h), inter) for p in ("gate", "up")]
+        _column(out, tp, f"{m}.gate_up_proj.weight", gate_up)
         _row(out, tp, f"{m}.down_proj.weight", (h, inter))
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            _replicated(out, tp, f"model.layers.{i}.{norm}.weight", (h,))
-    _replicated(out, tp, "model.norm.weight", (h,))
+            name = f"model.layers.{i}.{norm}.weight"
+            _column(out, tp, name, [(name, (h,), 1)])  # replicated
+    _column(out, tp, "model.norm.weight", [("model.norm.weight", (h,), 1)])
     if not cfg.tie_word_embeddings:
         _vocab(out, tp, "lm_head.weight", cfg.vocab_size, h)
     return out
@@ -150,7 +144,7 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
 @dataclass(frozen=True)
 class Transfer:
     """Box ``src`` of trainer rank ``trainer``'s local shard of ``name`` -> box ``dst`` of ``param``
-    on ``engine``."""
+    on engine TP rank ``engine``."""
 
     trainer: int
     engine: int
@@ -168,8 +162,7 @@ class Transfer:
 class Plan:
     transfers: list[Transfer]
     pads: list[Piece]  # engine boxes filled with zeros (vocabulary padding)
-    # (TP rank, parameter) -> shape, as the layout predicts
-    engine: dict[tuple[int, str], tuple[int, ...]]
+    engine: dict[tuple[int, str], tuple[int, ...]]  # (TP rank, parameter) -> shape, as predicted
     n_trainers: int
 
     def batches(self, bucket_numel: int) -> list[list[int]]:
@@ -207,8 +200,7 @@ def _fmt(box: Box) -> str:
 
 
 def check_layout(layout: Layout) -> None:
-    """Raise ``PlanError`` listing every engine parameter not written exactly once (and every bad
-    box)."""
+    """Raise ``PlanError`` naming every engine parameter not written exactly once, every bad box."""
     probs: list[str] = []
     by_param: dict[tuple[int, str], list[Piece]] = {}
     for p in layout.pieces:
@@ -217,35 +209,27 @@ def check_layout(layout: Layout) -> None:
             probs.append(f"{p.name} -> '{p.param}' on TP rank {p.rank}: the engine has no such "
                          "parameter")
             continue
-        # (None: source checked elsewhere)
-        fits = _inside(p.dst, layout.engine[key]) and (p.src is None or (
-            _inside(p.src, layout.checkpoint.get(p.name, ())) and [b - a for a,
-                                                                   b in p.src] == [b - a for a,
-                                                                                   b in p.dst]))
-        if not fits:
+        src_fits = p.src is None or (_inside(p.src, layout.checkpoint.get(p.name, ()))
+                                     and [b - a for a, b in p.src] == [b - a for a, b in p.dst])
+        if not (src_fits and _inside(p.dst, layout.engine[key])):
             probs.append(f"{p.name}{_fmt(p.src or ())} {layout.checkpoint.get(p.name)} -> "
-                         f"'{p.param}'{_fmt(p.dst)} {layout.engine[key]} on TP rank {p.rank}: the "
-                         "boxes do not fit")
+                         f"'{p.param}'{_fmt(p.dst)} {layout.engine[key]} on TP rank {p.rank}: "
+                         "the boxes do not fit")
         by_param.setdefault(key, []).append(p)
-    for key, shape in layout.engine.items():
-        pieces = by_param.get(key, [])
+    for (rank, param), shape in layout.engine.items():
+        pieces = by_param.get((rank, param), [])
         twice = [(x, y, both) for i, x in enumerate(pieces) for y in pieces[i + 1:]
                  if (both := _overlap(x.dst, y.dst))]
-        probs += [f"'{key[1]}' on TP rank {key[0]}: elements {_fmt(both)} written twice (by "
-                  f"{x.name} and {y.name})"
-                  for x, y, both in twice]
+        probs += [f"'{param}' on TP rank {rank}: elements {_fmt(both)} written twice (by "
+                  f"{x.name} and {y.name})" for x, y, both in twice]
         filled = sum(_volume(p.dst) for p in pieces)
-        # (boxes inside the shape, none overlapping: a gap)
-        if filled < math.prod(shape) and not twice:
-            probs.append(f"'{key[1]}' on TP rank {key[0]}: only {filled} of {math.prod(shape)} "
-                         "elements written (from "
-                         f"{sorted({str(p.name) for p in pieces}) or 'nothing'})")
+        if filled < math.prod(shape) and not twice:  # (boxes inside, none overlapping: a gap)
+            names = sorted({str(p.name) for p in pieces}) or "nothing"
+            probs.append(f"'{param}' on TP rank {rank}: only {filled} of {math.prod(shape)} "
+                         f"elements written (from {names})")
     used = {p.name for p in layout.pieces}
     probs += [f"checkpoint tensor {n} goes nowhere" for n in layout.checkpoint if n not in used]
-    if probs:
-        shown = "\n  ".join(probs[:8]) + (f"\n  ... and {len(probs) - 8} more" if len(probs) > 8
-                                          else "")
-        raise PlanError(f"resharding plan refused, no weight was changed:\n  {shown}")
+    _refuse(probs)
 
 
 def fsdp_rows(n_rows: int, world: int) -> list[tuple[int, int]]:
@@ -255,27 +239,24 @@ def fsdp_rows(n_rows: int, world: int) -> list[tuple[int, int]]:
     return [(min(r * per, n_rows), min((r + 1) * per, n_rows)) for r in range(world)]
 
 
-def make_plan(layout: Layout, n_trainers: int, owners: Mapping[str, list[tuple[int, int]]]
-              | None = None) -> Plan:
-    """Cut the layout's pieces by the rows each trainer rank owns (default: FSDP2's
-    ``fsdp_rows``)."""
+def make_plan(layout: Layout, n_trainers: int,
+              owners: Mapping[str, list[tuple[int, int]]] | None = None) -> Plan:
+    """Cut the layout's pieces by the rows each trainer rank owns (default: ``fsdp_rows``)."""
     check_layout(layout)
     transfers, pads = [], []
     for p in layout.pieces:
         if p.name is None:
             pads.append(p)
             continue
-        for r, (s, e) in enumerate((owners or {}).get(p.name)
-                                   or fsdp_rows(layout.checkpoint[p.name][0], n_trainers)):
+        rows = (owners or {}).get(p.name) or fsdp_rows(layout.checkpoint[p.name][0], n_trainers)
+        for r, (s, e) in enumerate(rows):
             a, b = max(p.src[0][0], s), min(p.src[0][1], e)
-            if a >= b:
-                continue
-            d0 = p.dst[0][0] + a - p.src[0][0]
-            transfers.append(Transfer(r, p.rank, p.name, p.param, ((a - s, b - s),) + p.src[1:],
-                                      ((d0, d0 + b - a),) + p.dst[1:]))
-    moved, need = sum(t.numel for t in transfers) + sum(_volume(p.dst)
-                                                        for p in pads), sum(map(math.prod,
-                                                                                layout.engine.values()))
+            if a < b:
+                d0 = p.dst[0][0] + a - p.src[0][0]
+                transfers.append(Transfer(r, p.rank, p.name, p.param, ((a - s, b - s),) + p.src[1:],
+                                          ((d0, d0 + b - a),) + p.dst[1:]))
+    moved = sum(t.numel for t in transfers) + sum(_volume(p.dst) for p in pads)
+    need = sum(map(math.prod, layout.engine.values()))
     if moved != need:
         raise PlanError(f"the trainer ranks' rows do not cover the checkpoint: {moved} elements "
                         f"planned for {need}; pass owners that partition every tensor")
@@ -288,22 +269,19 @@ def module_buckets(layout: Layout, nbytes: Mapping[str, int], bucket_bytes: int)
     modules: dict[str, list[str]] = {}
     for p in layout.pieces:
         names = modules.setdefault(p.param.rpartition(".")[0], [])
-        # (a name goes to one module)
-        if p.name is not None and p.name not in names and p.rank == 0:
+        if p.name is not None and p.name not in names and p.rank == 0:  # (each name once)
             names.append(p.name)
     mods = list(modules.values())
-    return [sum((mods[i] for i in g), []) for g in bucket_groups([sum(nbytes[n] for n in m)
-                                                                  for m in mods], bucket_bytes)]
+    sizes = [sum(nbytes[n] for n in m) for m in mods]
+    return [sum((mods[i] for i in g), []) for g in bucket_groups(sizes, bucket_bytes)]
 
 
 def trainer_problems(plan: Plan, rank: int, shards: Mapping[str, Sequence[int]]) -> list[str]:
-    """What trainer rank ``rank`` finds wrong with ``plan``, given its local shards' shapes: boxes
-    outside them."""
+    """What trainer rank ``rank`` finds wrong with ``plan``: boxes outside its local ``shards``."""
     return [f"trainer rank {rank}: {tr.name}{_fmt(tr.src)} is not in its local shard "
             f"{tuple(shards[tr.name]) if tr.name in shards else '(missing)'}"
-            for tr in plan.transfers if tr.trainer == rank and (tr.name not in shards
-                                                                or not _inside(tr.src,
-                                                                               shards[tr.name]))]
+            for tr in plan.transfers
+            if tr.trainer == rank and not (tr.name in shards and _inside(tr.src, shards[tr.name]))]
 
 
 def engine_problems(plan: Plan, rank: int, shapes: Mapping[str, Sequence[int]]) -> list[str]:
@@ -315,20 +293,15 @@ def engine_problems(plan: Plan, rank: int, shapes: Mapping[str, Sequence[int]]) 
     probs += [f"TP rank {rank}: the plan never writes '{n}'" for n in shapes if n not in mine]
     if not probs:
         pieces = [Piece(t.name, t.param, rank, None, t.dst) for t in plan.transfers
-                  if t.engine == rank]
+                  if t.engine == rank] + [p for p in plan.pads if p.rank == rank]
         try:
-            check_layout(Layout(pieces + [p for p in plan.pads if p.rank == rank],
-                                {(rank, n): s for n, s in mine.items()}, {}))
+            check_layout(Layout(pieces, {(rank, n): s for n, s in mine.items()}, {}))
         except PlanError as exc:
             probs.append(str(exc).split("\n", 1)[1])
     return probs
 
 
 def vote(group: groups.StatelessGroup, problems: list[str]) -> None:
-    """Every rank of ``group`` states its problems with the plan; if any rank has one, every rank
-    raises, before any byte moves."""
+    """Every rank of ``group`` states its problems with the plan; if any has one, all raise."""
     every = group.all_gather_object(problems)
-    bad = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
-    if bad:
-        raise PlanError("resharding plan refused, no weight was changed:\n  "
-                        + "\n  ".join(bad[:8]))
+    _refuse([f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps])

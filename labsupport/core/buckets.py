@@ -1,10 +1,9 @@
-"""Named tensors in one flat byte buffer: the layout that both a broadcast bucket and an IPC handle
-carry.
+"""Named tensors in one flat byte buffer: the layout that broadcast buckets and IPC handles carry.
 
 A ``Meta`` is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into
-tensors. Each tensor starts at a multiple of ``ALIGN`` bytes, so that the slice can be viewed as any
-dtype. This is the one bucket layout: ``broadcast``, ``ipc`` and ``vllm_weights`` build on these
-names; ``load_into`` is how every receiver copies what arrived into its own tensors.
+tensors, each at a multiple of ``ALIGN`` bytes so that it can be viewed as any dtype. The one bucket
+layout (``broadcast``, ``ipc`` and ``vllm_weights`` build on it); ``load_into`` is how every
+receiver copies what arrived into its own tensors.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def groups(sizes: list[int], limit: int) -> list[list[int]]:
     """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item
     alone): greedy bucketing, the one copy (``ipc``, ``reshard`` and ``lora`` use it too)."""
     out: list[list[int]] = []
-    used = 0
+    used = 0  # in the last group
     for i, n in enumerate(sizes):
         if not out or used + n > limit:
             out.append([])
@@ -74,10 +73,9 @@ def groups(sizes: list[int], limit: int) -> list[list[int]]:
 
 
 def split(metas: list[Meta], bucket_bytes: int) -> list[list[Meta]]:
-    """Consecutive buckets of at most ``bucket_bytes`` each (a tensor larger than that gets a bucket
-    alone)."""
-    return [[metas[i] for i in g] for g in groups([round_up(nbytes(m)) for m in metas],
-                                                  bucket_bytes)]
+    """Consecutive buckets of at most ``bucket_bytes`` each (a larger tensor gets one alone)."""
+    sizes = [round_up(nbytes(m)) for m in metas]
+    return [[metas[i] for i in g] for g in groups(sizes, bucket_bytes)]
 
 
 def layout(metas: list[Meta]) -> tuple[list[Entry], int]:
@@ -91,8 +89,7 @@ def layout(metas: list[Meta]) -> tuple[list[Entry], int]:
 
 @torch.no_grad()
 def pack(buf: torch.Tensor, entries: list[Entry], tensors: list[torch.Tensor]) -> None:
-    """Copy each tensor into its place in the uint8 buffer ``buf``: one multi-tensor copy for all of
-    them."""
+    """Copy each tensor into its place in the uint8 buffer ``buf``, all in one multi-tensor copy."""
     if entries:
         torch._foreach_copy_([v for _, v in unpack(buf, entries)], [t.detach() for t in tensors])
 

@@ -2,17 +2,14 @@
 
 As in vLLM's ``examples/rl/rlhf_colocate.py``, the trainer exports its weights, in the engine's
 dtype, into one bucket (``core.handoff``). Every worker maps it and loads it through vLLM's
-``load_weights`` (the safe path, ``load``), or, keeping it mapped, copies it into its parameters
-(the mapped path, ``copy``; the trainer then ``refresh``-es the same bucket in place after each
-optimizer step). The worker drops its views (its ack), and the trainer releases the bucket. One turn
-(``colocated_step``), in vLLM's order: sleep (level 1 keeps the weights in host memory and drops the
-KV cache; 2 drops both); train; wake the weights only (the KV cache comes back after the update: a
-lower peak); update; wake the KV cache; reset the prefix cache (no block of the old weights is
-reused).
-
-``vllm_ext.push_ipc`` is this update plus checks, whole layers through vLLM's layerwise reload, acks
-and deadlines; ``fast_update`` the mapped path plus its checks and a copy plan into vLLM's fused
-parameters (Lab 6 lists them).
+``load_weights`` (the safe path, ``load``; ``vllm_ext.push_ipc`` adds checks, whole layers, acks
+and deadlines), or keeps it mapped and copies it into its parameters (the mapped path, ``copy``;
+the trainer ``refresh``-es the bucket in place after each optimizer step; ``fast_update`` adds
+checks and a copy plan into vLLM's fused parameters). The worker drops its views (its ack), and the
+trainer releases the bucket. One turn (``colocated_step``), in vLLM's order: sleep (level 1 keeps
+the weights in host memory and drops the KV cache; 2 drops both); train; wake the weights only (the
+KV cache after the update: a lower peak); update; wake the KV cache; reset the prefix cache (no
+block of the old weights is reused).
 """
 
 from __future__ import annotations
@@ -28,33 +25,28 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 def engine_order(named: Iterable[tuple[str, torch.Tensor]]) -> Named:
-    """Weights, then biases (a stable sort): what vLLM fuses (q, k, v; gate, up) lies side by side
-    in the bucket."""
+    """Weights, then biases (a stable sort): what vLLM fuses (q, k, v; gate, up) sits together."""
     return sorted(named, key=lambda item: item[0].endswith(".bias"))
 
 
 def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Named:
-    """The trainer's parameters in ``engine_order``, cast to the engine's ``dtype`` (not copied if
-    already in it)."""
+    """The trainer's parameters in ``engine_order``, cast to ``dtype`` (not copied if in it)."""
     return [(n, p.detach().to(dtype)) for n, p in engine_order(model.named_parameters())]
 
 
 # ---- trainer side --------------------------------------------------------------------------------
 @torch.no_grad()
 def refresh(views: list[torch.Tensor], model: torch.nn.Module) -> None:
-    """The mapped path, after each optimizer step: the new weights cast into the same bucket
-    (``views``: its tensors, in ``engine_order``) in one grouped copy; then wait for it, since the
-    engine reads the bucket next."""
+    """The mapped path, after each optimizer step: the new weights cast into the bucket's ``views``
+    (in ``engine_order``) in one grouped copy, waited for (the engine reads them next)."""
     torch._foreach_copy_(views, [p.detach() for _, p in engine_order(model.named_parameters())])
     if views:
         synchronize(views[0].device)
 
 
-# ---- engine side: these run in every vLLM worker (``collective_rpc`` passes the worker first)
-# ------------------
+# ---- engine side: in every vLLM worker (``collective_rpc`` passes the worker first) -------------
 def load(worker: Any, handle: handoff.Handle) -> int:
-    """The safe path: map the bucket, hand its views to vLLM's loader, wait, drop the views; returns
-    the bytes."""
+    """The safe path: map the bucket, hand its views to vLLM's loader, wait, drop the views."""
     views = handoff.rebuild(handle)
     worker.model_runner.model.load_weights(weights=views)
     nbytes = sum(v.nbytes for _, v in views)
@@ -66,8 +58,8 @@ def load(worker: Any, handle: handoff.Handle) -> int:
 
 @torch.no_grad()
 def copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The mapped path: each ``(dst, src)``, a slice of the engine's parameter and the mapped
-    bucket's view that fills it, copied on the device; returns the bytes."""
+    """The mapped path: each ``(dst, src)``, a slice of an engine parameter and the mapped view that
+    fills it, copied on the device."""
     for dst, src in copies:
         dst.copy_(src)
     if copies:
@@ -77,7 +69,7 @@ def copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 # ---- one turn ------------------------------------------------------------------------------------
 def push(llm: Any, named: Named) -> int:
-    """The update: export ``named`` into one bucket, every worker loads it, release it; returns a
+    """The update: export ``named`` into one bucket, every worker loads it, release it; returns one
     worker's bytes."""
     buf, handle = handoff.export(named)  # the trainer keeps the buffer until the release
     try:

@@ -1,6 +1,4 @@
-"""The three device facts the core needs, in one place: a GPU's identity, a wait for its queue, a
-handle's slot.
-
+"""The three device facts the core needs: a GPU's identity, a wait for its queue, a handle's slot.
 Every other module (``course.hardware``'s doctor, ``ipc``, the labs' peers) imports them from here.
 """
 
@@ -13,8 +11,7 @@ import torch
 
 
 def gpu_uuid(index: int) -> str:
-    """The physical GPU's UUID (``GPU-...``), which stays the same whatever CUDA_VISIBLE_DEVICES
-    says."""
+    """The physical GPU's UUID (``GPU-...``), the same whatever CUDA_VISIBLE_DEVICES says."""
     uuid = str(torch.cuda.get_device_properties(index).uuid)
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
@@ -29,8 +26,7 @@ def synchronize(device: str | torch.device) -> None:
 @functools.cache
 def storage_device_slot() -> int:
     """Where the device index sits in the arguments of torch's ``rebuild_cuda_tensor`` (a CUDA IPC
-    handle's payload): looked up by name, since the position is not part of torch's API
-    (``course.versions`` lists the other version differences)."""
+    handle's payload), looked up by name: the position is not part of torch's API."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")

@@ -1,16 +1,12 @@
 """A CUDA IPC weight handoff in straight lines: export, rebuild with device remap, load, release.
 
 The owner (a trainer) packs named tensors into one flat buffer and *exports* it as a small picklable
-``Handle``; another process on the same machine (an inference engine) *rebuilds* the buffer from it,
-which maps the owner's memory (nothing is copied), *loads* the views into its own weights, and lets
-go of the views; then the owner *releases* the buffer. A GPU buffer goes through CUDA IPC
-(``torch.multiprocessing``'s ``reduce_tensor``, as in vLLM's co-location example); the handle names
-the GPU by UUID, and the receiver looks up its own index for it (``CUDA_VISIBLE_DEVICES`` may number
-the GPUs differently there). A CPU buffer is a file in ``/dev/shm`` that both processes map: the
-stand-in with the same semantics (one code path).
-
-``labsupport.ipc`` is this plus what production needs; Lab 5 lists each addition and what it guards
-against.
+``Handle``; another process on the machine (an inference engine) *rebuilds* the buffer from it
+(mapping the owner's memory: nothing is copied), *loads* the views into its weights and drops them;
+then the owner *releases* the buffer. A GPU buffer goes through CUDA IPC (``reduce_tensor``, as in
+vLLM's co-location example), its handle naming the GPU by UUID, which the receiver looks up among
+its own indices (``CUDA_VISIBLE_DEVICES`` may number them differently); a CPU buffer is a file in
+``/dev/shm`` that both processes map. ``labsupport.ipc`` adds what production needs (Lab 5).
 """
 
 from __future__ import annotations
@@ -31,15 +27,14 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 @dataclass(frozen=True)
 class Handle:
-    """What travels to the other process (a few hundred bytes): where the buffer is, and its
-    layout."""
+    """What travels to the other process (a few hundred bytes): where the buffer is, its layout."""
     gpu: str | None  # the GPU's UUID; None: a shared-memory file on the CPU
     where: tuple  # CUDA: reduce_tensor's arguments; CPU: (file path, size)
     entries: list[buckets.Entry]
 
 
-def export(named: list[tuple[str, torch.Tensor]], path: str | None = None) -> tuple[torch.Tensor,
-                                                                                    Handle]:
+def export(named: list[tuple[str, torch.Tensor]],
+           path: str | None = None) -> tuple[torch.Tensor, Handle]:
     """Owner side: pack ``named`` tensors into a new shared buffer on their device; returns the
     buffer (keep it alive until ``release``) and its handle (send it to the receiver). On the CPU
     the buffer is the file ``path`` (default: a new name in ``SHM_DIR``)."""
@@ -65,14 +60,12 @@ def _mapped(path: str, size: int) -> torch.Tensor:
 
 
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
-    """Receiver side: map the owner's buffer into this process and slice it into ``[(name,
-    view)]``."""
+    """Receiver side: map the owner's buffer into this process; returns ``[(name, view)]``."""
     if handle.gpu is None:
         buf = _mapped(*handle.where)
     else:
         args = list(handle.where)
-        # device remap: the owner's index -> ours
-        args[storage_device_slot()] = local_index(handle.gpu)
+        args[storage_device_slot()] = local_index(handle.gpu)  # device remap: theirs -> ours
         buf = rebuild_cuda_tensor(*args)
     return buckets.unpack(buf, handle.entries)
 
@@ -84,8 +77,7 @@ def local_index(gpu: str) -> int:
         raise RuntimeError(
             f"this process cannot see GPU {gpu} (it sees {here or 'no GPU'}; CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): CUDA IPC works on one physical "
-            "GPU; place the receiver there, or send the weights over NCCL (labsupport.broadcast)"
-        )
+            "GPU; place the receiver there, or send the weights over NCCL (labsupport.broadcast)")
     return here.index(gpu)
 
 
@@ -98,10 +90,8 @@ def load(params: Mapping[str, torch.Tensor], views: list[tuple[str, torch.Tensor
 
 
 def release(handle: Handle) -> None:
-    """Owner side, once every receiver has dropped its views and the owner its buffer: free the
-    memory."""
+    """Owner side, once every receiver dropped its views and the owner its buffer: free it."""
     if handle.gpu is None:
         os.unlink(handle.where[0])  # the file's pages go when the last process unmaps them
     else:
-        # the block returns to the allocator once no other process holds it
-        torch.cuda.ipc_collect()
+        torch.cuda.ipc_collect()  # the block returns to the allocator once no process holds it

@@ -1,18 +1,16 @@
 """Weight sync over NCCL in straight lines: metadata, then one broadcast per bucket, then load.
 
 The trainer (rank ``src``) calls ``send``; every inference rank calls ``receive`` at the same time,
-in the same group (a ``labsupport.groups`` group: NCCL between GPUs, gloo on CPUs, one code path).
-Each of the four phases is a function below:
+in the same group (a ``labsupport.groups`` group: NCCL between GPUs, gloo on CPUs);
+``labsupport.broadcast`` adds what production needs, each against a failure (Lab 3). The phases:
 
 1. ``announce``: the trainer's names, dtypes, shapes and bucket size, one small object;
 2. ``plan``: both sides split the same list into the same buckets, each one flat buffer;
 3. ``send_bucket`` / ``receive_bucket``: one broadcast per bucket; each receiver hands the bucket's
    views to ``load`` (vLLM: ``model.load_weights(weights=...)``; here ``copy_into`` its tensors);
-4. ``finish``: one tiny all-reduce that every rank must reach, and the host waits for it with a
-   deadline. On NCCL a broadcast only queues work on the GPU: without this wait, a receiver whose
-   peer died would return, and load a partly received bucket later. Here: ``GroupTimeout``.
-
-``labsupport.broadcast`` is these phases plus what production needs, each against a failure (Lab 3).
+4. ``finish``: one tiny all-reduce that every rank must reach, waited for with a deadline
+   (``GroupTimeout``). On NCCL a broadcast only queues work: without this wait, a receiver whose
+   peer died would return, and load a partly received bucket later.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ Bucket = tuple[list[Entry], int]  # a bucket's layout: its entries, and its buff
 
 def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20,
          src: int = 0, *, timeout_s: float | None = None) -> int:
-    """Trainer side: broadcast ``state`` (name -> tensor) to every other rank; returns the bytes.
-    Waits at most ``timeout_s`` (default: the group's timeout) for the last bucket."""
+    """Trainer side: broadcast ``state`` (name -> tensor) to every other rank, waiting at most
+    ``timeout_s`` (default: the group's) for the last bucket; returns the bytes."""
     metas = buckets.metas(state)
     announce(group, (metas, bucket_bytes), src)
     for bucket in plan(metas, bucket_bytes):
@@ -45,8 +43,8 @@ def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes:
 
 def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0, *,
             timeout_s: float | None = None) -> int:
-    """Receiver side: receive one update from ``src`` and ``load`` it, bucket by bucket; returns the
-    bytes. Waits at most ``timeout_s`` (default: the group's timeout) for the last bucket."""
+    """Receiver side: receive one update from ``src`` and ``load`` it, bucket by bucket, waiting as
+    ``send`` does; returns the bytes."""
     metas, bucket_bytes = announce(group, None, src)
     for bucket in plan(metas, bucket_bytes):
         load(receive_bucket(group, bucket, src))  # views into the bucket, nothing copied yet

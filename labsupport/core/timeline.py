@@ -1,14 +1,10 @@
-"""A memory timeline in straight lines: bytes by role at the edges of each phase, and a plot of
-them.
+"""A memory timeline in straight lines: bytes by role at the edges of each phase, and their plot.
 
 The caller says which tensors play which role (``track("weights", lambda:
 list(model.parameters()))``); each ``with tl.phase("generate"):`` block records one sample as it
 begins and one as it ends: the time, the phase, the bytes each role holds on the device, and on a
-GPU what PyTorch's caching allocator has allocated. On the CPU stand-in there is no allocator to
-ask: the role bytes are the timeline (one code path, one more column).
-
-``labsupport.memory`` is this plus what production needs; Lab 2 lists each addition and what it
-guards against.
+GPU what PyTorch's caching allocator has allocated (on the CPU stand-in the role bytes are the
+timeline). ``labsupport.memory`` adds what production needs (Lab 2).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ class Timeline:
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
         self.gpu = self.device.type == "cuda"
-        # "cuda" is the current GPU (tensors say "cuda:0")
-        if self.gpu and self.device.index is None:
+        if self.gpu and self.device.index is None:  # "cuda": the current GPU (tensors say "cuda:0")
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.roles: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
         self.samples: list[dict[str, Any]] = []
@@ -35,17 +30,16 @@ class Timeline:
         self._t0 = time.perf_counter()
 
     def track(self, role: str, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
-        """Count, at every sample, the bytes of the tensors that ``tensors()`` returns then, under
-        ``role``."""
+        """Count under ``role``, at every sample, the bytes of the tensors ``tensors()`` returns."""
         self.roles[role] = tensors
 
     def _sample(self, phase: str, event: str) -> dict[str, Any]:
         """Record the bytes of every role now (and the allocator's count on a GPU)."""
         if self.gpu:
             torch.cuda.synchronize(self.device)  # what has been allocated by the work queued so far
-        s = {"t": time.perf_counter() - self._t0, "phase": phase, "event": event,
-             "roles": {role: sum(t.nbytes for t in get() if t.device == self.device) for role,
-                       get in self.roles.items()},
+        roles = {role: sum(t.nbytes for t in get() if t.device == self.device)
+                 for role, get in self.roles.items()}
+        s = {"t": time.perf_counter() - self._t0, "phase": phase, "event": event, "roles": roles,
              "allocated": torch.cuda.memory_allocated(self.device) if self.gpu else None}
         self.samples.append(s)
         return s
