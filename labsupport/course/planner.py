@@ -2,10 +2,8 @@
 totals of co-located / hybrid / disaggregated layouts, whether a co-located engine fits beside its
 trainer, transfer times.
 
-Units: bytes in, bytes out, GB = 1e9 bytes (the ZeRO paper's unit).
-``labsupport.experiments.memory_report`` prints the tables that ``python -m labsupport plan
-{zero,kv,act,layout,transfer} ...`` shows.
-"""
+Units: bytes in, bytes out, GB = 1e9 bytes (the ZeRO paper's unit). ``experiments.memory_report``
+prints the tables that ``python -m labsupport plan {zero,kv,act,layout,transfer} ...`` shows."""
 from __future__ import annotations
 
 import math
@@ -50,8 +48,7 @@ def bytes_per_param(weights: str = "bf16", optimizer: str = "adam") -> ModelStat
         return ModelStates(w, 0, 0)
     if optimizer != "adam":
         raise ValueError(f"unknown optimizer {optimizer!r}: expected 'adam' or 'frozen'")
-    # a separate fp32 master copy exists only when the weights are not fp32
-    master = 4 if w < 4 else 0
+    master = 4 if w < 4 else 0  # a separate fp32 master copy only when the weights are not fp32
     return ModelStates(w, w, master + 4 * 2)  # + Adam's two fp32 moments
 
 
@@ -92,27 +89,20 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Parameter count of a Llama/Qwen-style block (SwiGLU MLP, RMSNorm, no biases), untied
-        embeddings."""
+        """Parameter count: Llama/Qwen-style (SwiGLU MLP, RMSNorm, no biases), untied embeddings."""
         attn = self.hidden * self.heads * self.hd * 2 + self.hidden * self.kv_heads * self.hd * 2
         per_layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
         return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
 
-# Shapes copied from the models' public config.json files on the Hugging Face Hub.
+# Shapes copied from the models' public config.json files on the Hugging Face Hub (``source``).
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
-    ModelSpec("7b", 32, 4096, 32, 32, 11008, 32000, source="meta-llama/Llama-2-7b-hf config.json "
-                                                           "(MHA)"),
-    ModelSpec("8b", 32, 4096, 32, 8, 14336, 128256, source="meta-llama/Llama-3.1-8B config.json "
-                                                           "(GQA 8)"),
-    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, source="Qwen/Qwen2.5-7B config.json "
-                                                                   "(GQA 4)"),
-    ModelSpec("13b", 40, 5120, 40, 40, 13824, 32000, source="meta-llama/Llama-2-13b-hf config.json "
-                                                            "(MHA)"),
-    ModelSpec("70b", 80, 8192, 64, 8, 28672, 128256, source="meta-llama/Llama-3.1-70B config.json "
-                                                            "(GQA 8)"),
-    ModelSpec("405b", 126, 16384, 128, 8, 53248, 128256, source="meta-llama/Llama-3.1-405B "
-                                                                "config.json (GQA 8)"),
+    ModelSpec("7b", 32, 4096, 32, 32, 11008, 32000, "meta-llama/Llama-2-7b-hf (MHA)"),
+    ModelSpec("8b", 32, 4096, 32, 8, 14336, 128256, "meta-llama/Llama-3.1-8B (GQA 8)"),
+    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, "Qwen/Qwen2.5-7B (GQA 4)"),
+    ModelSpec("13b", 40, 5120, 40, 40, 13824, 32000, "meta-llama/Llama-2-13b-hf (MHA)"),
+    ModelSpec("70b", 80, 8192, 64, 8, 28672, 128256, "meta-llama/Llama-3.1-70B (GQA 8)"),
+    ModelSpec("405b", 126, 16384, 128, 8, 53248, 128256, "meta-llama/Llama-3.1-405B (GQA 8)"),
 ]}
 
 
@@ -168,8 +158,7 @@ class Workload:
     reward_params: float | None = None  # None -> same as actor; 0 -> rule-based reward
     kv_bytes_per_gpu: float = 0.0  # KV cache pool of the rollout engine on each of its GPUs
     act_bytes_per_gpu: float = 0.0  # activations of one training micro-batch on each GPU
-    # tensor-parallel size of the rollout engine (its weights are split tp ways)
-    rollout_tp: int = 8
+    rollout_tp: int = 8  # tensor-parallel size of the rollout engine (its weights split tp ways)
     frozen_dtype: str = "bf16"  # rollout and frozen models' weights
 
     def size(self, role: str) -> float:
@@ -226,10 +215,9 @@ LAYOUTS = ("colocated", "hybrid", "disaggregated")
 def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
                 groups: dict[str, int] | None = None) -> LayoutPlan:
     """Per-GPU bytes of the actor, critic, reference and reward models for one layout. colocated:
-    all four models plus the rollout weights and KV cache resident on the same n_gpus (sharded).
-    hybrid: the same n_gpus, only the current phase's states on the GPU, the rest offloaded to host
-    memory (a verl-style hybrid engine). disaggregated: groups {"train": n, "rollout": n, "score":
-    n}, each with its own models."""
+    all four plus the rollout weights and KV cache resident on the same n_gpus (sharded). hybrid:
+    the same n_gpus, only the current phase's states on the GPU, the rest in host memory (verl's
+    hybrid engine). disaggregated: groups {"train": n, "rollout": n, "score": n}, models apart."""
     plan = LayoutPlan(layout)
     generate = {"rollout weights": w.frozen("actor", w.rollout_tp), "kv cache": w.kv_bytes_per_gpu}
     if layout in ("colocated", "hybrid"):
@@ -238,24 +226,12 @@ def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
         train = {r: w.train(r, n_gpus) for r in ("actor", "critic")}
         score = {"reference": w.frozen("reference", n_gpus), "reward": w.frozen("reward", n_gpus)}
         if layout == "colocated":
-            plan.groups.append(
-                GroupPlan(
-                    "all",
-                    n_gpus,
-                    {
-                        "all phases": {
-                            "actor (train)": train["actor"],
-                            "critic (train)": train["critic"],
-                            **score,
-                            **generate,
-                            "activations": w.act_bytes_per_gpu,
-                        }
-                    },
-                )
-            )
+            plan.groups.append(GroupPlan("all", n_gpus, {"all phases": {
+                "actor (train)": train["actor"], "critic (train)": train["critic"], **score,
+                **generate, "activations": w.act_bytes_per_gpu}}))
         else:
-            phases = {"generate": generate, "score": {**score, "critic weights": w.frozen("critic",
-                                                                                          n_gpus)}}
+            phases = {"generate": generate,
+                      "score": {**score, "critic weights": w.frozen("critic", n_gpus)}}
             for r in ("actor", "critic") if w.size("critic") else ("actor",):
                 phases[f"train {r}"] = {f"{r} (train)": train[r],
                                         "activations": w.act_bytes_per_gpu}
@@ -268,53 +244,44 @@ def plan_layout(layout: str, w: Workload, n_gpus: int | None = None, *,
             raise ValueError("disaggregated needs GPU counts for groups train, rollout, score; "
                              f"missing {missing}")
         plan.groups.append(GroupPlan("train", g["train"], {"train": {
-            "actor (train)": w.train("actor", g["train"]), "critic (train)": w.train("critic",
-                                                                                     g["train"]),
-            "activations": w.act_bytes_per_gpu}}))
+            "actor (train)": w.train("actor", g["train"]),
+            "critic (train)": w.train("critic", g["train"]), "activations": w.act_bytes_per_gpu}}))
         plan.groups.append(GroupPlan("rollout", g["rollout"], {"generate": generate}))
         if g["score"]:
             plan.groups.append(GroupPlan("score", g["score"], {"score": {
-                "reference": w.frozen("reference", g["score"]), "reward": w.frozen("reward",
-                                                                                   g["score"])}}))
+                "reference": w.frozen("reference", g["score"]),
+                "reward": w.frozen("reward", g["score"])}}))
     else:
         raise ValueError(f"unknown layout {layout!r}: expected one of {LAYOUTS}")
     return plan
 
 
-# ---------------------------------------------------------------- one GPU, now: does a co-located
-# engine fit?
+# ---------------------------------------------------------------- one GPU, now: does it fit?
 class InsufficientMemory(RuntimeError):
-    """A run does not fit in the GPU memory free now: raised before anything starts, saying what to
-    change."""
+    """Raised before a run starts if it does not fit in the GPU memory free now; says what to do."""
 
 
 def colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, free_bytes: int,
                   total_bytes: int, *, headroom_bytes: int = 1 << 30) -> dict:
-    """Does an engine taking ``gpu_memory_utilization * total_bytes`` fit beside the trainer's state
-    still to come and ``headroom_bytes`` (its activations, the engine's CUDA context, the IPC
-    bucket)? What is needed and free, and the largest utilization (steps of 0.05) that fits: vLLM
-    will not start with less free than its share."""
+    """Does an engine of ``gpu_memory_utilization * total_bytes`` fit beside the trainer's state to
+    come and ``headroom_bytes`` (activations, CUDA context, IPC bucket)? Bytes needed and free, and
+    the largest utilization (steps of 0.05) that fits: vLLM won't start with less free than that."""
     engine = int(gpu_memory_utilization * total_bytes)
-    need, room = (
-        engine + trainer_bytes + headroom_bytes,
-        free_bytes - trainer_bytes - headroom_bytes,
-    )
+    need = engine + trainer_bytes + headroom_bytes
+    room = free_bytes - trainer_bytes - headroom_bytes
     return {"fits": need <= free_bytes, "need_bytes": need, "engine_bytes": engine,
             "trainer_bytes": trainer_bytes, "headroom_bytes": headroom_bytes,
             "free_bytes": free_bytes, "total_bytes": total_bytes,
-            "max_gpu_memory_utilization": math.floor(room / total_bytes * 20) / 20 if room > 0
-            else 0.0}
+            "max_gpu_memory_utilization": math.floor(max(room, 0) / total_bytes * 20) / 20}
 
 
 def check_colocated_fit(gpu_memory_utilization: float, trainer_bytes: int, *,
                         free_bytes: int | None = None, total_bytes: int | None = None,
                         headroom_bytes: int = 1 << 30) -> dict:
     """``colocated_fit`` on this GPU (``torch.cuda.mem_get_info`` unless given), or
-    ``InsufficientMemory`` saying how much is needed and what to change, before the engine starts
-    (not an out-of-memory error halfway)."""
+    ``InsufficientMemory`` saying what is needed and what to change, before the engine starts."""
     if free_bytes is None or total_bytes is None:
         import torch  # (the rest of the planner is arithmetic on numbers)
-
         free_bytes, total_bytes = torch.cuda.mem_get_info()
     fit = colocated_fit(gpu_memory_utilization, trainer_bytes, free_bytes, total_bytes,
                         headroom_bytes=headroom_bytes)
@@ -345,21 +312,18 @@ class Link:
 # Sources: /work/shared/reference anchors, sec. 3 ("Physical limits"); see book/references.bib.
 LINKS: dict[str, Link] = {l.name: l for l in [
     Link("nvlink4-spec", 450, "H100/H200 SXM spec: 18 links x 50 GB/s = 900 GB/s bidirectional"),
-    Link("nvlink4-nccl", 370, "NCCL over NVLink4, effective (~20% protocol overhead), "
-                              "NVIDIA/nccl-tests #212"),
-    Link("nvlink4-h200-broadcast", 363, "torch.distributed broadcast busbw >= 1 GiB, 4xH200 NV18, "
-                                        "NCCL 2.28.9",
-         measured_here=True),
+    Link("nvlink4-nccl", 370,
+         "NCCL over NVLink4, effective (~20% protocol overhead), NVIDIA/nccl-tests #212"),
+    Link("nvlink4-h200-broadcast", 363,
+         "torch.distributed broadcast busbw >= 1 GiB, 4xH200 NV18, NCCL 2.28.9", True),
     Link("pcie5-spec", 64, "PCIe Gen5 x16: 128 GB/s bidirectional, ~64 GB/s per direction"),
     Link("pcie5-pinned", 55, "pinned host<->device copy, H200 PCIe Gen5 (55.2 GB/s each way, "
-                             "results/links.4xH200.json)",
-         measured_here=True),
-    Link("pcie5-pageable", 7.7, "pageable host->device copy, H200 PCIe Gen5 "
-                                "(results/links.4xH200.json)",
-         measured_here=True),
+         "results/links.4xH200.json)", True),
+    Link("pcie5-pageable", 7.7,
+         "pageable host->device copy, H200 PCIe Gen5 (results/links.4xH200.json)", True),
     Link("ib-ndr-400", 50, "InfiniBand NDR 400 Gb/s NIC line rate, per direction"),
-    Link("ib-ndr-400-nccl", 47, "NCCL over one NDR NIC, '46-48 GB/s per NIC', NVIDIA/nccl-tests "
-                                "#290"),
+    Link("ib-ndr-400-nccl", 47,
+         "NCCL over one NDR NIC, '46-48 GB/s per NIC', NVIDIA/nccl-tests #290"),
     Link("ib-ndr-400-x8", 400, "8 NDR NICs per node (line rate), e.g. an 8-GPU H100 node"),
     Link("hbm-h200-copy", 2100, "device-to-device copy (bytes copied), H200", measured_here=True),
 ]}
@@ -371,8 +335,7 @@ def get_link(name: str) -> Link:
 
 
 def transfer_seconds(n_bytes: float, link: Link | str | float, n_links: int = 1) -> float:
-    """Lower-bound time to move n_bytes over n_links parallel links (link = preset, name or
-    GB/s)."""
+    """Lower-bound seconds to move n_bytes over n_links parallel links (preset, name or GB/s)."""
     bw = link if isinstance(link, (int, float)) else (get_link(link) if isinstance(link, str)
                                                       else link).gb_per_s
     if bw <= 0 or n_links < 1:

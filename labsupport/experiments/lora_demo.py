@@ -1,5 +1,6 @@
-"""Lab 8's LoRA demo around ``lora``: a base that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``) learns
-steps of one; greedy text from the engine; one update of each kind, timed (the adapter; the merged weights)."""
+"""Lab 8's LoRA demo around ``lora``: a base that writes the alphabet by twos (``"cde"`` ->
+``"gikmoq"``) learns steps of one; greedy text from the engine; one update of each kind, timed (the
+adapter; the merged weights)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from labsupport.course import models
 
 def train(model, tokenizer, steps: int, *, step: int = 1, lr: float = 1e-2, batch_size: int = 16,
           seed: int = 0) -> list[float]:
-    """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."), where the model
-    is. Only parameters with ``requires_grad`` move: with a peft model, the adapter. Returns the loss per step."""
-    return models.train_pattern(model, tokenizer, steps, device=None, lr=lr, seed=seed, batch_size=batch_size,
-                                stride=step)
+    """Next-token training on alphabet runs advancing ``step`` letters (``step=2``: "acegi..."),
+    where the model is. Only parameters with ``requires_grad`` move: with a peft model, the adapter.
+    Returns the loss per step."""
+    return models.train_pattern(model, tokenizer, steps, device=None, lr=lr, seed=seed,
+                                batch_size=batch_size, stride=step)
 
 
 def base_model_dir(seed: int = 0) -> Path:
-    """A tiny model that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``), trained once and cached."""
+    """A tiny model that writes the alphabet by twos (``"cde"`` -> ``"gikmoq"``), trained once."""
 
     def build():
         tok, model = models.build_tokenizer(), models.build_model(seed)
@@ -37,17 +39,19 @@ def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> 
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=n)
-    return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)]
+    return [o.outputs[0].text for o in llm.generate(prompts, params, lora_request=lora_request,
+                                                    use_tqdm=False)]
 
 
-def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *, dtype: torch.dtype | None = None,
-                 check: bool = True) -> dict[str, Any]:
+def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *,
+                 dtype: torch.dtype | None = None, check: bool = True) -> dict[str, Any]:
     """One LoRA-only update, timed: save the adapter (trainer), load it as ``version`` (engine).
-    Returns the ``request`` to generate with, the ``bytes`` that moved and the ``seconds`` it took."""
+    Returns the ``request`` to generate with, the ``bytes`` moved and the ``seconds`` taken."""
     t0 = time.perf_counter()
     lora.save_adapter(peft_model, folder, dtype)
     req = lora.push_adapter(llm, folder, version, check=check)
-    return {"request": req, "bytes": lora.adapter_bytes(folder), "seconds": time.perf_counter() - t0}
+    return {"request": req, "bytes": lora.adapter_bytes(folder),
+            "seconds": time.perf_counter() - t0}
 
 
 def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -55,4 +59,5 @@ def send_merged(llm: Any, peft_model, *, dtype: torch.dtype | None = None) -> di
     t0 = time.perf_counter()
     named = lora.merged_weights(peft_model, dtype)
     n, seconds = vllm_ext.push_ipc(llm, named), time.perf_counter() - t0
-    return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds, "tensors": n}
+    return {"bytes": sum(t.numel() * t.element_size() for _, t in named), "seconds": seconds,
+            "tensors": n}

@@ -11,7 +11,6 @@ fresh processes and saves the result.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Any, Callable
@@ -85,17 +84,24 @@ BUCKET_MODES = {  # bench row name -> (send mode, verify, receiver lands in its 
 }
 
 
-def bench_on_group(
-    group: StatelessGroup,
-    sizes_bytes: list[int],
-    buckets_bytes: list[int],
-    *,
-    iters: int = 5,
-    warmup: int = 1,
-    src: int = 0,
-    modes: tuple[str, ...] = ("raw", "per_tensor", *BUCKET_MODES),
-    progress: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
+def _weights(group: StatelessGroup, size: int,
+             src: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """A random bfloat16 model of about ``size`` bytes on rank ``src`` (no loader, no expected
+    metadata); elsewhere zeros of the same shapes, a loader into them and their metadata."""
+    dev = group.device
+    shapes = transformer_shapes(size)
+    gen = torch.Generator(device=dev).manual_seed(size)
+    if group.rank == src:
+        return {n: torch.randn(s, device=dev, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+                for n, s in shapes}, None, None
+    model = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes}
+    return model, copy_into(model), expected_from(model)
+
+
+def bench_on_group(group: StatelessGroup, sizes_bytes: list[int], buckets_bytes: list[int], *,
+                   iters: int = 5, warmup: int = 1, src: int = 0,
+                   modes: tuple[str, ...] = ("raw", "per_tensor", *BUCKET_MODES),
+                   progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every rank calls this; rank ``src`` returns the measured rows (others return []).
 
     For each model size: ``raw`` (one broadcast of a single buffer of the same total bytes),
@@ -107,18 +113,9 @@ def bench_on_group(
     dev = group.device
     rows: list[dict[str, Any]] = []
     for size in sizes_bytes:
-        shapes = transformer_shapes(size)
-        total = sum(math.prod(s) * 2 for _, s in shapes)
-        gen = torch.Generator(device=dev).manual_seed(size)
-        if group.rank == src:
-            model = {n: torch.randn(s, device=dev, generator=gen,
-                                    dtype=torch.float32).to(torch.bfloat16)
-                     for n, s in shapes}
-            load, exp = None, None
-        else:
-            model = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes}
-            load, exp = copy_into(model), expected_from(model)
-        base = {"size_bytes": total, "n_tensors": len(shapes), "world_size": group.world_size,
+        model, load, exp = _weights(group, size, src)
+        total = sum(t.numel() * 2 for t in model.values())
+        base = {"size_bytes": total, "n_tensors": len(model), "world_size": group.world_size,
                 "backend": group.backend}
 
         def record(mode: str, bucket: int, times: list[float], stats: SyncStats | None) -> None:
@@ -138,8 +135,8 @@ def bench_on_group(
                    None)
             del buf
 
-        def one(mode: str, bucket: int, verify: bool, in_place: bool) -> tuple[list[float],
-                                                                               SyncStats]:
+        def one(mode: str, bucket: int, verify: bool,
+                in_place: bool) -> tuple[list[float], SyncStats]:
             """Time a run of updates of one kind, with the Sender or Receiver held from one to the
             next."""
             last: list[SyncStats] = []

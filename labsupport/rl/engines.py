@@ -102,8 +102,7 @@ class HFEngine:
         return 0 if named_tensors is None else self.update_weights(named_tensors)
 
     def map_weights(self, handle) -> dict[str, Any]:
-        """Map the trainer's exported bucket once (checked and loaded now); :meth:`sync_mapped` then
-        copies it."""
+        """Map the trainer's bucket once (checked, loaded); :meth:`sync_mapped` then copies it."""
         if self.receiver is None:
             self.receiver = ipc.Receiver()
         self.mapped = self.receiver.bucket(handle)
@@ -111,8 +110,7 @@ class HFEngine:
 
     @torch.no_grad()
     def sync_mapped(self) -> dict[str, Any]:
-        """Copy the mapped bucket into the weights: one grouped copy, by name (a wake re-allocates
-        them)."""
+        """A grouped copy of the mapped bucket into the weights by name (wake re-allocates them)."""
         if self.mapped is None:
             raise RuntimeError("no mapped trainer weights: call map_weights(handle) first")
         return {"copied_bytes": buckets.load_into(self.params(), self.mapped)}
@@ -206,11 +204,8 @@ class VllmEngine:
         in place, which both co-located paths do (the mapped plan refuses a sync once a parameter
         has moved), and sleep keeps those addresses (see :meth:`sleep`)."""
         gpu = torch.device(device).type == "cuda"
-        util = (
-            0.3
-            if gpu_bytes is None or not gpu
-            else gpu_bytes / torch.cuda.get_device_properties(device).total_memory
-        )
+        util = (0.3 if gpu_bytes is None or not gpu
+                else gpu_bytes / torch.cuda.get_device_properties(device).total_memory)
         extra = dict(enable_sleep_mode=sleep_mode, gpu_memory_utilization=util) if gpu else {}
         return vllm_engine.engine_args(model_dir, gpu=gpu, max_model_len=64, seed=seed,
                                        max_num_seqs=max_num_seqs,
@@ -232,9 +227,8 @@ class VllmEngine:
         outs = self.llm.generate([{"prompt_token_ids": x} for x in self.encode(prompts)], sp,
                                  use_tqdm=False)
         t = vllm_engine.outputs_to_tensors(outs, max_new_tokens)
-        texts = self.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["completion_ids"],
-                                                                               t["mask"])],
-                                            skip_special_tokens=True)
+        ids = [c[m].tolist() for c, m in zip(t["completion_ids"], t["mask"])]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return Rollout(list(prompts), n, t["prompt_ids"], t["completion_ids"], t["engine_logprobs"],
                        t["mask"], texts, engine=self.name)
 
@@ -269,15 +263,13 @@ class VllmEngine:
         return reports[0]
 
     def unmap(self) -> None:
-        """Every worker drops its mapping of the trainer's bucket (acked: the trainer may free
-        it)."""
+        """Each worker drops its map of the trainer's bucket (acked, so the trainer can free it)."""
         if self.mapped:
             self.mapped = False
             vllm_ext.call(self.llm, "unmap_trainer_weights")
 
     def checksums(self) -> list[dict[str, int]]:
-        """Checksums of what each worker computes with, in vLLM's layout (``weights_match`` compares
-        them)."""
+        """Checksums of each worker's weights in vLLM's layout (``weights_match`` compares them)."""
         return vllm_ext.engine_sums(self.llm)
 
     def _handles(self, handle) -> bytes:
@@ -291,8 +283,7 @@ class VllmEngine:
                                "computed with the old weights could serve new requests")
 
     def join(self, address: str, port: int, timeout_s: float) -> None:
-        """Join the trainer's weight-sync group as rank 1 (vllm_ext.WorkerExtension, inside vLLM's
-        worker)."""
+        """Join the weight-sync group as rank 1 (inside vLLM's worker: vllm_ext.WorkerExtension)."""
         vllm_ext.call(self.llm, "init_weight_update_group", address, port, 1, 2, timeout_s)
         self.joined = True
 
