@@ -66,8 +66,8 @@ vLLM engines and their updates (Chapters 4 to 8, Labs 4, 6, 7, 8):
 
 - ``vllm_weights``: what a vLLM worker does with received weights (checked, whole layers, then
   loaded)
-- ``vllm_handles``: the IPC handles a co-located engine's workers look up, keyed by the GPU each
-  runs on
+- ``vllm_handles``: the IPC buckets a trainer packs for a co-located engine, keyed by the GPU each
+  worker runs on, and the lookup that finds a worker's own
 - ``reshard``: from a sharded (FSDP2) trainer to a tensor-parallel engine: layout, plan and their
   checks
 - ``vllm_plan``: copy plans into a worker's parameters, checked once; the bucketed receive that only
