@@ -152,8 +152,9 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
 
     @worker_rpc
     def sync_mapped_weights(self) -> dict[str, Any]:
-        """Copy the mapped weights into the engine's per the plan; safe-load the fallback layers."""
-        st = worker_state(self)
+        """Copy the mapped weights into the engine's per the plan; safe-load the fallback layers
+        (``entered``, ``left``: ``time.monotonic()``, one clock for every process of the machine)."""
+        entered, st = time.monotonic(), worker_state(self)
         if st.mapped is None:
             raise WeightUpdateError("no mapped trainer weights: map_engine(llm, shared) first")
         buckets, plan = st.mapped
@@ -171,7 +172,8 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         st.version += 1
         return {"version": st.version, "copied_bytes": plan.copied_bytes,
                 "copies": len(plan.copies), "copy_s": time.perf_counter() - t1,
-                "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback)}
+                "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback), "entered": entered,
+                "left": time.monotonic()}
 
     @worker_rpc
     def unmap_trainer_weights(self) -> bool:

@@ -161,6 +161,10 @@ def test_the_bench_times_the_mapped_copies_against_a_flat_copy_in_the_worker(llm
         assert got["copies"] == mapping["copies"] > 0 and got["planned_params"] == mapping["planned_params"]
         assert got["copy_floor_s"] > 0 and got["copy_median_s"] > 0 and got["sync_median_s"] >= got["copy_median_s"]
         assert got["copy_fraction_of_floor"] == pytest.approx(got["copy_floor_s"] / got["copy_median_s"])
+        # where the sync's time goes, by one clock across the processes: each part happened, none exceeds the whole
+        parts = [got[k] for k in ("there_s", "in_worker_s", "back_s")]
+        assert all(0 <= p <= got["sync_median_s"] * 1.5 for p in parts) and got["in_worker_s"] > 0
+        assert got["in_worker_s"] >= got["copy_median_s"] * 0.5 and got["refresh_s"] >= 0
         assert exact(llm, model)["exact"]
     finally:
         fast_update.unmap_engine(llm)

@@ -263,22 +263,31 @@ def against_floor(llm: Any, shared: fast_update.SharedWeights, mapping: dict[str
     """The mapped update against one flat copy of the same bytes (``copy_floor``), in the same
     worker and run: ``copy_fraction_of_floor`` for the update's copies (``copy_s`` of
     ``sync_mapped_weights``), and ``sync_fraction_of_floor`` for the whole ``fast_update.sync`` as
-    the trainer sees it (check, RPC, copies); medians of ``repeats`` updates."""
-    copy_s, sync_s = [], []
+    the trainer sees it (check, RPC, copies); medians of ``repeats`` updates. Where the rest goes,
+    by the worker's clock stamps: ``there_s`` (the trainer's check, then the RPC on its way),
+    ``in_worker_s`` (checks and copies), ``back_s`` (the reply), and ``refresh_s`` alone."""
+    copy_s, sync_s, ways, refresh_s = [], [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         (got,) = fast_update.sync(llm, shared)
-        sync_s.append(time.perf_counter() - t0)
+        t1 = time.monotonic()
+        sync_s.append(t1 - t0)
         copy_s.append(got["copy_s"])
+        ways.append((got["entered"] - t0, got["left"] - got["entered"], t1 - got["left"]))
+        t0 = time.monotonic()
+        shared.refresh()  # (again, alone: what the trainer's side costs before the call)
+        refresh_s.append(time.monotonic() - t0)
     if torch.cuda.is_available():
         # the trainer's cached blocks back to the device, for the floor's destination
         torch.cuda.empty_cache()
     (floor,) = vllm_ext.call(llm, copy_floor)
     copy, whole = statistics.median(copy_s), statistics.median(sync_s)
+    there, inside, back = (statistics.median(w) for w in zip(*ways))
     return {"copies": mapping["copies"], "planned_params": mapping["planned_params"],
             "copy_floor_s": floor,
             "copy_median_s": copy, "sync_median_s": whole, "copy_fraction_of_floor": floor / copy,
-            "sync_fraction_of_floor": floor / whole}
+            "sync_fraction_of_floor": floor / whole, "there_s": there, "in_worker_s": inside,
+            "back_s": back, "refresh_s": statistics.median(refresh_s)}
 
 
 def timed(fn: Any, llm: Any) -> dict[str, Any]:
@@ -791,6 +800,10 @@ def report(data: dict[str, Any]) -> None:
                   f"({m['copy_fraction_of_floor'] * 100:.1f} % of it); the whole sync, RPC "
                   f"included, {m['sync_median_s'] * 1e3:.2f} ms "
                   f"({m['sync_fraction_of_floor'] * 100:.1f} %)")
+            if "there_s" in m:
+                print(f"  where the sync's time goes: to the worker {m['there_s'] * 1e3:.2f} ms "
+                      f"(the trainer's refresh alone {m['refresh_s'] * 1e3:.2f} ms), in it "
+                      f"{m['in_worker_s'] * 1e3:.2f} ms, back {m['back_s'] * 1e3:.2f} ms")
     print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
     print("bar (bucketed transfer >= 85 % of raw, cycle <= 2x raw, exact on every rank; native "
           f"NCCL beside it): {data['bar_nccl']}")
