@@ -153,7 +153,7 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
     @worker_rpc
     def sync_mapped_weights(self) -> dict[str, Any]:
         """Copy the mapped weights into the engine's per the plan; safe-load the fallback layers
-        (``entered``, ``left``: ``time.monotonic()``, one clock for every process of the machine)."""
+        (``entered``, ``left``: ``time.monotonic()``, one clock for the machine's processes)."""
         entered, st = time.monotonic(), worker_state(self)
         if st.mapped is None:
             raise WeightUpdateError("no mapped trainer weights: map_engine(llm, shared) first")
