@@ -42,8 +42,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     or disagreeing world sizes, ``GroupTimeout`` naming the ranks that never arrived."""
     if not 0 <= rank < world_size or (store is not None and rank != 0):  # (the others: its address)
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}, and only "
-                         f"rank 0 brings a store; got rank={rank}"
-                         f"{' with a store' if store is not None else ''}.")
+                         f"rank 0 brings a store; got rank={rank}, store={store is not None}.")
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:  # (the caller's current device stays so)
         device = torch.device("cuda", torch.cuda.current_device())
@@ -54,13 +53,18 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     except Exception as exc:
         raise _no_store(exc, rank, address, timeout_s) from exc
     if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank once, with the world size it expects
-        raise GroupError(f"rank {rank} joined group {address} twice; give every process a distinct "
-                         "rank.")
+        raise GroupError(f"rank {rank} joined group {address} twice; give each process a rank.")
     store.set(f"world/{rank}", str(world_size))
     try:
         _await_arrivals(store, rank, world_size, timeout_s, address)
-    except GroupError as exc:
-        _linger(store, rank, world_size, timeout_s, exc)
+    except GroupError as exc:  # say so; rank 0 stays a moment: the others read its world size
+        with contextlib.suppress(Exception):  # (rank 0's store may be gone)
+            store.set(f"failed/{rank}", "1")
+        end = time.monotonic() + min(2.0, timeout_s)
+        while (rank == 0 and not isinstance(exc, GroupTimeout) and time.monotonic() < end
+               and not all(store.check([f"failed/{r}"]) for r in range(1, world_size)
+                           if store.check([f"world/{r}"]))):
+            time.sleep(0.05)
         raise
     group = StatelessGroup(store, rank, world_size, device, timeout_s, address)
     # The backend's start under our deadline (gloo's connect, NCCL's lazy init: a dead rank's hang)
@@ -72,8 +76,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now; another process may take it before rank 0 listens (``host_store``
-    cannot lose its port)."""
+    """A TCP port free now; another process may take it before rank 0 listens (see host_store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -108,14 +111,12 @@ class StatelessGroup:
         self.synchronize("group warm-up")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
-        """Broadcast ``tensor`` in place from ``src``, after ``stream``'s work (as vLLM's
-        PyNcclCommunicator)."""
+        """Broadcast ``tensor`` in place from ``src``, after ``stream``'s work (as vLLM's does)."""
         with torch.cuda.stream(stream if self.backend == "nccl" else None):  # (None: no change)
             self.wait_work(self.broadcast_many([tensor], src), "broadcast")
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> Any:
-        """Start one launch broadcasting ``tensors`` from ``src``; returns what ``wait_work`` takes.
-        """
+        """Start one launch broadcasting ``tensors`` from ``src``, for ``wait_work``."""
         self._check_args(tensors, "broadcast", src)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
@@ -124,24 +125,20 @@ class StatelessGroup:
 
     def exchange(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> Any:
         """Start every ``(kind, tensor, peer, tag)`` op ("send" or "recv") in one launch (gloo
-        matches them by peer and tag); returns what ``wait_work`` takes. Keep the tensors alive
-        until then."""
+        matches by peer and tag), for ``wait_work``; keep the tensors alive until then."""
         for kind, t, peer, _ in ops:
             self._check_args([t], kind, peer)
         return self._launch([lambda k=k, t=t, p=p, g=g: getattr(self.pg, k)([t], p, g)
                              for k, t, p, g in ops], "send/recv", p2p=True)
 
     def _launch(self, calls: list[Callable[[], Any]], what: str, p2p: bool = False) -> Any:
-        """The backend calls as one launch: an NCCL group (gloo cannot group: a Work per call);
-        ``p2p`` even alone (torch gives a lone send/recv a 2-rank communicator, a peer's grouped
-        ones the group's: both would hang)."""
+        """The calls as one launch: an NCCL group (gloo: a Work per call); ``p2p`` even alone (torch
+        gives a lone send/recv a 2-rank communicator, a peer's grouped ones the group's: a hang)."""
         with self._step(what):
-            if self.backend != "nccl" or (len(calls) <= 1 and not p2p):
-                return [c() for c in calls]
-            self.pg._start_coalescing()
-            for c in calls:
-                c()
-            return self.pg._end_coalescing()
+            if group := self.backend == "nccl" and (len(calls) > 1 or p2p):
+                self.pg._start_coalescing()
+            works = [c() for c in calls]
+            return self.pg._end_coalescing() if group else works
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In-place all-reduce (``op``: "sum", "max" or "min") of a tensor on the group's device."""
@@ -159,9 +156,8 @@ class StatelessGroup:
                 w.wait()
 
     def synchronize(self, what: str = "work", timeout_s: float | None = None) -> None:
-        """Block the host until the device work queued so far is done, at most ``timeout_s``
-        (default: the group's). NCCL kernels waiting on a dead peer spin forever: poll an event,
-        and past the deadline (or if NCCL's error handling aborted) abort: ``GroupTimeout``."""
+        """Block the host until the work queued so far is done, at most ``timeout_s`` (default: the
+        group's): a dead peer's NCCL kernels spin forever, so past it: ``GroupTimeout``."""
         if self.backend != "nccl":
             return  # (on gloo every collective has already waited on the host)
         limit, start = (self.timeout_s if timeout_s is None else timeout_s), time.monotonic()
@@ -171,8 +167,7 @@ class StatelessGroup:
                 time.sleep(0.001)
             if waited > limit:
                 raise _lost(self, what, waited_s=limit)
-        error = self.pg.get_error().name if hasattr(self.pg, "get_error") else "SUCCESS"
-        if error != "SUCCESS":
+        if hasattr(self.pg, "get_error") and (error := self.pg.get_error().name) != "SUCCESS":
             raise _lost(self, what, RuntimeError(f"NCCL's error handling aborted it ({error})"))
 
     def _check_args(self, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:
@@ -183,16 +178,14 @@ class StatelessGroup:
             raise ValueError(f"{what}: rank {peer} is not in this group of {self.world_size} ranks "
                              f"(0..{self.world_size - 1})")
         for t in tensors:
-            if t.device.type != self.device.type or (
-                    self.device.type == "cuda" and t.device != self.device):
+            if t.device != self.device and (t.device.type, self.device.type) != ("cpu", "cpu"):
                 raise ValueError(f"{what}: expected a tensor on this group's device {self.device}, "
                                  f"found one on {t.device} (shape {tuple(t.shape)}, {t.dtype}); "
                                  f"move it with .to({str(self.device)!r})")
 
     @contextlib.contextmanager
     def _step(self, what: str, store: bool = False) -> Iterator[None]:
-        """Backend (or ``store``) calls on the group's device; a lost peer (any store error) ->
-        ``GroupTimeout``."""
+        """Backend (or ``store``) calls on the group's device; a lost peer: ``GroupTimeout``."""
         try:
             with torch.cuda.device(self.device if self.device.type == "cuda" else -1):  # (-1: none)
                 yield
@@ -214,12 +207,10 @@ class StatelessGroup:
         self.all_gather_object(None)
 
     def _objects(self, obj: Any, writers: list[int], what: str) -> list[Any]:
-        """The objects of ``writers`` (this rank's: ``obj``) through the store; the last reader
-        deletes the keys."""
+        """The objects of ``writers`` (this rank's: ``obj``) via the store; last reader cleans."""
         self._check_args([], what, writers[0] if len(writers) == 1 else None)  # (source in range?)
         self._seq += 1
-        op = f"op{self._seq}"
-        keys = {r: f"{op}/{r}" for r in writers}
+        op, keys = f"op{self._seq}", {r: f"op{self._seq}/{r}" for r in writers}
         if self.rank in keys:
             data = pickle.dumps(obj)
             with self._step(what, store=True):
@@ -245,13 +236,11 @@ class StatelessGroup:
         self._close("abort", "shutdown")
 
     def destroy(self) -> None:  # (NCCL: a local abort, as a shutdown waits for every rank)
-        """Release the backend and the store (rank 0: its port) without waiting for the peers; safe
-        twice."""
+        """Release the backend and store (rank 0: its port) not waiting for peers; idempotent."""
         self._close(*(["abort"] if self.backend == "nccl" else []), "shutdown")
         self.pg = self.store = self._obj = None
 
-    def _close(self, *ways: str) -> None:
-        """Mark the group closed (once) and call the first of the backend's teardowns that works."""
+    def _close(self, *ways: str) -> None:  # closed (once): the first of the teardowns that works
         for way in ways if not self.closed else ():
             with contextlib.suppress(Exception):  # (a backend a dead peer already broke may raise)
                 getattr(self.pg, way)()
@@ -303,73 +292,52 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
 
 
 def _peer_gone(exc: BaseException | None) -> bool:
-    """A lost peer: the store's or network's errors, a backend's plain RuntimeError saying so; never
-    a bug's error."""
+    """A lost peer: a store or network error, a backend's RuntimeError saying so; not a bug."""
     return isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or (
         type(exc) in (RuntimeError, dist.DistBackendError) and bool(_PEER_GONE.search(str(exc))))
 
 
 def _no_store(exc: Exception, rank: int, address: str, timeout_s: float) -> GroupError:
     """The error for a store that could not start (rank 0) or be reached (the others)."""
-    host, _, port = address.rpartition(":")
-    if rank == 0 and ("EADDRINUSE" in str(exc) or "in use" in str(exc)):
-        return GroupError(f"port {port} on {host} is already in use, so rank 0 cannot host the "
-                          "group there. Pick a free port (labsupport.groups.free_port()), or host "
-                          "the store first (labsupport.groups.host_store()), and pass its port to "
-                          "every rank.")
     if rank != 0:
         return GroupTimeout(f"rank {rank} could not reach the group's master (rank 0) at {address} "
                             f"within {timeout_s:.0f} s. Is rank 0 running, and do all ranks use "
                             "the same address and port?")
-    return GroupError(f"rank 0 could not start the group's store at {address}: {exc}")
-
-
-def _linger(store: Any, rank: int, world_size: int, timeout_s: float, exc: GroupError) -> None:
-    """After a failed arrival, say so; rank 0 stays a moment: the others read its world size for
-    their error."""
-    with contextlib.suppress(Exception):  # (rank 0's store may be gone)
-        store.set(f"failed/{rank}", "1")
-    end = time.monotonic() + min(2.0, timeout_s)
-    while rank == 0 and not isinstance(exc, GroupTimeout) and time.monotonic() < end and not all(
-            store.check([f"failed/{r}"]) for r in range(1, world_size)
-            if store.check([f"world/{r}"])):
-        time.sleep(0.05)
+    if "EADDRINUSE" not in str(exc) and "in use" not in str(exc):
+        return GroupError(f"rank 0 could not start the group's store at {address}: {exc}")
+    host, _, port = address.rpartition(":")
+    return GroupError(f"port {port} on {host} is already in use, so rank 0 cannot host the group "
+                      "there. Pick a free port (labsupport.groups.free_port()), or host the store "
+                      "first (labsupport.groups.host_store()), and pass its port to every rank.")
 
 
 def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
           waited_s: float | None = None) -> GroupTimeout:
-    """Abort the group's backend; the error for a step that failed: which peers stopped answering"""
+    """Abort the group's backend; the error for a failed step: which peers stopped answering."""
     group.abort()
     cause = (f"did not finish within {waited_s:.0f} s" if waited_s is not None else "failed" + (
         f" ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" if exc else ""))
-    gone = _unresponsive(group)
-    who = ("rank 0 vanished or stopped (it hosts the group's store, which no longer answers)"
-           if gone is None else f"rank(s) {gone} did not answer a liveness check through the store "
-           "(dead or hung)" if gone else
-           "every peer still answers, so one of them probably called a different collective")
-    return GroupTimeout(f"rank {group.rank}: {what} on group {group.address} {cause}: {who}. "
-                        "The group was aborted; check those ranks' logs, then create a new group.")
-
-
-def _unresponsive(group: StatelessGroup) -> list[int] | None:
-    """Ranks not checking in through the store in time; None: rank 0, the store's host, is gone or
-    stopped (its store may never answer or raises; the ranks found missing before that stay)."""
     limit, gone = min(group.timeout_s + 1.0, 8.0), []  # (<= 8 s: the error by the deadline + 10 s)
 
-    def check_in() -> None:
+    def check_in() -> None:  # ranks not checking in through the store in time
         end = time.monotonic() + limit
         (store := group.store).set(f"alive/{group.rank}", "1")
         while not gone or gone[-1] and time.monotonic() < end:
             gone.append([r for r in range(group.world_size)
                          if r != group.rank and not store.check([f"alive/{r}"])])
             time.sleep(0.05)
-    done = _bounded(check_in, limit + 1.0)
-    return gone[-1] if done and (done[0] is None or gone and 0 not in gone[-1]) else None
+    done = _bounded(check_in, limit + 1.0)  # (an error: rank 0, the store's host, is gone)
+    missing = gone[-1] if done and (done[0] is None or gone and 0 not in gone[-1]) else None
+    who = ("rank 0 vanished or stopped (it hosts the group's store, which no longer answers)"
+           if missing is None else f"rank(s) {missing} did not answer a liveness check through the "
+           "store (dead or hung)" if missing else
+           "every peer still answers, so one of them probably called a different collective")
+    return GroupTimeout(f"rank {group.rank}: {what} on group {group.address} {cause}: {who}. "
+                        "The group was aborted; check those ranks' logs, then create a new group.")
 
 
 def _bounded(fn: Callable[[], Any], limit: float) -> list[Any]:
-    """``fn()`` on a daemon thread for at most ``limit`` s: ``[what it returned or raised]``, or
-    ``[]``: still running."""
+    """``fn()`` on a daemon thread, at most ``limit`` s: ``[its result or exception]``, or []."""
     out: list[Any] = []
 
     def run() -> None:
