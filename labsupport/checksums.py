@@ -1,13 +1,12 @@
-"""Checksums of tensor bytes that every device agrees on: how ``broadcast`` verifies a weight
-update.
+"""Checksums of tensor bytes that every device agrees on: how ``broadcast`` verifies an update.
 
 The bytes are read as the widest integer words their length allows; rows of 1024 words are summed
 (one bandwidth-bound reduction on the device), then weighted by an odd pseudo-random number per row,
-so moving data between rows changes the result. Integer sums wrap the same way in any order: a
-trainer and its receivers get the same number from the same bytes, on any device, without waiting
-for the host. A single changed word always changes the checksum: it moves its row's sum by a nonzero
-amount, which an odd multiplier cannot turn into a multiple of 2**64. ``check_engine`` checks a vLLM
-engine against its trainer with them, parameter by parameter.
+so moving data between rows changes the result. Integer sums wrap the same way in any order: the
+same bytes give the same number on any device, without waiting for the host. One changed word
+always changes the checksum (an odd multiplier cannot turn its row's nonzero change into a multiple
+of 2**64). ``check_engine`` checks a vLLM engine against its trainer with them, parameter by
+parameter.
 """
 
 from __future__ import annotations
@@ -18,20 +17,20 @@ import torch
 
 ROW = 1024  # words per checksum row
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_LOADED: set[tuple[torch.device, str]] = set()
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def tensor_checksums(
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> dict[str, int]:
-    """``{name: checksum}`` of each tensor's bytes (computed on its device; equal bytes give equal
-    numbers)."""
-    items = list(named_tensors.items()) if isinstance(named_tensors,
-                                                      Mapping) else list(named_tensors)
-    if not items:
-        return {}
-    sums = [of_bytes(cat_bytes([t.detach().contiguous()])) for _, t in items]
-    values = torch.stack([x.to(sums[0].device) for x in sums]).tolist()  # one host sync
-    return {n: int(v) for (n, _), v in zip(items, values)}
+def tensor_checksums(named_tensors: NamedTensors) -> dict[str, int]:
+    """``{name: checksum}`` of each tensor's bytes, computed on its device."""
+    named = dict(named_tensors)
+    return dict(zip(named, _values([of_bytes(cat_bytes([t.detach().contiguous()]))
+                                    for t in named.values()])))
+
+
+def _values(sums: list[torch.Tensor]) -> list[int]:
+    """The checksums as ints, with one host sync."""
+    return torch.stack([x.to(sums[0].device) for x in sums]).tolist() if sums else []
 
 
 def of_bytes(u8: torch.Tensor) -> torch.Tensor:
@@ -51,24 +50,18 @@ def of_bytes(u8: torch.Tensor) -> torch.Tensor:
 
 
 def cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of contiguous tensors, one after the other (a view of a single tensor, else a
-    copy)."""
+    """The bytes of contiguous tensors, one after the other (one tensor: a view, else a copy)."""
     u8 = [t.reshape(-1).view(torch.uint8) for t in tensors]
     return u8[0] if len(u8) == 1 else torch.cat(u8)
 
 
 def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
-    """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown when a larger
-    one comes)."""
+    """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown as needed)."""
     w = _WEIGHTS.get(device)
     if w is None or w.numel() <= rows:
-        w = _WEIGHTS[device] = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64,
-                                            device=device) \
-            .mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
+        w = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device)
+        w = _WEIGHTS[device] = w.mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
     return w
-
-
-_LOADED: set[tuple[torch.device, str]] = set()
 
 
 def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
@@ -77,16 +70,12 @@ def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
     sets ``CUDA_MODULE_LOADING=LAZY``), and loading waits for the device: behind a collective that
     spins on a dead peer, it would block the host in the driver, where no deadline reaches it
     (``broadcast``)."""
-    todo = (
-        [d for d in ("checksums", *dtypes) if (device, d) not in _LOADED]
-        if device.type == "cuda"
-        else []
-    )
-    for d in todo:
-        # every word width of_bytes reads, an odd address (cloned), two tensors (joined)
-        if d == "checksums":
-            u8 = [torch.zeros(w * (2 * ROW + 1), dtype=torch.uint8, device=device) for w in (8, 4,
-                                                                                             2, 1)]
+    for d in ("checksums", *dtypes) if device.type == "cuda" else ():
+        if (device, d) in _LOADED:
+            continue
+        if d == "checksums":  # every word width of_bytes reads, an odd address, two tensors joined
+            u8 = [torch.zeros(w * (2 * ROW + 1), dtype=torch.uint8, device=device)
+                  for w in (8, 4, 2, 1)]
             sums = torch.stack([of_bytes(t) for t in u8 + [u8[0][1:17], cat_bytes(u8[-2:])]])
             torch.cat([torch.full((1,), 0, dtype=torch.int64, device=device), sums, -sums]).tolist()
         else:
@@ -95,12 +84,11 @@ def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
         _LOADED.add((device, d))
 
 
-# ---- a vLLM engine's weights against the trainer's, byte for byte (``vllm_weights`` is the
-# engine's side) ------- Equal checksums for every parameter (one changed word changes one) mean the
-# engine computes with the trainer's bytes.
+# ---- a vLLM engine's weights against the trainer's, byte for byte: equal checksums for every
+# parameter mean the engine computes with the trainer's bytes
 
-def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                     layout: Any, rank: int) -> dict[str, int]:
+
+def layout_checksums(named_tensors: NamedTensors, layout: Any, rank: int) -> dict[str, int]:
     """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from
     the trainer's checkpoint tensors (HF names, full shapes) the way ``layout``
     (``reshard.qwen2_layout``) places them: fused ``qkv_proj`` / ``gate_up_proj``, sharded,
@@ -109,10 +97,8 @@ def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
     for piece in layout.pieces:
         if piece.rank == rank:
             pieces.setdefault(piece.param, []).append(piece)
-    sums, names = [], []
-    for (r, param), shape in layout.engine.items():
-        if r != rank:
-            continue
+    sums = {}
+    for param, shape in ((p, s) for (r, p), s in layout.engine.items() if r == rank):
         like = next(tensors[p.name] for p in pieces[param] if p.name is not None)
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
         for p in pieces[param]:
@@ -121,11 +107,9 @@ def layout_checksums(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
                 dst.zero_()
             else:
                 dst.copy_(tensors[p.name].detach()[tuple(slice(a, b) for a, b in p.src)])
-        names.append(param)
-        sums.append(of_bytes(buf.reshape(-1).view(torch.uint8)))
+        sums[param] = of_bytes(cat_bytes([buf]))
         del buf
-    values = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []
-    return dict(zip(names, (int(v) for v in values)))
+    return dict(zip(sums, _values(list(sums.values()))))
 
 
 @torch.no_grad()
@@ -150,15 +134,14 @@ def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, in
 
 
 def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
-    """What differs between two ``{name: checksum}``: parameters with other bytes, missing, or
-    unexpected."""
+    """What differs between two ``{name: checksum}``: other bytes, missing, or not expected."""
     return ([f"{n}: other bytes" for n in expected if n in got and got[n] != expected[n]]
             + [f"{n}: missing" for n in expected if n not in got]
             + [f"{n}: not expected" for n in got if n not in expected])
 
 
-def check_engine(sums: list[dict[str, int]], named_tensors: Mapping[str, torch.Tensor]
-                 | Iterable[tuple[str, torch.Tensor]], layout: Any) -> dict[str, Any]:
+def check_engine(sums: list[dict[str, int]], named_tensors: NamedTensors,
+                 layout: Any) -> dict[str, Any]:
     """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint
     tensors, in the engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums
     (``vllm_ext.engine_sums``). ``{"exact", "n_differences", "differences"}`` (the first 8, each

@@ -1,9 +1,8 @@
 """The one check of an update's metadata (names, dtypes, shapes) against what a receiver holds.
 
-Every receiver of weights refuses an update whose metadata does not match before it writes anything:
-a broadcast receiver (``broadcast``), a vLLM worker (``vllm_weights``), an IPC receiver or exporter
-(``ipc``). What counts as a mismatch is decided here, once (``problems``); ``describe`` words it for
-a reader who holds the tensors (a receiver may word it for its own reader instead).
+Every receiver of weights (``broadcast``, ``vllm_weights``, ``ipc``) refuses an update whose
+metadata does not match before it writes anything. What counts as a mismatch is decided here, once
+(``problems``); ``describe`` words it for a reader who holds the tensors.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from typing import Any, Iterable, Mapping
 
 # (name, dtype name, shape): a ``core.buckets.Meta`` or a plain tuple
 Found = tuple[str, str, tuple[int, ...]]
+_SAYS = {"twice": "sent twice", "missing": "missing (send it, or say partial=True)"}
 
 
 def problems(found: Iterable[Found], expected: Mapping[str, tuple], *,
@@ -34,24 +34,19 @@ def problems(found: Iterable[Found], expected: Mapping[str, tuple], *,
             out.append((name, "dtype", e_dtype, dtype))
         elif tuple(shape) != tuple(e_shape):
             out.append((name, "shape", tuple(e_shape), tuple(shape)))
-    return out + ([] if partial else [(n, "missing", None, None) for n in expected
-                                      if n not in seen])
+    return out + [(n, "missing", None, None) for n in expected if not partial and n not in seen]
 
 
 def describe(found: Iterable[Found], expected: Mapping[str, tuple], *,
              partial: bool = False) -> list[str]:
-    """``problems`` as one line each, for a reader who holds the ``expected`` tensors (empty list:
-    accept)."""
+    """``problems`` as one line each, for a reader who holds the ``expected`` tensors."""
     out = []
     for name, what, want, got in problems(found, expected, partial=partial):
-        if what in ("twice", "missing"):
-            out.append(f"'{name}': " + ("sent twice" if what == "twice"
-                                        else "missing (send it, or say partial=True)"))
-        elif what == "unknown":
+        if what == "unknown":
             close = difflib.get_close_matches(name, list(expected), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             out.append(f"'{name}': unknown name, expected one of this receiver's {len(expected)} "
                        f"tensors{hint}")
-        else:  # "dtype" or "shape"
-            out.append(f"'{name}': {what} expected {want}, found {got}")
+        else:
+            out.append(f"'{name}': " + _SAYS.get(what, f"{what} expected {want}, found {got}"))
     return out
