@@ -31,17 +31,16 @@ PKG = Path(labsupport.__file__).parent
 # rate), and the IPC handles' lookup in vllm_handles: 4,164. Still to go: lora's lab helpers (train, generate,
 # send_*) into experiments/, and the hardened modules' longest docstrings. Then lora's lab helpers moved out
 # (experiments.lora_demo) and vllm_plan came in: the planned bucketed NCCL receive (issue 47's update at line
-# rate: per-bucket copy plans checked against vLLM's loader once, old bytes aside, phase timers), 109 lines
-# over, to be paid back with the 100-column rewrap (issue 50, branch `lines`).
-MECHANISM_LINES = 4273
+# rate: per-bucket copy plans checked against vLLM's loader once, old bytes aside, phase timers): 4,273, at
+# up to 120 columns. Then every line of labsupport/ within 100 columns (ruff, below): wrapped as they were, the
+# mechanisms would have held about 4,860 lines; docstrings said once, duplicated code inside files made one,
+# and two trainer-side helpers moved into vllm_handles brought them to 4,406. The target stays 4,000 (issue 50):
+# the rest is code, the error messages' advice and the docstrings' lists of what guards against what, so it
+# asks for fewer mechanisms or smaller ones, not fewer words.
+MECHANISM_LINES = 4406
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 # Lines <= 100 columns in labsupport/: ruff's E501 with pyproject.toml's line-length (editors read the same).
-# To do: these files were being rewritten when the rest was wrapped; wrap them and empty this set.
-WIDE_FOR_NOW = {"broadcast.py", "vllm_ext.py", "vllm_weights.py", "fast_update.py", "groups.py", "vllm_plan.py",
-                "vllm_handles.py", "lora.py", "__init__.py", "rl/loop.py", "rl/colocated.py",
-                "experiments/lora_demo.py", "bench/vllm_update.py", "bench/peer2.py", "bench/peer.py",
-                "bench/reshard.py", "bench/lora.py", "bench/fp8_update.py"}
 
 
 def _name(path: Path) -> str:
@@ -112,10 +111,21 @@ def test_no_line_over_100_columns():
                             capture_output=True, text=True, timeout=120, cwd=PKG.parent)
     assert result.returncode in (0, 1), result.stderr  # 1: it found something; 2: it could not run
     found = json.loads(result.stdout)
-    wide = [f"{Path(f['filename']).relative_to(PKG)}:{f['location']['row']}" for f in found
-            if Path(f["filename"]).relative_to(PKG).as_posix() not in WIDE_FOR_NOW]
+    wide = [f"{Path(f['filename']).relative_to(PKG)}:{f['location']['row']}" for f in found]
     assert not wide, (f"{len(wide)} lines over 100 columns (pyproject.toml's line-length): "
                       f"{', '.join(wide[:20])}; wrap them (`ruff format FILE` helps with code)")
+
+
+def test_the_column_check_catches_a_wide_line(tmp_path):
+    """Positive and negative controls: the project's ruff settings flag 101 columns, not 100."""
+    for cols, flagged in ((100, False), (101, True)):
+        f = tmp_path / f"w{cols}.py"
+        f.write_text("x = " + repr("a" * (cols - 6)) + "\n")
+        assert len(f.read_text().rstrip("\n")) == cols
+        got = subprocess.run([sys.executable, "-m", "ruff", "check", "--config",
+                              str(PKG.parent / "pyproject.toml"), "--output-format", "json", str(f)],
+                             capture_output=True, text=True, timeout=120)
+        assert bool(json.loads(got.stdout)) == flagged, (cols, got.stdout, got.stderr)
 
 
 def test_no_function_over_its_budget():
