@@ -45,21 +45,23 @@ def test_summary_counts_failures_and_cold_failures():
         3, 1, 1, 1, ["boom"], 20.0)
 
 
-def test_merge_makes_one_record_of_lanes_side_by_side(tmp_path, monkeypatch):
-    def lane(tag, ok):
+@pytest.mark.parametrize("gpus, tag", [(("0", "1"), "2xG"), (("0", "0"), "1xG")])
+def test_merge_makes_one_record_of_lanes_side_by_side_or_one_after_another(tmp_path, monkeypatch, gpus, tag):
+    def lane(name, ok, gpu):
         return {"name": "bench_soak", "machine": {"gpus": [{"name": "G"}], "gpu_count": 1}, "machine_tag": "1xG",
-                "versions": {}, "command": f"soak --tag {tag}", "date": f"2026-01-0{1 + ok}",
-                "data": {"settings": {"tag": tag}, "env": {}, "runs": [
-                    {"config": "c", "cold": False, "ok": ok, "error": None if ok else "x", "ms_per_step": 1.0}]}}
+                "versions": {}, "command": f"soak --tag {name}", "date": f"2026-01-0{1 + ok}",
+                "data": {"settings": {"tag": name}, "env": {}, "runs": [{"config": "c", "cold": False, "ok": ok,
+                         "error": None if ok else "x", "ms_per_step": 1.0, "gpu": gpu}]}}
     paths = []
-    for tag, ok in (("a", True), ("b", False)):
-        paths.append(tmp_path / f"{tag}.json")
-        paths[-1].write_text(json.dumps(lane(tag, ok)))
+    for name, ok, gpu in zip("ab", (True, False), gpus):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(lane(name, ok, gpu)))
     monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
-    assert soak.merge([str(p) for p in paths], "2xG") == 0
-    rec = json.loads((tmp_path / "bench_soak.2xG.json").read_text())
-    assert rec["machine"]["gpu_count"] == 2 and rec["machine_tag"] == "2xG" and rec["name"] == "bench_soak"
-    assert [r["lane"] for r in rec["data"]["runs"]] == ["a", "b"]
+    assert soak.merge([str(p) for p in paths], tag) == 0
+    rec = json.loads((tmp_path / f"bench_soak.{tag}.json").read_text())
+    # lanes on GPUs of their own add GPUs; lanes one after another on the same GPU do not
+    assert rec["machine"]["gpu_count"] == len(set(gpus)) and rec["machine_tag"] == tag
+    assert rec["name"] == "bench_soak" and [r["lane"] for r in rec["data"]["runs"]] == ["a", "b"]
     assert rec["data"]["summary"]["c"]["failed"] == 1
 
 

@@ -145,8 +145,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def merge(paths: list[str], tag: str | None) -> int:
-    """One record of several soaks that ran side by side on one machine (each lane saw its own
-    GPUs): every run with its lane's command, the summary over all of them; written as
+    """One record of several soaks on one machine (lanes side by side, or one after another):
+    every run with its lane's command, the summary over all of them; written as
     ``results/bench_soak.<tag>.json``."""
     from labsupport.course import results
 
@@ -154,7 +154,8 @@ def merge(paths: list[str], tag: str | None) -> int:
     runs = [{**r, "lane": rec["data"]["settings"].get("tag")} for rec in recs
             for r in rec["data"]["runs"]]
     first = recs[0]
-    gpus = [g for rec in recs for g in rec["machine"]["gpus"]]
+    # a GPU that two lanes used one after the other is one GPU: count the devices the runs named
+    gpus = [first["machine"]["gpus"][0]] * len({r.get("gpu") for r in runs})
     record = {**first, "name": "bench_soak", "machine": {**first["machine"], "gpus": gpus,
                                                          "gpu_count": len(gpus)},
               "machine_tag": tag or first["machine_tag"], "command": "; ".join(rec["command"]
