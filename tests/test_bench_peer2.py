@@ -149,3 +149,16 @@ def test_capstone_jobs_run_on_cpu_and_the_result_summarizes(tmp_path, monkeypatc
     assert data["pairs"]["async"]["mean"] is None and set(data["architectures"]) == {"disaggregated", "async"}
     assert peer2.main(["--summarize", str(path)]) == 0
     assert json.loads(path.read_text())["data"]["architectures"] == data["architectures"]
+    # runs saved apart (another seed, another half hour) make one record; the same run twice does not
+    rec = json.loads(path.read_text())
+    for r in rec["data"]["runs"]:
+        r["seed"] = 1
+    rec["data"]["settings"]["seeds"] = "1"
+    other = tmp_path / "seed1.json"
+    other.write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="recorded twice"):
+        peer2.main(["--summarize", str(other), str(other)])
+    assert peer2.main(["--summarize", str(path), str(other)]) == 0
+    both = json.loads((tmp_path / f"bench_peer2.{rec['machine_tag']}.json").read_text())
+    assert both["data"]["settings"]["seeds"] == "0,1" and len(both["data"]["runs"]) == 4
+    assert set(both["data"]["architectures"]) == {"disaggregated", "async"}

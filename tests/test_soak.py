@@ -63,6 +63,13 @@ def test_merge_makes_one_record_of_lanes_side_by_side_or_one_after_another(tmp_p
     assert rec["machine"]["gpu_count"] == len(set(gpus)) and rec["machine_tag"] == tag
     assert rec["name"] == "bench_soak" and [r["lane"] for r in rec["data"]["runs"]] == ["a", "b"]
     assert rec["data"]["summary"]["c"]["failed"] == 1
+    # a merged record takes more lanes (another session's soak on the same kind of machine)
+    more = tmp_path / "c.json"
+    more.write_text(json.dumps(lane("c", True, "0")))
+    assert soak.merge([str(tmp_path / f"bench_soak.{tag}.json"), str(more)], tag) == 0
+    rec = json.loads((tmp_path / f"bench_soak.{tag}.json").read_text())
+    assert [r["lane"] for r in rec["data"]["runs"]] == ["a", "b", "c"] and len(rec["data"]["lanes"]) == 3
+    assert rec["data"]["summary"]["c"]["runs"] == 3 and rec["machine"]["gpu_count"] == len(set(gpus))
 
 
 @pytest.mark.parametrize("name, graphs", [("fastest", True), ("fast", True), ("fastest+inline", False),

@@ -27,7 +27,11 @@
 # 25 min: g 7, v 4, r 5, labs, lab 6), faults and soaks left for another. Measured 2026-11-28: g 297 s + 108 s
 # (every graded test, GPU ones included, then the targets), g1 287 s, v 211 s, r 292 s (1.5B; 7B cut), la 230 s,
 # lc 119 s: the labs then ran past the budget. `start rest47` = v r lb l6: what issue 47 still needs (about 22 min);
-# issue 46's faults and soaks, then issue 48's peer2, each want a machine's half hour of their own.
+# issue 46's faults and soaks, then issue 48's peer2, each want a machine's half hour of their own:
+# `start soak46` (about 21 min: per GPU 2 cold and 2 warm runs of fastest, then fast and safe on
+# GPUs 0-1; merge: bench soak --merge results/bench_soak.4xH200.json q*/bench_soak-q*.json
+# --machine-tag 4xH200), `start f` (the fault table alone, 10-12 min), and on nvidia-h200-x2
+# `P2_SEEDS=0 start p2` (about 20 min a seed).
 #
 # Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
 # min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs
@@ -72,6 +76,7 @@ start() {
   case " $what " in *" labs "*) what="${what/labs/la lb lc l6 s2}" ;; esac
   case " $what " in *" grade+47 "*) what="${what/grade+47/g g1 v r la lb lc l6}" ;; esac
   case " $what " in *" rest47 "*) what="${what/rest47/v r lb l6}" ;; esac
+  case " $what " in *" soak46 "*) what="${what/soak46/q0 q1 q2 q3 q4 q5}" ;; esac
   has() { case " $what " in *" $1 "*) return 0 ;; esac; return 1; }
   # (a later lane waits only for lanes started now: one that is not there is not waited for)
   after() { local out=""; for l in "$@"; do has "$l" && out+="$l "; done; echo "$out"; }
@@ -86,6 +91,15 @@ start() {
   has lb && lane lb 0,1,2,3 "$(after r la lc)" lab7gpu lab10gpu4
   has l6 && lane l6 0,1,2,3 "$(after la lb lc)" lab6gpu4
   has s2 && SOAK_ARGS="$SOAK_B --tag s2" lane s2 0,1,2,3 "$(after l6)" soak
+  for g in 0 1 2 3; do  # soak46: 16 runs of fastest (8 cold), one lane per GPU, then fast and safe
+    has q$g && SOAK_ARGS="--configs fastest --runs 4 --cold 2 --steps 30 --tag q$g" \
+      lane q$g $g "$(after f)" soak
+  done
+  has q4 && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag q4" lane q4 0 q0 soak
+  has q5 && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag q5" lane q5 1 q1 soak
+  # p2: bench peer2 on 2 GPUs (nvidia-h200-x2), one seed per half hour (P2_SEEDS); TRL's wheels
+  # installed first (.whl, carried); later: bench peer2 --summarize A.json B.json, one record
+  has p2 && PEER2_ARGS="--gpus 2 --seeds ${P2_SEEDS:-0}" lane p2 0,1 "" peer2
   return 0
 }
 

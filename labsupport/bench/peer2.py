@@ -26,7 +26,7 @@ architectures at equal work (median ms per step, samples per second per GPU, sec
 held-out accuracy ``--target``), the async loop's overlap (its step over the longer of the next
 rollout's generation and its own learning) and staleness. Writes
 ``results/bench_peer2.<machine>.json``; ``--summarize FILE`` recomputes the summaries from a saved
-one.
+one, ``--summarize A B`` makes one record of runs saved apart (other seeds, another half hour).
 """
 
 from __future__ import annotations
@@ -585,8 +585,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the capstone's engine")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the capstone's jobs only, a check of the plumbing (no TRL)")
-    p.add_argument("--summarize", default=None, metavar="JSON",
-                   help="recompute a saved result's summaries")
+    p.add_argument("--summarize", default=None, nargs="+", metavar="JSON",
+                   help="recompute a saved result's summaries; several (the same settings, other "
+                        "seeds, e.g. one machine's half hour each): one record of all their runs")
     p.add_argument("--out-name", default="bench_peer2", help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -714,7 +715,7 @@ def main(argv: list[str]) -> int:
         Path(a.out).write_text(json.dumps(fn(a), default=str))
         return 0
     if a.summarize:
-        return resummarize(Path(a.summarize))
+        return resummarize([Path(p) for p in a.summarize])
     if a.device == "cpu" and any(j.startswith("trl:") for j in a.jobs.split(",")):
         raise SystemExit("--device cpu runs the capstone's jobs only: pass --jobs with "
                          "capstone:... jobs")
@@ -727,20 +728,44 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def resummarize(path: Path) -> int:
-    """Rewrite a saved result's summaries and comparisons from the steps it recorded."""
+def merged(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record of runs saved apart (their settings equal but for the seeds, no run twice)."""
+    first, runs = recs[0], [r for rec in recs for r in rec["data"]["runs"]]
+    for rec in recs[1:]:
+        if diff := [k for k in SETTINGS if k not in ("seeds", "gpus")
+                    and rec["data"]["settings"].get(k) != first["data"]["settings"].get(k)]:
+            raise ValueError(f"these runs differ in {', '.join(diff)}: only runs of the same "
+                             "settings (other seeds) make one record")
+    keys = [(r["job"], r["seed"]) for r in runs]
+    if twice := sorted({k for k in keys if keys.count(k) > 1}):
+        raise ValueError(f"runs recorded twice (job, seed): {twice}; merge one of each")
+    seeds = sorted({int(s) for rec in recs
+                    for s in str(rec["data"]["settings"]["seeds"]).split(",")})
+    return {**first, "command": "; ".join(rec["command"] for rec in recs),
+            "date": max(rec["date"] for rec in recs),
+            "data": {**first["data"], "runs": runs,
+                     "settings": {**first["data"]["settings"],
+                                  "seeds": ",".join(map(str, seeds))}}}
+
+
+def resummarize(paths: list[Path]) -> int:
+    """Rewrite a saved result's summaries and comparisons from the steps it recorded; of several,
+    one record (``merged``) as ``bench_peer2.<machine>.json`` beside the first."""
     from labsupport.course import results
 
-    rec = json.loads(path.read_text())
+    rec = merged([json.loads(p.read_text()) for p in paths])
     data, st = rec["data"], rec["data"]["settings"]
     for r in data["runs"]:
         if "steps" in r:
             r["summary"] = summarize(r, st["skip"], st["prompts"] * st["group"],
                                      GPUS.get(r["job"], 2), st["target"])
     data.update(compare(data["runs"]))
-    rec["summarized"] = "python -m labsupport bench peer2 --summarize " + path.name
+    path = paths[0] if len(paths) == 1 else paths[0].with_name(
+        f"bench_peer2.{rec['machine_tag']}.json")
+    rec["summarized"] = "python -m labsupport bench peer2 --summarize " + " ".join(
+        p.name for p in paths)
     results.write_record(path, rec, None)
-    print("rewrote", path)
+    print("rewrote" if len(paths) == 1 else "wrote", path)
     return 0
 
 

@@ -144,26 +144,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _lanes(rec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A soak's lane and runs, or a merged record's (a soak on more lanes adds to it)."""
+    d = rec["data"]
+    if "lanes" in d:
+        return d["lanes"], d["runs"]
+    lane = {"command": rec["command"], "settings": d["settings"], "env": d["env"]}
+    return [lane], [{**r, "lane": d["settings"].get("tag")} for r in d["runs"]]
+
+
 def merge(paths: list[str], tag: str | None) -> int:
-    """One record of several soaks on one machine (lanes side by side, or one after another):
-    every run with its lane's command, the summary over all of them; written as
-    ``results/bench_soak.<tag>.json``."""
+    """One record of several soaks on one machine (lanes side by side, or one after another; a
+    record merged before takes more lanes): every run with its lane's command, the summary over
+    all of them; written as ``results/bench_soak.<tag>.json``."""
     from labsupport.course import results
 
     recs = [json.loads(Path(p).read_text()) for p in paths]
-    runs = [{**r, "lane": rec["data"]["settings"].get("tag")} for rec in recs
-            for r in rec["data"]["runs"]]
+    lanes = [x for rec in recs for x in _lanes(rec)[0]]
+    runs = [r for rec in recs for r in _lanes(rec)[1]]
     first = recs[0]
     # a GPU that two lanes used one after the other is one GPU: count the devices the runs named
     gpus = [first["machine"]["gpus"][0]] * len({r.get("gpu") for r in runs})
     record = {**first, "name": "bench_soak", "machine": {**first["machine"], "gpus": gpus,
                                                          "gpu_count": len(gpus)},
-              "machine_tag": tag or first["machine_tag"], "command": "; ".join(rec["command"]
-                                                                               for rec in recs),
+              "machine_tag": tag or first["machine_tag"],
+              "command": "; ".join(lane["command"] for lane in lanes),
               "date": max(rec["date"] for rec in recs),
-              "data": {"lanes": [{"command": rec["command"], "settings": rec["data"]["settings"],
-                                  "env": rec["data"]["env"]} for rec in recs],
-                       "runs": runs, "summary": summary(runs)}}
+              "data": {"lanes": lanes, "runs": runs, "summary": summary(runs)}}
     out = Path(os.environ.get("LABSUPPORT_RESULTS_DIR",
                               results.RESULTS_DIR)) / f"bench_soak.{record['machine_tag']}.json"
     print("wrote", results.write_record(out, record))
