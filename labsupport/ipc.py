@@ -1,39 +1,33 @@
-"""Zero-copy weight handoff between processes on one machine: ``core.handoff`` plus what production
-needs, each addition against a failure of the core (Lab 5 runs them):
+"""Zero-copy weight handoff on one machine (Lab 5): ``core.handoff`` plus, each against a failure:
 
 - a guard per export, checked at each rebuild and use of a mapping: a released buffer mapped while
   its memory holds other tensors (garbage weights, no error);
-- release by acknowledgement (``ack``; ``Receiver.drop`` first waits for the copies on each
-  handle's GPU; ``Exporter.release`` waits for the acks up to a deadline, and gives torch's CUDA
-  IPC count back where no other process acked): memory freed while a receiver reads it, a wait for
-  ever on one that never acks, or memory never freed;
+- release by ``ack`` (``Exporter.release`` waits for the acks up to a deadline, gives torch's CUDA
+  IPC count back if no other process acked): memory freed under a reader, a wait for ever, a leak;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
-  removes its files): a handle from a crashed trainer, and its files left in ``/dev/shm``;
-- the host's boot id in each handle (the handle is the core's plus who exported it), errors naming
-  the GPUs a process sees: a handle used on another machine or an unseen GPU failing obscurely;
-- names, dtypes, shapes checked before any write, bad input before any allocation: a half-written
-  inference copy;
-- ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares a
-  tensor itself: a per-handle cost on every update, and a copy where none is needed.
+  removes its files): a handle from a crashed trainer, its files left in ``/dev/shm``;
+- the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on
+  another machine or an unseen GPU failing obscurely;
+- names, dtypes, shapes checked before any write, bad input before allocating: a half-written copy;
+- ``Receiver`` maps each handle once, ``update_bucket`` repacks in place, ``export_tensor`` shares
+  a tensor itself: a per-handle cost on every update, a copy where none is needed.
 
 Limits: the liveness check is not atomic with the mapping; views rebuilt before a release stay
-valid (a receiver drops its views, then acks); a child forked by the exporter inherits its lock;
-one host, one ``/dev/shm``.
+valid; a child forked by the exporter inherits its lock; one host, one ``/dev/shm``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
 import os
-import secrets
 import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -44,6 +38,7 @@ from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
 KEPT: list[torch.Tensor] = []  # memory of exports killed with keep=True, until this process exits
+_EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
 
 
 class IpcError(RuntimeError):
@@ -73,11 +68,10 @@ class Handle(handoff.Handle):
         return sum(e[4] for e in self.entries)
 
 
-def _show(dtype: str, shape: tuple[int, ...]) -> str:
-    return f"{dtype}{list(shape)}"
+def _show(meta: tuple[str, tuple[int, ...]] | None) -> str:  # (dtype, shape)
+    return f"{meta[0]}{list(meta[1])}" if meta else "no tensor"
 
 
-# ---- Exporter: the owner's side ------------------------------------------------------------------
 @dataclass
 class _Export:
     handle: Handle
@@ -86,15 +80,12 @@ class _Export:
     nbytes: int  # what was exported: a bucket's buffer, or the shared tensor
 
 
-_EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
-
-
-class Exporter:
+class Exporter(contextlib.AbstractContextManager):
     """Owns exported buffers: keeps each alive until ``release()``, which waits for the acks."""
 
     def __init__(self) -> None:
         shm.sweep_stale()  # files of exporters that crashed earlier
-        self.prefix = f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.prefix = f"{shm.PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
         self._guard = shm.GuardFile(os.path.join(handoff.SHM_DIR, f"{self.prefix}.guard"))
         self._ids = itertools.count(1)  # serials of exports and numbers of segment files
         self._live: dict[int, _Export] = {}
@@ -102,8 +93,7 @@ class Exporter:
         _EXPORTERS[self._guard.path] = self
 
     def export_bucket(self, named: Named, receivers: int = 1) -> Handle:
-        """Pack ``named`` tensors into one new buffer on their device (``handoff.export``) and
-        export it; ``receivers``: the processes that must ack before ``release()``."""
+        """Pack ``named`` into a new buffer (``handoff.export``), for ``receivers`` processes."""
         named = self._checked(named, receivers)
         flat, core = handoff.export(named, None if named[0][1].is_cuda else self._segment_path())
         return self._export(flat, core.where, core.entries, receivers, flat.nbytes)
@@ -122,8 +112,7 @@ class Exporter:
         self._checked([(name, t)], receivers)
         if not t.is_contiguous():
             raise IpcError(f"export_tensor shares {name} as it is, so it must be contiguous (its "
-                           f"stride is {t.stride()}): export a contiguous copy, or use "
-                           "export_bucket")
+                           f"stride is {t.stride()}): export a contiguous copy, or export_bucket")
         ptr = t.untyped_storage().data_ptr()  # CPU: the file that t already lives in, if any
         path = next((e.handle.where[0] for e in self._live.values()
                      if e.handle.gpu is None and e.keep.data_ptr() == ptr), None)
@@ -145,8 +134,8 @@ class Exporter:
                            f"order, found {list(found)[:4]}...")
         if bad := metadata.problems([buckets.meta(n, t) for n, t in found.items()], handle.metas):
             name = bad[0][0]
-            raise IpcError(f"update_bucket: {name} expected {_show(*handle.metas[name])}, found "
-                           f"{_show(*buckets.meta(name, found[name])[1:])}; nothing was written")
+            raise IpcError(f"update_bucket: {name} expected {_show(handle.metas[name])}, found "
+                           f"{_show(buckets.meta(name, found[name])[1:])}; nothing was written")
         buckets.pack(exp.keep, handle.entries, list(found.values()))
         synchronize(exp.keep.device)  # the bytes are there before a receiver reads them
 
@@ -161,10 +150,9 @@ class Exporter:
 
     def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0,
                 keep: bool = False) -> int:
-        """Kill ``handle`` and free its memory once every receiver process has acked it (waiting up
-        to ``timeout_s``; ``force``: at once); returns the bytes released. ``keep``: keep its GPU
-        memory until this process exits (a receiver whose call timed out may still read it: giving
-        torch's count back would free the block under it)."""
+        """Kill ``handle``, free its memory once each receiver process acked (waiting up to
+        ``timeout_s``; ``force``: at once); returns the bytes. ``keep``: hold its GPU memory until
+        exit (a receiver that timed out may still read it: freeing it would pull the block away)."""
         exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
@@ -178,9 +166,8 @@ class Exporter:
         if keep and exp.keep.is_cuda:
             KEPT.append(exp.keep)
         elif exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
-            # no other process acked (read here, never opened, or opened by a receiver that died):
-            # none gives torch's CUDA IPC count back (one that opened it does, dropping its views),
-            # so the block would wait until exit
+            # no other process acked (read here, never opened, or its receiver died): none gives
+            # torch's CUDA IPC count back (one that opened it does): the block would wait for exit
             args = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, handle.where))
             torch.UntypedStorage._release_ipc_counter_cuda(args["ref_counter_handle"],
                                                            args["ref_counter_offset"])
@@ -189,8 +176,7 @@ class Exporter:
         del self._live[handle.serial]
         on_gpu, exp.keep = exp.keep.is_cuda, None  # close() still holds exp: drop the memory itself
         if on_gpu or all(e.handle.where[0] != handle.where[0] for e in self._live.values()):
-            # CPU: the file's name goes (pages with the last mapping); GPU: ipc_collect
-            handoff.release(handle)
+            handoff.release(handle)  # CPU: the file's name goes (pages with the last mapping)
         return exp.nbytes
 
     def close(self) -> None:
@@ -199,10 +185,7 @@ class Exporter:
             self.release(e.handle, force=True)
         self._finalizer()
 
-    def __enter__(self) -> "Exporter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -211,18 +194,15 @@ class Exporter:
         return sum(e.nbytes for e in self._live.values())
 
     def _checked(self, named: Named, receivers: int) -> list[tuple[str, torch.Tensor]]:
-        """Bad input refused before anything is allocated."""
         named = list(named)
-        devices = sorted({str(t.device) for _, t in named})
-        twice = [n for n, k in collections.Counter(n for n, _ in named).items() if k > 1]
         if receivers < 1:
             raise IpcError(f"receivers must be >= 1, found {receivers}")
         if not self._guard.free:
             raise IpcError(f"{shm.GUARD_SLOTS} exports are live here; release some first")
-        if len(devices) != 1:
+        if len(devices := sorted({str(t.device) for _, t in named})) != 1:
             raise IpcError("an export needs at least one (name, tensor) pair, all on one device; "
                            f"found {devices}")
-        if twice:
+        if twice := [n for n, k in collections.Counter(n for n, _ in named).items() if k > 1]:
             raise IpcError(f"tensor name {twice[0]!r} appears twice in one bucket: rename one")
         return named
 
@@ -245,10 +225,8 @@ class Exporter:
         return os.path.join(handoff.SHM_DIR, f"{self.prefix}-{next(self._ids)}.shm")
 
 
-# ---- Receiving side ------------------------------------------------------------------------------
 def rebuild(handle: Handle) -> list[tuple[str, torch.Tensor]]:
-    """``handoff.rebuild`` of a live handle (:func:`check_handle` first): ``[(name, view)]`` over
-    the exporter's memory, zero-copy, on the GPU the handle names (looked up by UUID)."""
+    """``handoff.rebuild`` of a live handle: ``[(name, view)]``, zero-copy, on the GPU it names."""
     check_handle(handle)
     owner = _EXPORTERS.get(handle.guard) if handle.pid == os.getpid() else None
     if owner is not None:  # CUDA cannot open its own IPC handle: hand back the original memory
@@ -284,9 +262,8 @@ class Receiver:
         have = {n: buckets.meta(n, d)[1:] for n in handle.names if (d := dest.get(n)) is not None}
         if bad := metadata.problems([e[:3] for e in handle.entries], have):
             name = bad[0][0]
-            raise IpcError(f"{name}: bucket has {_show(*handle.metas[name])}, destination has "
-                           f"{_show(*have[name]) if name in have else 'no tensor'}; nothing was "
-                           "written")
+            raise IpcError(f"{name}: bucket has {_show(handle.metas[name])}, destination has "
+                           f"{_show(have.get(name))}; nothing was written")
         return buckets.load_into(dest, self.bucket(handle), non_blocking=True)
 
     def drop(self) -> None:
@@ -300,9 +277,7 @@ class Receiver:
 
 
 def ack(handle: Handle) -> bool:
-    """Receiver side, after dropping its views: wait for this process's work queued on the handle's
-    GPU, then leave the ack ``Exporter.release`` counts (one per process: acking twice changes
-    nothing). False when the export is gone already (nothing to ack)."""
+    """Views dropped: wait for the handle's GPU, then ack it (idempotent); False if it is gone."""
     if shm.guard_serial(handle.guard, handle.slot) != handle.serial:
         return False
     if handle.gpu is not None and torch.cuda.is_initialized():
@@ -311,7 +286,6 @@ def ack(handle: Handle) -> bool:
     return True
 
 
-# ---- Where am I, and is the export still there? --------------------------------------------------
 @functools.cache
 def host_id() -> str:
     """This machine's identity for IPC: the kernel's boot id (shared by containers on one host)."""
@@ -335,16 +309,12 @@ def check_handle(handle: Handle) -> None:
         raise IpcError("expected an ipc.Handle (from an ipc.Exporter, with its guard), found "
                        f"{type(handle).__name__}")
     if handle.host != host_id():
-        raise IpcError("this handle was exported on another machine (boot id "
-                       f"{handle.host[:8]}..., here {host_id()[:8]}...): IPC works on one host; "
-                       "across machines use labsupport.broadcast.")
-    serial = shm.guard_serial(handle.guard, handle.slot)
-    if serial < 0:
-        raise IpcError(f"the exporter of this handle (pid {handle.pid}) has closed or exited: its "
-                       "memory is gone (or this process runs in another container, with its own "
-                       "/dev/shm). Ask for a fresh handle.")
+        raise IpcError(f"handle exported on another machine (boot id {handle.host[:8]}..., here "
+                       f"{host_id()[:8]}...): IPC works on one host; use labsupport.broadcast.")
+    if (serial := shm.guard_serial(handle.guard, handle.slot)) < 0:
+        raise IpcError(f"the exporter (pid {handle.pid}) has closed or exited: its memory is gone "
+                       "(or this process is in another container). Ask for a fresh handle.")
     if serial != handle.serial:
-        raise IpcError(f"this handle (export #{handle.serial} of pid {handle.pid}) has been "
-                       "released by its exporter; its memory may already hold other data. Rebuild "
-                       "from the current export's handle.")
+        raise IpcError(f"export #{handle.serial} of pid {handle.pid} has been released: its memory "
+                       "may already hold other data. Rebuild from the current export's handle.")
 

@@ -1,25 +1,18 @@
-"""Where the bytes go across RLHF phases: ``labsupport.core.timeline`` plus what a real measurement
-needs (Lab 2).
+"""Bytes by role across RLHF phases (Lab 2): ``core.timeline`` plus, each against a misreading:
 
-``MemoryTimeline`` is a ``core.timeline.Timeline`` (the same roles, phases and samples) that adds,
-each against a way the core misreads memory:
-
-- a background thread reading the allocator between phase edges (GPU), and ``sample()`` marks
-  inside a phase: a peak that two edge samples miss;
-- the allocator's counters, each phase's peak, and "other" (allocated bytes no role explains):
-  logits and temporaries that no registered tensor shows;
+- a background thread reading the allocator between phase edges (GPU), ``sample()`` marks inside
+  a phase: a peak that two edge samples miss;
+- the allocator's counters, each phase's peak, "other" (allocated bytes no role explains): logits
+  and temporaries that no registered tensor shows;
 - each storage counted once, under its first role in ``ROLES``: a tensor counted twice;
-- weak references to registered tensors, ``forget_sources``: a timeline keeping a freed KV cache
-  alive;
-- activations through autograd's saved-tensor hooks (``track_activations``): training's largest
-  transient uncounted;
+- weak references to registered tensors, ``forget_sources``: a freed KV cache kept alive;
+- autograd's saved tensors (``track_activations``): training's largest transient uncounted;
 - registered bytes in host memory, ``move_optimizer_state``: offloaded state vanishing, not moving;
 - phases that must not overlap, a checked ``register``, PyTorch's memory history: double-counted
   phases, a typo that counts nothing, no allocation-level view.
 
-The thread reads only the allocator (reading ``p.grad`` or a storage while autograd frees it
-crashes the process): roles are counted on the step's own thread. ``experiments.memory_report``
-reads a timeline (peaks, plots).
+The thread reads only the allocator (reading ``p.grad`` while autograd frees it crashes the
+process): roles are counted on the step's own thread. ``experiments.memory_report`` plots one.
 """
 from __future__ import annotations
 
@@ -60,8 +53,7 @@ def _tensors_of(role: str, obj: Any) -> Callable[[], Iterable[torch.Tensor]]:
 
 
 class MemoryTimeline(timeline.Timeline):
-    """The core timeline with the additions above: ``tl.register("weights", model)``, then
-    ``with tl.sampling(), tl.phase("generate"): ...``."""
+    """``tl.register("weights", model)``, then ``with tl.sampling(), tl.phase("generate"): ...``."""
 
     def __init__(self, device: str | torch.device, *, name: str = "",
                  interval_s: float = 0.01) -> None:
@@ -70,14 +62,13 @@ class MemoryTimeline(timeline.Timeline):
         props = torch.cuda.get_device_properties(self.device) if self.gpu else None
         self.capacity = props.total_memory if props else None  # bytes
         self.sources: list[tuple[str, str, Callable]] = []  # (role, name, tensor getter)
-        self._act_refs: list[weakref.ref] = []  # tensors saved for backward (track_activations)
-        self._lock = threading.Lock()  # guards samples and _act_refs
+        self._saved = weakref.WeakValueDictionary()  # id -> a tensor saved for backward, alive
+        self._lock = threading.Lock()  # guards samples (the sampler thread appends)
         self._current: str | None = None  # the phase running now
         self._thread, self._stop = None, threading.Event()
         self._ticks, self._sample_s, self._history = 0, 0.0, False
-        self.register("activations", self._live_activations, name="saved for backward")
+        self.register("activations", lambda: list(self._saved.values()), name="saved for backward")
 
-    # ------------------------------------------------------------ what is counted
     def register(self, role: str, obj: Any, name: str | None = None) -> None:
         """Count obj's tensors under role (read at every sample): a Module (parameters and buffers;
         for "gradients" their .grad), an Optimizer (its state), a Tensor, a list/dict/callable."""
@@ -99,43 +90,23 @@ class MemoryTimeline(timeline.Timeline):
     @contextlib.contextmanager
     def track_activations(self) -> Iterator[None]:
         """Count the tensors autograd saves for backward (role "activations") while they live."""
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            with self._lock:
-                self._act_refs.append(weakref.ref(t))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(  # pack: remember t, return it
+                lambda t: self._saved.setdefault(id(t), t), lambda t: t):
             yield
 
-    def _live_activations(self) -> list[torch.Tensor]:
-        with self._lock:
-            live = [t for r in self._act_refs if (t := r()) is not None]
-            self._act_refs = [weakref.ref(t) for t in live]
-        return live
-
     def role_bytes(self) -> tuple[dict[str, int], int]:
-        """Bytes per role on this device, and registered bytes in host memory (offloaded). Each
-        storage counts once, under its first role in ROLES (a weight saved for backward too)."""
-        out, host, seen = dict.fromkeys(ROLES, 0), 0, set()
+        """Bytes per role here, and registered bytes in host memory; a storage once, first role."""
+        first: dict[tuple, tuple[str, int]] = {}  # (device, storage address) -> (role, bytes)
         for role in ROLES:
-            for t in self.roles.get(role, list)():
-                if not isinstance(t, torch.Tensor):
-                    continue
-                st = t.untyped_storage()
-                # no memory behind it (empty, meta), or counted already
-                if st.data_ptr() == 0 or (t.device, st.data_ptr()) in seen:
-                    continue
-                seen.add((t.device, st.data_ptr()))
-                if t.device == self.device:
-                    out[role] += st.nbytes()
-                elif t.device.type == "cpu":
-                    host += st.nbytes()
-        return out, host
+            for t in self.roles.get(role, list)():  # address 0: no memory behind it (empty, meta)
+                if isinstance(t, torch.Tensor) and (st := t.untyped_storage()).data_ptr():
+                    first.setdefault((t.device, st.data_ptr()), (role, st.nbytes()))
+        here = [(role, n) for (d, _), (role, n) in first.items() if d == self.device]
+        host = sum(n for (d, _), (_, n) in first.items() if d.type == "cpu" and d != self.device)
+        return {r: sum(n for role, n in here if role == r) for r in ROLES}, host
 
-    # ------------------------------------------------------------ samples and phases
     def sample(self, event: str = "mark", roles: bool = True) -> dict[str, Any]:
-        """Record one sample now, in the running phase. Call it from the thread that runs the step
-        (e.g. after a forward pass, where activations peak): counting roles reads tensors."""
+        """A sample now, in the running phase, e.g. after a forward pass; on the step's thread."""
         return self._sample(self._current, event, roles)
 
     def _sample(self, phase: str | None, event: str, roles: bool = True) -> dict[str, Any]:
@@ -147,9 +118,8 @@ class MemoryTimeline(timeline.Timeline):
         if self.gpu:  # one call to the allocator (memory_allocated() & co. each flatten all stats)
             st = torch.cuda.memory_stats_as_nested_dict(self.device)
             a, r = (st[f"{k}_bytes"]["all"] for k in ("allocated", "reserved"))
-            # peaks: since the phase began (phase() resets them)
             s.update(allocated=a["current"], reserved=r["current"], peak=a["peak"],
-                     peak_reserved=r["peak"])
+                     peak_reserved=r["peak"])  # peaks: since the phase began (phase() resets)
         if roles:
             r, host = self.role_bytes()
             if self.gpu:  # what the allocator holds that no registered tensor explains
@@ -182,8 +152,7 @@ class MemoryTimeline(timeline.Timeline):
             self._ticks += 1
 
     def start(self) -> None:
-        """Start the background sampler (GPU): the allocator's counters every interval_s seconds. On
-        CPU there is no allocator to read, so no thread starts."""
+        """Read the allocator every interval_s seconds on a thread (GPU; on CPU none starts)."""
         if self._thread is not None:
             raise RuntimeError("the sampler is already running; call stop() first")
         if self.gpu:
@@ -193,13 +162,12 @@ class MemoryTimeline(timeline.Timeline):
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the background sampler and wait for its thread to end."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise RuntimeError(f"memory sampler thread did not stop within {timeout_s} s")
-        self._thread = None
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"memory sampler thread did not stop within {timeout_s} s")
+            self._thread = None
 
     @property
     def sampling_active(self) -> bool:
@@ -214,7 +182,6 @@ class MemoryTimeline(timeline.Timeline):
         finally:
             self.stop()
 
-    # ------------------------------------------------------------ PyTorch memory history
     def start_history(self) -> None:
         """Start PyTorch's allocator history for memory_viz (each alloc/free, Python stacks)."""
         if not self.gpu:
@@ -227,8 +194,7 @@ class MemoryTimeline(timeline.Timeline):
     def save_snapshot(self, path: str | Path) -> Path:
         """Stop the history and write it as a pickle that https://pytorch.org/memory_viz opens."""
         if not self._history:
-            raise RuntimeError("no memory history is being recorded; call start_history() before "
-                               "the step")
+            raise RuntimeError("no memory history recorded: call start_history() before the step")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(path))
@@ -237,18 +203,13 @@ class MemoryTimeline(timeline.Timeline):
         return path
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything recorded, as JSON-able data (what plots and save_result take); "phases": each
-        finished phase's times and, on a GPU, its allocator peaks (from its end sample)."""
+        """Everything, JSON-able; "phases": each finished one's times and allocator peaks (GPU)."""
         with self._lock:
             samples = [dict(s) for s in self.samples]
-        phases, begin = [], None
-        for s in samples:
-            if s["event"] == "begin":
-                begin = s
-            elif s["event"] == "end" and begin is not None:
-                phases.append({"name": s["phase"], "start": begin["t"], "end": s["t"],
-                               "peak_allocated": s.get("peak"),
-                               "peak_reserved": s.get("peak_reserved")})
+        edges = [s for s in samples if s["event"] in ("begin", "end")]  # phases do not overlap
+        phases = [{"name": e["phase"], "start": b["t"], "end": e["t"],
+                   "peak_allocated": e.get("peak"), "peak_reserved": e.get("peak_reserved")}
+                  for b, e in zip(edges, edges[1:]) if (b["event"], e["event"]) == ("begin", "end")]
         busy = self._sample_s
         return {"name": self.name, "device": str(self.device), "gpu": self.gpu,
                 "capacity_bytes": self.capacity, "roles": list(ROLES),
@@ -258,17 +219,15 @@ class MemoryTimeline(timeline.Timeline):
                             "mean_sample_ms": round(1e3 * busy / max(1, len(samples)), 4)}}
 
 
-# ---------------------------------------------------------------- moving state off the GPU
 def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device) -> int:
     """Move Adam's moment tensors to device (to "cpu": into pinned host memory) and wait for the
     copies. Returns the bytes moved. Scalars such as Adam's step counter stay where they are."""
     dev, moved, devices = torch.device(device), 0, set()
     for st in opt.state.values():
         for k, v in st.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0:  # (Adam's step counter)
-                continue
-            if v.device.type == dev.type and dev.index in (None, v.device.index):
-                continue  # there already ("cuda": any GPU)
+            if (not isinstance(v, torch.Tensor) or v.dim() == 0  # (Adam's step counter)
+                    or v.device.type == dev.type and dev.index in (None, v.device.index)):
+                continue  # a scalar, or there already ("cuda": any GPU)
             if dev.type == "cpu":  # v is on a GPU
                 st[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
                 st[k].copy_(v, non_blocking=True)
@@ -276,7 +235,6 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device)
                 st[k] = v.to(dev, non_blocking=True)
             devices |= {v.device, st[k].device}  # each copy is queued on the source or destination
             moved += v.nbytes
-    # wait for those GPUs, not the current one (a state on cuda:1 moved while cuda:0 is current)
-    for d in devices:
+    for d in devices:  # those GPUs, not the current one (a state on cuda:1, cuda:0 current)
         _sync(d)
     return moved

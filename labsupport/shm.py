@@ -1,14 +1,11 @@
-"""Files in ``/dev/shm`` that processes on one host share: the operating-system plumbing of
-``labsupport.ipc``.
+"""``labsupport.ipc``'s files in ``core.handoff.SHM_DIR``, named ``labsupport-ipc-<pid>-<random>``:
 
-An exporter makes, in ``core.handoff.SHM_DIR`` and named ``labsupport-ipc-<pid>-<random>...``:
-*segments* (``...-<n>.shm``, by ``core.handoff.export``), tensor bytes that every process maps
-shared (the CPU stand-in for GPU memory shared over CUDA IPC), and one *guard* (``....guard``): an
-int64 serial per export slot (0 = released) and an exclusive lock that the exporter holds and the
-kernel drops when it dies. Reading a slot and probing the lock tell a receiver in microseconds
-whether an export is live (the first to find its exporter dead removes its files). A receiver done
-with an export leaves an empty *ack* file (``...-<serial>-<pid>.ack``), which the exporter counts
-before it releases (CUDA handles too).
+*segments* (``...-<n>.shm``, by ``core.handoff.export``): tensor bytes every process maps shared
+(the CPU stand-in for CUDA IPC); one *guard* (``....guard``): an int64 serial per export slot (0 =
+released) and a lock the exporter holds and the kernel drops when it dies, so a receiver knows in
+microseconds whether an export is live (the first to find its exporter dead removes its files);
+*acks* (``...-<serial>-<pid>.ack``): empty files, one per receiver done with an export, which the
+exporter counts before it releases (CUDA handles too).
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ class GuardFile:
         self.free.append(slot)
 
     def close(self) -> None:
-        """Mark every slot released (for receivers' cached mappings), remove the guard and the
+        """Mark every slot released (for receivers' open fds), remove the guard and the
         exporter's other files (segments, acks). Call once."""
         self.mm[:] = bytes(len(self.mm))
         self.mm.close()
@@ -65,32 +62,26 @@ class GuardFile:
             unlink(path)
 
 
-# receiver side: guard path -> (fd, read-only mapping); the lock: no thread closes an fd in use
-_GUARDS: dict[str, tuple[int, mmap.mmap]] = {}
+# receiver side: guard path -> an open fd; the lock: no thread closes an fd in use
+_GUARDS: dict[str, int] = {}
 _GUARDS_LOCK = threading.Lock()
 
 
 def guard_serial(path: str, slot: int) -> int:
-    """The serial in ``slot`` of guard ``path`` now, through a cached mapping: 0 once released, -1
-    once the guard is gone (exporter closed, or another /dev/shm) or its exporter died."""
+    """The serial in ``slot`` of guard ``path`` now, through a cached fd: 0 once released, -1 once
+    the guard is gone (exporter closed, or another /dev/shm) or its exporter died."""
     with _GUARDS_LOCK:
         if path not in _GUARDS:
-            for gone in [p for p, (fd, _) in _GUARDS.items() if _unlocked(fd)]:
-                # else a receiver fed a new Exporter per update keeps one guard (2 fds) per exporter
-                _forget(gone)
+            for gone in [p for p, fd in _GUARDS.items() if _unlocked(fd)]:
+                # else a receiver fed a new Exporter per update keeps one fd per exporter
+                os.close(_GUARDS.pop(gone))
             try:
-                fd = os.open(path, os.O_RDONLY)
+                _GUARDS[path] = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 return -1
-            try:
-                _GUARDS[path] = (fd, mmap.mmap(fd, 8 * GUARD_SLOTS, prot=mmap.PROT_READ))
-            except BaseException:
-                os.close(fd)
-                raise
-        fd, mm = _GUARDS[path]
-        if not _unlocked(fd):
-            return struct.unpack_from("q", mm, 8 * slot)[0]
-        _forget(path)
+        if not _unlocked(_GUARDS[path]):  # the exporter's mapping and this read share the pages
+            return struct.unpack("q", os.pread(_GUARDS[path], 8, 8 * slot))[0]
+        os.close(_GUARDS.pop(path))
     sweep_stale(0.0, only=path)  # a dead exporter's files go now, not at a later Exporter's sweep
     return -1
 
@@ -105,16 +96,8 @@ def _unlocked(fd: int) -> bool:
     return True
 
 
-def _forget(path: str) -> None:
-    """Close a cached guard (call with _GUARDS_LOCK held)."""
-    fd, mm = _GUARDS.pop(path)
-    mm.close()
-    os.close(fd)
-
-
 def write_ack(guard_path: str, serial: int) -> None:
-    """Receiver side: this process has finished with export ``serial`` (one file per process, so a
-    second ack from it changes nothing, and no lock is needed)."""
+    """Receiver side: done with export ``serial`` (one file per process: acking twice is one)."""
     path = f"{guard_path.removesuffix('.guard')}-{serial}-{os.getpid()}.ack"
     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
 
@@ -126,8 +109,7 @@ def acks(guard_path: str, serial: int | str = "*") -> list[str]:
 
 def files(guard_path: str) -> list[str]:
     """The segments and ack files of the exporter that holds this guard (not the guard itself)."""
-    segments = glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-*.shm")
-    return [*segments, *acks(guard_path)]
+    return glob.glob(f"{glob.escape(guard_path.removesuffix('.guard'))}-*.shm") + acks(guard_path)
 
 
 def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
@@ -136,17 +118,11 @@ def sweep_stale(min_age_s: float = 30.0, only: str | None = None) -> list[str]:
     removed, now = [], time.time()
     for path in [only] if only else glob.glob(os.path.join(handoff.SHM_DIR, f"{PREFIX}*.guard")):
         try:
-            if now - os.stat(path).st_mtime < min_age_s:
-                continue
-            fd = os.open(path, os.O_RDONLY)
+            with open(path, "rb") as f:
+                if now - os.fstat(f.fileno()).st_mtime < min_age_s or not _unlocked(f.fileno()):
+                    continue  # still being made, or its exporter is alive
         except FileNotFoundError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its exporter is alive
-        finally:
-            os.close(fd)
         pid = int(os.path.basename(path).removeprefix(PREFIX).split("-")[0])
         dead = [] if os.path.exists(f"/proc/{pid}") else [f"torch_{pid}_*", f"cuda.shm.*.{pid:x}.*"]
         theirs = [f for pattern in dead for f in glob.glob(f"{handoff.SHM_DIR}/{pattern}")]
