@@ -1,16 +1,14 @@
-"""Resharding from FSDP shards to a tensor-parallel engine (Chapter 7, Lab 7): the arithmetic,
-checked before anything moves (``vllm_reshard`` moves the bytes). :func:`qwen2_layout` says where
-every box of every checkpoint tensor lands in a TP engine's fused parameters (``qkv_proj``,
-``gate_up_proj``; row- and column-parallel splits; the vocabulary padded to a multiple of 64);
-:func:`make_plan` cuts those pieces by the rows each FSDP rank owns, refused with
-:class:`PlanError` unless every engine element is written exactly once; :func:`vote` refuses, on
-every rank, a plan that does not match what some rank holds.
+"""Resharding FSDP shards into a tensor-parallel engine (Chapter 7, Lab 7): the arithmetic, checked
+before anything moves (``vllm_reshard`` moves the bytes). :func:`qwen2_layout`: where each box of
+each checkpoint tensor lands in a TP engine's fused parameters (``qkv_proj``, ``gate_up_proj``;
+row- and column-parallel splits; vocabulary padded to a multiple of 64); :func:`make_plan` cuts
+them by the rows each FSDP rank owns (:class:`PlanError` unless every engine element is written
+exactly once); :func:`vote` refuses, on every rank, a plan that some rank's tensors contradict.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,29 +21,26 @@ VOCAB_PAD = 64  # vLLM pads the vocabulary of embed_tokens and lm_head to a mult
 
 
 class PlanError(ValueError):
-    """A layout or plan that would leave engine elements unwritten, write some twice, or not fit;
-    raised before anything talks to vLLM or a process group."""
+    """Engine elements left unwritten or written twice, boxes that do not fit: found before any
+    byte moves (nothing has talked to vLLM or a process group yet)."""
 
 
 def _refuse(probs: list[str]) -> None:
-    """Raise ``PlanError`` listing the first problems, if there are any."""
     if probs:
-        more = f"\n  ... and {len(probs) - 8} more" if len(probs) > 8 else ""
-        raise PlanError("resharding plan refused, no weight was changed:\n  "
-                        + "\n  ".join(probs[:8]) + more)
+        shown = probs[:8] + ([f"... and {len(probs) - 8} more"] if len(probs) > 8 else [])
+        raise PlanError("resharding plan refused, no weight was changed:\n  " + "\n  ".join(shown))
 
 
 # ----------------------------------------------------------------------------- 1. the layout
 @dataclass(frozen=True)
 class Piece:
-    """Box ``src`` of checkpoint tensor ``name`` goes to box ``dst`` of engine parameter ``param``
-    on TP rank ``rank``. ``name=None``: padding rows the engine fills with zeros."""
-
-    name: str | None
+    """Box ``src`` of checkpoint tensor ``name`` -> box ``dst`` of ``param`` on TP rank ``rank``."""
+    name: str | None  # None: padding rows, which the engine fills with zeros
     param: str
     rank: int
     src: Box | None
     dst: Box
+    numel = property(lambda self: math.prod(b - a for a, b in self.dst))
 
 
 @dataclass
@@ -55,46 +50,26 @@ class Layout:
     checkpoint: dict[str, tuple[int, ...]]  # HF name -> full shape
 
 
-def _full(shape: Sequence[int]) -> Box:
-    return tuple((0, int(s)) for s in shape)
+def _cut(shape: Sequence[int], a: int, b: int, dim: int = 0) -> Box:
+    """All of ``shape`` but ``[a, b)`` along ``dim``."""
+    return tuple((a, b) if d == dim else (0, int(s)) for d, s in enumerate(shape))
 
 
-def _rows(shape: Sequence[int], a: int, b: int) -> Box:
-    return ((a, b),) + _full(shape[1:])
-
-
-def _block_rows(blocks: int, size: int, tp: int, t: int) -> tuple[int, int]:
-    """Rows ``[a, b)`` that TP rank ``t`` takes of ``blocks`` blocks (heads, rows) of ``size`` rows;
-    fewer blocks than ranks (KV heads): ``tp / blocks`` ranks share each block."""
-    if blocks >= tp:
-        return t * blocks // tp * size, (t + 1) * blocks // tp * size
-    first = t // (tp // blocks) * size
-    return first, first + size
-
-
-def _column(out: Layout, tp: int, param: str,
-            parts: list[tuple[str, tuple[int, ...], int]]) -> None:
-    """Column parallel: on rank t, its rows of each part (name, shape, row blocks), stacked; one
-    block of rows: replicated."""
+def _split(out: Layout, tp: int, param: str, parts: list[tuple[str, tuple[int, ...], int]],
+           dim: int = 0) -> None:
+    """On rank t, ``blocks / tp`` blocks (heads, rows) along ``dim`` of each part (name, shape,
+    blocks), stacked: column (``dim=0``) or row (``dim=1``) parallel. With fewer blocks than ranks
+    (KV heads; 1: replicated), ``tp / blocks`` ranks share one."""
     for t in range(tp):
         off = 0
         for name, shape, blocks in parts:
-            a, b = _block_rows(blocks, shape[0] // blocks, tp, t)
-            dst = _rows(shape, off, off + b - a)
-            out.pieces.append(Piece(name, param, t, _rows(shape, a, b), dst))
-            off += b - a
-        out.engine[(t, param)] = (off, *parts[0][1][1:])
+            per = shape[dim] // blocks
+            a, n = t * blocks // tp * per, max(blocks // tp, 1) * per
+            out.pieces.append(Piece(name, param, t, _cut(shape, a, a + n, dim),
+                                    _cut(shape, off, off + n, dim)))
+            off += n
+        out.engine[(t, param)] = tuple(off if d == dim else s for d, s in enumerate(parts[0][1]))
     out.checkpoint.update({name: shape for name, shape, _ in parts})
-
-
-def _row(out: Layout, tp: int, name: str, shape: tuple[int, int]) -> None:
-    """Row parallel: on rank t, a range of columns (the input features of the heads it computes)."""
-    cols = shape[1] // tp
-    for t in range(tp):
-        src = ((0, shape[0]), (t * cols, (t + 1) * cols))
-        out.pieces.append(Piece(name, name, t, src, _full((shape[0], cols))))
-        out.engine[(t, name)] = (shape[0], cols)
-    out.checkpoint[name] = shape
 
 
 def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
@@ -103,10 +78,10 @@ def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
     for t in range(tp):
         a, b = t * per, min((t + 1) * per, vocab)
         if b > a:
-            src = _rows((vocab, h), a, b)
-            out.pieces.append(Piece(name, name, t, src, _rows((per, h), 0, b - a)))
+            out.pieces.append(Piece(name, name, t, _cut((vocab, h), a, b),
+                                    _cut((per, h), 0, b - a)))
         if b - a < per:
-            out.pieces.append(Piece(None, name, t, None, _rows((per, h), max(b - a, 0), per)))
+            out.pieces.append(Piece(None, name, t, None, _cut((per, h), max(b - a, 0), per)))
         out.engine[(t, name)] = (per, h)
     out.checkpoint[name] = (vocab, h)
 
@@ -114,8 +89,7 @@ def _vocab(out: Layout, tp: int, name: str, vocab: int, h: int) -> None:
 def qwen2_layout(cfg: Any, tp: int) -> Layout:
     """Where each tensor of a Qwen2 checkpoint (HF config ``cfg``) lands in a ``tp``-rank engine."""
     h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or h // nh
-    inter = cfg.intermediate_size
+    hd, inter = getattr(cfg, "head_dim", None) or h // nh, cfg.intermediate_size
     if nh % tp or inter % tp or (nkv % tp and tp % nkv):
         raise PlanError(f"TP={tp} must divide the heads ({nh}) and intermediate size ({inter}), "
                         f"and the {nkv} KV heads must divide by TP or TP by them")
@@ -126,15 +100,15 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
         for kind, cols in (("weight", (h,)), ("bias", ())):
             qkv = [(f"{a}.{p}_proj.{kind}", (n * hd, *cols), n)
                    for p, n in (("q", nh), ("k", nkv), ("v", nkv))]
-            _column(out, tp, f"{a}.qkv_proj.{kind}", qkv)
-        _row(out, tp, f"{a}.o_proj.weight", (h, nh * hd))
+            _split(out, tp, f"{a}.qkv_proj.{kind}", qkv)
+        _split(out, tp, f"{a}.o_proj.weight", [(f"{a}.o_proj.weight", (h, nh * hd), nh)], dim=1)
         gate_up = [(f"{m}.{p}_proj.weight", (inter, h), inter) for p in ("gate", "up")]
-        _column(out, tp, f"{m}.gate_up_proj.weight", gate_up)
-        _row(out, tp, f"{m}.down_proj.weight", (h, inter))
+        _split(out, tp, f"{m}.gate_up_proj.weight", gate_up)
+        _split(out, tp, f"{m}.down_proj.weight", [(f"{m}.down_proj.weight", (h, inter), tp)], dim=1)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             name = f"model.layers.{i}.{norm}.weight"
-            _column(out, tp, name, [(name, (h,), 1)])  # replicated
-    _column(out, tp, "model.norm.weight", [("model.norm.weight", (h,), 1)])
+            _split(out, tp, name, [(name, (h,), 1)])  # replicated
+    _split(out, tp, "model.norm.weight", [("model.norm.weight", (h,), 1)])
     if not cfg.tie_word_embeddings:
         _vocab(out, tp, "lm_head.weight", cfg.vocab_size, h)
     return out
@@ -143,19 +117,14 @@ def qwen2_layout(cfg: Any, tp: int) -> Layout:
 # ----------------------------------------------------------------------------- 2. the plan
 @dataclass(frozen=True)
 class Transfer:
-    """Box ``src`` of trainer rank ``trainer``'s local shard of ``name`` -> box ``dst`` of ``param``
-    on engine TP rank ``engine``."""
-
+    """Box ``src`` of trainer rank ``trainer``'s local shard of ``name`` -> ``dst`` of ``param``."""
     trainer: int
-    engine: int
+    engine: int  # the TP rank that holds ``param``
     name: str
     param: str
     src: Box
     dst: Box
-
-    @property
-    def numel(self) -> int:
-        return _volume(self.dst)
+    numel = Piece.numel
 
 
 @dataclass
@@ -166,20 +135,15 @@ class Plan:
     n_trainers: int
 
     def batches(self, bucket_numel: int) -> list[list[int]]:
-        """Transfer indices in consecutive groups of at most ``bucket_numel`` elements; every rank
-        computes the same groups and finishes one before starting the next."""
+        """Transfer indices in groups of at most ``bucket_numel`` elements, alike on all ranks."""
         return bucket_groups([tr.numel for tr in self.transfers], bucket_numel)
 
     def bytes_between(self, elem_bytes: int) -> dict[tuple[int, int], int]:
         """Bytes each (trainer rank, engine rank) link carries."""
-        out: Counter = Counter()
+        out: dict[tuple[int, int], int] = {}
         for t in self.transfers:
-            out[(t.trainer, t.engine)] += t.numel * elem_bytes
-        return dict(out)
-
-
-def _volume(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
+            out[(t.trainer, t.engine)] = out.get((t.trainer, t.engine), 0) + t.numel * elem_bytes
+        return out
 
 
 def _inside(box: Box, shape: Sequence[int]) -> bool:
@@ -202,27 +166,25 @@ def _fmt(box: Box) -> str:
 def check_layout(layout: Layout) -> None:
     """Raise ``PlanError`` naming every engine parameter not written exactly once, every bad box."""
     probs: list[str] = []
-    by_param: dict[tuple[int, str], list[Piece]] = {}
+    by_param: dict[tuple[int, str], list[Piece]] = {key: [] for key in layout.engine}
     for p in layout.pieces:
-        key = (p.rank, p.param)
-        if key not in layout.engine:
-            probs.append(f"{p.name} -> '{p.param}' on TP rank {p.rank}: the engine has no such "
-                         "parameter")
+        where, full = f"'{p.param}' on TP rank {p.rank}", layout.checkpoint.get(p.name)
+        if (shape := layout.engine.get((p.rank, p.param))) is None:
+            probs.append(f"{p.name} -> {where}: the engine has no such parameter")
             continue
-        src_fits = p.src is None or (_inside(p.src, layout.checkpoint.get(p.name, ()))
+        src_fits = p.src is None or (_inside(p.src, full or ())
                                      and [b - a for a, b in p.src] == [b - a for a, b in p.dst])
-        if not (src_fits and _inside(p.dst, layout.engine[key])):
-            probs.append(f"{p.name}{_fmt(p.src or ())} {layout.checkpoint.get(p.name)} -> "
-                         f"'{p.param}'{_fmt(p.dst)} {layout.engine[key]} on TP rank {p.rank}: "
-                         "the boxes do not fit")
-        by_param.setdefault(key, []).append(p)
-    for (rank, param), shape in layout.engine.items():
-        pieces = by_param.get((rank, param), [])
+        if not (src_fits and _inside(p.dst, shape)):
+            probs.append(f"{p.name}{_fmt(p.src or ())} {full} -> '{p.param}'{_fmt(p.dst)} {shape} "
+                         f"on TP rank {p.rank}: the boxes do not fit")
+        by_param[(p.rank, p.param)].append(p)
+    for (rank, param), pieces in by_param.items():
+        shape = layout.engine[(rank, param)]
         twice = [(x, y, both) for i, x in enumerate(pieces) for y in pieces[i + 1:]
                  if (both := _overlap(x.dst, y.dst))]
         probs += [f"'{param}' on TP rank {rank}: elements {_fmt(both)} written twice (by "
                   f"{x.name} and {y.name})" for x, y, both in twice]
-        filled = sum(_volume(p.dst) for p in pieces)
+        filled = sum(p.numel for p in pieces)
         if filled < math.prod(shape) and not twice:  # (boxes inside, none overlapping: a gap)
             names = sorted({str(p.name) for p in pieces}) or "nothing"
             probs.append(f"'{param}' on TP rank {rank}: only {filled} of {math.prod(shape)} "
@@ -243,11 +205,8 @@ def make_plan(layout: Layout, n_trainers: int,
               owners: Mapping[str, list[tuple[int, int]]] | None = None) -> Plan:
     """Cut the layout's pieces by the rows each trainer rank owns (default: ``fsdp_rows``)."""
     check_layout(layout)
-    transfers, pads = [], []
-    for p in layout.pieces:
-        if p.name is None:
-            pads.append(p)
-            continue
+    transfers, pads = [], [p for p in layout.pieces if p.name is None]
+    for p in (p for p in layout.pieces if p.name is not None):
         rows = (owners or {}).get(p.name) or fsdp_rows(layout.checkpoint[p.name][0], n_trainers)
         for r, (s, e) in enumerate(rows):
             a, b = max(p.src[0][0], s), min(p.src[0][1], e)
@@ -255,7 +214,7 @@ def make_plan(layout: Layout, n_trainers: int,
                 d0 = p.dst[0][0] + a - p.src[0][0]
                 transfers.append(Transfer(r, p.rank, p.name, p.param, ((a - s, b - s),) + p.src[1:],
                                           ((d0, d0 + b - a),) + p.dst[1:]))
-    moved = sum(t.numel for t in transfers) + sum(_volume(p.dst) for p in pads)
+    moved = sum(t.numel for t in [*transfers, *pads])
     need = sum(map(math.prod, layout.engine.values()))
     if moved != need:
         raise PlanError(f"the trainer ranks' rows do not cover the checkpoint: {moved} elements "
@@ -266,12 +225,11 @@ def make_plan(layout: Layout, n_trainers: int,
 def module_buckets(layout: Layout, nbytes: Mapping[str, int], bucket_bytes: int) -> list[list[str]]:
     """Checkpoint names in groups of whole engine modules (q, k, v together: vLLM reloads whole
     layers), each group at most ``bucket_bytes`` unless one module alone is larger."""
-    modules: dict[str, list[str]] = {}
+    modules: dict[str, dict[str, None]] = {}  # (a dict: each name once, in order)
     for p in layout.pieces:
-        names = modules.setdefault(p.param.rpartition(".")[0], [])
-        if p.name is not None and p.name not in names and p.rank == 0:  # (each name once)
-            names.append(p.name)
-    mods = list(modules.values())
+        if p.name is not None and p.rank == 0:
+            modules.setdefault(p.param.rpartition(".")[0], {})[p.name] = None
+    mods = [list(m) for m in modules.values()]
     sizes = [sum(nbytes[n] for n in m) for m in mods]
     return [sum((mods[i] for i in g), []) for g in bucket_groups(sizes, bucket_bytes)]
 

