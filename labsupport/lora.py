@@ -73,9 +73,8 @@ def engine_spec(llm: Any) -> dict[str, Any]:
     """:func:`adapter_spec` of a running engine, read from its config (no RPC)."""
     cfg = llm.llm_engine.vllm_config
     if cfg.lora_config is None:
-        raise AdapterError("this engine was started without enable_lora=True, so it cannot take "
-                           "adapters: start it with LLM(..., enable_lora=True, max_lora_rank=R), "
-                           "or send merged weights")
+        raise AdapterError("this engine was started without enable_lora=True: start it with "
+                           "LLM(..., enable_lora=True, max_lora_rank=R), or send merged weights")
     return adapter_spec(cfg.model_config.hf_config, cfg.lora_config.max_lora_rank)
 
 

@@ -35,7 +35,6 @@ REPLY_S = 30.0  # how long the workers' call may take once the trainer's side is
 logger = logging.getLogger(__name__)
 
 
-# ---- Worker side ---------------------------------------------------------------------------------
 @dataclass
 class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     """Worker-side init info (the trainer engine fills it in; the fields of vLLM's NCCL one)."""
@@ -108,7 +107,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     shutdown = UpdateGroup.leave_group
 
 
-# ---- Trainer side --------------------------------------------------------------------------------
 @dataclass
 class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     """Trainer-side init info for ``labsupport_gloo`` (like vLLM's ``NCCLTrainerInitInfo``)."""
