@@ -1,11 +1,9 @@
-"""Co-located weight updates at the copy floor (Chapter 5, Lab 6): ``core.colocated``'s mapped
-path plus what production needs. The engine maps the trainer's exported buffer (``SharedWeights``)
-once, loads it once through the safe path, and plans (``vllm_plan``) the copies that fill its
-parameters (a layer vLLM does not compute from as loaded keeps the safe path, with its reason); an
-update is then one RPC of copies. Refused: a sync once a parameter has left the buffer (the engine
-would serve stale weights), a plan that disagrees with vLLM's loader, parameters moved since the
-plan, a released or dead export. Write no parameter until ``sync`` returns (Chapter 9).
-"""
+"""Co-located weight updates at the copy floor (Chapter 5, Lab 6), ``core.colocated``'s mapped path
+hardened: the engine maps the trainer's exported buffer (``SharedWeights``) once, loads it through
+the safe path, plans (``vllm_plan``) the copies that fill its parameters (a layer vLLM transforms
+after loading keeps the safe path); an update is then one RPC of copies. Refused: a sync once a
+trainer's parameter left the buffer, a plan that disagrees with vLLM's loader, engine parameters
+moved since the plan, a released or dead export. Write no parameter until ``sync`` returns."""
 
 from __future__ import annotations
 
@@ -27,10 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class SharedWeights:
-    """The trainer's weights in one exported bucket. Without ``dtype`` the parameters themselves
-    move into it (create it before the optimizer, write in place: nothing to copy). With the
-    engine's ``dtype`` (the capstone's ``rl.colocated``) it holds a cast copy that ``refresh``
-    overwrites after each optimizer step."""
+    """The trainer's weights in one exported bucket: without ``dtype`` the parameters move into it
+    (create it before the optimizer; write in place); with the engine's ``dtype`` (``rl.colocated``)
+    a cast copy, overwritten by ``refresh`` after each optimizer step."""
 
     def __init__(self, model: torch.nn.Module, exporter: ipc.Exporter | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -38,23 +35,20 @@ class SharedWeights:
         named = colocated.engine_order(model.named_parameters())
         self.handle = self.exporter.export_bucket(colocated.in_dtype(model, dtype) if dtype
                                                   else named)  # one copy
-        self.names, params = [n for n, _ in named], dict(named)
+        self.names = [n for n, _ in named]
         self.views = [v for _, v in unpack(self.exporter.buffer(self.handle), self.handle.entries)]
-        if dtype is None:
-            with torch.no_grad():
-                for name, view in zip(self.names, self.views):
-                    params[name].data = view  # the parameter now lives in the exported buffer
+        if dtype is None:  # the parameters now live in the exported buffer
+            for (_, p), view in zip(named, self.views):
+                p.data = view
         self.device = named[0][1].device
         self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where they stay
 
     def check(self) -> None:
-        """Raise ``WeightUpdateError`` if a parameter no longer lives where it was exported (a cast
-        copy: nothing to check, ``refresh`` reads the parameters wherever they live)."""
+        """Raise ``WeightUpdateError`` if a parameter left the buffer (with ``dtype``: no check)."""
         if self.dtype is not None:
             return
         now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
-        moved = sorted(n for n in self.addresses.keys() | now.keys()
-                       if now.get(n) != self.addresses.get(n))
+        moved = sorted({n for n, _ in now.items() ^ self.addresses.items()})  # moved, added, gone
         if moved:
             raise WeightUpdateError(
                 f"{len(moved)} of the trainer's parameters no longer live in the exported buffer "
@@ -64,9 +58,8 @@ class SharedWeights:
                 "again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
 
     def refresh(self, model: torch.nn.Module | None = None) -> None:
-        """The trainer's current weights in the bucket, its queued writes finished: with ``dtype``,
-        one grouped cast-copy of ``model``'s (default: the exported one's) after checking their
-        names and shapes (a copy into a view of another shape would broadcast silently)."""
+        """The trainer's current weights in the bucket, queued writes finished; with ``dtype``, one
+        grouped cast-copy of ``model``'s (default: the exported one) once names and shapes match."""
         if self.dtype is None:
             self.check()
             devices.synchronize(self.device)
@@ -94,8 +87,7 @@ def map_engine(llm: Any, shared: SharedWeights) -> list[dict[str, Any]]:
     return vllm_ext.call(llm, "map_trainer_weights", shared.packed())
 
 
-def sync(llm: Any, shared: SharedWeights,
-         timeout: float = vllm_ext.TIMEOUT_S) -> list[dict[str, Any]]:
+def sync(llm: Any, shared: SharedWeights, timeout: float = vllm_ext.TIMEOUT_S) -> list[dict]:
     """The trainer's current weights into the engine: ``shared.refresh()``, then one RPC."""
     shared.refresh()
     return vllm_ext.call(llm, "sync_mapped_weights", timeout=timeout)
@@ -152,8 +144,8 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
 
     @worker_rpc
     def sync_mapped_weights(self) -> dict[str, Any]:
-        """Copy the mapped weights into the engine's per the plan; safe-load the fallback layers
-        (``entered``, ``left``: ``time.monotonic()``, one clock for the machine's processes)."""
+        """Copy the mapped weights in per the plan, safe-load the fallback layers (``entered``,
+        ``left``: ``time.monotonic()``, one clock for the machine's processes)."""
         entered, st = time.monotonic(), worker_state(self)
         if st.mapped is None:
             raise WeightUpdateError("no mapped trainer weights: map_engine(llm, shared) first")
@@ -170,10 +162,9 @@ class FastColocateExtension(vllm_ext.RLHFWorkerExtension):
         colocated.copy(plan.copies)  # (a loop of copies beats one _foreach_copy_ over them)
         devices.synchronize(self.device)
         st.version += 1
-        return {"version": st.version, "copied_bytes": plan.copied_bytes,
-                "copies": len(plan.copies), "copy_s": time.perf_counter() - t1,
-                "fallback_s": t1 - t0, "fallback_layers": len(plan.fallback), "entered": entered,
-                "left": time.monotonic()}
+        return {"version": st.version, "copied_bytes": plan.copied_bytes, "entered": entered,
+                "copies": len(plan.copies), "fallback_layers": len(plan.fallback),
+                "copy_s": time.perf_counter() - t1, "fallback_s": t1 - t0, "left": time.monotonic()}
 
     @worker_rpc
     def unmap_trainer_weights(self) -> bool:

@@ -1,11 +1,8 @@
-"""LoRA-only weight updates (Chapter 7, Lab 8): the trainer trains a low-rank adapter and the
-engine receives only it, ending with the engine's greedy output equal to the trainer's. Either as an
-adapter (peft's format, ``add_lora`` under a new ``lora_int_id`` per version since vLLM caches
-adapters by id, then the previous one removed), or folded into a copy of the base
-(``merge_and_unload``) and sent whole with ``vllm_ext.push_ipc``. Against a failure:
-:func:`check_adapter` names every problem of a bad adapter before the engine sees it; a refusal by
-vLLM's own loader raises ``AdapterError`` and the engine keeps serving its previous adapter. The
-lab's demo (model, training, generation, timed sends): ``experiments.lora_demo``.
+"""LoRA-only weight updates (Chapter 7, Lab 8): the engine receives only the trainer's low-rank
+adapter, in peft's format (``add_lora``, a new ``lora_int_id`` per version: vLLM caches adapters by
+id), or folded into a copy of the base and sent whole (``vllm_ext.push_ipc``). :func:`check_adapter`
+names every problem of a bad adapter before the engine sees it; a refusal by vLLM's loader raises
+``AdapterError``, the engine keeps its previous adapter. The lab's demo: ``experiments.lora_demo``.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class AdapterError(ValueError):
-    """An adapter was refused before the engine loaded it; the message says what is wrong and what
-    to do."""
+    """An adapter refused before the engine loaded it (the message: what is wrong, what to do)."""
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -40,11 +36,9 @@ def add_adapter(model, rank: int = 8, *, alpha: int | None = None,
 
 
 def save_adapter(peft_model, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the adapter only into ``folder``, in ``dtype`` if given (the engine's: a float32
-    trainer sends a bfloat16 engine half the bytes)."""
-    folder, state = Path(folder), None
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in peft_model.state_dict().items() if "lora_" in k}
+    """Write only the adapter into ``folder``, in ``dtype`` if given (the engine's: fewer bytes)."""
+    folder, state = Path(folder), peft_model.state_dict()
+    state = None if dtype is None else {k: v.to(dtype) for k, v in state.items() if "lora_" in k}
     peft_model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
     (folder / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the update
     return folder
@@ -58,17 +52,14 @@ def adapter_bytes(folder: str | Path) -> int:
 
 @torch.no_grad()
 def merged_weights(peft_model, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
-    """The full weights with the adapter folded in (``W + alpha/r * B @ A``), in checkpoint names,
-    from a copy: the trainer keeps its adapter."""
+    """The weights with the adapter folded in (``W + alpha/r * B @ A``), from a copy."""
     merged = copy.deepcopy(peft_model).merge_and_unload()
-    return [(n, p.detach() if dtype is None else p.detach().to(dtype))
-            for n, p in merged.named_parameters()]
+    return [(n, p.detach().to(dtype or p.dtype)) for n, p in merged.named_parameters()]
 
 
 # ----------------------------------------------------------------------------- engine side
 def adapter_spec(hf_config: Any, max_rank: int) -> dict[str, Any]:
-    """What an engine with this model config accepts: ``max_rank`` and the ``(out, in)`` shape of
-    each module with a LoRA slot (the decoder layers' linears), from a model on the meta device."""
+    """What the engine accepts: ``max_rank``, each LoRA slot's ``(out, in)`` (of a meta model)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -82,15 +73,13 @@ def engine_spec(llm: Any) -> dict[str, Any]:
     """:func:`adapter_spec` of a running engine, read from its config (no RPC)."""
     cfg = llm.llm_engine.vllm_config
     if cfg.lora_config is None:
-        raise AdapterError("this engine was started without enable_lora=True, so it cannot take "
-                           "adapters: start it with LLM(..., enable_lora=True, max_lora_rank=R), "
-                           "or send merged weights")
+        raise AdapterError("this engine was started without enable_lora=True: start it with "
+                           "LLM(..., enable_lora=True, max_lora_rank=R), or send merged weights")
     return adapter_spec(cfg.model_config.hf_config, cfg.lora_config.max_lora_rank)
 
 
 def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
-    """Raise ``AdapterError`` listing every problem of the adapter in ``folder`` against ``spec``
-    (:func:`engine_spec`); nothing is loaded anywhere."""
+    """Raise ``AdapterError`` listing every problem of ``folder``'s adapter against ``spec``."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -101,22 +90,19 @@ def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
     except (OSError, ValueError) as exc:
         raise AdapterError(f"{folder} is not a peft LoRA adapter folder ({exc}); write it with "
                            "save_adapter") from exc
-    probs = []
     rank, most = max([cfg.get("r", 0), *(cfg.get("rank_pattern") or {}).values()]), spec["max_rank"]
-    if rank > most:
-        probs.append(f"rank {rank} > the engine's max_lora_rank {most} (train with rank <= "
-                     f"{most}, or restart the engine with a larger max_lora_rank)")
+    probs = [f"rank {rank} > the engine's max_lora_rank {most} (train with rank <= {most}, or "
+             "restart the engine with a larger max_lora_rank)"] if rank > most else []
     if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
         probs.append("bias or modules_to_save: vLLM serves plain A/B adapters only")
     for key, shape in shapes.items():
         mod, _, ab = key.removeprefix("base_model.model.").rpartition(".lora_")
-        if mod not in spec["modules"]:
+        out, inp = spec["modules"].get(mod, (None, None))
+        want = (shape[0], inp) if ab.startswith("A") else (out, shape[1])
+        if out is None:
             probs.append(f"'{mod}': the engine has no LoRA slot for this module (it has "
                          f"{', '.join(TARGETS)} in each decoder layer)")
-            continue
-        out, inp = spec["modules"][mod]
-        want = (shape[0], inp) if ab.startswith("A") else (out, shape[1])
-        if shape != want:
+        elif shape != want:
             probs.append(f"'{key}': shape {shape}, the engine's model needs {want}")
     if probs:
         more = f"\n  ... and {len(probs) - 6} more" if len(probs) > 6 else ""
@@ -125,8 +111,8 @@ def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
 
 
 def push_adapter(llm: Any, folder: str | Path, version: int, *, check: bool = True) -> Any:
-    """Load adapter ``folder`` into the engine as ``version`` (its ``lora_int_id``); returns the
-    ``LoRARequest`` to generate with. ``check=False``: vLLM's checks only."""
+    """Load ``folder`` as ``version`` (its ``lora_int_id``), checked unless ``check=False``: the
+    ``LoRARequest`` to generate with."""
     from vllm.lora.request import LoRARequest
 
     if check:

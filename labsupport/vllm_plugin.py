@@ -1,17 +1,14 @@
-"""vLLM's native weight-transfer API from the trainer's side, and a gloo backend for it, so that
-code written against ``WeightTransferConfig`` runs without CUDA (Lab 4).
-
-:func:`native_trainer` is the trainer's end on vLLM 0.32 (``trainer_init``) or 0.26
-(:class:`NcclTrainer026`). ``register_plugin`` (vLLM calls it in each process through the
-``vllm.general_plugins`` entry point; importing registers nothing) adds ``"labsupport_gloo"``:
-engines shaped like vLLM's NCCL one, over ``labsupport.broadcast``, but an update is checked,
-staged and loaded in ``finish_weight_update`` (vLLM's moves the model to the meta device first: a
-failed transfer leaves it unusable), and a failed one does not raise on the workers (0.32
-mis-orders replies after a worker error, see ``vllm_weights.worker_rpc``): every rank votes, the
-trainer's ``send_weights`` raises the reason, nothing loads. A timeout aborts the group on every
-rank (the next ``send_weights`` says to create a new trainer). Every engine call of a round has a
-deadline (``EngineTimeout``, then ``vllm_ext.EngineUnusable``), as do the 0.26 trainer's NCCL
-set-up and send.
+"""vLLM's native weight-transfer API from the trainer's side (:func:`native_trainer`, on vLLM 0.32
+or 0.26), and a gloo backend so that code written against ``WeightTransferConfig`` runs without
+CUDA (Lab 4). ``register_plugin`` (the ``vllm.general_plugins`` entry point; importing registers
+nothing) adds ``"labsupport_gloo"``: vLLM's NCCL engines over ``labsupport.broadcast``, except that
+an update is checked, staged and loaded in ``finish_weight_update`` (vLLM's moves the model to the
+meta device first: a failed transfer leaves it unusable), and a failed one does not raise on the
+workers (0.32 mis-orders replies after a worker error, ``vllm_weights.worker_rpc``): every rank
+votes, the trainer's ``send_weights`` raises the reason, nothing loads. A timeout aborts the group
+on every rank (the next ``send_weights`` says to create a new trainer). Every engine call of a
+round has a deadline (``EngineTimeout``, then ``vllm_ext.EngineUnusable``), as do the 0.26
+trainer's NCCL set-up and send.
 """
 
 from __future__ import annotations
@@ -19,10 +16,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
-from vllm.distributed.weight_transfer import base as vllm_wt
+from vllm.distributed.weight_transfer import base as vllm_wt, factory
 
 from labsupport import broadcast, groups, vllm_ext
 from labsupport.broadcast import SyncTimeout, WeightSyncError
@@ -38,7 +35,6 @@ REPLY_S = 30.0  # how long the workers' call may take once the trainer's side is
 logger = logging.getLogger(__name__)
 
 
-# ---- Worker side ---------------------------------------------------------------------------------
 @dataclass
 class GlooWeightTransferInitInfo(vllm_wt.WeightTransferInitInfo):
     """Worker-side init info (the trainer engine fills it in; the fields of vLLM's NCCL one)."""
@@ -94,11 +90,10 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             logger.error("weight update skipped: the group was aborted after a timeout; re-create "
                          "it (init_weight_transfer_engine, i.e. a new trainer engine)")
             return
-        # refuses in the vote
         load = ew.loader(update_info.names, update_info.dtype_names, update_info.shapes)
         try:
             broadcast.receive(self.group, src=0, expected=ew.expected, load=load, device="cpu")
-        except WeightSyncError as exc:  # not raised (module docstring): the trainer's send raises
+        except WeightSyncError as exc:  # a refusal (voted) or a timeout: the trainer's send raises
             lost = isinstance(exc, SyncTimeout)  # a peer stopped answering: the group is aborted
             logger.log(logging.ERROR if lost else logging.WARNING, "weight update %s, model "
                        "unchanged: %s", "timed out (group aborted)" if lost else "refused", exc)
@@ -112,7 +107,6 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
     shutdown = UpdateGroup.leave_group
 
 
-# ---- Trainer side --------------------------------------------------------------------------------
 @dataclass
 class GlooTrainerInitInfo(vllm_wt.TrainerInitInfo):
     """Trainer-side init info for ``labsupport_gloo`` (like vLLM's ``NCCLTrainerInitInfo``)."""
@@ -133,8 +127,7 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
                      source: Any = None) -> GlooTrainerWeightTransferEngine:
         if source is None:
-            raise ValueError("the gloo trainer engine needs a WeightSource, e.g. "
-                             "ModuleSource(model)")
+            raise ValueError("a gloo trainer engine needs a WeightSource, e.g. ModuleSource(model)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
@@ -153,7 +146,7 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         return engine
 
     def send_weights(self) -> None:
-        pairs = list(self.source)  # materialises FSDP shards on every rank (a collective)
+        pairs = [(n, t.detach().to("cpu")) for n, t in self.source]  # FSDP: a collective, all ranks
         if not self.is_sender:
             return
         if self.group is None or self.group.closed:  # a timeout aborted it (on the workers too)
@@ -161,7 +154,6 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
                                     f"update v{self.version}, or shut down); nothing was sent. "
                                     "Create a new trainer engine (vllm_plugin.native_trainer / "
                                     "trainer_init): the engine joins a new group.")
-        pairs = [(n, t.detach().to("cpu")) for n, t in pairs]
         self.version += 1
         _session(self.client, _announced(pairs), self.group.timeout_s + REPLY_S,  # refusals raise
                  lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed",
@@ -177,9 +169,9 @@ def _announced(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
 
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
-    """One round: start; ``update_weights`` on the workers alongside ``send`` here; finish, whatever
-    happened (a refused round loads nothing). An error is the trainer's, the workers' and finish's
-    attached. Start or finish past ``timeout``: ``EngineTimeout``, the engine marked unusable."""
+    """One round: start; the workers' ``update_weights`` alongside ``send``; finish, whatever
+    happened (an error: the trainer's, the others' attached). Start or finish past ``timeout``:
+    ``EngineTimeout``, the engine marked unusable."""
     engine = getattr(client, "llm", client)
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
@@ -194,19 +186,15 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
     vllm_ext.within(client.finish_weight_update, timeout, "finish_weight_update", engine)
 
 
-# ---- Registration --------------------------------------------------------------------------------
 def register_plugin() -> None:
     """The ``vllm.general_plugins`` entry point: ``labsupport_gloo`` into both of vLLM's factories
     (by module path). Idempotent: vLLM may call it more than once per process, and so may we."""
-    from vllm.distributed.weight_transfer import factory as f
-
-    for factory, cls in ((f.WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (f.WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
-        if GLOO_BACKEND not in factory._registry:  # (any other refusal raises)
-            factory.register_engine(GLOO_BACKEND, __name__, cls)
+    for each, cls in ((factory.WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+                      (factory.WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+        if GLOO_BACKEND not in each._registry:  # (any other refusal raises)
+            each.register_engine(GLOO_BACKEND, __name__, cls)
 
 
-# ---- The trainer's end, on either vLLM -----------------------------------------------------------
 def native_backend(device: str | torch.device) -> str:
     """The native backend for a trainer on ``device``: vLLM's ``"nccl"``, or our gloo one."""
     return "nccl" if torch.device(device).type == "cuda" else GLOO_BACKEND
@@ -216,8 +204,6 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
                    world_size: int, *, client: Any, source: Any) -> Any:
     """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``):
     0.32's ``WeightTransferTrainerFactory.trainer_init``, or on 0.26 :class:`NcclTrainer026`."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
     if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
         return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client,
                                            source)
@@ -227,7 +213,7 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
         register_plugin()  # the trainer's factory must know it (the engine's: the entry point)
         InitInfo = GlooTrainerInitInfo
     info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    return factory.WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 class LLMWeightSyncClient:
@@ -235,24 +221,19 @@ class LLMWeightSyncClient:
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        self.start_weight_update = llm.start_weight_update  # (the other two wrap their argument)
+        self.finish_weight_update = llm.finish_weight_update
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self) -> None:
-        self.llm.finish_weight_update()
 
 
 class NcclTrainer026:
     """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, over ``NCCLWeightTransferEngine``'s
-    static helpers (workers are ranks 1..; a round announces names, dtypes, shapes while the trainer
-    broadcasts). Its NCCL calls, without deadlines in vLLM, run on a thread within ``timeout``."""
+    static helpers; its NCCL calls (no deadline in vLLM) run on a thread within ``timeout``."""
 
     def __init__(self, group: Any, packed: bool, client: Any, source: Any,
                  timeout: float = vllm_ext.TIMEOUT_S) -> None:
@@ -261,12 +242,10 @@ class NcclTrainer026:
 
     @classmethod
     def trainer_init(cls, master_address: str, master_port: int, world_size: int, packed: bool,
-                     client: Any, source: Any,
-                     timeout: float = vllm_ext.TIMEOUT_S) -> NcclTrainer026:
+                     client: Any, source: Any, timeout: float = vllm_ext.TIMEOUT_S) -> Self:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Nccl
 
-        info = {"master_address": master_address, "master_port": master_port,
-                "world_size": world_size}
+        info = dict(master_address=master_address, master_port=master_port, world_size=world_size)
         group, _ = vllm_ext.alongside(  # the workers wait for rank 0
             lambda: client.init_weight_transfer_engine({**info, "rank_offset": 1}),
             lambda: vllm_ext.within(lambda: Nccl.trainer_init(info), timeout, "NCCL trainer_init"),
@@ -295,5 +274,4 @@ class NcclTrainer026:
             self.shutdown()  # its workers may wait in a broadcast: abort ours
             raise
 
-    # (an abort, bounded; 0.26's workers keep theirs: versions.shutdown_transfer)
-    shutdown = UpdateGroup.leave_group
+    shutdown = UpdateGroup.leave_group  # a bounded abort; the workers': versions.shutdown_transfer

@@ -1,6 +1,5 @@
-"""The short path: each of the course's mechanisms in straight lines, read before the hardened
-modules. Read them in this order (about 500 lines; they import nothing outside ``core/`` but torch);
-each lab runs its core first, then the hardened module:
+"""The short path: each mechanism in straight lines (about 500 lines, nothing outside ``core/``
+but torch), in this order; each lab runs its core first, then the hardened module:
 
 - ``devices``: a GPU's identity (its UUID), a wait for its queue, a CUDA IPC handle's device slot
 - ``buckets``: named tensors laid out in one flat byte buffer, and the buffer sliced back into them
@@ -9,6 +8,5 @@ each lab runs its core first, then the hardened module:
 - ``colocated``: a bucket loaded or copied between sleep and wake (Lab 6, then ``fast_update``)
 - ``timeline``: bytes by role at phase edges, and their plot (Lab 2, then ``memory``)
 
-One code path on both kinds of machine: a tensor on a GPU goes through NCCL or CUDA IPC, one on the
-CPU through gloo or a shared-memory file in ``/dev/shm``.
+One code path: GPU tensors go through NCCL or CUDA IPC, CPU ones through gloo or ``/dev/shm``.
 """

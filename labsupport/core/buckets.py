@@ -1,9 +1,8 @@
-"""Named tensors in one flat byte buffer: the layout that broadcast buckets and IPC handles carry.
+"""Named tensors in one flat byte buffer: the one bucket layout (broadcast buckets and IPC handles).
 
-A ``Meta`` is ``(name, dtype name, shape)``: all a receiver needs to slice the bytes back into
-tensors, each at a multiple of ``ALIGN`` bytes so that it can be viewed as any dtype. The one bucket
-layout (``broadcast``, ``ipc`` and ``vllm_weights`` build on it); ``load_into`` is how every
-receiver copies what arrived into its own tensors.
+A ``Meta``, ``(name, dtype name, shape)``, is all a receiver needs to slice the bytes back into
+tensors, each at a multiple of ``ALIGN`` bytes (viewable as any dtype); ``load_into`` copies what
+arrived into the receiver's own tensors.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def nbytes(m: Meta) -> int:
 
 
 def groups(sizes: list[int], limit: int) -> list[list[int]]:
-    """Indices of ``sizes`` in consecutive groups summing to at most ``limit`` (a larger item
-    alone): greedy bucketing, the one copy (``ipc``, ``reshard`` and ``lora`` use it too)."""
+    """Indices of ``sizes`` in consecutive groups of at most ``limit`` (a larger item alone)."""
     out: list[list[int]] = []
     used = 0  # in the last group
     for i, n in enumerate(sizes):
@@ -103,8 +101,7 @@ def unpack(buf: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Ten
 @torch.no_grad()
 def load_into(params: Mapping[str, torch.Tensor], views: list[tuple[str, torch.Tensor]], *,
               non_blocking: bool = False) -> int:
-    """Copy each received ``(name, view)`` into ``params[name]`` in place, in one multi-tensor copy
-    (the same tensor objects; nothing keeps a reference into the bucket); returns the bytes."""
+    """Copy each ``(name, view)`` into ``params[name]`` in place, one grouped copy; the bytes."""
     if views:
         dst, src = [params[n] for n, _ in views], [v for _, v in views]
         torch._foreach_copy_(dst, src, non_blocking=non_blocking)

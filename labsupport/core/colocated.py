@@ -1,15 +1,13 @@
 """The co-located update in straight lines: a trainer and a vLLM engine take turns on one GPU.
 
-As in vLLM's ``examples/rl/rlhf_colocate.py``, the trainer exports its weights, in the engine's
-dtype, into one bucket (``core.handoff``). Every worker maps it and loads it through vLLM's
-``load_weights`` (the safe path, ``load``; ``vllm_ext.push_ipc`` adds checks, whole layers, acks
-and deadlines), or keeps it mapped and copies it into its parameters (the mapped path, ``copy``;
-the trainer ``refresh``-es the bucket in place after each optimizer step; ``fast_update`` adds
-checks and a copy plan into vLLM's fused parameters). The worker drops its views (its ack), and the
-trainer releases the bucket. One turn (``colocated_step``), in vLLM's order: sleep (level 1 keeps
-the weights in host memory and drops the KV cache; 2 drops both); train; wake the weights only (the
-KV cache after the update: a lower peak); update; wake the KV cache; reset the prefix cache (no
-block of the old weights is reused).
+As in vLLM's ``examples/rl/rlhf_colocate.py``, the trainer exports its weights in the engine's dtype
+into one bucket (``core.handoff``). Every worker loads it through vLLM's ``load_weights`` (the safe
+path, ``load``; hardened: ``vllm_ext.push_ipc``), or keeps it mapped and copies it into its
+parameters (the mapped path, ``copy``, the trainer ``refresh``-ing the bucket after each optimizer
+step; hardened: ``fast_update``), drops its views, and the trainer releases the bucket. One turn
+(``colocated_step``), in vLLM's order: sleep (level 1 keeps the weights in host memory and drops the
+KV cache; 2 drops both); train; wake the weights only (the KV cache after the update: a lower
+peak); update; wake the KV cache; reset the prefix cache (no block of the old weights is reused).
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Named:
 # ---- trainer side --------------------------------------------------------------------------------
 @torch.no_grad()
 def refresh(views: list[torch.Tensor], model: torch.nn.Module) -> None:
-    """The mapped path, after each optimizer step: the new weights cast into the bucket's ``views``
-    (in ``engine_order``) in one grouped copy, waited for (the engine reads them next)."""
+    """The mapped path, after each optimizer step: the weights cast into ``views``, waited for."""
     torch._foreach_copy_(views, [p.detach() for _, p in engine_order(model.named_parameters())])
     if views:
         synchronize(views[0].device)
@@ -58,8 +55,7 @@ def load(worker: Any, handle: handoff.Handle) -> int:
 
 @torch.no_grad()
 def copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The mapped path: each ``(dst, src)``, a slice of an engine parameter and the mapped view that
-    fills it, copied on the device."""
+    """The mapped path: each ``(dst, src)`` (a parameter's slice, its mapped view) copied."""
     for dst, src in copies:
         dst.copy_(src)
     if copies:
@@ -69,8 +65,7 @@ def copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 # ---- one turn ------------------------------------------------------------------------------------
 def push(llm: Any, named: Named) -> int:
-    """The update: export ``named`` into one bucket, every worker loads it, release it; returns one
-    worker's bytes."""
+    """The update: export ``named`` as one bucket, every worker loads it, release it; the bytes."""
     buf, handle = handoff.export(named)  # the trainer keeps the buffer until the release
     try:
         return llm.collective_rpc(load, args=(handle,))[0]
@@ -81,9 +76,8 @@ def push(llm: Any, named: Named) -> int:
 
 def colocated_step(llm: Any, model: torch.nn.Module, train: Callable[[torch.nn.Module], Any], *,
                    level: int = 1, push: Callable[[Any, Named], Any] = push) -> None:
-    """One turn on ``llm``: it sleeps at ``level`` while ``train(model)`` runs, then takes the
-    trained weights in its dtype (``push``: this module's, or ``vllm_ext.push_ipc``) between waking
-    its weights and its KV cache."""
+    """One turn: ``llm`` sleeps at ``level`` while ``train(model)`` runs, wakes its weights, takes
+    the new ones in its dtype (``push``: ours or ``vllm_ext.push_ipc``), then wakes its KV cache."""
     llm.sleep(level=level)
     train(model)
     llm.wake_up(tags=["weights"])

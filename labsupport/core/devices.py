@@ -1,6 +1,5 @@
-"""The three device facts the core needs: a GPU's identity, a wait for its queue, a handle's slot.
-Every other module (``course.hardware``'s doctor, ``ipc``, the labs' peers) imports them from here.
-"""
+"""The three device facts the core needs (and every other module imports from here): a GPU's
+identity, a wait for its queue, a CUDA IPC handle's device slot."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """A CUDA IPC weight handoff in straight lines: export, rebuild with device remap, load, release.
 
 The owner (a trainer) packs named tensors into one flat buffer and *exports* it as a small picklable
-``Handle``; another process on the machine (an inference engine) *rebuilds* the buffer from it
-(mapping the owner's memory: nothing is copied), *loads* the views into its weights and drops them;
-then the owner *releases* the buffer. A GPU buffer goes through CUDA IPC (``reduce_tensor``, as in
-vLLM's co-location example), its handle naming the GPU by UUID, which the receiver looks up among
-its own indices (``CUDA_VISIBLE_DEVICES`` may number them differently); a CPU buffer is a file in
-``/dev/shm`` that both processes map. ``labsupport.ipc`` adds what production needs (Lab 5).
+``Handle``; another process on the machine (an inference engine) *rebuilds* the buffer (mapping the
+owner's memory: nothing is copied), *loads* the views into its weights and drops them; the owner
+*releases* the buffer. A GPU buffer goes through CUDA IPC (``reduce_tensor``), its handle naming the
+GPU by UUID for the receiver to find among its own indices (``CUDA_VISIBLE_DEVICES`` may renumber
+them); a CPU buffer is a file in ``/dev/shm``. ``labsupport.ipc`` hardens it (Lab 5).
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ class Handle:
 
 def export(named: list[tuple[str, torch.Tensor]],
            path: str | None = None) -> tuple[torch.Tensor, Handle]:
-    """Owner side: pack ``named`` tensors into a new shared buffer on their device; returns the
-    buffer (keep it alive until ``release``) and its handle (send it to the receiver). On the CPU
-    the buffer is the file ``path`` (default: a new name in ``SHM_DIR``)."""
+    """Owner side: ``named`` packed into a new shared buffer (keep it until ``release``; on the CPU
+    the file ``path``, default a new one in ``SHM_DIR``) and its handle (for the receiver)."""
     entries, size = buckets.layout([buckets.meta(name, t) for name, t in named])
     device = named[0][1].device
     if device.type == "cuda":

@@ -1,8 +1,7 @@
 """Weight sync over NCCL in straight lines: metadata, then one broadcast per bucket, then load.
 
-The trainer (rank ``src``) calls ``send``; every inference rank calls ``receive`` at the same time,
-in the same group (a ``labsupport.groups`` group: NCCL between GPUs, gloo on CPUs);
-``labsupport.broadcast`` adds what production needs, each against a failure (Lab 3). The phases:
+The trainer (rank ``src``) calls ``send`` while every inference rank calls ``receive`` in one
+``labsupport.groups`` group (NCCL or gloo); ``labsupport.broadcast`` hardens it (Lab 3). Phases:
 
 1. ``announce``: the trainer's names, dtypes, shapes and bucket size, one small object;
 2. ``plan``: both sides split the same list into the same buckets, each one flat buffer;
@@ -31,8 +30,7 @@ Bucket = tuple[list[Entry], int]  # a bucket's layout: its entries, and its buff
 
 def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20,
          src: int = 0, *, timeout_s: float | None = None) -> int:
-    """Trainer side: broadcast ``state`` (name -> tensor) to every other rank, waiting at most
-    ``timeout_s`` (default: the group's) for the last bucket; returns the bytes."""
+    """Trainer side: broadcast ``state`` to every other rank, within ``timeout_s``; the bytes."""
     metas = buckets.metas(state)
     announce(group, (metas, bucket_bytes), src)
     for bucket in plan(metas, bucket_bytes):
@@ -43,8 +41,7 @@ def send(group: StatelessGroup, state: Mapping[str, torch.Tensor], bucket_bytes:
 
 def receive(group: StatelessGroup, load: Callable[[Batch], None], src: int = 0, *,
             timeout_s: float | None = None) -> int:
-    """Receiver side: receive one update from ``src`` and ``load`` it, bucket by bucket, waiting as
-    ``send`` does; returns the bytes."""
+    """Receiver side: one update from ``src``, ``load``-ed bucket by bucket; the bytes."""
     metas, bucket_bytes = announce(group, None, src)
     for bucket in plan(metas, bucket_bytes):
         load(receive_bucket(group, bucket, src))  # views into the bucket, nothing copied yet

@@ -1,10 +1,8 @@
 """A memory timeline in straight lines: bytes by role at the edges of each phase, and their plot.
 
-The caller says which tensors play which role (``track("weights", lambda:
-list(model.parameters()))``); each ``with tl.phase("generate"):`` block records one sample as it
-begins and one as it ends: the time, the phase, the bytes each role holds on the device, and on a
-GPU what PyTorch's caching allocator has allocated (on the CPU stand-in the role bytes are the
-timeline). ``labsupport.memory`` adds what production needs (Lab 2).
+The caller says which tensors play which role (``track("weights", model.parameters)``); each ``with
+tl.phase("generate"):`` block samples as it begins and as it ends: the time, the phase, each role's
+bytes on the device, and on a GPU what PyTorch's allocator holds. ``labsupport.memory`` hardens it.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ class Timeline:
 
 
 def plot(tl: Timeline, unit: float = 1e6, ax: Any = None) -> Any:
-    """One stacked bar of bytes by role per sample (each phase's begin and end, phases shaded and
-    named), and on a GPU the allocator's count as a black tick."""
+    """A stacked bar of bytes by role per sample, phases shaded; on a GPU, the allocator's tick."""
     import matplotlib.pyplot as plt
 
     if ax is None:
