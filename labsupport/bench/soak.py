@@ -84,11 +84,8 @@ def run_one(job: dict[str, Any], peer_args: list[str], gpu: str | None, timeout:
         wall = time.perf_counter() - t0
         text = log.read_text(errors="replace")
         rec = {**job, "gpu": gpu, "returncode": rc, "wall_s": wall, "log": log.name}
-        data = (
-            json.loads(Path(f.name).read_text())
-            if rc == 0 and Path(f.name).stat().st_size
-            else None
-        )
+        done = rc == 0 and Path(f.name).stat().st_size
+        data = json.loads(Path(f.name).read_text()) if done else None
     if data is None:
         return {**rec, "ok": False, "error": last_error(text) if rc != "timeout"
                 else f"no result in {timeout:.0f} s"}
@@ -160,8 +157,9 @@ def merge(paths: list[str], tag: str | None) -> int:
     from labsupport.course import results
 
     recs = [json.loads(Path(p).read_text()) for p in paths]
-    lanes = [x for rec in recs for x in _lanes(rec)[0]]
-    runs = [r for rec in recs for r in _lanes(rec)[1]]
+    parts = [_lanes(rec) for rec in recs]
+    lanes = [lane for rec_lanes, _ in parts for lane in rec_lanes]
+    runs = [r for _, rec_runs in parts for r in rec_runs]
     first = recs[0]
     # a GPU that two lanes used one after the other is one GPU: count the devices the runs named
     gpus = [first["machine"]["gpus"][0]] * len({r.get("gpu") for r in runs})
@@ -203,11 +201,8 @@ def main(argv: list[str]) -> int:
     def one(job: dict[str, Any]) -> dict[str, Any]:
         gpu = free.get()
         try:
-            where = (
-                f"round{job['index']}"
-                if a.shared_cold
-                else (f"{job['config']}-{job['index']}-{gpu}")
-            )
+            where = (f"round{job['index']}" if a.shared_cold
+                     else f"{job['config']}-{job['index']}-{gpu}")
             extra = {**env, **(cache_env(os.path.join(root, where)) if job["cold"] else {})}
             r = run_one(job, peer_args, gpu if hardware.gpu_count() else None, a.timeout, extra,
                         log_dir)
