@@ -265,7 +265,8 @@ def against_floor(llm: Any, shared: fast_update.SharedWeights, mapping: dict[str
     ``sync_mapped_weights``), and ``sync_fraction_of_floor`` for the whole ``fast_update.sync`` as
     the trainer sees it (check, RPC, copies); medians of ``repeats`` updates. Where the rest goes,
     by the worker's clock stamps: ``there_s`` (the trainer's check, then the RPC on its way),
-    ``in_worker_s`` (checks and copies), ``back_s`` (the reply), and ``refresh_s`` alone."""
+    ``in_worker_s`` (checks and copies), ``back_s`` (the reply), ``refresh_s`` alone, and what a
+    call that does nothing costs (``rpc_floor``)."""
     copy_s, sync_s, ways, refresh_s = [], [], [], []
     for _ in range(repeats):
         t0 = time.monotonic()
@@ -287,7 +288,26 @@ def against_floor(llm: Any, shared: fast_update.SharedWeights, mapping: dict[str
             "copy_floor_s": floor,
             "copy_median_s": copy, "sync_median_s": whole, "copy_fraction_of_floor": floor / copy,
             "sync_fraction_of_floor": floor / whole, "there_s": there, "in_worker_s": inside,
-            "back_s": back, "refresh_s": statistics.median(refresh_s)}
+            "back_s": back, "refresh_s": statistics.median(refresh_s), **rpc_floor(llm)}
+
+
+def _noop(worker: Any) -> int:
+    return 0
+
+
+def rpc_floor(llm: Any, repeats: int = 20) -> dict[str, float]:
+    """Medians of ``repeats`` calls of a method that does nothing: through ``vllm_ext.call`` (its
+    deadline thread and checks) and through vLLM's ``collective_rpc`` alone: what any RPC costs."""
+    out = {}
+    for key, fn in (("rpc_noop_s", lambda: vllm_ext.call(llm, _noop)),
+                    ("rpc_noop_vllm_s", lambda: llm.collective_rpc(_noop))):
+        times = []
+        for _ in range(repeats + 1):  # (the first one warms up)
+            t0 = time.monotonic()
+            fn()
+            times.append(time.monotonic() - t0)
+        out[key] = statistics.median(times[1:])
+    return out
 
 
 def timed(fn: Any, llm: Any) -> dict[str, Any]:
@@ -804,6 +824,9 @@ def report(data: dict[str, Any]) -> None:
                 print(f"  where the sync's time goes: to the worker {m['there_s'] * 1e3:.2f} ms "
                       f"(the trainer's refresh alone {m['refresh_s'] * 1e3:.2f} ms), in it "
                       f"{m['in_worker_s'] * 1e3:.2f} ms, back {m['back_s'] * 1e3:.2f} ms")
+            if "rpc_noop_s" in m:
+                print(f"  a call that does nothing: {m['rpc_noop_s'] * 1e3:.2f} ms (vLLM's "
+                      f"collective_rpc alone {m['rpc_noop_vllm_s'] * 1e3:.2f} ms)")
     print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
     print("bar (bucketed transfer >= 85 % of raw, cycle <= 2x raw, exact on every rank; native "
           f"NCCL beside it): {data['bar_nccl']}")
