@@ -8,6 +8,7 @@ moved since the plan, a released or dead export. Write no parameter until ``sync
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,10 +43,26 @@ class SharedWeights:
                 p.data = view
         self.device = named[0][1].device
         self.addresses = {n: p.data_ptr() for n, p in model.named_parameters()}  # where they stay
+        self._seen()
+
+    def _seen(self) -> None:
+        """What ``check`` compares each sync without walking names (0.5-1.7 ms at 7B, a tenth of
+        the copy floor): every module's children and parameters as objects (one replaced anywhere
+        shows in its parent) and every parameter's address."""
+        self._mods = list(self.model.modules())
+        self._members, self._params = self._tree(), list(self.model.parameters())
+        self._ptrs = [p.data_ptr() for p in self._params]
+
+    def _tree(self) -> list[Any]:
+        return [v for m in self._mods for v in (*m._modules.values(), *m._parameters.values())]
 
     def check(self) -> None:
         """Raise ``WeightUpdateError`` if a parameter left the buffer (with ``dtype``: no check)."""
         if self.dtype is not None:
+            return
+        now = self._tree()
+        if len(now) == len(self._members) and not any(map(operator.is_not, now, self._members)) \
+                and [p.data_ptr() for p in self._params] == self._ptrs:
             return
         now = {n: p.data_ptr() for n, p in self.model.named_parameters()}
         moved = sorted({n for n, _ in now.items() ^ self.addresses.items()})  # moved, added, gone
@@ -56,6 +73,7 @@ class SharedWeights:
                 "model.to(...) or load_state_dict(assign=True) replaced their memory (the engine "
                 "would serve the stale buffer); nothing was sent. Write them in place, or map "
                 "again: shared.close(); shared = SharedWeights(model); map_engine(llm, shared).")
+        self._seen()  # (what changed moved nothing: a module without parameters, say)
 
     def refresh(self, model: torch.nn.Module | None = None) -> None:
         """The trainer's current weights in the bucket, queued writes finished; with ``dtype``, one

@@ -10,6 +10,7 @@ trainer's side refuses a sync once its parameters have left the exported buffer 
 
 from __future__ import annotations
 
+import copy
 import os
 from types import SimpleNamespace
 
@@ -180,6 +181,7 @@ def _moves(model: torch.nn.Module) -> dict:
         "model.to(dtype)": lambda: model.to(torch.float64).to(DTYPE),
         "load_state_dict(assign=True)": lambda: model.load_state_dict(
             {n: t.clone() for n, t in model.state_dict().items()}, assign=True),
+        "a submodule replaced": lambda: setattr(model.model.layers[0], "mlp", copy.deepcopy(model.model.layers[0].mlp)),
     }
 
 
@@ -194,10 +196,13 @@ def test_moved_parameters_are_refused_before_anything_is_sent(move):
     try:
         fast_update.sync(engine, shared)
         assert calls == ["sync_mapped_weights"]
+        model.model.layers[1].extra = torch.nn.Identity()  # (a change that moves nothing is no reason to refuse)
+        fast_update.sync(engine, shared)
         _moves(model)[move]()
-        with pytest.raises(WeightUpdateError, match="no longer live in the exported buffer.*map again"):
-            fast_update.sync(engine, shared)
-        assert calls == ["sync_mapped_weights"]  # nothing was sent
+        for _ in range(2):  # (and the next sync too: a refusal is not forgotten)
+            with pytest.raises(WeightUpdateError, match="no longer live in the exported buffer.*map again"):
+                fast_update.sync(engine, shared)
+        assert calls == ["sync_mapped_weights"] * 2  # nothing was sent
     finally:
         shared.close()
 
