@@ -3,7 +3,8 @@
 - a guard per export, checked at each rebuild and use of a mapping: a released buffer mapped while
   its memory holds other tensors (garbage weights, no error);
 - release by ``ack`` (``Exporter.release`` waits for the acks up to a deadline, gives torch's CUDA
-  IPC count back if no other process acked): memory freed under a reader, a wait for ever, a leak;
+  IPC count back if no other process acked; a timed-out reader's block kept until its engine
+  answers again, ``free_kept``): memory freed under a reader, a wait for ever, a leak;
 - the exporter's liveness (a lock the kernel drops when it dies; the receiver that finds it dead
   removes its files): a handle from a crashed trainer, its files left in ``/dev/shm``;
 - the host's boot id in each handle, errors naming the GPUs a process sees: a handle used on
@@ -37,7 +38,7 @@ from labsupport.core import buckets, handoff
 from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
-KEPT: list[torch.Tensor] = []  # memory of exports killed with keep=True, until this process exits
+KEPT: list[tuple] = []  # exports killed with keep=owner: (owner, memory, handle, guard path)
 _EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
 
 
@@ -78,6 +79,36 @@ class _Export:
     keep: torch.Tensor | None  # the memory behind the handle, as flat bytes: alive until release
     receivers: int
     nbytes: int  # what was exported: a bucket's buffer, or the shared tensor
+
+
+def _give_back(handle: Handle, guard: str) -> None:
+    """Remove ``handle``'s acks; on a GPU with no other process's ack (read here, never opened, or
+    its receiver died) give torch's CUDA IPC count back, which only an opener gives: else the
+    block would wait for exit."""
+    acks = shm.acks(guard, handle.serial)
+    if handle.gpu is not None and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
+        args = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, handle.where))
+        torch.UntypedStorage._release_ipc_counter_cuda(args["ref_counter_handle"],
+                                                       args["ref_counter_offset"])
+    for path in acks:
+        shm.unlink(path)
+
+
+def kept_by(owner: object) -> list[tuple]:
+    return [k for k in KEPT if k[0] is owner]
+
+
+def free_kept(kept: list[tuple]) -> int:
+    """Free blocks ``release(keep=owner)`` held, once their late reader is done (its engine
+    answered a call sent after them: an engine serves its calls in order); the bytes."""
+    KEPT[:], nbytes = [k for k in KEPT if all(k is not g for g in kept)], 0
+    while kept:  # (dropping the last references: the blocks go to torch's IPC limbo, collected)
+        _, memory, handle, guard = kept.pop()
+        _give_back(handle, guard)
+        nbytes, memory = nbytes + memory.nbytes, None
+    if nbytes and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+    return nbytes
 
 
 class Exporter(contextlib.AbstractContextManager):
@@ -149,10 +180,10 @@ class Exporter(contextlib.AbstractContextManager):
         return len(shm.acks(self._guard.path, handle.serial))
 
     def release(self, handle: Handle, force: bool = False, timeout_s: float = 0.0,
-                keep: bool = False) -> int:
+                keep: object = None) -> int:
         """Kill ``handle``, free its memory once each receiver process acked (waiting up to
-        ``timeout_s``; ``force``: at once); returns the bytes. ``keep``: hold its GPU memory until
-        exit (a receiver that timed out may still read it: freeing it would pull the block away)."""
+        ``timeout_s``; ``force``: at once); returns the bytes. ``keep``: the owner (an engine) of a
+        late call that may still read: the memory stays until ``free_kept`` (not pulled away)."""
         exp, deadline = self._get(handle), time.monotonic() + timeout_s
         while not force and (acked := self.acks(handle)) < exp.receivers:
             if time.monotonic() >= deadline:
@@ -162,17 +193,10 @@ class Exporter(contextlib.AbstractContextManager):
                                "after its last read; or release(force=True).")
             time.sleep(0.01)
         self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
-        acks = shm.acks(self._guard.path, handle.serial)
-        if keep and exp.keep.is_cuda:
-            KEPT.append(exp.keep)
-        elif exp.keep.is_cuda and all(p.endswith(f"-{os.getpid()}.ack") for p in acks):
-            # no other process acked (read here, never opened, or its receiver died): none gives
-            # torch's CUDA IPC count back (one that opened it does): the block would wait for exit
-            args = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, handle.where))
-            torch.UntypedStorage._release_ipc_counter_cuda(args["ref_counter_handle"],
-                                                           args["ref_counter_offset"])
-        for path in acks:
-            shm.unlink(path)
+        if keep is not None:
+            KEPT.append((keep, exp.keep, handle, self._guard.path))
+        else:
+            _give_back(handle, self._guard.path)
         del self._live[handle.serial]
         on_gpu, exp.keep = exp.keep.is_cuda, None  # close() still holds exp: drop the memory itself
         if on_gpu or all(e.handle.where[0] != handle.where[0] for e in self._live.values()):

@@ -105,14 +105,22 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
     timeout = TIMEOUT_S if timeout is None else timeout  # (None, as vLLM's clients pass it)
     method = worker_rpc(method) if callable(method) else method  # (it replies with its error too)
     what = f"collective_rpc({getattr(method, '__name__', method)!r})"
-    rpc = llm.collective_rpc
+    rpc, kept = llm.collective_rpc, ipc.kept_by(owner(llm))  # (late calls' buckets, before this)
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline
         ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
         fut = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref)
         timeout += GRACE_S  # (and is given a little more)
     else:
         fut = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs))
-    return check_replies(method, within(fut, timeout, what, llm))
+    replies = within(fut, timeout, what, llm)
+    ipc.free_kept(kept)  # it answered: any call sent before this one has ended
+    return check_replies(method, replies)
+
+
+def owner(engine: Any) -> Any:
+    """The engine behind ``engine`` (an ``LLM``, an ``AsyncLLM``, a client wrapping one): its core
+    client where it has one, the same object however it is wrapped."""
+    return getattr(getattr(engine, "llm_engine", engine), "engine_core", None) or engine
 
 
 def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[Any]:
@@ -190,7 +198,7 @@ def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
                 loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}),
                                True, timeout=timeout)[0]
             except EngineTimeout:  # a late open is refused; a late read keeps the memory
-                ex.release(bucket, force=True, keep=True)
+                ex.release(bucket, force=True, keep=owner(llm))
                 raise
             ex.release(bucket)  # every worker acked after loading
     return loaded

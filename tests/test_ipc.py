@@ -234,6 +234,35 @@ def test_a_guard_that_fails_to_start_leaves_no_fd_and_no_file(monkeypatch, tmp_p
 
 
 @pytest.mark.timeout(120)
+def test_kept_memory_goes_once_its_engine_answers_a_later_call(exporter):
+    """push_ipc keeps a bucket whose RPC timed out (the late call may still read it) under its engine; the
+    engine's next answered call proves the late one ended (calls are served in order) and frees it; a call
+    sent before the bucket was kept (a call in flight) frees nothing."""
+    from types import SimpleNamespace
+
+    from labsupport import vllm_ext
+
+    core = object()  # (vllm_ext.owner: an engine's core client, however the engine is wrapped)
+    in_flight = []
+
+    def rpc(method, **kw):
+        if in_flight:  # a call already sent when the bucket is kept: its answer proves nothing
+            in_flight.pop()
+            exporter.release(h2, force=True, keep=core)
+        return [0]
+
+    llm = SimpleNamespace(collective_rpc=rpc, engine_core=core)
+    handle = exporter.export_bucket([("w", torch.ones(1 << 20))])
+    h2 = exporter.export_bucket([("w", torch.ones(1 << 20))])
+    exporter.release(handle, force=True, keep=vllm_ext.owner(SimpleNamespace(llm_engine=llm)))
+    assert "released" in probe_in_peer(handle)["error"] and len(ipc.kept_by(core)) == 1
+    in_flight.append(1)
+    vllm_ext.call(llm, "anything")  # sent after the first was kept: frees it; the second is kept meanwhile
+    assert [k[2] for k in ipc.kept_by(core)] == [h2]
+    vllm_ext.call(llm, "anything")
+    assert not ipc.kept_by(core)
+
+
 def test_receiver_maps_instead_of_copying_cpu():
     n = 16 << 20  # 16 Mi float32 = 64 MiB
     with ipc.Exporter() as ex:
@@ -486,19 +515,24 @@ def test_cuda_forced_release_of_a_handle_nobody_opened_frees_it_and_torchs_count
 
 @needs_gpus(1)
 @pytest.mark.timeout(180)
-def test_cuda_release_keep_kills_the_handle_but_keeps_its_memory():
+def test_cuda_release_keep_kills_the_handle_but_keeps_its_memory_until_its_owner_answers():
     """After a receiver's call timed out it may have opened the handle and still read, without having acked:
-    release(force=True, keep=True) refuses any later open, but keeps the block allocated (a forced release gives
-    torch's IPC count back, and the reader's drop would give it back again: the block freed under the reader)."""
+    release(force=True, keep=owner) refuses any later open, but keeps the block allocated (a forced release gives
+    torch's IPC count back, and the reader's drop would give it back again: the block freed under the reader),
+    until free_kept: then the block and torch's count file go (the fault table's hung_rpc_ipc left both)."""
+    mine = lambda: {f for f in os.listdir(handoff.SHM_DIR) if f.startswith(f"torch_{os.getpid()}_")}
     torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    before, owner = mine(), object()
     with ipc.Exporter() as ex:
         a0 = torch.cuda.memory_allocated(0)
         handle = ex.export_bucket([("w", torch.ones(64 << 20, dtype=torch.uint8, device="cuda:0"))])
-        ex.release(handle, force=True, keep=True)
+        ex.release(handle, force=True, keep=owner)
         assert "released" in probe_in_peer(handle)["error"]
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated(0) >= a0 + (64 << 20) and ipc.KEPT[-1].numel() >= 64 << 20
-    ipc.KEPT.clear()  # (nothing reads this one)
+    assert torch.cuda.memory_allocated(0) >= a0 + (64 << 20) and len(ipc.kept_by(owner)) == 1
+    assert ipc.free_kept(ipc.kept_by(owner)) >= 64 << 20 and not ipc.kept_by(owner)
+    assert torch.cuda.memory_allocated(0) <= a0 and mine() <= before
 
 
 @needs_gpus(1)

@@ -38,8 +38,11 @@ PKG = Path(labsupport.__file__).parent
 # column parallelism in reshard, helpers used once inlined, one guard read per receiver in shm, the receiver's
 # double buffering without its slot table, weak values for saved activations) 4,033. The target stays 4,000
 # (issue 50): what is left is code, the error messages' advice and the docstrings' lists of what guards against
-# what, so the last lines ask for a smaller mechanism, not fewer words.
-MECHANISM_LINES = 4033
+# what, so the last lines ask for a smaller mechanism, not fewer words. Then two fixes the GPU asked for: the
+# trainer's check before a mapped sync compares objects and addresses instead of walking names (the sync at 85 %
+# of the copy floor, issue 46), and a timed-out IPC bucket freed once its engine answers again (the fault table's
+# hung_rpc_ipc left it for the process's life): 4,081.
+MECHANISM_LINES = 4081
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 # Lines <= 100 columns in labsupport/: ruff's E501 with pyproject.toml's line-length (editors read the same).
