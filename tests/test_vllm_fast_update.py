@@ -168,6 +168,7 @@ def test_the_bench_times_the_mapped_copies_against_a_flat_copy_in_the_worker(llm
         assert got["in_worker_s"] >= got["copy_median_s"] * 0.5 and got["refresh_s"] >= 0
         # what a call that does nothing costs, through the course's deadline and through vLLM's RPC alone
         assert 0 < got["rpc_noop_vllm_s"] and 0 < got["rpc_noop_s"] < got["sync_median_s"] * 1.5
+        assert 0 < got["rpc_named_vllm_s"] and 0 < got["rpc_named_s"] < got["sync_median_s"] * 1.5
         assert exact(llm, model)["exact"]
     finally:
         fast_update.unmap_engine(llm)

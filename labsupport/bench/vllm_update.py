@@ -296,11 +296,15 @@ def _noop(worker: Any) -> int:
 
 
 def rpc_floor(llm: Any, repeats: int = 20) -> dict[str, float]:
-    """Medians of ``repeats`` calls of a method that does nothing: through ``vllm_ext.call`` (its
-    deadline thread and checks) and through vLLM's ``collective_rpc`` alone: what any RPC costs."""
+    """Medians of ``repeats`` calls that do (almost) nothing, through ``vllm_ext.call`` (its
+    deadline thread and checks) and through vLLM's ``collective_rpc`` alone: a function sent to the
+    workers (pickled by value each call: ``rpc_noop``) and a method they have by name, as the mapped
+    sync is called (``report_device_id``: ``rpc_named``)."""
     out = {}
     for key, fn in (("rpc_noop_s", lambda: vllm_ext.call(llm, _noop)),
-                    ("rpc_noop_vllm_s", lambda: llm.collective_rpc(_noop))):
+                    ("rpc_noop_vllm_s", lambda: llm.collective_rpc(_noop)),
+                    ("rpc_named_s", lambda: vllm_ext.call(llm, "report_device_id")),
+                    ("rpc_named_vllm_s", lambda: llm.collective_rpc("report_device_id"))):
         times = []
         for _ in range(repeats + 1):  # (the first one warms up)
             t0 = time.monotonic()
@@ -826,7 +830,8 @@ def report(data: dict[str, Any]) -> None:
                       f"{m['in_worker_s'] * 1e3:.2f} ms, back {m['back_s'] * 1e3:.2f} ms")
             if "rpc_noop_s" in m:
                 print(f"  a call that does nothing: {m['rpc_noop_s'] * 1e3:.2f} ms (vLLM's "
-                      f"collective_rpc alone {m['rpc_noop_vllm_s'] * 1e3:.2f} ms)")
+                      f"collective_rpc alone {m['rpc_noop_vllm_s'] * 1e3:.2f} ms); a method by "
+                      f"name: {m['rpc_named_s'] * 1e3:.2f} ms ({m['rpc_named_vllm_s'] * 1e3:.2f})")
     print(f"\nbar (bucketed >= 80 % of raw, largest shape): {data['bar']}")
     print("bar (bucketed transfer >= 85 % of raw, cycle <= 2x raw, exact on every rank; native "
           f"NCCL beside it): {data['bar_nccl']}")
