@@ -80,8 +80,7 @@ def within(fn: Callable[[], Any] | concurrent.futures.Future, timeout: float, wh
     """``fn()`` on a daemon thread (or a future's result) within ``timeout`` s, else
     ``EngineTimeout`` (``engine`` refused after), or ``EngineDead`` once vLLM marks it dead."""
     fut = fn if isinstance(fn, concurrent.futures.Future) else _in_thread(fn)
-    core = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
-    marks = getattr(core, "resources", None)
+    marks = getattr(owner(engine), "resources", None)  # (vLLM marks a dead engine there)
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:

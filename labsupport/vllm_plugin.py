@@ -216,21 +216,6 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
     return factory.WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-class LLMWeightSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` for an in-process ``LLM`` (vLLM ships Ray and HTTP ones)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self.start_weight_update = llm.start_weight_update  # (the other two wrap their argument)
-        self.finish_weight_update = llm.finish_weight_update
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-
 class NcclTrainer026:
     """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, over ``NCCLWeightTransferEngine``'s
     static helpers; its NCCL calls (no deadline in vLLM) run on a thread within ``timeout``."""
