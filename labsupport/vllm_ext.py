@@ -139,6 +139,12 @@ def stateless_init_process_group(master_address: str, master_port: int, rank: in
                                store=store)
 
 
+def announced(named: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """The names, dtypes, shapes an update announces up front (as vLLM's NCCL ``update_info``)."""
+    return {"names": [n for n, _ in named], "dtype_names": [dtype_name(t) for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}
+
+
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  llm: Any, *, mode: str = "bucketed", bucket_bytes: int = 256 << 20,
                  dtype: torch.dtype | None = None, timeout: float = TIMEOUT_S,
@@ -158,10 +164,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
             alongside(rpc, lambda: group.broadcast(t.contiguous(), src=0), timeout)
         group.synchronize("per-tensor sync")
     else:
-        metas = metas_of(items)  # announced up front, like vLLM's NCCL update_info
-        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas],
-                                [m.dtype for m in metas], [list(m.shape) for m in metas], partial,
-                                timeout=timeout)
+        rpc = functools.partial(call, llm, "update_weights_bucketed", *announced(items).values(),
+                                partial, timeout=timeout)  # the metadata up front
         stats, out["workers"] = alongside(rpc, lambda: broadcast.send(
             group, items, src=0, mode="bucketed", bucket_bytes=bucket_bytes, partial=partial),
             timeout)
