@@ -77,7 +77,8 @@ vLLM engines and their updates (Chapters 4 to 8, Labs 4, 6, 7, 8):
 - ``vllm_plugin``: vLLM's native weight-transfer API, and a gloo backend for it
 - ``fast_update``: ``core.colocated``'s mapped path at the copy floor: the trainer's bucket, a
   checked copy plan
-- ``vllm_reshard``: resharding's transfers, three ways, and the engine side that receives shards
+- ``vllm_reshard``: resharding shard to shard: the trainer ranks' sends, the engine side that
+  receives them
 - ``lora``: LoRA-only updates: a trained adapter into vLLM, checked before the engine sees it
 
 The capstone (Chapter 11, Lab 10):
@@ -101,6 +102,8 @@ The labs' experiments, read last:
 - ``experiments.cluster``: Ray placement groups, and trainer and engine actors on GPU or CPU bundles
 - ``experiments.cluster_labs``: the actors' call form without Ray on one GPU, and the CPU path's
   stand-ins
+- ``experiments.reshard_gather``: Lab 7's gather modes (all at once, or a bucket while the last is
+  on the wire), the baselines of shard to shard
 - ``experiments.lora_demo``: Lab 8's LoRA demo: its base model, training, greedy text, each update
   timed
 - ``experiments.after_update``: what goes wrong once new weights are in: stale prefix cache,

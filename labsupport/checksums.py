@@ -58,9 +58,8 @@ def load_kernels(device: torch.device, dtypes: Iterable[str] = ()) -> None:
     """Launch once per device the kernels of checksums, of a vote on them and a multi-tensor copy of
     each of ``dtypes``: CUDA loads a kernel at its first launch (``CUDA_MODULE_LOADING=LAZY``), and
     loading behind a collective spinning on a dead peer blocks the host beyond any deadline."""
-    for d in ("checksums", *dtypes) if device.type == "cuda" else ():
-        if (device, d) in _LOADED:
-            continue
+    todo = [d for d in ("checksums", *dtypes) if (device, d) not in _LOADED]
+    for d in todo if device.type == "cuda" else ():
         if d == "checksums":  # every word width of_bytes reads, an odd address, two tensors joined
             u8 = [torch.zeros(w * (2 * ROW + 1), dtype=torch.uint8, device=device)
                   for w in (8, 4, 2, 1)]
@@ -80,9 +79,8 @@ def layout_checksums(named_tensors: NamedTensors, layout: Any, rank: int) -> dic
     (HF names, full shapes) placed as ``layout`` (``reshard.qwen2_layout``) does (fused, sharded,
     vocabulary padding as zeros), one parameter assembled at a time."""
     tensors, pieces = dict(named_tensors), {}
-    for piece in layout.pieces:
-        if piece.rank == rank:
-            pieces.setdefault(piece.param, []).append(piece)
+    for piece in (p for p in layout.pieces if p.rank == rank):
+        pieces.setdefault(piece.param, []).append(piece)
     sums = {}
     for param, shape in ((p, s) for (r, p), s in layout.engine.items() if r == rank):
         like = next(tensors[p.name] for p in pieces[param] if p.name is not None)

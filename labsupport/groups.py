@@ -6,6 +6,7 @@ deadline (NCCL's at ``synchronize()``, the start's on a thread); a failure names
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import pickle
@@ -327,15 +328,23 @@ def _lost(group: StatelessGroup, what: str, exc: BaseException | None = None,
                         "The group was aborted; check those ranks' logs, then create a new group.")
 
 
-def _bounded(fn: Callable[[], Any], limit: float) -> list[Any]:
-    """``fn()`` on a daemon thread, at most ``limit`` s: ``[its result or exception]``, or []."""
-    out: list[Any] = []
+def in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """``fn()`` on a daemon thread (a hung call would hang an executor's exit) on this one's GPU."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
-            out.append(fn())
-        except BaseException as exc:  # (handed to the caller's thread)
-            out.append(exc)
-    (thread := threading.Thread(target=run, daemon=True)).start()
-    thread.join(limit)
-    return out
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
+            fut.set_exception(exc)
+    threading.Thread(target=run, daemon=True, name="labsupport-call").start()
+    return fut
+
+
+def _bounded(fn: Callable[[], Any], limit: float) -> list[Any]:
+    """``fn()`` on a daemon thread, at most ``limit`` s: ``[its result or exception]``, or []."""
+    done = concurrent.futures.wait([fut := in_thread(fn)], limit).done
+    return [fut.exception() or fut.result()] if done else []

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import inspect
 import itertools
 import os
@@ -29,6 +28,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -40,6 +40,7 @@ from labsupport.core.devices import gpu_uuid, synchronize
 Named = Iterable[tuple[str, torch.Tensor]]
 KEPT: list[tuple] = []  # exports killed with keep=owner: (owner, memory, handle, guard path)
 _EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
+HOST_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # the machine, for IPC
 
 
 class IpcError(RuntimeError):
@@ -234,7 +235,7 @@ class Exporter(contextlib.AbstractContextManager):
                 nbytes: int) -> Handle:
         serial = next(self._ids)
         handle = Handle(gpu_uuid(flat.device.index) if flat.is_cuda else None, where, entries,
-                        host_id(), os.getpid(), self._guard.path, self._guard.take(serial), serial)
+                        HOST_ID, os.getpid(), self._guard.path, self._guard.take(serial), serial)
         self._live[serial] = _Export(handle, flat, receivers, nbytes)
         return handle
 
@@ -310,13 +311,6 @@ def ack(handle: Handle) -> bool:
     return True
 
 
-@functools.cache
-def host_id() -> str:
-    """This machine's identity for IPC: the kernel's boot id (shared by containers on one host)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return f.read().strip()
-
-
 def device_of(handle: Handle) -> torch.device:
     """The device ``handle`` rebuilds on in this process: its GPU's local index here, or the CPU."""
     if handle.gpu is None:
@@ -332,9 +326,9 @@ def check_handle(handle: Handle) -> None:
     if not isinstance(handle, Handle):
         raise IpcError("expected an ipc.Handle (from an ipc.Exporter, with its guard), found "
                        f"{type(handle).__name__}")
-    if handle.host != host_id():
+    if handle.host != HOST_ID:
         raise IpcError(f"handle exported on another machine (boot id {handle.host[:8]}..., here "
-                       f"{host_id()[:8]}...): IPC works on one host; use labsupport.broadcast.")
+                       f"{HOST_ID[:8]}...): IPC works on one host; use labsupport.broadcast.")
     if (serial := shm.guard_serial(handle.guard, handle.slot)) < 0:
         raise IpcError(f"the exporter (pid {handle.pid}) has closed or exited: its memory is gone "
                        "(or this process is in another container). Ask for a fresh handle.")

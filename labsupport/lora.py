@@ -44,12 +44,6 @@ def save_adapter(peft_model, folder: str | Path, dtype: torch.dtype | None = Non
     return folder
 
 
-def adapter_bytes(folder: str | Path) -> int:
-    """Bytes that travel for one adapter version: its config and its tensors (what vLLM reads)."""
-    files = ("adapter_config.json", "adapter_model.safetensors")
-    return sum((Path(folder) / f).stat().st_size for f in files)
-
-
 @torch.no_grad()
 def merged_weights(peft_model, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
     """The weights with the adapter folded in (``W + alpha/r * B @ A``), from a copy."""
@@ -67,15 +61,6 @@ def adapter_spec(hf_config: Any, max_rank: int) -> dict[str, Any]:
     shapes = {n: (m.out_features, m.in_features) for n, m in ref.named_modules()
               if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in TARGETS}
     return {"max_rank": max_rank, "modules": shapes}
-
-
-def engine_spec(llm: Any) -> dict[str, Any]:
-    """:func:`adapter_spec` of a running engine, read from its config (no RPC)."""
-    cfg = llm.llm_engine.vllm_config
-    if cfg.lora_config is None:
-        raise AdapterError("this engine was started without enable_lora=True: start it with "
-                           "LLM(..., enable_lora=True, max_lora_rank=R), or send merged weights")
-    return adapter_spec(cfg.model_config.hf_config, cfg.lora_config.max_lora_rank)
 
 
 def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
@@ -111,12 +96,18 @@ def check_adapter(folder: str | Path, spec: dict[str, Any]) -> None:
 
 
 def push_adapter(llm: Any, folder: str | Path, version: int, *, check: bool = True) -> Any:
-    """Load ``folder`` as ``version`` (its ``lora_int_id``), checked unless ``check=False``: the
-    ``LoRARequest`` to generate with."""
+    """Load ``folder`` as ``version`` (its ``lora_int_id``), checked (unless ``check=False``)
+    against the engine's config (no RPC): the ``LoRARequest`` to generate with."""
     from vllm.lora.request import LoRARequest
 
     if check:
-        check_adapter(folder, engine_spec(llm))
+        cfg = llm.llm_engine.vllm_config
+        if cfg.lora_config is None:
+            raise AdapterError("this engine was started without enable_lora=True: start it "
+                               "with LLM(..., enable_lora=True, max_lora_rank=R), or send merged "
+                               "weights")
+        check_adapter(folder, adapter_spec(cfg.model_config.hf_config,
+                                           cfg.lora_config.max_lora_rank))
     req = LoRARequest(f"policy-v{version}", int(version), str(Path(folder).resolve()))
     try:
         llm.llm_engine.add_lora(req)

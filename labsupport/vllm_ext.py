@@ -17,7 +17,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import SimpleNamespace
@@ -34,22 +33,6 @@ from labsupport.vllm_weights import WeightUpdateError, WorkerFailed, worker_rpc,
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300.0  # default deadline of one call on the workers
 GRACE_S = 2.0  # how long a failed send waits for the engine's error, to attach it
-
-
-def _in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` on a daemon thread (a hung RPC would hang an executor's exit) on this one's GPU."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-    def run() -> None:
-        try:
-            if gpu is not None:
-                torch.cuda.set_device(gpu)
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
-            fut.set_exception(exc)
-    threading.Thread(target=run, daemon=True, name="vllm_ext-rpc").start()
-    return fut
 
 
 class EngineDead(broadcast.WeightSyncError):
@@ -79,9 +62,8 @@ def within(fn: Callable[[], Any] | concurrent.futures.Future, timeout: float, wh
            engine: Any = None) -> Any:
     """``fn()`` on a daemon thread (or a future's result) within ``timeout`` s, else
     ``EngineTimeout`` (``engine`` refused after), or ``EngineDead`` once vLLM marks it dead."""
-    fut = fn if isinstance(fn, concurrent.futures.Future) else _in_thread(fn)
-    core = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
-    marks = getattr(core, "resources", None)
+    fut = fn if isinstance(fn, concurrent.futures.Future) else groups.in_thread(fn)
+    marks = getattr(owner(engine), "resources", None)  # (vLLM marks a dead engine there)
     end, dead = time.monotonic() + timeout, lambda: marks is not None and marks.engine_dead is True
     while not concurrent.futures.wait([fut], timeout=0.5).done and not dead():
         if time.monotonic() > end:
@@ -108,10 +90,10 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
     rpc, kept = llm.collective_rpc, ipc.kept_by(owner(llm))  # (late calls' buckets, before this)
     if hasattr(rpc, "remote"):  # a Ray actor (or cluster.InProcess): it calls with the deadline
         ref = rpc.remote(method, args=args, kwargs=kwargs, timeout=timeout)
-        fut = ref.future() if hasattr(ref, "future") else _in_thread(lambda: ref)
+        fut = ref.future() if hasattr(ref, "future") else groups.in_thread(lambda: ref)
         timeout += GRACE_S  # (and is given a little more)
     else:
-        fut = _in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+        fut = groups.in_thread(lambda: rpc(method, timeout=timeout, args=args, kwargs=kwargs))
     replies = within(fut, timeout, what, llm)
     ipc.free_kept(kept)  # it answered: any call sent before this one has ended
     return check_replies(method, replies)
@@ -136,7 +118,7 @@ def alongside(rpc: Callable[[], Any], send: Callable[[], Any],
               timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
     """Both results of ``send()`` here beside ``rpc()`` (an engine call waiting for it) on a thread;
     a send error gets the engine's outcome as a note (``GRACE_S``); silent after: EngineTimeout."""
-    engine = _in_thread(rpc)
+    engine = groups.in_thread(rpc)
     try:
         sent = send()
     except BaseException as exc:
@@ -155,6 +137,12 @@ def stateless_init_process_group(master_address: str, master_port: int, rank: in
     """The trainer's end of the update group, as vLLM's rlhf_utils (``store``: a ``host_store``)."""
     return groups.create_group(master_address, master_port, rank, world_size, device=device,
                                store=store)
+
+
+def announced(named: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """The names, dtypes, shapes an update announces up front (as vLLM's NCCL ``update_info``)."""
+    return {"names": [n for n, _ in named], "dtype_names": [dtype_name(t) for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}
 
 
 def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -176,10 +164,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
             alongside(rpc, lambda: group.broadcast(t.contiguous(), src=0), timeout)
         group.synchronize("per-tensor sync")
     else:
-        metas = metas_of(items)  # announced up front, like vLLM's NCCL update_info
-        rpc = functools.partial(call, llm, "update_weights_bucketed", [m.name for m in metas],
-                                [m.dtype for m in metas], [list(m.shape) for m in metas], partial,
-                                timeout=timeout)
+        rpc = functools.partial(call, llm, "update_weights_bucketed", *announced(items).values(),
+                                partial, timeout=timeout)  # the metadata up front
         stats, out["workers"] = alongside(rpc, lambda: broadcast.send(
             group, items, src=0, mode="bucketed", bucket_bytes=bucket_bytes, partial=partial),
             timeout)

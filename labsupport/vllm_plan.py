@@ -23,7 +23,7 @@ import torch
 
 from labsupport import broadcast, reshard
 from labsupport.checksums import cat_bytes, of_bytes
-from labsupport.core.buckets import ALIGN
+from labsupport.core import buckets, devices
 from labsupport.vllm_weights import WorkerState
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,7 @@ class PlannedReceive:
         if not self.ready and not self.refused and (
                 checks := [pl for pl in self.buckets.values() if pl.copies]):
             self._check(checks)
-        if self.ew.device.type == "cuda":
-            torch.cuda.synchronize(self.ew.device)
+        devices.synchronize(self.ew.device)
         plans = list(self.buckets.values())
         fallback = {m: why for p in plans for m, why in p.fallback.items()} | (
             {"<plan>": self.refused} if self.refused else {})
@@ -208,7 +207,7 @@ class PlannedReceive:
             for p in (p for p, _ in plan.owners if id(p) not in seen):
                 seen.add(id(p))
                 plan.firsts.append((p, self.aside_bytes))
-                self.aside_bytes += -(-p.nbytes // ALIGN) * ALIGN
+                self.aside_bytes += buckets.round_up(p.nbytes)  # (aligned)
 
     def _forget(self, key: Any = None) -> None:  # (plans and checks: made again for ``key``)
         self.buckets: dict[tuple[str, ...], Plan] = {}  # by the bucket's names

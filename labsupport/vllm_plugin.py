@@ -23,8 +23,8 @@ from vllm.distributed.weight_transfer import base as vllm_wt, factory
 
 from labsupport import broadcast, groups, vllm_ext
 from labsupport.broadcast import SyncTimeout, WeightSyncError
-from labsupport.core.buckets import dtype_name
 from labsupport.course import versions
+from labsupport.vllm_ext import announced
 from labsupport.vllm_weights import EngineWeights, UpdateGroup, worker_rank
 
 # WeightTransferConfig(backend=GLOO_BACKEND): vLLM's native API over gloo
@@ -131,11 +131,10 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
-        info = init_info
-        worker_info = GlooWeightTransferInitInfo(info.master_address, info.master_port, 1,
-                                                 info.world_size, info.timeout_s)
+        info = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
+                                          init_info.world_size, init_info.timeout_s)  # the workers'
         try:  # the workers wait for rank 0 (us) in their init
-            vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(worker_info)),
+            vllm_ext.alongside(lambda: client.init_weight_transfer_engine(asdict(info)),
                                lambda: engine.join_group(info.master_address, info.master_port, 0,
                                                          info.world_size, device="cpu",
                                                          timeout_s=info.timeout_s),
@@ -155,17 +154,11 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
                                     "Create a new trainer engine (vllm_plugin.native_trainer / "
                                     "trainer_init): the engine joins a new group.")
         self.version += 1
-        _session(self.client, _announced(pairs), self.group.timeout_s + REPLY_S,  # refusals raise
+        _session(self.client, announced(pairs), self.group.timeout_s + REPLY_S,  # refusals raise
                  lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed",
                                         bucket_bytes=BUCKET_BYTES, version=self.version))
 
     shutdown = UpdateGroup.leave_group
-
-
-def _announced(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
-    """What a round announces to the workers: names, dtypes and shapes (update_info's fields)."""
-    return {"names": [n for n, _ in pairs], "dtype_names": [dtype_name(t) for _, t in pairs],
-            "shapes": [list(t.shape) for _, t in pairs]}
 
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
@@ -216,21 +209,6 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
     return factory.WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-class LLMWeightSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` for an in-process ``LLM`` (vLLM ships Ray and HTTP ones)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self.start_weight_update = llm.start_weight_update  # (the other two wrap their argument)
-        self.finish_weight_update = llm.finish_weight_update
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-
 class NcclTrainer026:
     """vLLM 0.26's trainer side of ``"nccl"`` in 0.32's shape, over ``NCCLWeightTransferEngine``'s
     static helpers; its NCCL calls (no deadline in vLLM) run on a thread within ``timeout``."""
@@ -260,14 +238,13 @@ class NcclTrainer026:
                                     "after a timeout); nothing was sent. Create a new trainer "
                                     "engine (vllm_plugin.native_trainer).")
         pairs = [(n, t.detach()) for n, t in self.source]
-        args = {"group": self.group, "packed": self.packed}
 
         def send() -> None:
-            Nccl.trainer_send_weights(iter(pairs), args)
+            Nccl.trainer_send_weights(iter(pairs), {"group": self.group, "packed": self.packed})
             torch.cuda.current_stream().synchronize()
 
         try:
-            _session(self.client, {**_announced(pairs), "packed": self.packed}, self.timeout,
+            _session(self.client, {**announced(pairs), "packed": self.packed}, self.timeout,
                      lambda: vllm_ext.within(send, self.timeout, "NCCL send"))
         except vllm_ext.EngineTimeout as exc:
             vllm_ext.mark_unusable(getattr(self.client, "llm", self.client), str(exc))

@@ -1,9 +1,9 @@
-"""Moving a resharding plan's bytes (Chapter 7, Lab 7; the plan is ``labsupport.reshard``). Each
-trainer rank runs :func:`send_gathered` (a: gather all, rank 0 sends with ``vllm_ext.push_weights``;
-b, ``overlap``: a bucket gathered while the last is on the wire) or :func:`send_shards` (c: point to
-point, only what each engine rank needs), each returning its peak extra memory (GPU: the
-allocator's; CPU: its buffers' bytes, counted). Each vLLM worker (``ReshardExtension``) checks its
-part of the plan, votes with the trainer ranks, and receives mode c's boxes into its parameters.
+"""Moving a resharding plan's bytes shard to shard (Chapter 7, Lab 7, mode c; the plan is
+``labsupport.reshard``; the gather modes a and b it is measured against are in
+``experiments.reshard_gather``). Each trainer rank runs :func:`send_shards`: point to point, only
+what each engine rank needs, returning its peak extra memory (``Peak``; GPU: the allocator's; CPU:
+its buffers' bytes, counted). Each vLLM worker (``ReshardExtension``) checks its part of the plan,
+votes with the trainer ranks, and receives the boxes into its parameters.
 """
 
 from __future__ import annotations
@@ -12,24 +12,23 @@ import hashlib
 import pickle
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from labsupport import broadcast, groups, reshard as rs, vllm_ext
-from labsupport.core.buckets import metas
+from labsupport import groups, reshard as rs, vllm_ext
 from labsupport.vllm_weights import UpdateGroup, worker_rpc
 
 
 # ----------------------------------------------------------------------------- trainer side
 def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's rows of every parameter (a DTensor's local shard, or all of a plain tensor)."""
-    params = _sharded_params(model).items()
+    params = sharded_params(model).items()
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params}
 
 
-def _sharded_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def sharded_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters as FSDP2 shards them (resharded: a forward alone leaves the root's gathered)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -38,7 +37,7 @@ def _sharded_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
-class _Peak:
+class Peak:
     """Peak extra memory: on CUDA the allocator's peak on ``device`` over its level now; on CPU the
     most bytes held at once (``hold``: negative when released; mode b holds from two threads)."""
 
@@ -63,50 +62,6 @@ class _Peak:
                 "peak_measured_by": "bytes of trainer buffers, counted"}
 
 
-def send_gathered(model: torch.nn.Module, layout: rs.Layout, *, rank: int,
-                  group: groups.StatelessGroup | None = None, call: Callable | None = None,
-                  dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
-                  overlap: bool = False, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Modes a and b, in every trainer rank: gather full tensors; rank 0 sends them with
-    ``vllm_ext.push_weights`` (``group``, ``call``: rank 0 only). (a) all first (extra memory: the
-    whole model); (b) ``overlap``: rank 0 sends bucket k of whole layers (``bucket_bytes / 2``)
-    while all gather k + 1 (a send still running ``timeout_s`` after it: ``TimeoutError``)."""
-    params = _sharded_params(model)
-    peak, t0 = _Peak(next(iter(params.values())).device), time.perf_counter()
-    nbytes = {n: p.numel() * (dtype or p.dtype).itemsize for n, p in params.items()}
-
-    def gather(names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        got = []
-        for n in names:
-            t = params[n].full_tensor() if hasattr(params[n], "full_tensor") else params[n]
-            got.append((n, t.detach().to(dtype or t.dtype)))
-            peak.hold(nbytes[n])
-            if rank != 0:  # the other ranks drop each tensor at once
-                got.pop()
-                peak.hold(-nbytes[n])
-        return got
-
-    def push(items: list[tuple[str, torch.Tensor]]) -> None:
-        plan = broadcast.plan_buckets(metas(items), bucket_bytes)
-        staging = 2 * max((b.nbytes for b in plan if b.packed), default=0)  # push_weights' buffers
-        vllm_ext.push_weights(group, items, call, mode="bucketed", bucket_bytes=bucket_bytes,
-                              partial=overlap)
-        peak.hold(staging)
-        peak.hold(-staging - sum(nbytes[n] for n, _ in items))
-
-    buckets = rs.module_buckets(layout, nbytes, bucket_bytes // 2) if overlap else [list(params)]
-    with torch.no_grad():
-        items = gather(buckets[0])
-        for following in [*buckets[1:], []]:
-            if rank == 0:
-                items = vllm_ext.alongside(lambda sent=items: push(sent),
-                                           lambda: gather(following), timeout_s)[0]
-            else:
-                items = gather(following)
-    return {"mode": "b_bucket_overlap" if overlap else "a_gather_all",
-            "seconds": time.perf_counter() - t0, "buckets": len(buckets), **peak.result()}
-
-
 def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups.StatelessGroup, *,
                 rank: int, dtype: torch.dtype | None = None,
                 bucket_bytes: int = 256 << 20) -> dict[str, Any]:
@@ -114,7 +69,7 @@ def send_shards(shards: Mapping[str, torch.Tensor], plan: rs.Plan, group: groups
     to the engine ranks (``group``: trainers 0..N-1, engine TP rank e as N + e), batch by batch.
     Extra memory: copies of boxes not contiguous in the shard (o_proj's, down_proj's) or cast."""
     first = next(iter(shards.values()))
-    peak, t0, n_bytes = _Peak(first.device), time.perf_counter(), 0
+    peak, t0, n_bytes = Peak(first.device), time.perf_counter(), 0
     rs.vote(group, rs.trainer_problems(plan, rank, {n: t.shape for n, t in shards.items()}))
     with torch.no_grad():
         for batch in plan.batches(max(bucket_bytes // (dtype or first.dtype).itemsize, 1)):

@@ -484,10 +484,11 @@ def test_native_weight_transfer_api(llm, group, hf):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from labsupport import vllm_plugin
+    from labsupport.experiments import cluster_labs
 
     set_weights(llm, group, hf, "random")
     engine = vllm_plugin.native_trainer(TRAINER, "127.0.0.1", groups.free_port(), TP + 1,
-                                        client=vllm_plugin.LLMWeightSyncClient(llm), source=ModuleSource(hf["trained"]))
+                                        client=cluster_labs.LLMWeightSyncClient(llm), source=ModuleSource(hf["trained"]))
     try:
         engine.send_weights()  # start -> update (thread) + send -> finish, vLLM's own four-phase protocol
         assert generate(llm) == TRAINED
@@ -595,10 +596,11 @@ def test_native_update_after_a_timeout_says_to_recreate_the_group(llm, hf):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from labsupport import vllm_plugin
+    from labsupport.experiments import cluster_labs
     from labsupport.core import buckets
 
     before = generate(llm)
-    client = vllm_plugin.LLMWeightSyncClient(llm)
+    client = cluster_labs.LLMWeightSyncClient(llm)
     info = vllm_plugin.GlooTrainerInitInfo("127.0.0.1", groups.free_port(), TP + 1, rank=0, timeout_s=3.0)
     engine = vllm_plugin.GlooTrainerWeightTransferEngine.trainer_init(info, client=client,
                                                                       source=ModuleSource(models.build_model(seed=2)))

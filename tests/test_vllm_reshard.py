@@ -20,6 +20,7 @@ import torch
 from labsupport import groups, reshard, vllm_ext, vllm_reshard, vllm_weights
 from labsupport.course import hardware, models, vllm_engine
 from labsupport.course.ranks import run_ranks
+from labsupport.experiments import reshard_gather
 from labsupport.vllm_weights import WeightUpdateError
 
 TP = 2
@@ -107,10 +108,10 @@ def test_a_failed_gather_raises_at_once_beside_a_hung_send(monkeypatch):
     t0 = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
-            vllm_reshard.send_gathered(model, layout, rank=0, bucket_bytes=64 << 10, overlap=True, timeout_s=1)
+            reshard_gather.send_gathered(model, layout, rank=0, bucket_bytes=64 << 10, overlap=True, timeout_s=1)
         params[second[0]].full_tensor = died  # gathered while the first bucket is on the wire
         with pytest.raises(RuntimeError, match="died in the all-gather"):
-            vllm_reshard.send_gathered(model, layout, rank=0, bucket_bytes=64 << 10, overlap=True)
+            reshard_gather.send_gathered(model, layout, rank=0, bucket_bytes=64 << 10, overlap=True)
         assert time.monotonic() - t0 < 10
     finally:
         release.set()
@@ -121,7 +122,7 @@ def test_peak_memory_reads_the_device_it_was_given(monkeypatch):
     seen = []
     for fn in ("synchronize", "memory_allocated", "reset_peak_memory_stats", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, fn, lambda device=None, fn=fn: seen.append((fn, device)) or 0)
-    assert vllm_reshard._Peak(torch.device("cuda", 1)).result()["peak_extra_bytes"] == 0
+    assert vllm_reshard.Peak(torch.device("cuda", 1)).result()["peak_extra_bytes"] == 0
     assert len(seen) == 5 and all(d == torch.device("cuda", 1) for _, d in seen), seen
 
 

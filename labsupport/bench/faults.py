@@ -1320,9 +1320,10 @@ def native_start_stuck(ctx: Context) -> Outcome:
 
     from labsupport import vllm_plugin
     from labsupport.course import versions
+    from labsupport.experiments import cluster_labs
 
     def fault(eng: TpEngine) -> Outcome:
-        client, port = vllm_plugin.LLMWeightSyncClient(eng.llm), groups.free_port()
+        client, port = cluster_labs.LLMWeightSyncClient(eng.llm), groups.free_port()
         source = ModuleSource(eng.models["trained"])
         # the gloo backend: the deadline of each engine call is the group's plus REPLY_S
         if not ctx.gpu:

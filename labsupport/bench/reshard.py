@@ -38,6 +38,7 @@ import torch
 
 from labsupport import groups, reshard, vllm_ext, vllm_reshard
 from labsupport.course import hardware, models, progress, results, vllm_engine
+from labsupport.experiments import reshard_gather
 from labsupport.bench.vllm_update import PROMPTS, SHAPES, engine_gpus, shape_config, verdict
 
 NEW_TOKENS = 4
@@ -212,10 +213,10 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
                                                                      bucket_bytes),
                                                send, 300)[0] if rank == 0 else send()
                 else:
-                    stats = vllm_reshard.send_gathered(model, layout, rank=rank, group=bcast,
-                                                       call=call,
-                                                       bucket_bytes=bucket_bytes,
-                                                       overlap=mode == "b_bucket_overlap")
+                    stats = reshard_gather.send_gathered(model, layout, rank=rank, group=bcast,
+                                                         call=call,
+                                                         bucket_bytes=bucket_bytes,
+                                                         overlap=mode == "b_bucket_overlap")
                 seconds = time.perf_counter() - t0
                 peaks = [None] * world
                 dist.all_gather_object(peaks, stats["peak_extra_bytes"])

@@ -413,8 +413,10 @@ def disaggregated(model: Any, folder: Path, tp: int,
         undo.add(lambda: vllm_ext.call(llm, "destroy_weight_update_group"),
                  "the workers leave the group")
         raw_s = min(raw_broadcast(llm, group, nbytes) for _ in range(2))
+        from labsupport.experiments import cluster_labs
+
         native = vllm_plugin.native_trainer("cuda:0", "127.0.0.1", groups.free_port(), tp + 1,
-                                            client=vllm_plugin.LLMWeightSyncClient(llm),
+                                            client=cluster_labs.LLMWeightSyncClient(llm),
                                             source=ModuleSource(model))
         undo.add(native.shutdown, "shut the native trainer down")
         modes = {

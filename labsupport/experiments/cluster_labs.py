@@ -1,5 +1,5 @@
 """Lab plumbing around ``experiments.cluster``: one GPU without Ray, the CPU path's stand-ins, a
-sleep report in words.
+sleep report in words, a weight-sync client for an ``LLM`` in this process.
 
 The co-located cycle on one GPU needs no Ray: the trainer lives in the caller's process and the
 engine's single worker in vLLM's own process on the same GPU. ``InProcess`` gives such an object the
@@ -38,6 +38,22 @@ class InProcess:
 
     def __getattr__(self, name: str) -> _CallNow:
         return _CallNow(getattr(self.obj, name))
+
+
+class LLMWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` for an in-process ``LLM`` (vLLM ships Ray and HTTP ones), for
+    ``vllm_plugin.native_trainer``'s ``client``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.start_weight_update = llm.start_weight_update  # (the other two wrap their argument)
+        self.finish_weight_update = llm.finish_weight_update
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
 
 
 def get(x: Any, timeout: float | None = None) -> Any:

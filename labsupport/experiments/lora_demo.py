@@ -43,6 +43,12 @@ def generate(llm: Any, prompts: list[str], n: int, lora_request: Any = None) -> 
                                                     use_tqdm=False)]
 
 
+def adapter_bytes(folder: str | Path) -> int:
+    """Bytes that travel for one adapter version: its config and its tensors (what vLLM reads)."""
+    files = ("adapter_config.json", "adapter_model.safetensors")
+    return sum((Path(folder) / f).stat().st_size for f in files)
+
+
 def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *,
                  dtype: torch.dtype | None = None, check: bool = True) -> dict[str, Any]:
     """One LoRA-only update, timed: save the adapter (trainer), load it as ``version`` (engine).
@@ -50,7 +56,7 @@ def send_adapter(llm: Any, peft_model, folder: str | Path, version: int, *,
     t0 = time.perf_counter()
     lora.save_adapter(peft_model, folder, dtype)
     req = lora.push_adapter(llm, folder, version, check=check)
-    return {"request": req, "bytes": lora.adapter_bytes(folder),
+    return {"request": req, "bytes": adapter_bytes(folder),
             "seconds": time.perf_counter() - t0}
 
 

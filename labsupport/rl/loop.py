@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from labsupport import broadcast, groups
+from labsupport import broadcast, groups, vllm_ext
 from labsupport.core import devices
-from labsupport.core.buckets import dtype_name
 from labsupport.course import models, progress
 from labsupport.memory import MemoryTimeline, move_optimizer_state
 from labsupport.rl.colocated import ColocatedWeights, trainer_graphs
@@ -111,9 +110,7 @@ def _push(r: _Run, step: int) -> None:
     load failure) is sent again, twice at most; a timeout aborted the group: it raises at once."""
     with _phase(r, "sync", step, "broadcast"):
         weights = r.weights()
-        announced = {"names": [n for n, _ in weights],  # vLLM's workers check it before any bucket
-                     "dtype_names": [dtype_name(t) for _, t in weights],
-                     "shapes": [list(t.shape) for _, t in weights]}
+        announced = vllm_ext.announced(weights)  # vLLM's workers check it before any bucket
         for attempt in range(3):
             r.engine.send({"op": "receive", "step": step, "announced": announced})
             try:
