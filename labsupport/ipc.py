@@ -40,7 +40,8 @@ from labsupport.core.devices import gpu_uuid, synchronize
 Named = Iterable[tuple[str, torch.Tensor]]
 KEPT: list[tuple] = []  # exports killed with keep=owner: (owner, memory, handle, guard path)
 _EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
-HOST_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # the machine, for IPC
+_BOOT = Path("/proc/sys/kernel/random/boot_id")  # the machine, for IPC (else: the host's name)
+HOST_ID = _BOOT.read_text().strip() if _BOOT.exists() else os.uname().nodename
 
 
 class IpcError(RuntimeError):
