@@ -166,6 +166,12 @@ def test_load_result_prefers_gpu(tmp_path):
     (tmp_path / "r.cpu.json").write_text(json.dumps(cpu))
     assert results.load_result("r", results_dir=tmp_path)["data"]["v"] == "gpu"
     assert results.load_result("r", prefer="cpu", results_dir=tmp_path)["data"]["v"] == "cpu"
+    # the newest run that measured what a page reads: a newer one-GPU run without it does not hide it
+    one = {**gpu, "machine_tag": "1xH200", "date": "2026-02-01", "data": {"v": "one"}}
+    (tmp_path / "r.1xH200.json").write_text(json.dumps(one))
+    assert results.load_result("r", results_dir=tmp_path)["data"]["v"] == "one"
+    assert results.load_result("r", results_dir=tmp_path, having=lambda r: r["data"]["v"] != "one")["data"]["v"] == "gpu"
+    assert results.load_result("r", results_dir=tmp_path, having=lambda r: False) is None
     assert results.machine_tag({"gpus": [{"name": "NVIDIA H200"}] * 4, "gpu_count": 4}) == "4xH200"
     assert results.machine_tag({"gpus": [{"name": "NVIDIA H100 80GB HBM3"}], "gpu_count": 1}) == "1xH100"
 

@@ -16,6 +16,7 @@ import platform
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +122,10 @@ def _jsonable(obj: Any) -> Any:
 
 
 def load_result(name: str, prefer: str = "gpu", results_dir: str | os.PathLike
-                | None = None) -> dict | None:
+                | None = None, having: Callable[[dict], Any] | None = None) -> dict | None:
     """The newest result called ``name``; ``prefer="gpu"`` picks a GPU run over a CPU one when both
-    exist."""
-    found = list_results(name, results_dir)
+    exist; ``having``: only records for which it is true (a run that measured what a page reads)."""
+    found = [r for r in list_results(name, results_dir) if having is None or having(r)]
     if not found:
         return None
     if prefer == "gpu":
