@@ -72,6 +72,22 @@ def test_merge_makes_one_record_of_lanes_side_by_side_or_one_after_another(tmp_p
     assert rec["data"]["summary"]["c"]["runs"] == 3 and rec["machine"]["gpu_count"] == len(set(gpus))
 
 
+def test_a_soak_cut_short_keeps_the_runs_that_finished(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
+    calls = []
+
+    def run_one(job, *args):  # the second run never ends: its machine is taken away
+        calls.append(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {**job, "ok": True, "error": None, "ms_per_step": 5.0}
+    monkeypatch.setattr(soak, "run_one", run_one)
+    with pytest.raises(KeyboardInterrupt):
+        soak.main(["--configs", "fast", "--runs", "3", "--cold", "0", "--tag", "t"])
+    rec = json.loads(next(tmp_path.glob("bench_soak-t.*.json")).read_text())["data"]
+    assert len(rec["runs"]) == 1 and rec["unfinished"] == 2 and rec["summary"]["fast"]["runs"] == 1
+
+
 @pytest.mark.parametrize("name, graphs", [("fastest", True), ("fast", True), ("fastest+inline", False),
                                           ("fastest+inline+no-graphs", True), ("safe", True)])
 def test_the_trainer_records_no_cuda_graphs_beside_an_inline_engine_that_has_its_own(name, graphs):

@@ -104,6 +104,7 @@ for step in $STEPS; do
     # the soak of fresh capstone runs (results/bench_soak*.<machine>.json; SOAK_ARGS: bench soak's arguments)
     repro_torch) run repro_torch 300 python3 tools/repro_cublas_workspace.py torch ;;
     repro_vllm) run repro_vllm 600 python3 tools/repro_cublas_workspace.py vllm ;;
+    ipc_tests) run ipc_tests 240 python3 -m pytest tests/test_ipc.py -m gpu -v -rA --tb=short -p no:cacheprovider --timeout=120 --junitxml="$OUT/logs/gpu_tests_ipc.xml" ;;
     soak) run soak 1700 python3 -m labsupport bench soak ${SOAK_ARGS:-} ;;
     *) echo "unknown step $step" ;;
   esac

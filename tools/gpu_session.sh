@@ -78,6 +78,7 @@ start() {
   case " $what " in *" rest47 "*) what="${what/rest47/v r lb l6}" ;; esac
   case " $what " in *" soak46 "*) what="${what/soak46/q0 q1 q2 q3 q4 q5}" ;; esac
   case " $what " in *" one "*) what="${what/one/v1 f1 o}" ;; esac
+  case " $what " in *" soak1 "*) what="${what/soak1/t f1 o}" ;; esac
   has() { case " $what " in *" $1 "*) return 0 ;; esac; return 1; }
   # (a later lane waits only for lanes started now: one that is not there is not waited for)
   after() { local out=""; for l in "$@"; do has "$l" && out+="$l "; done; echo "$out"; }
@@ -100,9 +101,12 @@ start() {
   has q5 && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag q5" lane q5 1 q1 soak
   # one (nvidia-h200, one GPU, in turn): the 7B co-located update against its floor (v1), the fault table's
   # one-GPU rows (f1: results/faults.1xH200.json), then cold and warm runs of fastest (o)
+  # soak1 (the same machine, later): the IPC module's GPU tests (t), f1, then o: its record is rewritten as
+  # each run ends, so a soak cut short by the machine's half hour keeps the runs that finished
   has v1 && lane v1 0 "" vllm_bench7
-  has f1 && FAULTS_LIMIT=${FAULTS_LIMIT:-900} lane f1 0 "$(after v1)" faults
-  has o && SOAK_ARGS="${SOAK_O:---configs fastest --runs 4 --cold 2 --steps 30} --tag o" lane o 0 "$(after v1 f1)" soak
+  has t && lane t 0 "$(after v1)" ipc_tests
+  has f1 && FAULTS_LIMIT=${FAULTS_LIMIT:-900} lane f1 0 "$(after v1 t)" faults
+  has o && SOAK_ARGS="${SOAK_O:---configs fastest --runs 4 --cold 2 --steps 30} --tag o" lane o 0 "$(after v1 t f1)" soak
   # p2: bench peer2 on 2 GPUs (nvidia-h200-x2), one seed per half hour (P2_SEEDS); TRL's wheels
   # installed first (.whl, carried); later: bench peer2 --summarize A.json B.json, one record
   has p2 && PEER2_ARGS="--gpus 2 --seeds ${P2_SEEDS:-0}" lane p2 0,1 "" peer2

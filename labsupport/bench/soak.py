@@ -213,8 +213,15 @@ def main(argv: list[str]) -> int:
               flush=True)
         return r
 
-    with ThreadPoolExecutor(n) as pool:
-        runs = list(pool.map(one, todo))
+    name = f"bench_soak-{a.tag}" if a.tag else "bench_soak"
+    settings = {**vars(a), "side_by_side": n}
+    done: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(n) as pool:  # the record is rewritten as each run ends (a soak cut
+        for r in pool.map(one, todo):  # short by its machine keeps the runs that finished)
+            done.append(r)
+            results.save_result(name, {"settings": settings, "env": env, "runs": done,
+                                       "summary": summary(done), "unfinished": len(todo) - len(done)})
+    runs = done
     summ = summary(runs)
     print(f"{'configuration':28s} {'runs':>5s} {'cold':>5s} {'failed':>7s} {'cold failed':>12s} "
           f"{'ms/step':>8s}")
@@ -223,7 +230,6 @@ def main(argv: list[str]) -> int:
         print(f"{c:28s} {s['runs']:5d} {s['cold']:5d} {s['failed']:7d} {s['failed_cold']:12d} {ms}")
         for e in s["errors"]:
             print(f"  {e}")
-    data = {"settings": {**vars(a), "side_by_side": n}, "env": env, "runs": runs, "summary": summ}
-    name = f"bench_soak-{a.tag}" if a.tag else "bench_soak"
-    print("wrote", results.save_result(name, data))
+    print("wrote", results.save_result(name, {"settings": settings, "env": env, "runs": runs,
+                                              "summary": summ}))
     return 0 if all(r["ok"] for r in runs) else 1
