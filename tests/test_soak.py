@@ -70,6 +70,14 @@ def test_merge_makes_one_record_of_lanes_side_by_side_or_one_after_another(tmp_p
     rec = json.loads((tmp_path / f"bench_soak.{tag}.json").read_text())
     assert [r["lane"] for r in rec["data"]["runs"]] == ["a", "b", "c"] and len(rec["data"]["lanes"]) == 3
     assert rec["data"]["summary"]["c"]["runs"] == 3 and rec["machine"]["gpu_count"] == len(set(gpus))
+    # a later soak that reused a tag keeps its runs apart (lane a-2), and says what it left unfinished
+    again = lane("a", True, "0")
+    again["data"]["unfinished"] = 5
+    more.write_text(json.dumps(again))
+    assert soak.merge([str(tmp_path / f"bench_soak.{tag}.json"), str(more)], tag) == 0
+    rec = json.loads((tmp_path / f"bench_soak.{tag}.json").read_text())
+    assert [r["lane"] for r in rec["data"]["runs"]] == ["a", "b", "c", "a-2"]
+    assert rec["data"]["lanes"][-1]["unfinished"] == 5 and "unfinished" not in rec["data"]["lanes"][0]
 
 
 def test_a_soak_cut_short_keeps_the_runs_that_finished(tmp_path, monkeypatch):

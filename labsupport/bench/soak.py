@@ -146,7 +146,8 @@ def _lanes(rec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, An
     d = rec["data"]
     if "lanes" in d:
         return d["lanes"], d["runs"]
-    lane = {"command": rec["command"], "settings": d["settings"], "env": d["env"]}
+    lane = {"command": rec["command"], "settings": d["settings"], "env": d["env"],
+            **({"unfinished": d["unfinished"]} if d.get("unfinished") else {})}
     return [lane], [{**r, "lane": d["settings"].get("tag")} for r in d["runs"]]
 
 
@@ -157,9 +158,18 @@ def merge(paths: list[str], tag: str | None) -> int:
     from labsupport.course import results
 
     recs = [json.loads(Path(p).read_text()) for p in paths]
-    parts = [_lanes(rec) for rec in recs]
-    lanes = [lane for rec_lanes, _ in parts for lane in rec_lanes]
-    runs = [r for _, rec_runs in parts for r in rec_runs]
+    lanes: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    for rec in recs:
+        rec_lanes, rec_runs = _lanes(rec)
+        seen = {r.get("lane") for r in runs}
+        if "lanes" not in rec["data"] and rec_runs and rec_runs[0]["lane"] in seen:
+            # a later soak that reused a tag: its runs get a lane name of their own (tag-2, ...)
+            name = next(f"{rec_runs[0]['lane']}-{i}" for i in range(2, len(seen) + 3)
+                        if f"{rec_runs[0]['lane']}-{i}" not in seen)
+            rec_runs = [{**r, "lane": name} for r in rec_runs]
+        lanes += rec_lanes
+        runs += rec_runs
     first = recs[0]
     # a GPU that two lanes used one after the other is one GPU: count the devices the runs named
     gpus = [first["machine"]["gpus"][0]] * len({r.get("gpu") for r in runs})
