@@ -38,7 +38,8 @@ from labsupport.core import buckets, handoff
 from labsupport.core.devices import gpu_uuid, synchronize
 
 Named = Iterable[tuple[str, torch.Tensor]]
-KEPT: list[tuple] = []  # exports killed with keep=owner: (owner, memory, handle, guard path)
+Kept = collections.namedtuple("Kept", "owner memory handle guard")
+KEPT: list[Kept] = []  # exports killed with release(keep=owner), freed once their owner answers
 _EXPORTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # guard path -> Exporter
 _BOOT = Path("/proc/sys/kernel/random/boot_id")  # the machine, for IPC (else: the host's name)
 HOST_ID = _BOOT.read_text().strip() if _BOOT.exists() else os.uname().nodename
@@ -96,18 +97,18 @@ def _give_back(handle: Handle, guard: str) -> None:
         shm.unlink(path)
 
 
-def kept_by(owner: object) -> list[tuple]:
-    return [k for k in KEPT if k[0] is owner]
+def kept_by(owner: object) -> list[Kept]:
+    return [k for k in KEPT if k.owner is owner]
 
 
-def free_kept(kept: list[tuple]) -> int:
+def free_kept(kept: list[Kept]) -> int:
     """Free blocks ``release(keep=owner)`` held, once their late reader is done (its engine
     answered a call sent after them: an engine serves its calls in order); the bytes."""
     KEPT[:], nbytes = [k for k in KEPT if all(k is not g for g in kept)], 0
     while kept:  # (dropping the last references: the blocks go to torch's IPC limbo, collected)
-        _, memory, handle, guard = kept.pop()
-        _give_back(handle, guard)
-        nbytes, memory = nbytes + memory.nbytes, None
+        k = kept.pop()
+        _give_back(k.handle, k.guard)
+        nbytes, k = nbytes + k.memory.nbytes, None
     if nbytes and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()
     return nbytes
@@ -196,7 +197,7 @@ class Exporter(contextlib.AbstractContextManager):
             time.sleep(0.01)
         self._guard.clear(handle.slot)  # from now on rebuild() raises IpcError
         if keep is not None:
-            KEPT.append((keep, exp.keep, handle, self._guard.path))
+            KEPT.append(Kept(keep, exp.keep, handle, self._guard.path))
         else:
             _give_back(handle, self._guard.path)
         del self._live[handle.serial]

@@ -164,8 +164,8 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
             alongside(rpc, lambda: group.broadcast(t.contiguous(), src=0), timeout)
         group.synchronize("per-tensor sync")
     else:
-        rpc = functools.partial(call, llm, "update_weights_bucketed", *announced(items).values(),
-                                partial, timeout=timeout)  # the metadata up front
+        rpc = functools.partial(call, llm, "update_weights_bucketed", timeout=timeout,  # up front
+                                kwargs={**announced(items), "partial": partial})  # by name
         stats, out["workers"] = alongside(rpc, lambda: broadcast.send(
             group, items, src=0, mode="bucketed", bucket_bytes=bucket_bytes, partial=partial),
             timeout)

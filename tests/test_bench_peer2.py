@@ -76,6 +76,27 @@ def test_summary_ratios_and_architectures_hand_computed():
     assert got["architectures"]["colocated"]["gpus"] == 1
 
 
+def test_a_run_cut_short_keeps_the_jobs_that_ended(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABSUPPORT_RESULTS_DIR", str(tmp_path))
+    calls = []
+
+    def run_child(argv, a, job, seed, lane):  # the second job never ends: its machine is taken
+        calls.append(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return synthetic(job, seed, 100, [(0, 0.0), (10, 0.9)])
+    monkeypatch.setattr(peer2, "run_child", run_child)
+    with pytest.raises(KeyboardInterrupt):
+        peer2.main(["--device", "cpu", "--jobs", "capstone:disaggregated,capstone:async",
+                    "--seeds", "0", "--gpus", "2", "--out-name", "p2cut"])
+    [path] = tmp_path.glob("p2cut.*.json")
+    rec = json.loads(path.read_text())
+    assert [r["job"] for r in rec["data"]["runs"]] == ["capstone:disaggregated"]
+    assert rec["data"]["unfinished"] == 1 and "disaggregated" in rec["data"]["architectures"]
+    merged = peer2.merged([rec])
+    assert merged["data"]["unfinished"] == 1
+
+
 def test_the_record_names_every_unequal_setting_and_what_the_runs_used():
     a = args()
     runs = [{"job": "trl:async", "seed": 0, "attention": "torch SDPA with a per-segment mask (x)"}]

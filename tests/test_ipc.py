@@ -258,7 +258,7 @@ def test_kept_memory_goes_once_its_engine_answers_a_later_call(exporter):
     assert "released" in probe_in_peer(handle)["error"] and len(ipc.kept_by(core)) == 1
     in_flight.append(1)
     vllm_ext.call(llm, "anything")  # sent after the first was kept: frees it; the second is kept meanwhile
-    assert [k[2] for k in ipc.kept_by(core)] == [h2]
+    assert [k.handle for k in ipc.kept_by(core)] == [h2]
     vllm_ext.call(llm, "anything")
     assert not ipc.kept_by(core)
 

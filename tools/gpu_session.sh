@@ -28,10 +28,11 @@
 # (every graded test, GPU ones included, then the targets), g1 287 s, v 211 s, r 292 s (1.5B; 7B cut), la 230 s,
 # lc 119 s: the labs then ran past the budget. `start rest47` = v r lb l6: what issue 47 still needs (about 22 min);
 # issue 46's faults and soaks, then issue 48's peer2, each want a machine's half hour of their own:
-# `start soak46` (about 21 min: per GPU 2 cold and 2 warm runs of fastest, then fast and safe on
-# GPUs 0-1; merge: bench soak --merge results/bench_soak.4xH200.json q*/bench_soak-q*.json
-# --machine-tag 4xH200), `start f` (the fault table alone, 10-12 min), and on nvidia-h200-x2
-# `P2_SEEDS=0 start p2` (about 20 min a seed).
+# `start f soak46` (issue 46's rest, about 24 min: the fault table, then per GPU a cold and a warm
+# run of fastest (SOAK_Q), then fast on GPU 0 and safe on GPU 1; merge: bench soak --merge
+# results/bench_soak.4xH200.json q*/bench_soak-q*.json --machine-tag 4xH200), and on
+# nvidia-h200-x2 `P2_SEEDS=0 start p2` (about 20 min a seed), or on x4 `PEER2_GPUS=4 start p2`
+# (two lanes of two GPUs: seeds 0 and 1 side by side).
 #
 # Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
 # min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs
@@ -93,12 +94,13 @@ start() {
   has lb && lane lb 0,1,2,3 "$(after r la lc)" lab7gpu lab10gpu4
   has l6 && lane l6 0,1,2,3 "$(after la lb lc)" lab6gpu4
   has s2 && SOAK_ARGS="$SOAK_B --tag s2" lane s2 0,1,2,3 "$(after l6)" soak
-  for g in 0 1 2 3; do  # soak46: 16 runs of fastest (8 cold), one lane per GPU, then fast and safe
-    has q$g && SOAK_ARGS="--configs fastest --runs 4 --cold 2 --steps 30 --tag q$g" \
+  for g in 0 1 2 3; do  # soak46: what the H200 soaks lack (fastest 16 of 24 runs, 5 of 8 cold;
+    # fast and safe 3 of 4 each): one lane per GPU, then fast and safe
+    has q$g && SOAK_ARGS="${SOAK_Q:---configs fastest --runs 2 --cold 1 --steps 30} --tag q$g" \
       lane q$g $g "$(after f)" soak
   done
-  has q4 && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag q4" lane q4 0 q0 soak
-  has q5 && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag q5" lane q5 1 q1 soak
+  has q4 && SOAK_ARGS="--configs fast --runs 1 --cold 0 --steps 30 --tag q4" lane q4 0 q0 soak
+  has q5 && SOAK_ARGS="--configs safe --runs 1 --cold 0 --steps 30 --tag q5" lane q5 1 q1 soak
   # one (nvidia-h200, one GPU, in turn): the 7B co-located update against its floor (v1), the fault table's
   # one-GPU rows (f1: results/faults.1xH200.json), then cold and warm runs of fastest (o)
   # soak1 (the same machine, later): the IPC module's GPU tests (t), f1, then o: its record is rewritten as
@@ -109,7 +111,8 @@ start() {
   has o && SOAK_ARGS="${SOAK_O:---configs fastest --runs 4 --cold 2 --steps 30} --tag o" lane o 0 "$(after v1 t f1)" soak
   # p2: bench peer2 on 2 GPUs (nvidia-h200-x2), one seed per half hour (P2_SEEDS); TRL's wheels
   # installed first (.whl, carried); later: bench peer2 --summarize A.json B.json, one record
-  has p2 && PEER2_ARGS="--gpus 2 --seeds ${P2_SEEDS:-0}" lane p2 0,1 "" peer2
+  has p2 && PEER2_ARGS="--gpus ${PEER2_GPUS:-2} --seeds ${P2_SEEDS:-0}" \
+    lane p2 "$(seq -s, 0 $((${PEER2_GPUS:-2} - 1)))" "" peer2
   return 0
 }
 

@@ -641,9 +641,10 @@ def run_child(argv: list[str], a: argparse.Namespace, job: str, seed: int,
         return {"wall_s": time.perf_counter() - t0, **json.loads(Path(f.name).read_text())}
 
 
-def run_jobs(argv: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
+def run_jobs(argv: list[str], a: argparse.Namespace,
+             ended: Any = lambda runs, left: None) -> list[dict[str, Any]]:
     """Every job, one per free lane; a job that fails is recorded with its error and the others go
-    on."""
+    on. ``ended(runs, left)`` hears of the runs so far as each ends, in the jobs' order."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -670,8 +671,12 @@ def run_jobs(argv: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
         print(json.dumps({"job": job, "seed": seed, **shown}), flush=True)
         return r
 
+    todo, done = jobs(a), []
     with ThreadPoolExecutor(len(all_lanes)) as pool:
-        return list(pool.map(one, jobs(a)))
+        for r in pool.map(one, todo):
+            done.append(r)
+            ended(done, len(todo) - len(done))
+    return done
 
 
 def unequal(a: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, str]:
@@ -721,7 +726,11 @@ def main(argv: list[str]) -> int:
                          "capstone:... jobs")
     from labsupport.course import results
 
-    runs = run_jobs(argv, a)
+    def ended(runs: list[dict[str, Any]], left: int) -> None:  # a machine taken away mid-run
+        if left:  # leaves the runs that ended, and says how many did not
+            results.save_result(a.out_name, {**record(a, runs), "unfinished": left})
+
+    runs = run_jobs(argv, a, ended)
     data = record(a, runs)
     print(json.dumps({"pairs": data["pairs"], "architectures": data["architectures"]}, indent=1))
     print("wrote", results.save_result(a.out_name, data))
@@ -741,9 +750,11 @@ def merged(recs: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"runs recorded twice (job, seed): {twice}; merge one of each")
     seeds = sorted({int(s) for rec in recs
                     for s in str(rec["data"]["settings"]["seeds"]).split(",")})
+    left = sum(rec["data"].get("unfinished", 0) for rec in recs)  # jobs a cut run never ended
+    data = {k: v for k, v in first["data"].items() if k != "unfinished"}
     return {**first, "command": "; ".join(rec["command"] for rec in recs),
             "date": max(rec["date"] for rec in recs),
-            "data": {**first["data"], "runs": runs,
+            "data": {**data, "runs": runs, **({"unfinished": left} if left else {}),
                      "settings": {**first["data"]["settings"],
                                   "seeds": ",".join(map(str, seeds))}}}
 

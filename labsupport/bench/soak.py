@@ -230,7 +230,8 @@ def main(argv: list[str]) -> int:
         for r in pool.map(one, todo):  # short by its machine keeps the runs that finished)
             done.append(r)
             results.save_result(name, {"settings": settings, "env": env, "runs": done,
-                                       "summary": summary(done), "unfinished": len(todo) - len(done)})
+                                       "summary": summary(done),
+                                       "unfinished": len(todo) - len(done)})
     runs = done
     summ = summary(runs)
     print(f"{'configuration':28s} {'runs':>5s} {'cold':>5s} {'failed':>7s} {'cold failed':>12s} "
