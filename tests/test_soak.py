@@ -78,6 +78,7 @@ def test_merge_makes_one_record_of_lanes_side_by_side_or_one_after_another(tmp_p
     rec = json.loads((tmp_path / f"bench_soak.{tag}.json").read_text())
     assert [r["lane"] for r in rec["data"]["runs"]] == ["a", "b", "c", "a-2"]
     assert rec["data"]["lanes"][-1]["unfinished"] == 5 and "unfinished" not in rec["data"]["lanes"][0]
+    assert rec["data"]["lanes"][-1]["lane"] == "a-2"
 
 
 def test_a_soak_cut_short_keeps_the_runs_that_finished(tmp_path, monkeypatch):

@@ -168,6 +168,7 @@ def merge(paths: list[str], tag: str | None) -> int:
             name = next(f"{rec_runs[0]['lane']}-{i}" for i in range(2, len(seen) + 3)
                         if f"{rec_runs[0]['lane']}-{i}" not in seen)
             rec_runs = [{**r, "lane": name} for r in rec_runs]
+            rec_lanes = [{**rec_lanes[0], "lane": name}]
         lanes += rec_lanes
         runs += rec_runs
     first = recs[0]
