@@ -143,8 +143,8 @@ class StatelessGroup:
     def _launch(self, calls: list[Callable[[], Any]], what: str, p2p: bool = False) -> Any:
         """The calls as one launch: an NCCL group (gloo: a Work per call); ``p2p`` even alone (torch
         gives a lone send/recv a 2-rank communicator, a peer's grouped ones the group's: a hang)."""
-        with self._step(what):
-            if group := self.backend == "nccl" and (len(calls) > 1 or p2p):
+        with self._step(what):  # (no calls: no work; NCCL's empty group would give None)
+            if group := self.backend == "nccl" and (len(calls) > 1 or p2p and len(calls) == 1):
                 self.pg._start_coalescing()
             works = [c() for c in calls]
             return self.pg._end_coalescing() if group else works
@@ -249,10 +249,10 @@ class StatelessGroup:
         self._close(*(["abort"] if self.backend == "nccl" else []), "shutdown")
         self.pg = self.store = self._obj = None
 
-    def _close(self, *ways: str) -> None:  # closed (once): the first of the teardowns that works
-        for way in ways if not self.closed else ():
-            with contextlib.suppress(Exception):  # (a backend a dead peer already broke may raise)
-                getattr(self.pg, way)()
+    def _close(self, *ways: str) -> None:  # closed (once): the first teardown that works in time
+        for way in ways if not self.closed else ():  # (an NCCL abort can wait on a hung init)
+            done = _bounded(lambda w=way: getattr(self.pg, w)(), min(self.timeout_s, 5.0))
+            if not done or done[0] is None:  # (it ended, or is stuck: then the next would be too)
                 break
         self.closed = True
 

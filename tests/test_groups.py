@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -365,9 +366,9 @@ class _RecordingBackend:
     def _start_coalescing(self) -> None:
         self.calls.append("start")
 
-    def _end_coalescing(self) -> str:
+    def _end_coalescing(self) -> str | None:  # as torch's: no work when nothing was grouped
         self.calls.append("end")
-        return "grouped work"
+        return "grouped work" if self.calls[-2] != "start" else None
 
     def send(self, tensors, peer, tag):
         self.calls.append(("send", peer, tag))
@@ -402,6 +403,29 @@ def test_nccl_groups_even_a_single_send_or_recv():
     g.pg.calls.clear()
     assert g.broadcast_many([torch.zeros(2)], src=0) == ["work"]  # a lone collective uses the group's communicator
     assert g.pg.calls == [("broadcast", 0)]
+    g.pg.calls.clear()
+    # a rank with nothing to send or receive in a batch (reshard at some bucket sizes) launches
+    # nothing, and waiting for that is no error
+    g.wait_work(g.exchange([]), "send/recv")
+    assert g.pg.calls == []
+
+
+def test_an_abort_stuck_behind_a_hung_init_returns_within_its_bound():
+    """H2 on NCCL: the group's abort after a rank died before NCCL started can wait on the mutex of
+    the communicator init that hangs in another thread; the abort is bounded (the group's deadline,
+    at most 5 s), and the group counts as closed (a second teardown would wait as well)."""
+    g, stuck = _nccl_path(), threading.Event()
+    g.pg.abort = g.pg.shutdown = lambda: stuck.wait(60)
+    t = threading.Thread(target=g.abort, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < g.timeout_s + 1 and g.closed
+    stuck.set()
+    g.pg.abort = lambda: (_ for _ in ()).throw(RuntimeError("broken by a dead peer"))
+    g.closed, g.pg.shutdown = False, lambda: g.pg.calls.append("shutdown")
+    g.abort()  # a teardown that raises: the next one is tried
+    assert g.closed and g.pg.calls[-1] == "shutdown"
 
 
 def _asymmetric_p2p(rank: int, world_size: int, port: int, kind: str) -> list:
