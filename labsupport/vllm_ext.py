@@ -174,13 +174,15 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
 
 
 def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
-             timeout: float = TIMEOUT_S) -> int:
-    """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time."""
-    ids, loaded = call(llm, "report_device_id", timeout=timeout), 0
+             timeout: float = TIMEOUT_S, partial: bool = False) -> int:
+    """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time; the
+    whole update checked first (a missing layer, unless ``partial``: refused before any load)."""
+    ids, loaded, items = call(llm, "report_device_id", timeout=timeout), 0, list(named)
+    call(llm, "check_update", metas_of(items), partial, timeout=timeout)
     with ipc.Exporter() as ex:
-        for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
+        for items in layer_buckets([(n, t.detach()) for n, t in items], bucket_bytes):
             bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers: one device
-            try:  # partial: a bucket of layers (a gap across the whole push is not checked)
+            try:  # partial: a bucket of layers (the whole was checked above)
                 loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}),
                                True, timeout=timeout)[0]
             except EngineTimeout:  # a late open is refused; a late read keeps the memory
@@ -281,6 +283,10 @@ class ColocateWorkerExtension(_ExtensionBase):
     @worker_rpc
     def report_device_id(self) -> str:  # the key of its handles (GPU UUID or ``cpu:<host>``)
         return device_id(self.device)
+
+    @worker_rpc
+    def check_update(self, metas: Sequence[Meta], partial: bool = False) -> None:  # before loads
+        worker_state(self).weights.check([Meta(*m) for m in metas], partial=partial)
 
     @worker_rpc
     def update_weights_from_ipc(self, handles: bytes | Mapping, partial: bool = False) -> int:

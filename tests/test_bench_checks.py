@@ -108,3 +108,13 @@ def test_right_update_is_exact_and_wrong_ones_are_named(engine):
     assert len(buckets) > 2 and [n for b in buckets for n, _ in b] == list(newer)
     assert vllm_ext.push_ipc(engine, list(newer.items()), bucket_bytes=64 << 10) == len(newer)
     assert check_engine(engine, newer, layout)["exact"] is True
+
+    # an update missing a layer, in many buckets: refused before any bucket loads (no bucket of it
+    # lands, so no mix of old and new layers), unless the caller says it is partial
+    gap = {n: t for n, t in trainer.items() if ".layers.1." not in n}
+    with pytest.raises(vllm_ext.WeightUpdateError, match="missing"):
+        vllm_ext.push_ipc(engine, list(gap.items()), bucket_bytes=64 << 10)
+    assert check_engine(engine, newer, layout)["exact"] is True
+    assert vllm_ext.push_ipc(engine, list(gap.items()), bucket_bytes=64 << 10, partial=True) == len(gap)
+    mixed = {**newer, **gap}
+    assert check_engine(engine, mixed, layout)["exact"] is True
