@@ -47,13 +47,15 @@ class EngineUnusable(EngineDead):
     """A call timed out in it and may still run: no other runs beside it (vLLM: not thread-safe)."""
 
 
-def mark_unusable(engine: Any, why: str) -> None:  # (an object taking no attributes: left as is)
-    with contextlib.suppress(AttributeError):
-        engine.labsupport_unusable = why
+def mark_unusable(engine: Any, why: str) -> None:  # and its core: every wrapper of it sees it
+    for obj in (engine, owner(engine)):  # (an object taking no attributes: left as is)
+        with contextlib.suppress(AttributeError):
+            obj.labsupport_unusable = why
 
 
 def check_usable(engine: Any) -> None:
-    if why := getattr(engine, "labsupport_unusable", None):
+    if why := getattr(engine, "labsupport_unusable", None) or getattr(
+            owner(engine), "labsupport_unusable", None):
         raise EngineUnusable(f"this engine is unusable: {why}, and that call may still run in it; "
                              "restart the engine")
 

@@ -158,11 +158,11 @@ class ReshardExtension(vllm_ext.WorkerExtension):
                     view.copy_(buf)
             for p in (p for p in plan.pads if p.rank == me):  # (padding: zeros)
                 targets[p.param][rs.slices(p.dst)].zero_()
+            group.synchronize("shard receive")  # (before any host read: a dead peer's deadline)
             sums = {n: hashlib.sha1(t.float().cpu().numpy().tobytes()).hexdigest()
                     for n, t in targets.items()} if digest else None
             if not straight:
                 _reprocess(dict(model.named_modules()), targets)
-        group.synchronize("shard receive")
         return {"rank": me, "seconds": time.perf_counter() - t0, "n_params": len(targets),
                 "digests": sums}
 

@@ -46,8 +46,9 @@ PKG = Path(labsupport.__file__).parent
 # apparatus moved into experiments/ (Lab 7's gather modes a and b, the in-process weight-sync client, Lab 8's
 # adapter byte count): 3,990; the boot id read where the host has one: 3,991; a kept export's fields named
 # (ipc.Kept): 3,992; push_ipc checks the whole update before its first bucket (a missing layer is refused
-# before any bucket lands: no mix of old and new layers): 3,998.
-MECHANISM_LINES = 3998
+# before any bucket lands: no mix of old and new layers): 3,998; a timed-out engine refused through every
+# wrapper of its core (a late push stops at its next bucket): 4,000, the target.
+MECHANISM_LINES = 4000
 FILE_LINES = 350  # any .py outside bench/
 FUNCTION_LINES = 60  # any function outside bench/
 # Lines <= 100 columns in labsupport/: ruff's E501 with pyproject.toml's line-length (editors read the same).

@@ -932,6 +932,20 @@ def test_after_a_timeout_the_engine_refuses_every_call():
         actor.generate(["a"])
 
 
+def test_a_timed_out_engine_is_refused_through_every_wrapper_of_it():
+    """push_ipc_async calls through a stand-in client that shares the AsyncLLM's core: a timeout
+    marked on one is seen by the other, so a late push stops at its next bucket, and the engine
+    refuses new work (review M6)."""
+    core = SimpleNamespace()
+    engine = SimpleNamespace(engine_core=core)
+    client = SimpleNamespace(engine_core=core, collective_rpc=lambda *a, **k: [0])
+    vllm_ext.mark_unusable(engine, "update_weights_from_ipc did not return within 5 s")
+    with pytest.raises(vllm_ext.EngineUnusable, match="within 5 s"):
+        vllm_ext.call(client, "update_weights_from_ipc")
+    other = SimpleNamespace(engine_core=SimpleNamespace(), collective_rpc=lambda *a, **k: [0])
+    assert vllm_ext.call(other, "report_device_id") == [0]  # (another engine is not refused)
+
+
 class _StuckAsyncEngine:
     """An AsyncLLM stand-in whose update RPC (or ``stuck`` call) never answers."""
 

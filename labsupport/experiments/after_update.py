@@ -148,6 +148,7 @@ class VersionedEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        vllm_ext.check_usable(self.engine)  # (a late load may still land in it)
         ids = []
         for p in prompts:
             self._next += 1
