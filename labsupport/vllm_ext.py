@@ -179,10 +179,10 @@ def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
              timeout: float = TIMEOUT_S, partial: bool = False) -> int:
     """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time; the
     whole update checked first (a missing layer, unless ``partial``: refused before any load)."""
-    ids, loaded, items = call(llm, "report_device_id", timeout=timeout), 0, list(named)
-    call(llm, "check_update", metas_of(items), partial, timeout=timeout)
+    ids, loaded, named = call(llm, "report_device_id", timeout=timeout), 0, list(named)
+    call(llm, "check_update", metas_of(named), partial, timeout=timeout)
     with ipc.Exporter() as ex:
-        for items in layer_buckets([(n, t.detach()) for n, t in items], bucket_bytes):
+        for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
             bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers: one device
             try:  # partial: a bucket of layers (the whole was checked above)
                 loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}),

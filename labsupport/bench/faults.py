@@ -1126,6 +1126,9 @@ def hung_rpc_ipc(ctx: Context) -> Outcome:
         err = attempt(lambda: vllm_ext.push_ipc(held, eng.named("trained"), timeout=DEADLINE_S))
         if held.busy is not None:
             held.busy.result(timeout=120)
+    # the timeout refused the engine through every wrapper of its core; the table, which knows the
+    # late request is served next (in order), reads the state after it (a learner restarts instead)
+    vllm_ext.mark_unusable(eng, None)
     state = eng.state()  # (runs after the late request: the engine serves its calls in order)
     return Outcome(err, held.t_sent, state, "after the worker ran the late request")
 
