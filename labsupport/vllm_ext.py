@@ -47,7 +47,7 @@ class EngineUnusable(EngineDead):
     """A call timed out in it and may still run: no other runs beside it (vLLM: not thread-safe)."""
 
 
-def mark_unusable(engine: Any, why: str) -> None:  # and its core: every wrapper of it sees it
+def mark_unusable(engine: Any, why: str | None) -> None:  # and its core: every wrapper sees it
     for obj in (engine, owner(engine)):  # (an object taking no attributes: left as is)
         with contextlib.suppress(AttributeError):
             obj.labsupport_unusable = why

@@ -32,7 +32,7 @@
 # run of fastest (SOAK_Q), then fast on GPU 0 and safe on GPU 1; merge: bench soak --merge
 # results/bench_soak.4xH200.json q*/bench_soak-q*.json --machine-tag 4xH200), and on
 # nvidia-h200-x2 `P2_SEEDS=0 start p2` (about 20 min a seed), or on x4 `PEER2_GPUS=4 start p2`
-# (two lanes of two GPUs: seeds 0 and 1 side by side).
+# (two lanes of two GPUs: each pair's capstone and TRL runs side by side).
 #
 # Expected wall time from `start` (fresh machine, cold compile caches; from the 4xH200 logs in results/logs): f 10-12
 # min (a cold tiny engine 150-180 s, three TP=2 engines, ~25 rows); v 5-6 (7B: three engine starts); r 4-6; labs

@@ -163,10 +163,9 @@ def merge(paths: list[str], tag: str | None) -> int:
     for rec in recs:
         rec_lanes, rec_runs = _lanes(rec)
         seen = {r.get("lane") for r in runs}
-        if "lanes" not in rec["data"] and rec_runs and rec_runs[0]["lane"] in seen:
+        if "lanes" not in rec["data"] and rec_runs and (was := rec_runs[0]["lane"]) in seen:
             # a later soak that reused a tag: its runs get a lane name of their own (tag-2, ...)
-            name = next(f"{rec_runs[0]['lane']}-{i}" for i in range(2, len(seen) + 3)
-                        if f"{rec_runs[0]['lane']}-{i}" not in seen)
+            name = next(f"{was}-{i}" for i in range(2, len(seen) + 3) if f"{was}-{i}" not in seen)
             rec_runs = [{**r, "lane": name} for r in rec_runs]
             rec_lanes = [{**rec_lanes[0], "lane": name}]
         lanes += rec_lanes
@@ -230,9 +229,9 @@ def main(argv: list[str]) -> int:
     with ThreadPoolExecutor(n) as pool:  # the record is rewritten as each run ends (a soak cut
         for r in pool.map(one, todo):  # short by its machine keeps the runs that finished)
             done.append(r)
-            results.save_result(name, {"settings": settings, "env": env, "runs": done,
-                                       "summary": summary(done),
-                                       "unfinished": len(todo) - len(done)})
+            if left := len(todo) - len(done):  # (the whole record is written below)
+                results.save_result(name, {"settings": settings, "env": env, "runs": done,
+                                           "summary": summary(done), "unfinished": left})
     runs = done
     summ = summary(runs)
     print(f"{'configuration':28s} {'runs':>5s} {'cold':>5s} {'failed':>7s} {'cold failed':>12s} "
