@@ -80,6 +80,7 @@ start() {
   case " $what " in *" soak46 "*) what="${what/soak46/q0 q1 q2 q3 q4 q5}" ;; esac
   case " $what " in *" one "*) what="${what/one/v1 f1 o}" ;; esac
   case " $what " in *" soak1 "*) what="${what/soak1/t f1 o}" ;; esac
+  case " $what " in *" soak2 "*) what="${what/soak2/o p o2}" ;; esac
   has() { case " $what " in *" $1 "*) return 0 ;; esac; return 1; }
   # (a later lane waits only for lanes started now: one that is not there is not waited for)
   after() { local out=""; for l in "$@"; do has "$l" && out+="$l "; done; echo "$out"; }
@@ -109,6 +110,10 @@ start() {
   has t && lane t 0 "$(after v1)" ipc_tests
   has f1 && FAULTS_LIMIT=${FAULTS_LIMIT:-900} lane f1 0 "$(after v1 t)" faults
   has o && SOAK_ARGS="${SOAK_O:---configs fastest --runs 4 --cold 2 --steps 30} --tag o" lane o 0 "$(after v1 t f1)" soak
+  # soak2 (one GPU, what the H200 soaks still lack): cold runs of fastest first (SOAK_O), then fast and
+  # safe once each with the caches those left (p), then warm runs of fastest until the half hour ends (o2)
+  has p && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag p" lane p 0 "$(after o)" soak
+  has o2 && SOAK_ARGS="--configs fastest --runs 6 --cold 0 --steps 30 --tag o2" lane o2 0 "$(after o p)" soak
   # p2: bench peer2 on 2 GPUs (nvidia-h200-x2), one seed per half hour (P2_SEEDS); TRL's wheels
   # installed first (.whl, carried); later: bench peer2 --summarize A.json B.json, one record
   has p2 && PEER2_ARGS="--gpus ${PEER2_GPUS:-2} --seeds ${P2_SEEDS:-0}" \
