@@ -177,21 +177,44 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
 
 def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
              timeout: float = TIMEOUT_S, partial: bool = False) -> int:
-    """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time; the
-    whole update checked first (a missing layer, unless ``partial``: refused before any load)."""
+    """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time, all or
+    nothing: the whole update checked first (a missing layer, unless ``partial``: refused before any
+    load); each worker keeps what it replaced aside until every bucket loaded on every worker."""
     ids, loaded, named = call(llm, "report_device_id", timeout=timeout), 0, list(named)
     call(llm, "check_update", metas_of(named), partial, timeout=timeout)
-    with ipc.Exporter() as ex:
-        for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
-            bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU workers: one device
-            try:  # partial: a bucket of layers (the whole was checked above)
-                loaded += call(llm, "update_weights_from_ipc", pack_ipc_handles({ids[0]: bucket}),
-                               True, timeout=timeout)[0]
-            except EngineTimeout:  # a late open is refused; a late read keeps the memory
-                ex.release(bucket, force=True, keep=owner(llm))
-                raise
-            ex.release(bucket)  # every worker acked after loading
+    call(llm, "begin_update", timeout=timeout)
+    try:
+        with ipc.Exporter() as ex:
+            for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
+                bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU: one device
+                try:  # partial: a bucket of layers (the whole was checked above)
+                    loaded += call(llm, "update_weights_from_ipc",
+                                   pack_ipc_handles({ids[0]: bucket}), True, timeout=timeout)[0]
+                except EngineTimeout:  # a late open is refused; a late read keeps the memory
+                    ex.release(bucket, force=True, keep=owner(llm))
+                    raise
+                ex.release(bucket)  # every worker acked after loading
+    except BaseException as exc:  # (a timed-out engine is refused already: it may still load)
+        if not isinstance(exc, EngineTimeout):  # a bucket failed on some worker: all undo all
+            end_update(llm, False, timeout, exc)
+        raise
+    end_update(llm, True, timeout)
     return loaded
+
+
+def end_update(llm: Any, keep: bool, timeout: float, failed: BaseException | None = None) -> None:
+    """Every worker keeps the update or puts its old layers back (``failed``: the error undone, it
+    gets a note); where one can't, its ranks may differ: the engine is refused (EngineUnusable)."""
+    try:
+        call(llm, "end_update", keep, timeout=timeout)
+        note = "every worker put its old weights back: the engine holds the old weights"
+    except Exception as exc:
+        mark_unusable(llm, f"ending an update failed, its workers may hold a mix of weights: {exc}")
+        if failed is None:
+            raise
+        note = f"undoing it failed too, the engine is refused from now on: {exc}"
+    if failed is not None:
+        failed.add_note(note)
 
 
 async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],
@@ -289,6 +312,14 @@ class ColocateWorkerExtension(_ExtensionBase):
     @worker_rpc
     def check_update(self, metas: Sequence[Meta], partial: bool = False) -> None:  # before loads
         worker_state(self).weights.check([Meta(*m) for m in metas], partial=partial)
+
+    @worker_rpc
+    def begin_update(self, aside: str = "auto") -> None:  # loads keep old layers till end_update
+        worker_state(self).weights.begin(aside)
+
+    @worker_rpc
+    def end_update(self, keep: bool) -> None:  # keep the update begun, or put back all it loaded
+        worker_state(self).weights.end(undo=not keep)
 
     @worker_rpc
     def update_weights_from_ipc(self, handles: bytes | Mapping, partial: bool = False) -> int:

