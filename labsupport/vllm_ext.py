@@ -4,7 +4,8 @@ extensions receiving over a stateless group (``WorkerExtension``) or co-located 
 every failed rank (the next call gets its own replies); every call has a deadline
 (``EngineTimeout``, then the engine refuses calls: ``EngineUnusable``); a dead engine raises
 ``EngineDead`` at once; ``alongside`` sends beside an engine RPC waiting for it, with a deadline;
-updates are checked before any weight changes, loaded whole layers at a time. Trainer, rank 0::
+updates are checked before any weight changes, loaded whole layers at a time, all or nothing on
+every worker (``push_ipc``: a failed bucket undoes every bucket). Trainer, rank 0::
 
     group, ranks = alongside(lambda: call(llm, "init_weight_update_group", addr, port, 1, tp + 1),
                              lambda: stateless_init_process_group(addr, port, 0, tp + 1, device))

