@@ -44,7 +44,7 @@ def test_the_table_has_the_faults_the_course_promises_to_survive():
     assert {"receiver_killed", "trainer_killed", "worker_killed", "exporter_killed", "released_twice",
             "wrong_name", "wrong_dtype", "wrong_shape", "update_in_flight", "rank_never_joins", "port_in_use",
             "ray_actor_dies", "params_moved", "hung_rpc", "hung_rpc_ipc", "mixed_p2p_batch", "rank_dies_before_nccl",
-            "partial_update"} <= set(faults.FAULTS)
+            "partial_update", "ipc_load_fails"} <= set(faults.FAULTS)
     assert {"tp_load_fails", "tp_worker_killed", "native_start_stuck"} <= set(faults.FAULTS)  # the TP=2 engine
     assert all(f.teaches and f.expect for f in faults.FAULTS.values())
 
