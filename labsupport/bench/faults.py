@@ -1133,10 +1133,14 @@ def hung_rpc_ipc(ctx: Context) -> Outcome:
     return Outcome(err, held.t_sent, state, "after the worker ran the late request")
 
 
-def _die_in_load(worker: Any, after: int, how: str = "die") -> bool:
-    """Runs in the engine's worker: its model's ``load_weights`` kills the process (``how`` "die")
-    or raises ("raise": a disk full) from call ``after`` + 1 on, so some layers of an update are
-    loaded and the rest not; ``after`` < 0 takes the fault out."""
+def _die_in_load(worker: Any, after: int, how: str = "die", rank: int | None = None) -> bool:
+    """Runs in the engine's workers (``rank``: only that TP rank's): its model's ``load_weights``
+    kills the process (``how`` "die") or raises ("raise": a disk full, a failed kernel repack) from
+    call ``after`` + 1 on, so some layers of an update are loaded and the rest not; ``after`` < 0
+    takes the fault out."""
+    worker = vars(worker).get("worker", worker)
+    if rank is not None and worker.vllm_config.parallel_config.rank != rank:
+        return False
     model = worker.model_runner.get_model()
     vars(model).pop("load_weights", None)
     if after < 0:
@@ -1275,27 +1279,6 @@ def _tp_row(ctx: Context, fault: Callable[[TpEngine], Outcome]) -> Outcome:
         eng.close()
 
 
-def _fail_tp_rank_1(worker: Any, how: str, after: int) -> bool:
-    """Runs in each worker: on TP rank 1, the model's ``load_weights`` raises (``how`` "raise": a
-    disk full, a failed kernel repack) or kills the process ("die") from call ``after`` + 1 on, so
-    some layers are loaded."""
-    worker = vars(worker).get("worker", worker)
-    if worker.vllm_config.parallel_config.rank != 1:
-        return False
-    model = worker.model_runner.get_model()
-    original, calls = model.load_weights, [0]
-
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] > after and how == "die":
-            os._exit(9)
-        if calls[0] > after:
-            raise OSError(28, "No space left on device (injected)")
-        return original(*args, **kwargs)
-    model.load_weights = load_weights
-    return True
-
-
 @fault("tp_load_fails", "one tensor-parallel rank's load fails (disk full) with some layers of a "
                         "bucketed update loaded on both ranks", "Each rank loads a layer once it "
                                                                 "is whole, keeping the old one on "
@@ -1310,7 +1293,7 @@ def _fail_tp_rank_1(worker: Any, how: str, after: int) -> bool:
 def tp_load_fails(ctx: Context) -> Outcome:
     def fault(eng: TpEngine) -> Outcome:
         eng.join()
-        vllm_ext.call(eng.llm, _fail_tp_rank_1, "raise", 3)
+        vllm_ext.call(eng.llm, _die_in_load, 3, "raise", 1)
         t = time.time()
         err = attempt(lambda: vllm_ext.push_weights(eng.group, eng.named("trained"), eng.llm,
                                                     bucket_bytes=128 << 10))
@@ -1326,7 +1309,7 @@ def tp_load_fails(ctx: Context) -> Outcome:
 def tp_worker_killed(ctx: Context) -> Outcome:
     def fault(eng: TpEngine) -> Outcome:
         eng.join()
-        vllm_ext.call(eng.llm, _fail_tp_rank_1, "die", 3)
+        vllm_ext.call(eng.llm, _die_in_load, 3, "die", 1)
         t = time.time()
         err = attempt(lambda: vllm_ext.push_weights(eng.group, eng.named("trained"), eng.llm,
                                                     bucket_bytes=128 << 10))
