@@ -208,14 +208,13 @@ def end_update(llm: Any, keep: bool, timeout: float, failed: BaseException | Non
     gets a note); where one can't, its ranks may differ: the engine is refused (EngineUnusable)."""
     try:
         call(llm, "end_update", keep, timeout=timeout)
-        note = "every worker put its old weights back: the engine holds the old weights"
     except Exception as exc:
         mark_unusable(llm, f"ending an update failed, its workers may hold a mix of weights: {exc}")
         if failed is None:
             raise
-        note = f"undoing it failed too, the engine is refused from now on: {exc}"
+        return failed.add_note(f"undoing it failed too, the engine is refused from now on: {exc}")
     if failed is not None:
-        failed.add_note(note)
+        failed.add_note("every worker put its old weights back: the engine holds the old weights")
 
 
 async def push_ipc_async(engine: Any, named: Iterable[tuple[str, torch.Tensor]],

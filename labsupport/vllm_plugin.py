@@ -5,14 +5,15 @@ nothing) adds ``"labsupport_gloo"``: vLLM's NCCL engines over ``labsupport.broad
 an update is checked, staged and loaded in ``finish_weight_update`` (vLLM's moves the model to the
 meta device first: a failed transfer leaves it unusable), and a failed one does not raise on the
 workers (0.32 mis-orders replies after a worker error, ``vllm_weights.worker_rpc``): every rank
-votes, the trainer's ``send_weights`` raises the reason, nothing loads. A timeout aborts the group
-on every rank (the next ``send_weights`` says to create a new trainer). Every engine call of a
-round has a deadline (``EngineTimeout``, then ``vllm_ext.EngineUnusable``), as do the 0.26
-trainer's NCCL set-up and send.
+votes, the trainer's ``send_weights`` raises the reason, nothing loads (nor where a load fails on
+one rank: ``load_vote``). A timeout aborts the group on every rank (the next ``send_weights`` says
+to create a new trainer). Every engine call of a round has a deadline (``EngineTimeout``, then
+``vllm_ext.EngineUnusable``), as do the 0.26 trainer's NCCL set-up and send.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -100,9 +101,21 @@ class GlooWeightTransferEngine(vllm_wt.WeightTransferEngine[GlooWeightTransferIn
             ew.pending.clear()  # so finish_weight_update loads nothing
 
     def finish_weight_update(self) -> None:  # (after start_weight_update: weights exist)
-        if self.weights.pending:
-            with self.weights.all_or_nothing():  # a layer that fails puts every loaded one back
-                self.weights.flush(only_complete=False)
+        """Load what was staged on every rank or none (``load_vote``): a failure is logged here, and
+        raised by the trainer (a worker raising would put vLLM 0.32's later replies in disorder)."""
+        ew = self.weights
+        if not ew.pending:  # a refused or aborted update: nothing to load, and no vote
+            return
+        try:
+            with ew.all_or_nothing():
+                try:
+                    ew.flush(only_complete=False)
+                    problems = []
+                except Exception as exc:  # (this rank's failed layer is back already)
+                    problems = [f"{type(exc).__name__}: {exc}"]
+                load_vote(self.group, problems)
+        except WeightSyncError as exc:
+            logger.error("weight update not loaded, model unchanged: %s", exc)
 
     shutdown = UpdateGroup.leave_group
 
@@ -156,15 +169,27 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
         self.version += 1
         _session(self.client, announced(pairs), self.group.timeout_s + REPLY_S,  # refusals raise
                  lambda: broadcast.send(self.group, pairs, src=0, mode="bucketed",
-                                        bucket_bytes=BUCKET_BYTES, version=self.version))
+                                        bucket_bytes=BUCKET_BYTES, version=self.version),
+                 vote=lambda: load_vote(self.group, []))
+
+
+def load_vote(group: groups.StatelessGroup, problems: list[str]) -> None:
+    """A native update's last vote, the trainer's and every worker's after their loads: each
+    rank's problems (the trainer's: none); ``WeightSyncError`` on every rank if any has one."""
+    with broadcast.guard(group, "the load vote"):
+        votes = group.all_gather_object(problems)
+    if lines := [f"\n  rank {r}: {p}" for r, ps in enumerate(votes) for p in ps]:
+        raise WeightSyncError("weight update not loaded: every engine rank put its old weights "
+                              "back (nothing is half-loaded)" + "".join(lines))
 
     shutdown = UpdateGroup.leave_group
 
 
-def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any]) -> None:
-    """One round: start; the workers' ``update_weights`` alongside ``send``; finish, whatever
-    happened (an error: the trainer's, the others' attached). Start or finish past ``timeout``:
-    ``EngineTimeout``, the engine marked unusable."""
+def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any],
+             vote: Callable[[], Any] | None = None) -> None:
+    """One round: start; the workers' ``update_weights`` alongside ``send``; finish (alongside
+    ``vote``, if sent), whatever happened (an error: the trainer's, the others' attached). Start or
+    finish past ``timeout``: ``EngineTimeout``, the engine marked unusable."""
     engine = getattr(client, "llm", client)
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
@@ -176,7 +201,9 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
         except Exception as also:
             exc.add_note(f"finish_weight_update failed too: {type(also).__name__}: {also}")
         raise
-    vllm_ext.within(client.finish_weight_update, timeout, "finish_weight_update", engine)
+    finish = functools.partial(vllm_ext.within, client.finish_weight_update, timeout,
+                               "finish_weight_update", engine)  # (its deadline fires first)
+    vllm_ext.alongside(finish, vote or (lambda: None), timeout + vllm_ext.GRACE_S)
 
 
 def register_plugin() -> None:

@@ -529,6 +529,19 @@ def test_native_weight_transfer_api(llm, group, hf):
         engine.source = ModuleSource(hf["random"])  # a new session after the refused one works
         engine.send_weights()
         assert generate(llm) == reference(hf, "random")
+
+        if not GPU and TP > 1:  # a load failing on one rank in finish_weight_update: no rank keeps its load
+            before = vllm_ext.engine_sums(llm)
+            engine.source = ModuleSource(hf["trained"])
+            assert vllm_ext.call(llm, _fail_load_on_rank_1, 3) == [False, True]
+            try:
+                with pytest.raises(WeightSyncError, match=r"(?s)not loaded.*rank 2: .*No space left"):
+                    engine.send_weights()
+            finally:
+                vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+            assert vllm_ext.engine_sums(llm) == before  # every rank's old bytes, and replies still in order
+            engine.send_weights()
+            assert generate(llm) == TRAINED
     finally:
         engine.shutdown()
         versions.shutdown_transfer(llm)
