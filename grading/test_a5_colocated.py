@@ -231,8 +231,8 @@ class FakeEngine:
         self.calls.append(("rpc", name))
         if name == "report_device_id":
             return [vllm_ext.device_id(torch.device("cpu"))]
-        if name in ("check_update", "begin_update", "end_update"):  # (the whole update checked first,
-            return [None]  # kept once every bucket loaded)
+        if name in ("begin_update", "end_update"):  # (the whole update checked first, kept once
+            return [None]  # every bucket loaded)
         if name == "update_weights_from_ipc":
             count = 0
             for bucket in vllm_ext.buckets_for(torch.device("cpu"), args[0]):

@@ -182,8 +182,7 @@ def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
     nothing: the whole update checked first (a missing layer, unless ``partial``: refused before any
     load); each worker keeps what it replaced aside until every bucket loaded on every worker."""
     ids, loaded, named = call(llm, "report_device_id", timeout=timeout), 0, list(named)
-    call(llm, "check_update", metas_of(named), partial, timeout=timeout)
-    call(llm, "begin_update", timeout=timeout)
+    call(llm, "begin_update", metas_of(named), partial, timeout=timeout)  # checked, then begun
     try:
         with ipc.Exporter() as ex:
             for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
@@ -310,12 +309,11 @@ class ColocateWorkerExtension(_ExtensionBase):
         return device_id(self.device)
 
     @worker_rpc
-    def check_update(self, metas: Sequence[Meta], partial: bool = False) -> None:  # before loads
-        worker_state(self).weights.check([Meta(*m) for m in metas], partial=partial)
-
-    @worker_rpc
-    def begin_update(self, aside: str = "auto") -> None:  # loads keep old layers till end_update
-        worker_state(self).weights.begin(aside)
+    def begin_update(self, metas: Sequence[Meta], partial: bool = False) -> None:
+        """Check the whole update before any load; then loads keep old layers till end_update."""
+        ew = worker_state(self).weights
+        ew.check([Meta(*m) for m in metas], partial=partial)
+        ew.begin()
 
     @worker_rpc
     def end_update(self, keep: bool) -> None:  # keep the update begun, or put back all it loaded

@@ -202,8 +202,10 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
             exc.add_note(f"finish_weight_update failed too: {type(also).__name__}: {also}")
         raise
     finish = functools.partial(vllm_ext.within, client.finish_weight_update, timeout,
-                               "finish_weight_update", engine)  # (its deadline fires first)
-    vllm_ext.alongside(finish, vote or (lambda: None), timeout + vllm_ext.GRACE_S)
+                               "finish_weight_update", engine)
+    if vote is None:
+        return finish()
+    vllm_ext.alongside(finish, vote, timeout + vllm_ext.GRACE_S)  # (finish's deadline fires first)
 
 
 def register_plugin() -> None:
