@@ -31,7 +31,7 @@
 # `start f soak46` (issue 46's rest, about 24 min: the fault table, then per GPU a cold and a warm
 # run of fastest (SOAK_Q), then fast on GPU 0 and safe on GPU 1; merge: bench soak --merge
 # results/bench_soak.4xH200.json q*/bench_soak-q*.json --machine-tag 4xH200; since 2026-11-29 the soaks
-# lack one run of fastest only, so `start f q0` does), and on
+# meet every goal, so `start f` alone does: the whole fault table on four GPUs), and on
 # nvidia-h200-x2 `P2_SEEDS=0 start p2` (about 20 min a seed), or on x4 `PEER2_GPUS=4 start p2`
 # (two lanes of two GPUs: each pair's capstone and TRL runs side by side).
 #
@@ -97,7 +97,7 @@ start() {
   has l6 && lane l6 0,1,2,3 "$(after la lb lc)" lab6gpu4
   has s2 && SOAK_ARGS="$SOAK_B --tag s2" lane s2 0,1,2,3 "$(after l6)" soak
   for g in 0 1 2 3; do  # soak46: what the H200 soaks lacked (fastest 16 of 24 runs, 5 of 8 cold;
-    # fast and safe 3 of 4 each; 2026-11-29: fastest 23 of 24, the rest met): one lane per GPU, then
+    # fast and safe 3 of 4 each; met on 2026-11-29, fastest 32 runs, 8 cold): one lane per GPU, then
     # fast and safe
     has q$g && SOAK_ARGS="${SOAK_Q:---configs fastest --runs 2 --cold 1 --steps 30} --tag q$g" \
       lane q$g $g "$(after f)" soak
@@ -114,8 +114,6 @@ start() {
   has o && SOAK_ARGS="${SOAK_O:---configs fastest --runs 4 --cold 2 --steps 30} --tag o" lane o 0 "$(after v1 t f1)" soak
   # soak2 (one GPU, what the H200 soaks still lack): cold runs of fastest first (SOAK_O), then fast and
   # safe once each with the caches those left (p), then warm runs of fastest until the half hour ends (o2).
-  # One GPU after 2026-11-29: SOAK_O="--configs fastest --runs 2 --cold 0 --steps 30" start f1 o (the
-  # fault table's one-GPU rows with ipc_load_fails, then the soak's last run and one spare)
   has p && SOAK_ARGS="--configs fast,safe --runs 1 --cold 0 --steps 30 --tag p" lane p 0 "$(after o)" soak
   has o2 && SOAK_ARGS="--configs fastest --runs 6 --cold 0 --steps 30 --tag o2" lane o2 0 "$(after o p)" soak
   # p2: bench peer2 on 2 GPUs (nvidia-h200-x2), one seed per half hour (P2_SEEDS); TRL's wheels
