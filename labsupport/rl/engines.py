@@ -234,11 +234,12 @@ class VllmEngine:
 
     def load_ipc(self, handle) -> int:
         """The safe path: every worker maps the bucket exported for its device, checks it and loads
-        it through vLLM's layerwise reload (vllm_ext.ColocateWorkerExtension). Asleep on a GPU: wake
-        the weights first and the KV cache only after the load (vLLM's RLHF order)."""
+        it through vLLM's layerwise reload, all or nothing (``vllm_ext.whole_update``). Asleep on a
+        GPU: wake the weights first and the KV cache only after the load (vLLM's RLHF order)."""
         asleep = bool(self.sleeping)
         self.wake(["weights"])
-        n = sum(vllm_ext.call(self.llm, "update_weights_from_ipc", self._handles(handle)))
+        with vllm_ext.whole_update(self.llm, [e[:3] for e in handle.entries]):
+            n = sum(vllm_ext.call(self.llm, "update_weights_from_ipc", self._handles(handle)))
         self._reset_prefix_cache()
         if asleep:
             self.wake(["kv_cache"])
