@@ -8,7 +8,7 @@ workers (0.32 mis-orders replies after a worker error, ``vllm_weights.worker_rpc
 votes, the trainer's ``send_weights`` raises the reason, nothing loads (nor where a load fails on
 one rank: ``load_vote``). A timeout aborts the group on every rank (the next ``send_weights`` says
 to create a new trainer). Every engine call of a round has a deadline (``EngineTimeout``, then
-``vllm_ext.EngineUnusable``), as do the 0.26 trainer's NCCL set-up and send.
+``vllm_ext.EngineUnusable``), as do the NCCL trainer's set-up and send (0.26's and 0.32's).
 """
 
 from __future__ import annotations
@@ -223,19 +223,32 @@ def native_backend(device: str | torch.device) -> str:
 
 
 def native_trainer(device: str | torch.device, master_address: str, master_port: int,
-                   world_size: int, *, client: Any, source: Any) -> Any:
+                   world_size: int, *, client: Any, source: Any,
+                   timeout: float = vllm_ext.TIMEOUT_S) -> Any:
     """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``):
     0.32's ``WeightTransferTrainerFactory.trainer_init``, or on 0.26 :class:`NcclTrainer026`."""
     if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
         return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client,
-                                           source)
+                                           source, timeout)
     if native_backend(device) == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
     else:
         register_plugin()  # the trainer's factory must know it (the engine's: the entry point)
         InitInfo = GlooTrainerInitInfo
     info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
-    return factory.WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    init = functools.partial(factory.WeightTransferTrainerFactory.trainer_init, info,
+                             client=client, source=source)
+    if native_backend(device) != "nccl":
+        return init()
+    engine = getattr(client, "llm", client)  # vLLM's waits on NCCL and its client with no deadline:
+    trainer = vllm_ext.within(init, timeout, "NCCL trainer_init", engine)  # ours, then refused
+    send = trainer.send_weights
+
+    def send_weights() -> None:
+        vllm_ext.check_usable(engine)  # (not beside a send that timed out)
+        vllm_ext.within(send, timeout, "NCCL send_weights", engine)
+    trainer.send_weights = send_weights
+    return trainer
 
 
 class NcclTrainer026:

