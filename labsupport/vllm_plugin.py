@@ -172,6 +172,8 @@ class GlooTrainerWeightTransferEngine(vllm_wt.TrainerWeightTransferEngine, Updat
                                         bucket_bytes=BUCKET_BYTES, version=self.version),
                  vote=lambda: load_vote(self.group, []))
 
+    shutdown = UpdateGroup.leave_group  # (vLLM's base class has an empty one, first in the MRO)
+
 
 def load_vote(group: groups.StatelessGroup, problems: list[str]) -> None:
     """A native update's last vote, the trainer's and every worker's after their loads: each
@@ -182,22 +184,24 @@ def load_vote(group: groups.StatelessGroup, problems: list[str]) -> None:
         raise WeightSyncError("weight update not loaded: every engine rank put its old weights "
                               "back (nothing is half-loaded)" + "".join(lines))
 
-    shutdown = UpdateGroup.leave_group
-
 
 def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], Any],
              vote: Callable[[], Any] | None = None) -> None:
     """One round: start; the workers' ``update_weights`` alongside ``send``; finish (alongside
-    ``vote``, if sent), whatever happened (an error: the trainer's, the others' attached). Start or
-    finish past ``timeout``: ``EngineTimeout``, the engine marked unusable."""
+    ``vote``, if sent), whatever happened (an error: the trainer's, the others' attached). Any
+    engine call past its deadline: ``EngineTimeout``, the engine unusable (no call beside it)."""
     engine = getattr(client, "llm", client)
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
     try:
         vllm_ext.alongside(lambda: client.update_weights(update_info), send, timeout)
+    except vllm_ext.EngineTimeout as exc:  # its update_weights may still run: no finish beside it
+        vllm_ext.mark_unusable(engine, str(exc))
+        raise
     except BaseException as exc:
         try:  # with a deadline: workers still in update_weights would hold it up
-            vllm_ext.within(client.finish_weight_update, vllm_ext.GRACE_S, "finish_weight_update")
+            vllm_ext.within(client.finish_weight_update, vllm_ext.GRACE_S, "finish_weight_update",
+                            engine)
         except Exception as also:
             exc.add_note(f"finish_weight_update failed too: {type(also).__name__}: {also}")
         raise
