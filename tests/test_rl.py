@@ -335,6 +335,30 @@ def test_a_sync_timeout_is_not_retried_on_the_aborted_group(monkeypatch):
     assert sends == [1] and _new_children(before) == []
 
 
+def test_an_update_only_the_engine_rejected_is_sent_again_not_taken_as_landed(monkeypatch):
+    """Review 2026-11-28 L2: the engine's load runs after both sides' vote, so it can fail on the engine alone (its
+    old weights kept) while the trainer's send succeeded; the loop read no reply and trained on, the engine stale.
+    Now that reply is an error like the trainer's: the update is sent again, and after three raises."""
+    from types import SimpleNamespace
+
+    from labsupport import broadcast
+    from labsupport.rl import loop
+
+    monkeypatch.setattr(broadcast, "send", lambda *a, **k: None)  # the trainer's side lands every time
+    replies = [{"sync_error": "load() failed: No space left on device"}, {"sync": {}}]
+    sent = []
+    engine = SimpleNamespace(send=sent.append, recv=lambda: replies.pop(0) if replies else {"sync_error": "again"})
+    r = SimpleNamespace(mem=None, cfg=SimpleNamespace(memory_steps=0, bucket_bytes=1 << 20), tdev="cpu",
+                        spans=spans.SpanLog(), weights=lambda: [("w", torch.ones(2))], engine=engine, group=None,
+                        trainer=SimpleNamespace(version=1), sync_errors=[])
+    loop._push(r, 0)  # the first attempt refused by the engine alone, the second lands
+    assert len(sent) == 2 and [e["attempt"] for e in r.sync_errors] == [0]
+    assert "No space left" in r.sync_errors[0]["error"]
+    with pytest.raises(broadcast.WeightSyncError, match="the engine: again"):
+        loop._push(r, 1)
+    assert len(sent) == 5
+
+
 def test_an_engine_process_that_is_not_ready_in_time_is_stopped(policy_dir):
     import multiprocessing
 

@@ -995,7 +995,7 @@ def test_after_a_timeout_the_engine_refuses_every_call():
 
 
 def test_an_engine_actors_every_wait_on_its_engine_has_a_deadline(monkeypatch):
-    """EngineActor's generate, sleep, wake_up and vLLM's native update calls wait on the engine with a deadline:
+    """EngineActor's generate, sleep, wake_up and vLLM's native API's calls wait on the engine with a deadline:
     one that never returns raises EngineTimeout within it (not a ray.get that waits for ever), and the engine is
     refused from then on (the call may still run in it)."""
     pytest.importorskip("ray")
@@ -1006,7 +1006,8 @@ def test_an_engine_actors_every_wait_on_its_engine_has_a_deadline(monkeypatch):
     release = threading.Event()
     calls = {"generate": lambda a: a.generate(["a"], timeout=0.5), "sleep": lambda a: a.sleep(1, timeout=0.5),
              "wake_up": lambda a: a.wake_up(["weights"], timeout=0.5),
-             "start_weight_update": lambda a: a.start_weight_update(), "update_weights": lambda a: a.update_weights({})}
+             "start_weight_update": lambda a: a.start_weight_update(), "update_weights": lambda a: a.update_weights({}),
+             "shutdown_weight_transfer_engine": lambda a: a.shutdown_weight_transfer_engine()}
     try:
         for name, method in calls.items():
             actor = object.__new__(cluster.EngineActor)

@@ -185,9 +185,9 @@ def _rank(rank: int, world: int, shapes: list[str], folder: str, dist_port: int,
                                        lambda: groups.create_group("127.0.0.1", ports[0], 0, 3,
                                                                    device=dev,
                                                                    store=stores[0]), 300)[0]
-        join = lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2,
-                                           device=dev,  # noqa: E731
-                                           store=stores[1])
+        join = lambda: groups.create_group("127.0.0.1", ports[1], rank, world + 2,  # noqa: E731
+                                           device=dev, store=stores[1],  # the others wait for
+                                           timeout_s=360)  # rank 0, up to 300 s in the alongside
         p2p = vllm_ext.alongside(lambda: vllm_ext.call(llm, "init_reshard_group", "127.0.0.1",
                                                        ports[1], world, world + 2),
                                  join, 300)[0] if rank == 0 else join()

@@ -262,8 +262,8 @@ class EngineActor(RayWorker):
     update_weights = _on_llm("update_weights")  # (request)
     finish_weight_update = _on_llm("finish_weight_update")
 
-    def shutdown_weight_transfer_engine(self) -> None:
-        versions.shutdown_transfer(self.llm)  # vLLM 0.26 has no shutdown_weight_transfer_engine
+    def shutdown_weight_transfer_engine(self) -> None:  # (vLLM 0.26 has none: versions')
+        self._within("shutdown_weight_transfer_engine", None, versions.shutdown_transfer, self.llm)
 
     def memory(self) -> dict[str, Any]:
         """KV cache bytes (all workers) and the weights' bytes in the engine's dtype."""

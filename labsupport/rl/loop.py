@@ -106,7 +106,7 @@ def _evaluate(r: _Run, step: int) -> None:
 
 
 def _push(r: _Run, step: int) -> None:
-    """Broadcast the trainer's weights to the engine; an update both sides rejected (a checksum or
+    """Broadcast the trainer's weights to the engine; an update either side rejected (a checksum or
     load failure) is sent again, twice at most; a timeout aborted the group: it raises at once."""
     with _phase(r, "sync", step, "broadcast"):
         weights = r.weights()
@@ -121,10 +121,11 @@ def _push(r: _Run, step: int) -> None:
                 raise
             except broadcast.WeightSyncError as exc:
                 err = exc
-                r.sync_errors.append({"step": step, "attempt": attempt, "error": str(exc)})
-            r.engine.recv()
+            said = r.engine.recv().get("sync_error")  # (its load, after the vote, can fail alone)
+            err = err or (broadcast.WeightSyncError(f"the engine: {said}") if said else None)
             if err is None:
                 return
+            r.sync_errors.append({"step": step, "attempt": attempt, "error": str(err)})
         raise err
 
 
