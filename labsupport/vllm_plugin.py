@@ -195,10 +195,9 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
     try:
         vllm_ext.alongside(lambda: client.update_weights(update_info), send, timeout)
-    except vllm_ext.EngineTimeout as exc:  # its update_weights may still run: no finish beside it
-        vllm_ext.mark_unusable(engine, str(exc))
-        raise
     except BaseException as exc:
+        if isinstance(exc, vllm_ext.EngineTimeout):  # its update_weights may still run: refused
+            vllm_ext.mark_unusable(engine, str(exc))
         try:  # with a deadline: workers still in update_weights would hold it up
             vllm_ext.within(client.finish_weight_update, vllm_ext.GRACE_S, "finish_weight_update",
                             engine)

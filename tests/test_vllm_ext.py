@@ -902,14 +902,14 @@ def test_gloo_trainer_raises_its_own_error_and_finishes_the_session(monkeypatch)
 
 def test_a_stuck_start_or_finish_raises_engine_timeout_and_the_engine_is_refused_after():
     """Every engine call of the native round has a deadline: an engine stuck in start_weight_update (its queue
-    behind a hung call), in update_weights (no finish is sent beside it), in finish_weight_update, or in the
+    behind a hung call), in update_weights (a finish is still tried), in finish_weight_update, or in the
     finish after a failed update gives EngineTimeout naming it (the last: as a note on the update's error), and
     the engine is refused from then on: the stuck call may still run inside it."""
     pytest.importorskip("vllm")
     from labsupport import vllm_plugin
 
     for hang, fail, calls, said in (("start", "", ["start"], "start_weight_update did not return"),
-                                    ("update", "", ["start", "update"], "the engine's side did not return"),
+                                    ("update", "", ["start", "update", "finish"], "the engine's side did not"),
                                     ("finish", "", ["start", "update", "finish"], "finish_weight_update did not"),
                                     ("finish", "update", ["start", "update", "finish"], "finish_weight_update")):
         client = _Client(hang=hang, fail=fail)
