@@ -27,6 +27,7 @@
 # 25 min: g 7, v 4, r 5, labs, lab 6), faults and soaks left for another. Measured 2026-11-28: g 297 s + 108 s
 # (every graded test, GPU ones included, then the targets), g1 287 s, v 211 s, r 292 s (1.5B; 7B cut), la 230 s,
 # lc 119 s: the labs then ran past the budget. `start rest47` = v r lb l6: what issue 47 still needs (about 22 min);
+# since 2026-11-29 Lab 4's recordings are stale too (its clean-up check), so a second machine: `start la lc`;
 # issue 46's faults and soaks, then issue 48's peer2, each want a machine's half hour of their own:
 # `start f soak46` (issue 46's rest, about 24 min: the fault table, then per GPU a cold and a warm
 # run of fastest (SOAK_Q), then fast on GPU 0 and safe on GPU 1; merge: bench soak --merge
