@@ -117,9 +117,9 @@ def check_replies(method: str | Callable[..., Any], replies: list[Any]) -> list[
 
 
 def alongside(rpc: Callable[[], Any], send: Callable[[], Any],
-              timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
+              timeout: float = TIMEOUT_S, refuse: Any = None) -> tuple[Any, Any]:
     """Both results of ``send()`` here beside ``rpc()`` (an engine call waiting for it) on a thread;
-    a send error gets the engine's outcome as a note (``GRACE_S``); silent after: EngineTimeout."""
+    a send error gets its outcome noted (``GRACE_S``); silent: EngineTimeout, ``refuse`` refused."""
     engine = groups.in_thread(rpc)
     try:
         sent = send()
@@ -130,7 +130,7 @@ def alongside(rpc: Callable[[], Any], send: Callable[[], Any],
                 else f"no answer after {GRACE_S:.0f} s")
         exc.add_note(f"the engine's side: {side}")
         raise
-    return sent, within(engine, timeout, "the engine's side")
+    return sent, within(engine, timeout, "the engine's side", refuse)
 
 
 def stateless_init_process_group(master_address: str, master_port: int, rank: int, world_size: int,

@@ -194,10 +194,8 @@ def _session(client: Any, update_info: Any, timeout: float, send: Callable[[], A
     vllm_ext.check_usable(engine)
     vllm_ext.within(client.start_weight_update, timeout, "start_weight_update", engine)
     try:
-        vllm_ext.alongside(lambda: client.update_weights(update_info), send, timeout)
+        vllm_ext.alongside(lambda: client.update_weights(update_info), send, timeout, engine)
     except BaseException as exc:
-        if isinstance(exc, vllm_ext.EngineTimeout):  # its update_weights may still run: refused
-            vllm_ext.mark_unusable(engine, str(exc))
         try:  # with a deadline: workers still in update_weights would hold it up
             vllm_ext.within(client.finish_weight_update, vllm_ext.GRACE_S, "finish_weight_update",
                             engine)
@@ -230,21 +228,19 @@ def native_trainer(device: str | torch.device, master_address: str, master_port:
                    timeout: float = vllm_ext.TIMEOUT_S) -> Any:
     """The trainer's end of vLLM's native API (``send_weights()``, ``source``, ``shutdown()``):
     0.32's ``WeightTransferTrainerFactory.trainer_init``, or on 0.26 :class:`NcclTrainer026`."""
-    if native_backend(device) == "nccl" and not versions.has_nccl_trainer():  # vLLM 0.26
+    if native_backend(device) == GLOO_BACKEND:
+        register_plugin()  # the trainer's factory must know it (the engine's: the entry point)
+        info = GlooTrainerInitInfo(master_address, master_port, world_size, rank=0)
+        return factory.WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    if not versions.has_nccl_trainer():  # vLLM 0.26
         return NcclTrainer026.trainer_init(master_address, master_port, world_size, True, client,
                                            source, timeout)
-    if native_backend(device) == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
-    else:
-        register_plugin()  # the trainer's factory must know it (the engine's: the entry point)
-        InitInfo = GlooTrainerInitInfo
-    info = InitInfo(master_address, master_port, world_size, rank=0)  # NCCL's packs by default
-    init = functools.partial(factory.WeightTransferTrainerFactory.trainer_init, info,
-                             client=client, source=source)
-    if native_backend(device) != "nccl":
-        return init()
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    info = NCCLTrainerInitInfo(master_address, master_port, world_size, rank=0)  # packed
     engine = getattr(client, "llm", client)  # vLLM's waits on NCCL and its client with no deadline:
-    trainer = vllm_ext.within(init, timeout, "NCCL trainer_init", engine)  # ours, then refused
+    trainer = vllm_ext.within(lambda: factory.WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=source), timeout, "NCCL trainer_init", engine)  # ours
     send = trainer.send_weights
 
     def send_weights() -> None:
