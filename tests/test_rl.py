@@ -595,11 +595,10 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
             want.update_weights(other.named_parameters())
             expected = want.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts
             assert eng.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts != expected
-        eng.sleep()  # GPU: weights and KV cache discarded; load_ipc wakes them
         with ipc.Exporter() as ex:
             handle = ex.export_bucket([(n, p.detach().to(eng.dtype)) for n, p in other.named_parameters()])
             # the safe path's one call loads layer by layer: one failing after others loaded puts those back
-            before = vllm_ext.engine_sums(eng.llm)
+            before = vllm_ext.engine_sums(eng.llm)  # (awake: a sleeping GPU engine has no weights to read)
             assert vllm_ext.call(eng.llm, faults._die_in_load, 3, "raise") == [True]
             try:
                 with pytest.raises(WeightUpdateError, match=r"(?s)failed on 1 of 1.*No space left") as info:
@@ -608,6 +607,7 @@ def test_vllm_engine_logprobs_and_ipc_weight_update(policy_dir):
                 vllm_ext.call(eng.llm, faults._die_in_load, -1)
             assert vllm_ext.engine_sums(eng.llm) == before  # not a mix: every layer's old bytes
             assert "every worker put its old weights back" in "".join(getattr(info.value, "__notes__", []))
+            eng.sleep()  # GPU: weights and KV cache discarded; load_ipc wakes them
             assert eng.load_ipc(handle) == len(handle.names)
         if not gpu:
             assert eng.generate(prompts, 1, task.ANSWER_LEN, 0.0).texts == expected
